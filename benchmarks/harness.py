@@ -1,0 +1,99 @@
+"""Timing and reporting shared by the GPU benchmark scripts.
+
+Method (as in ../shared/anchors): one jit runs the op over R distinct input sets back to back
+(so the inputs are not L2-resident), wall clock / R, median over replays after warm-up.
+Ceilings are measured in the same process so every percentage is of this run's machine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def time_op(fn: Callable[..., Any], input_sets: Sequence[tuple], *, replays: int = 20, warmup: int = 2) -> float:
+    """Median seconds per call of ``fn(*inputs)``, the R input sets run back to back in one jit."""
+
+    @jax.jit
+    def run_all(sets):
+        return [fn(*s) for s in sets]
+
+    sets = list(input_sets)
+    for _ in range(warmup):
+        jax.block_until_ready(run_all(sets))
+    times = []
+    for _ in range(replays):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run_all(sets))
+        times.append((time.perf_counter() - t0) / len(sets))
+    return statistics.median(times)
+
+
+def rel_l2(got, want) -> float:
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    want = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
+    finite = np.isfinite(want)
+    if not np.array_equal(finite, np.isfinite(got)):
+        return float("inf")
+    diff = np.where(finite, got - want, 0.0)
+    return float(np.linalg.norm(diff) / max(np.linalg.norm(np.where(finite, want, 0.0)), 1e-30))
+
+
+def copy_ceiling_gbs(nbytes: int = 1 << 30) -> float:
+    """HBM copy bandwidth (read + write) of ``x + 1`` over a 1 GiB float32 array, GB/s."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    sec = time_op(lambda a: a + 1, [(x,)], replays=10)
+    return 2 * nbytes / sec / 1e9
+
+
+def matmul_ceiling_tflops(n: int = 8192) -> float:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    sec = time_op(lambda x, y: x @ y, [(a, b)], replays=10)
+    return 2 * n**3 / sec / 1e12
+
+
+def device_header() -> dict[str, str]:
+    dev = jax.devices()[0]
+    import jaxlib
+
+    return {
+        "device": getattr(dev, "device_kind", str(dev)),
+        "compute_capability": str(getattr(dev, "compute_capability", "n/a")),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def gpu_slug() -> str:
+    kind = getattr(jax.devices()[0], "device_kind", "cpu").lower()
+    for name in ("h100", "h200", "a100", "b200", "rtx pro 6000", "gb10"):
+        if name in kind:
+            return name.replace(" ", "")
+    return kind.replace(" ", "-")
+
+
+def dump_json(path: str, payload: Any) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(payload, fh, indent=1, default=str)

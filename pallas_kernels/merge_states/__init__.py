@@ -1,0 +1,1 @@
+"""Log-sum-exp merge of partial attention states, with an optional per-head sink."""

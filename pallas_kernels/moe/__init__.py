@@ -1,0 +1,1 @@
+"""MoE routed-expert SwiGLU MLP over the experts a batch touches."""

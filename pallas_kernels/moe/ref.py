@@ -1,0 +1,40 @@
+"""Pure-JAX MoE experts: token slots sorted by expert, two ``jax.lax.ragged_dot`` GEMMs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def pack_experts(gate, up, down):
+    """HF per-expert [out, in] matrices -> {'gate_up': [E, D, 2N], 'down': [E, N, D]}."""
+    gate_up = jnp.concatenate([jnp.swapaxes(gate, 1, 2), jnp.swapaxes(up, 1, 2)], axis=-1)
+    return {"gate_up": gate_up, "down": jnp.swapaxes(down, 1, 2)}
+
+
+def moe_experts(x, topk_ids, topk_weights, experts, *, swiglu_limit: float | None = None):
+    """out[t] = sum_j w[t,j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t,j].
+
+    Ids outside [0, E) contribute nothing, so an expert-parallel shard can pass global routing
+    shifted to its local range.
+    """
+    T, k = topk_ids.shape
+    E, _, two_n = experts["gate_up"].shape
+    n = two_n // 2
+    ids = topk_ids.reshape(-1)
+    in_range = (ids >= 0) & (ids < E)
+    sort_key = jnp.where(in_range, ids, E)  # out-of-range slots go last, into no group
+    order = jnp.argsort(sort_key, stable=True)
+    group_sizes = jnp.bincount(jnp.where(in_range, ids, 0), weights=in_range, length=E).astype(jnp.int32)
+    xs = jnp.take(x, order // k, axis=0)
+    h = jax.lax.ragged_dot(xs, experts["gate_up"], group_sizes, preferred_element_type=jnp.float32)
+    gate, up = h[:, :n], h[:, n:]
+    if swiglu_limit is not None:
+        gate = jnp.minimum(gate, swiglu_limit)
+        up = jnp.clip(up, -swiglu_limit, swiglu_limit)
+    act = (jax.nn.silu(gate) * up).astype(x.dtype)
+    y = jax.lax.ragged_dot(act, experts["down"], group_sizes, preferred_element_type=jnp.float32)
+    w = jnp.where(in_range, topk_weights.reshape(-1), 0.0)[order]
+    y = y * w[:, None]
+    out = jnp.zeros((T * k, x.shape[1]), jnp.float32).at[order].set(y)
+    return out.reshape(T, k, -1).sum(axis=1).astype(x.dtype)

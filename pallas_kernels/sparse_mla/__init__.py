@@ -1,0 +1,1 @@
+"""Sparse MLA: attention of absorbed queries over gathered latent-cache rows."""
