@@ -25,7 +25,7 @@ def moe_experts(x, topk_ids, topk_weights, experts, *, swiglu_limit: float | Non
     in_range = (ids >= 0) & (ids < E)
     sort_key = jnp.where(in_range, ids, E)  # out-of-range slots go last, into no group
     order = jnp.argsort(sort_key, stable=True)
-    group_sizes = jnp.bincount(jnp.where(in_range, ids, 0), weights=in_range, length=E).astype(jnp.int32)
+    group_sizes = jnp.bincount(jnp.where(in_range, ids, 0), weights=in_range.astype(jnp.int32), length=E)
     xs = jnp.take(x, order // k, axis=0)
     h = jax.lax.ragged_dot(xs, experts["gate_up"], group_sizes, preferred_element_type=jnp.float32)
     gate, up = h[:, :n], h[:, n:]

@@ -1,0 +1,1 @@
+"""Model definitions: config -> params pytree -> pure step function."""
