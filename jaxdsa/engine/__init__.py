@@ -1,0 +1,7 @@
+"""The serving engine: scheduler, page allocator, device runner and sampling."""
+
+from jaxdsa.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from jaxdsa.engine.engine import Engine, EngineConfig
+from jaxdsa.engine.request import FinishReason, RequestOutput, SamplingParams
+
+__all__ = ["AsyncEngine", "Engine", "EngineConfig", "EngineDeadError", "FinishReason", "QueueFullError", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,194 @@
+"""The continuous-batching engine: requests in, tokens out, one model step at a time.
+
+``Engine.step()`` asks the scheduler for a batch (decodes plus prefill chunks under a token
+budget), runs it on the device, samples, applies stop conditions and frees finished requests'
+pages. It is synchronous and single-threaded; :class:`jaxdsa.engine.async_engine.AsyncEngine`
+drives it from a background thread for the HTTP server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxdsa.cache import cache_bytes_per_token, init_cache
+from jaxdsa.config import ModelConfig
+from jaxdsa.engine.request import FinishReason, Request, RequestOutput, SamplingParams, Status
+from jaxdsa.engine.runner import ModelRunner
+from jaxdsa.engine.scheduler import Scheduler
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 16
+    max_model_len: int | None = None  # default: min(max_position_embeddings, 8192)
+    max_num_batched_tokens: int = 512
+    page_size: int = 64
+    num_pages: int | None = None  # default: from free device memory, else enough for full concurrency
+    memory_fraction: float = 0.85  # of the device memory left after the weights, for the cache
+    seed: int = 0
+
+
+def enable_compilation_cache() -> None:
+    """JAX's persistent compilation cache, on unless JAXDSA_COMPILATION_CACHE=0, so restarts are fast."""
+    if os.environ.get("JAXDSA_COMPILATION_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
+        return
+    directory = os.environ.get("JAXDSA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jaxdsa", "xla"))
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def _default_num_pages(cfg: ModelConfig, ec: EngineConfig, max_model_len: int, dtype) -> int:
+    per_seq = -(-max_model_len // ec.page_size)
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.memory_fraction
+        pages = int(free // (cache_bytes_per_token(cfg, dtype) * ec.page_size))
+        if pages < per_seq:
+            raise ValueError(f"device memory holds {pages} cache pages; one {max_model_len}-token sequence needs {per_seq}")
+        return min(pages, per_seq * ec.max_num_seqs)
+    return per_seq * ec.max_num_seqs
+
+
+class Engine:
+    def __init__(self, cfg: ModelConfig, params: dict, *, dtype=jnp.bfloat16, eos_token_ids=(), config: EngineConfig = EngineConfig(), precision=None):
+        enable_compilation_cache()
+        self.cfg, self.config = cfg, config
+        self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} > max_position_embeddings {cfg.max_position_embeddings}")
+        self.eos_token_ids = frozenset(eos_token_ids)
+        num_pages = config.num_pages or _default_num_pages(cfg, config, self.max_model_len, dtype)
+        if num_pages * config.page_size < self.max_model_len:
+            raise ValueError(f"{num_pages} pages of {config.page_size} cannot hold one {self.max_model_len}-token sequence")
+        self.scheduler = Scheduler(
+            num_pages=num_pages,
+            page_size=config.page_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.runner = ModelRunner(
+            cfg,
+            params,
+            init_cache(cfg, num_pages, config.page_size, dtype),
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            precision=precision,
+        )
+        self.requests: dict[str, Request] = {}
+        self._seeds: dict[str, int] = {}
+        self._want_logits: set[str] = set()
+        self.num_generated_tokens = 0
+
+    # -- requests ------------------------------------------------------------------------------
+    def check(self, prompt: list[int], sampling: SamplingParams) -> None:
+        """Raise ValueError if the request can never run (callers may check before queueing)."""
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+        if len(prompt) + sampling.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds max_model_len {self.max_model_len}"
+            )
+
+    def add_request(self, request_id: str, prompt: list[int], sampling: SamplingParams, *, return_logits: bool = False) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self.check(prompt, sampling)
+        request = Request(request_id, list(prompt), sampling)
+        seed = sampling.seed if sampling.seed is not None else self._derived_seed(request_id)
+        self._seeds[request_id] = seed & 0x7FFFFFFF
+        if return_logits:
+            self._want_logits.add(request_id)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def _derived_seed(self, request_id: str) -> int:
+        digest = hashlib.blake2b(f"{self.config.seed}:{request_id}".encode(), digest_size=4).digest()
+        return int.from_bytes(digest, "little")
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its pages and slot are freed at once. Unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is not None and request.status is not Status.FINISHED:
+            self.scheduler.finish(request, FinishReason.ABORT)
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self._seeds.pop(request_id, None)
+        self._want_logits.discard(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- stepping ------------------------------------------------------------------------------
+    def _stop_reason(self, request: Request) -> FinishReason | None:
+        token, sp = request.output[-1], request.sampling
+        if (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+            return FinishReason.STOP
+        if len(request.output) >= sp.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def step(self) -> list[RequestOutput]:
+        segments = self.scheduler.schedule()
+        if not segments:
+            return []
+        with_logits = any(s.request.request_id in self._want_logits for s in segments if s.samples)
+        ids, logits = self.runner.run(segments, self._seeds, with_logits=with_logits)
+        self.scheduler.commit(segments)
+        outputs = []
+        for i, s in enumerate(s for s in segments if s.samples):
+            request, token = s.request, int(ids[i])
+            request.output.append(token)
+            self.num_generated_tokens += 1
+            wants_logits = request.request_id in self._want_logits
+            reason = self._stop_reason(request)
+            if reason is not None:
+                self.scheduler.finish(request, reason)
+                self._forget(request.request_id)
+            outputs.append(
+                RequestOutput(
+                    request.request_id,
+                    [token],
+                    reason is not None,
+                    reason,
+                    len(request.prompt),
+                    len(request.output),
+                    logits=logits[i] if wants_logits else None,
+                )
+            )
+        return outputs
+
+    def warmup(self, progress: bool = True) -> float:
+        """Compile every step shape now (with a progress line); returns seconds taken."""
+        start = time.perf_counter()
+
+        def report(done, total):
+            if progress:
+                end = "\n" if done == total else ""
+                print(f"\rcompiling step buckets: {done}/{total} ({time.perf_counter() - start:.1f}s)", end=end, file=sys.stderr, flush=True)
+
+        self.runner.warmup(report)
+        return time.perf_counter() - start
+
+    def stats(self) -> dict[str, float]:
+        alloc = self.scheduler.allocator
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "generated_tokens": self.num_generated_tokens,
+            "cache_pages_used": alloc.num_used,
+            "cache_pages_total": alloc.num_pages,
+            "cache_usage": alloc.num_used / alloc.num_pages,
+        }

@@ -1,0 +1,84 @@
+"""Request state and sampling parameters (plain Python, no JAX)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id, or a stop string (decided by the caller)
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+    output: list[int] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose latent rows are in the cache
+    slot: int | None = None  # page-table row while running
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to run through the model before the next sample."""
+        return self.num_tokens - self.num_computed
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    logits: Any = None  # float32 [vocab] the token was sampled from, when the request asked for it

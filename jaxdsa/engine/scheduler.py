@@ -1,0 +1,123 @@
+"""Continuous-batching scheduler: admission, chunked prefill and decode under a token budget.
+
+Plain Python and unit-testable without JAX. Each step:
+1. running requests (oldest first) continue: a decode takes one token, an unfinished prefill the
+   next chunk; a request whose next page cannot be allocated preempts the newest running request
+   (its pages are freed and it is recomputed later), never crashing or dropping a request;
+2. waiting requests are admitted first-come-first-served while a decode slot, budget and pages
+   for their first chunk are free.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from jaxdsa.engine.allocator import PageAllocator
+from jaxdsa.engine.request import FinishReason, Request, Status
+
+
+@dataclasses.dataclass
+class Segment:
+    """Run ``request.tokens[start:start+length]``; sample after it if it reaches the end."""
+
+    request: Request
+    start: int
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.length == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(self, *, num_pages: int, page_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.allocator = PageAllocator(num_pages)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+
+    # -- queue management -------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Mark finished and release its pages and slot at once (also for aborted requests)."""
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+            self._release(request)
+        elif request.status is Status.WAITING:
+            self.waiting.remove(request)
+        request.status, request.finish_reason = Status.FINISHED, reason
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- internals --------------------------------------------------------------------------
+    def _release(self, request: Request) -> None:
+        self.allocator.free(request.pages)
+        request.pages = []
+        self._free_slots.append(request.slot)
+        request.slot = None
+
+    def _pages_needed(self, request: Request, upto: int) -> int:
+        return max(0, -(-upto // self.page_size) - len(request.pages))
+
+    def _grow(self, request: Request, upto: int) -> bool:
+        pages = self.allocator.allocate(self._pages_needed(request, upto))
+        if pages is None:
+            return False
+        request.pages.extend(pages)
+        return True
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self._release(victim)
+        victim.num_computed = 0
+        victim.status = Status.WAITING
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+
+    # -- the step -------------------------------------------------------------------------------
+    def schedule(self) -> list[Segment]:
+        budget = self.max_num_batched_tokens
+        segments: list[Segment] = []
+        scheduled: set[int] = set()
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(request.remaining, budget)
+            while not self._grow(request, request.num_computed + n):
+                victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request.status is not Status.RUNNING or self._pages_needed(request, request.num_computed + n):
+                continue
+            segments.append(Segment(request, request.num_computed, n))
+            scheduled.add(id(request))
+            budget -= n
+        while self.waiting and budget > 0 and self._free_slots:
+            request = self.waiting[0]
+            n = min(request.remaining, budget)
+            if not self._grow(request, request.num_computed + n):
+                break  # first come, first served: do not let later requests overtake
+            self.waiting.popleft()
+            request.slot = self._free_slots.pop()
+            request.status = Status.RUNNING
+            self.running.append(request)
+            segments.append(Segment(request, request.num_computed, n))
+            budget -= n
+        return segments
+
+    def commit(self, segments: list[Segment]) -> None:
+        """The model ran these segments: their tokens are now in the cache."""
+        for s in segments:
+            s.request.num_computed = s.start + s.length

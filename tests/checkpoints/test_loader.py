@@ -1,0 +1,164 @@
+"""Checkpoint loading: sharded files, INT4 pack-quantized weights, and clear errors on bad input."""
+
+import json
+import os
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from checkpoints import CheckpointError
+from checkpoints.loader import load_params
+from checkpoints.make_tiny import make_tiny
+from checkpoints.safetensors_io import CheckpointReader
+from jaxdsa.config import ConfigError
+from tests.checkpoints.test_quant import _pack_along
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny("glm_moe_dsa", str(tmp_path_factory.mktemp("tiny")), seed=3, preset="glm5")
+
+
+def _copy(src, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite(directory, edit):
+    """Load every tensor of model.safetensors, let ``edit`` change the dict, write it back."""
+    reader = CheckpointReader(str(directory))
+    tensors = {k: np.array(reader.get(k)) for k in reader.keys()}
+    del reader
+    edit(tensors)
+    save_file(tensors, str(directory / "model.safetensors"))
+
+
+def _flatten(tree, prefix=()):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flatten(v, prefix + (k,))
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _flatten(v, prefix + (i,))
+    else:
+        yield prefix, np.asarray(tree)
+
+
+def test_missing_tensor_names_it(tiny, tmp_path):
+    ckpt = _copy(tiny, tmp_path)
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    _rewrite(ckpt, lambda t: t.pop(name))
+    with pytest.raises(CheckpointError) as err:
+        load_params(ckpt, progress=False)
+    assert err.value.tensor == name and "missing" in str(err.value) and str(ckpt) in str(err.value)
+
+
+def test_wrong_shape_names_file_and_tensor(tiny, tmp_path):
+    ckpt = _copy(tiny, tmp_path)
+    name = "model.layers.0.self_attn.q_a_proj.weight"
+    _rewrite(ckpt, lambda t: t.update({name: np.ascontiguousarray(t[name].T)}))
+    with pytest.raises(CheckpointError) as err:
+        load_params(ckpt, progress=False)
+    assert err.value.tensor == name
+    assert err.value.file.endswith("model.safetensors") and "shape" in str(err.value)
+
+
+def test_truncated_file(tiny, tmp_path):
+    ckpt = _copy(tiny, tmp_path)
+    path = ckpt / "model.safetensors"
+    os.truncate(path, os.path.getsize(path) - 100)
+    with pytest.raises(CheckpointError) as err:
+        load_params(ckpt, progress=False)
+    assert "truncated" in str(err.value) and err.value.file == str(path)
+    os.truncate(path, 5)
+    with pytest.raises(CheckpointError, match="too short"):
+        load_params(ckpt, progress=False)
+
+
+def test_unknown_model_type(tiny, tmp_path):
+    ckpt = _copy(tiny, tmp_path)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3_moe"}))
+    with pytest.raises(ConfigError) as err:
+        load_params(ckpt, progress=False)
+    assert err.value.field == "model_type" and "config.json" in str(err.value)
+
+
+def test_fp8_weight_without_quantization_config(tiny, tmp_path):
+    ckpt = _copy(tiny, tmp_path)
+    name = "model.layers.0.mlp.up_proj.weight"
+    _rewrite(ckpt, lambda t: t.update({name: t[name].astype(ml_dtypes.float8_e4m3fn)}))
+    with pytest.raises(CheckpointError, match="no fp8 quantization_config") as err:
+        load_params(ckpt, progress=False)
+    assert err.value.tensor == name
+
+
+def test_sharded_checkpoint_loads_like_single_file(tmp_path):
+    single = make_tiny("deepseek_v32", str(tmp_path / "single"), seed=5, preset="dsv32")
+    sharded = make_tiny("deepseek_v32", str(tmp_path / "sharded"), seed=5, preset="dsv32", shards=3)
+    assert os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
+    a, b = load_params(single, progress=False)[1], load_params(sharded, progress=False)[1]
+    for (ka, va), (kb, vb) in zip(_flatten(a), _flatten(b)):
+        assert ka == kb
+        np.testing.assert_array_equal(va, vb)
+
+
+def test_index_pointing_at_missing_shard(tmp_path):
+    sharded = make_tiny("glm_moe_dsa", str(tmp_path / "s"), seed=5, preset="glm5", shards=2)
+    victim = sorted(f for f in os.listdir(sharded) if f.endswith(".safetensors"))[-1]
+    os.remove(os.path.join(sharded, victim))
+    with pytest.raises(CheckpointError, match="missing") as err:
+        load_params(sharded, progress=False)
+    assert victim in err.value.file
+
+
+def _quantize_int4(w: np.ndarray, group: int):
+    """Asymmetric per-group INT4 quantization in the compressed-tensors pack-quantized layout."""
+    out, inp = w.shape
+    g = w.reshape(out, inp // group, group)
+    lo, hi = g.min(-1), g.max(-1)
+    scale = np.maximum(hi - lo, 1e-6) / 15.0
+    zp = np.clip(np.round(-lo / scale) - 8, -8, 7).astype(np.int64)
+    q = np.clip(np.round(g / scale[..., None]) + zp[..., None], -8, 7).astype(np.int64).reshape(out, inp)
+    scale = scale.astype(ml_dtypes.bfloat16)
+    deq = (q - np.repeat(zp, group, 1)) * np.repeat(scale.astype(np.float32), group, 1)
+    return {
+        "weight_packed": _pack_along(q, 1),
+        "weight_scale": scale,
+        "weight_zero_point": _pack_along(zp, 0),
+        "weight_shape": np.array([out, inp], np.int64),
+    }, deq.astype(np.float32)
+
+
+def test_int4_pack_quantized_checkpoint(tiny, tmp_path):
+    """Experts stored as compressed-tensors INT4 load to exactly their dequantized values."""
+    group = 32
+    quant, plain = _copy(tiny, tmp_path / "q"), _copy(tiny, tmp_path / "p")
+
+    def quantize(tensors, keep_float):
+        for name in [n for n in tensors if ".mlp.experts." in n]:
+            packed, deq = _quantize_int4(tensors[name].astype(np.float32), group)
+            if keep_float:
+                tensors[name] = deq
+            else:
+                del tensors[name]
+                tensors.update({name.replace(".weight", "." + k): v for k, v in packed.items()})
+
+    _rewrite(quant, lambda t: quantize(t, False))
+    _rewrite(plain, lambda t: quantize(t, True))
+    cfg = json.loads((quant / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": group}, "targets": ["Linear"]}},
+        "ignore": ["lm_head"],
+    }
+    (quant / "config.json").write_text(json.dumps(cfg))
+    a, b = load_params(quant, progress=False)[1], load_params(plain, progress=False)[1]
+    for (ka, va), (kb, vb) in zip(_flatten(a), _flatten(b)):
+        assert ka == kb
+        np.testing.assert_array_equal(va, vb)
