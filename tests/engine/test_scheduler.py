@@ -1,0 +1,150 @@
+"""The scheduler and page allocator, driven by a fake model (no JAX)."""
+
+import itertools
+
+import pytest
+
+from jaxdsa.engine.allocator import PageAllocator
+from jaxdsa.engine.request import FinishReason, Request, SamplingParams, Status
+from jaxdsa.engine.scheduler import Scheduler
+
+
+def make(n_prompt, max_tokens, name=None, _ids=itertools.count()):
+    return Request(name or f"r{next(_ids)}", list(range(n_prompt)), SamplingParams(max_tokens=max_tokens))
+
+
+def run_step(sched):
+    """Schedule, 'run' the model, sample token 7 where due, finish at max_tokens. -> segments."""
+    segments = sched.schedule()
+    budget = sum(s.length for s in segments)
+    assert budget <= sched.max_num_batched_tokens
+    assert len({id(s.request) for s in segments}) == len(segments)
+    sched.commit(segments)
+    for s in segments:
+        r = s.request
+        assert len(r.pages) * sched.page_size >= r.num_computed  # its tokens have pages
+        if s.samples:
+            r.output.append(7)
+            if len(r.output) >= r.sampling.max_tokens:
+                sched.finish(r, FinishReason.LENGTH)
+    return segments
+
+
+def drain(sched, limit=1000):
+    steps = 0
+    while sched.has_work():
+        run_step(sched)
+        steps += 1
+        assert steps < limit, "scheduler made no progress"
+    return steps
+
+
+def test_allocator():
+    a = PageAllocator(4)
+    assert a.allocate(3) == [0, 1, 2] and a.num_free == 1
+    assert a.allocate(2) is None and a.num_free == 1  # all or nothing
+    a.free([1, 2])
+    assert sorted(a.allocate(3)) == [1, 2, 3] and a.num_used == 4
+
+
+def test_chunked_prefill_then_decode():
+    sched = Scheduler(num_pages=16, page_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    r = make(20, 3)
+    sched.add(r)
+    lengths = [s.length for s in run_step(sched)] + [s.length for s in run_step(sched)] + [s.length for s in run_step(sched)]
+    assert lengths == [8, 8, 4]  # 20 prompt tokens in chunks under the 8-token budget
+    assert r.output == [7]  # sampled after the last chunk only
+    assert [s.length for s in run_step(sched)] == [1]  # then one token per decode step
+    drain(sched)
+    assert r.status is Status.FINISHED and r.output == [7, 7, 7]
+    assert sched.allocator.num_used == 0
+
+
+def test_decodes_and_prefill_chunks_share_a_step():
+    sched = Scheduler(num_pages=32, page_size=4, max_num_seqs=4, max_num_batched_tokens=6)
+    a, b = make(3, 5), make(10, 2)
+    sched.add(a)
+    run_step(sched)  # a prefilled and sampled
+    sched.add(b)
+    segs = run_step(sched)
+    assert [(s.request, s.length) for s in segs] == [(a, 1), (b, 5)]  # a's decode first, b's chunk fills the budget
+
+
+def test_slots_limit_and_fcfs():
+    sched = Scheduler(num_pages=64, page_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    reqs = [make(5, 2) for _ in range(5)]
+    for r in reqs:
+        sched.add(r)
+    segs = run_step(sched)
+    assert [s.request for s in segs] == reqs[:2]
+    assert list(sched.waiting) == reqs[2:]
+    drain(sched)
+    assert all(r.status is Status.FINISHED and len(r.output) == 2 for r in reqs)
+
+
+def test_waiting_when_pages_run_out_then_admitted():
+    sched = Scheduler(num_pages=4, page_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = make(12, 2), make(8, 1)
+    sched.add(a)
+    sched.add(b)
+    segs = run_step(sched)
+    assert [s.request for s in segs] == [a] and b.status is Status.WAITING  # 3 + 2 pages > 4
+    drain(sched)
+    assert b.status is Status.FINISHED and b.output == [7]
+
+
+def test_preemption_recomputes_and_loses_nothing():
+    # 6 pages of 4 tokens: three requests that each grow to 12 tokens cannot all fit (9 pages).
+    sched = Scheduler(num_pages=6, page_size=4, max_num_seqs=3, max_num_batched_tokens=64)
+    reqs = [make(4, 8) for _ in range(3)]
+    for r in reqs:
+        sched.add(r)
+    drain(sched)
+    assert all(r.status is Status.FINISHED and len(r.output) == 8 for r in reqs)
+    assert sum(r.num_preemptions for r in reqs) > 0
+    assert reqs[0].num_preemptions == 0  # the oldest request is never the victim
+    assert sched.allocator.num_used == 0 and sorted(sched._free_slots) == [0, 1, 2]
+
+
+def test_preempted_request_recomputes_prompt_and_output():
+    sched = Scheduler(num_pages=5, page_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    old, new = make(8, 6), make(7, 6)
+    sched.add(old)
+    sched.add(new)
+    while new.num_preemptions == 0:
+        run_step(sched)
+    assert new.num_computed == 0 and new.pages == [] and new.status is Status.WAITING
+    produced = len(new.output)
+    drain(sched)
+    assert new.output == [7] * 6 and produced >= 1
+
+
+def test_abort_frees_pages_and_slot_at_once():
+    sched = Scheduler(num_pages=8, page_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    a, w = make(10, 50), make(3, 1)
+    sched.add(a)
+    run_step(sched)
+    assert sched.allocator.num_used == 3
+    sched.finish(a, FinishReason.ABORT)
+    assert sched.allocator.num_used == 0 and a.status is Status.FINISHED and a.finish_reason is FinishReason.ABORT
+    sched.add(w)
+    sched.finish(w, FinishReason.ABORT)  # still waiting: simply leaves the queue
+    assert not sched.has_work()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_load_completes(seed):
+    import random
+
+    rng = random.Random(seed)
+    sched = Scheduler(num_pages=12, page_size=4, max_num_seqs=3, max_num_batched_tokens=10)
+    reqs = []
+    for step in range(200):
+        if rng.random() < 0.3 and len(reqs) < 25:
+            reqs.append(make(rng.randint(1, 20), rng.randint(1, 12)))
+            sched.add(reqs[-1])
+        if sched.has_work():
+            run_step(sched)
+    drain(sched)
+    assert all(r.status is Status.FINISHED and len(r.output) == r.sampling.max_tokens for r in reqs)
+    assert sched.allocator.num_used == 0
