@@ -33,7 +33,7 @@ def _pack_along(values: np.ndarray, axis: int) -> np.ndarray:
     words = np.zeros(v.shape[:-1], np.uint32)
     for k in range(8):
         words |= v[..., k] << np.uint32(4 * k)
-    return np.moveaxis(words.view(np.int32), -1, axis)
+    return np.ascontiguousarray(np.moveaxis(words.view(np.int32), -1, axis))
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
