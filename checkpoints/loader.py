@@ -7,6 +7,7 @@ Every failure names the file and the tensor.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -21,15 +22,15 @@ from checkpoints import names
 from checkpoints.errors import CheckpointError
 from checkpoints.quant import dequantize_fp8_block, dequantize_int4_packed
 from checkpoints.safetensors_io import CheckpointReader
-from jaxdsa import ops
+from jaxdsa import ops, sharding
 from jaxdsa.config import ModelConfig, load_config
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float64))
 
 
 class _Loader:
-    def __init__(self, reader: CheckpointReader, cfg: ModelConfig, dtype):
-        self.reader, self.cfg, self.dtype = reader, cfg, dtype
+    def __init__(self, reader: CheckpointReader, cfg: ModelConfig, dtype, mesh):
+        self.reader, self.cfg, self.dtype, self.mesh = reader, cfg, dtype, mesh
 
     def _fail(self, tensor: str, message: str) -> CheckpointError:
         return CheckpointError(self.reader.file_of(tensor), tensor, message)
@@ -89,34 +90,75 @@ class _Loader:
         except ValueError as e:
             raise self._fail(base + ".weight_packed", str(e)) from None
 
-    def to_device(self, value: np.ndarray, keep_fp32: bool) -> jax.Array:
-        return jnp.asarray(value, jnp.float32 if keep_fp32 else self.dtype)
+    def to_device(self, value: np.ndarray, keep_fp32: bool, path: tuple) -> jax.Array:
+        """Place one tensor: whole on the default device, or each device's slice on a mesh."""
+        dtype = jnp.float32 if keep_fp32 else self.dtype
+        if self.mesh is None:
+            return jnp.asarray(value, dtype)
+        logical = sharding.leaf_axes(path, value.ndim)
+        value = sharding.fit_to_mesh(value, logical, self.mesh, "/".join(map(str, path)))
+        target = jax.sharding.NamedSharding(self.mesh, sharding.spec(logical))
+        host = np.asarray(value, dtype)
+        return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
 
-    def experts(self, spec: names.Experts) -> Any:
+    def _expert_matrices(self, spec: names.Experts, first: int, last: int):
+        """HF gate [n, N, D], up [n, N, D], down [n, D, N] (float32) of experts first..last-1."""
         fused_gate_up = spec.prefix + ".gate_up_proj"
         if f"{spec.prefix}.0.gate_proj.weight" not in self.reader and fused_gate_up in self.reader:
             # transformers 5.x in-memory layout: gate_up [E, 2N, D] (gate rows first), down [E, D, N].
-            gate_up = np.asarray(self._plain(fused_gate_up, (spec.num, 2 * spec.inter, spec.hidden)), np.float32)
-            down = np.asarray(self._plain(spec.prefix + ".down_proj", (spec.num, spec.hidden, spec.inter)), np.float32)
-            gate, up = gate_up[:, : spec.inter], gate_up[:, spec.inter :]
-        else:
-            stack = lambda proj, out, inp: np.stack(  # noqa: E731
-                [self.linear(names.Linear(f"{spec.prefix}.{e}.{proj}", out, inp)) for e in range(spec.num)]
-            )
-            gate = stack("gate_proj", spec.inter, spec.hidden)
-            up = stack("up_proj", spec.inter, spec.hidden)
-            down = stack("down_proj", spec.hidden, spec.inter)
-        return ops.pack_experts(*(jnp.asarray(a, self.dtype) for a in (gate, up, down)))
+            gate_up = self._plain(fused_gate_up, (spec.num, 2 * spec.inter, spec.hidden))[first:last]
+            down = self._plain(spec.prefix + ".down_proj", (spec.num, spec.hidden, spec.inter))[first:last]
+            gate_up = np.asarray(gate_up, np.float32)
+            return gate_up[:, : spec.inter], gate_up[:, spec.inter :], np.asarray(down, np.float32)
+        stack = lambda proj, out, inp: np.stack(  # noqa: E731
+            [self.linear(names.Linear(f"{spec.prefix}.{e}.{proj}", out, inp)) for e in range(first, last)]
+        )
+        return stack("gate_proj", spec.inter, spec.hidden), stack("up_proj", spec.inter, spec.hidden), stack("down_proj", spec.hidden, spec.inter)
 
-    def load(self, tree: Any) -> Any:
+    def experts(self, spec: names.Experts, path: tuple) -> Any:
+        if self.mesh is None:
+            gate, up, down = self._expert_matrices(spec, 0, spec.num)
+            return ops.pack_experts(*(jnp.asarray(a, self.dtype) for a in (gate, up, down)))
+        # Each expert shard reads only its own experts; expert-TP shards keep [gate_i | up_i]
+        # column blocks together so the packed layout stays valid on every shard.
+        shards = int(np.prod([self.mesh.shape[a] for a in sharding.EXPERT_AXES]))
+        tpi = self.mesh.shape["tpi"]
+        if spec.num % shards or spec.inter % tpi:
+            raise CheckpointError(self.reader.directory, spec.prefix, f"{spec.num} experts x {spec.inter} do not split over {shards} x {tpi} devices")
+        per = spec.num // shards
+        packed_parts: dict[int, dict] = {}
+
+        def packed(index, key):
+            first = index[0].start or 0
+            if first not in packed_parts:
+                g, u, d = self._expert_matrices(spec, first, first + per)
+                n = spec.inter // tpi
+                g, u = g.reshape(per, tpi, n, -1), u.reshape(per, tpi, n, -1)
+                gate_up = np.concatenate([g, u], axis=2).reshape(per, 2 * spec.inter, -1)  # [gate_i | up_i] per shard
+                packed_parts[first] = {k: np.asarray(v) for k, v in ops.pack_experts(
+                    jnp.asarray(gate_up[:, : spec.inter]), jnp.asarray(gate_up[:, spec.inter :]), jnp.asarray(d)
+                ).items()}
+                del g, u, d
+            part = packed_parts[first][key]
+            return np.asarray(part[(slice(None),) + tuple(index[1:])], self.dtype)
+
+        shapes = jax.eval_shape(ops.pack_experts, *(jax.ShapeDtypeStruct(s, self.dtype) for s in (
+            (spec.num, spec.inter, spec.hidden), (spec.num, spec.inter, spec.hidden), (spec.num, spec.hidden, spec.inter))))
+        out = {}
+        for key, shape in shapes.items():
+            target = jax.sharding.NamedSharding(self.mesh, sharding.spec(sharding.leaf_axes(path + (key,), len(shape.shape))))
+            out[key] = jax.make_array_from_callback(shape.shape, target, functools.partial(packed, key=key))
+        return out
+
+    def load(self, tree: Any, path: tuple = ()) -> Any:
         if isinstance(tree, dict):
-            return {k: self.load(v) for k, v in tree.items()}
+            return {k: self.load(v, path + (k,)) for k, v in tree.items()}
         if isinstance(tree, names.Linear):
-            return self.to_device(tree.post(self.linear(tree)), tree.keep_fp32)
+            return self.to_device(tree.post(self.linear(tree)), tree.keep_fp32, path)
         if isinstance(tree, names.Tensor):
-            return self.to_device(np.asarray(self._plain(tree.name, tree.shape), np.float32), tree.keep_fp32)
+            return self.to_device(np.asarray(self._plain(tree.name, tree.shape), np.float32), tree.keep_fp32, path)
         if isinstance(tree, names.Experts):
-            return self.experts(tree)
+            return self.experts(tree, path)
         raise TypeError(f"unknown spec {tree!r}")
 
 
@@ -133,15 +175,17 @@ def load_params(
     dtype=jnp.bfloat16,
     mtp: bool = True,
     progress: bool = True,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[ModelConfig, dict]:
     """Read config.json and the safetensors of ``path`` -> (config, params).
 
     ``mtp``: also load the next-n prediction layers when the checkpoint ships them.
+    ``mesh``: place every parameter straight into its sharded layout (jaxdsa.sharding rules).
     """
     path = os.fspath(path)
     cfg = cfg or load_config(path)
     reader = CheckpointReader(path)
-    loader = _Loader(reader, cfg, dtype)
+    loader = _Loader(reader, cfg, dtype, mesh)
     mtp_layers = [
         i
         for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
@@ -151,14 +195,14 @@ def load_params(
     start = time.perf_counter()
     params = loader.load(names.model_map(cfg))
     if cfg.tie_word_embeddings:
-        params["lm_head"] = params["embed"].T
+        params["lm_head"] = loader.to_device(np.asarray(reader.get("model.embed_tokens.weight"), np.float32).T, False, ("lm_head",))
     params["layers"] = []
     for i in range(cfg.num_hidden_layers):
-        params["layers"].append(loader.load(names.layer_map(cfg, i)))
+        params["layers"].append(loader.load(names.layer_map(cfg, i), ("layers", i)))
         _progress(i + 1, total, start, progress)
     if mtp_layers:
         params["mtp"] = []
         for n, i in enumerate(mtp_layers):
-            params["mtp"].append(loader.load(names.mtp_map(cfg, i)))
+            params["mtp"].append(loader.load(names.mtp_map(cfg, i), ("mtp", n)))
             _progress(cfg.num_hidden_layers + n + 1, total, start, progress)
     return cfg, params

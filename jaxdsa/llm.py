@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdsa import sharding
 from jaxdsa.cache import StepMeta, init_cache
 from jaxdsa.engine import Engine, EngineConfig, SamplingParams
 from jaxdsa.models.dsa import jitted_step
@@ -42,13 +43,20 @@ def generation_eos_ids(path: str | os.PathLike, default: Sequence[int]) -> tuple
 
 
 class LLM:
-    """A GLM-5.x / DeepSeek-V3.2 checkpoint ready to score and generate."""
+    """A GLM-5.x / DeepSeek-V3.2 checkpoint ready to score and generate.
+
+    ``tp`` / ``ep`` / ``dp``: tensor, expert and data parallelism over the local devices
+    (see :mod:`jaxdsa.sharding`); weights load straight into their sharded layout.
+    """
 
     def __init__(
         self,
         path: str | os.PathLike,
         dtype: str = "bfloat16",
         *,
+        tp: int = 1,
+        ep: int = 1,
+        dp: int = 1,
         page_size: int = 64,
         max_model_len: int | None = None,
         max_num_seqs: int = 16,
@@ -63,7 +71,9 @@ class LLM:
         self.path = os.fspath(path)
         self.dtype = _DTYPES[dtype]
         self.page_size = page_size
-        self.config, self.params = load_params(path, dtype=self.dtype, progress=progress)
+        self.parallelism = sharding.Parallelism(tp=tp, ep=ep, dp=dp)
+        self.mesh = sharding.make_mesh(self.parallelism) if self.parallelism.num_devices > 1 else None
+        self.config, self.params = load_params(path, dtype=self.dtype, progress=progress, mesh=self.mesh)
         self.eos_token_ids = generation_eos_ids(self.path, self.config.eos_token_ids)
         self.engine_config = EngineConfig(
             max_num_seqs=max_num_seqs,
@@ -83,26 +93,39 @@ class LLM:
     def engine(self) -> Engine:
         if self._engine is None:
             self._engine = Engine(
-                self.config, self.params, dtype=self.dtype, eos_token_ids=self.eos_token_ids, config=self.engine_config, precision=self._precision
+                self.config,
+                self.params,
+                dtype=self.dtype,
+                eos_token_ids=self.eos_token_ids,
+                config=self.engine_config,
+                mesh=self.mesh,
+                precision=self._precision,
             )
         return self._engine
 
     def score(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Logits [len(token_ids), vocab] (float32) of one full forward over the sequence."""
+        """Logits [len(token_ids), vocab] (float32) of one full forward over the sequence.
+
+        On a data-parallel mesh the sequence runs in dp group 0; the other groups get padding.
+        """
         ids = list(token_ids)
         if not ids:
             raise ValueError("token_ids is empty")
-        T, pages = bucket(len(ids)), -(-len(ids) // self.page_size)
-        cache = init_cache(self.config, bucket(pages), self.page_size, self.dtype)
-        pad = lambda a, fill: np.asarray(list(a) + [fill] * (T - len(ids)), np.int32)  # noqa: E731
+        dp = self.parallelism.dp
+        T, pages = bucket(len(ids)), bucket(-(-len(ids) // self.page_size))
+        group = lambda first, fill: np.asarray(list(first) + [fill] * (T - len(ids)) + [fill] * (T * (dp - 1)), np.int32)  # noqa: E731
+        cache = init_cache(self.config, pages * dp, self.page_size, self.dtype)
         meta = StepMeta(
-            seq_ids=jnp.asarray(pad([0] * len(ids), -1)),
-            page_table=jnp.asarray(np.arange(bucket(pages), dtype=np.int32)[None]),
-            logits_indices=jnp.arange(T, dtype=jnp.int32),
+            seq_ids=jnp.asarray(group([0] * len(ids), -1)),
+            page_table=jnp.asarray(np.tile(np.arange(pages, dtype=np.int32), (dp, 1))),
+            logits_indices=jnp.asarray(np.tile(np.arange(T, dtype=np.int32), dp)),
         )
-        fn = jitted_step(self.config, len(ids) > self.config.index_topk, False)
+        args = (jnp.asarray(group(ids, 0)), jnp.asarray(group(range(len(ids)), 0)), cache, meta)
+        if self.mesh is not None:
+            args = jax.device_put(args, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("dp")))
+        fn = jitted_step(self.config, len(ids) > self.config.index_topk, False, self.mesh)
         with self._precision():
-            logits, _ = fn(self.params, jnp.asarray(pad(ids, 0)), jnp.asarray(pad(range(len(ids)), 0)), cache, meta)
+            logits, _ = fn(self.params, *args)
         return np.asarray(logits)[: len(ids)]
 
     def generate(

@@ -34,6 +34,8 @@ from typing import Any, Callable
 
 import jax
 
+from jaxdsa import sharding
+
 BACKENDS = ("reference", "interpret", "pallas")
 
 # op name -> package under pallas_kernels/ holding ref.py (and kernel.py once written)
@@ -85,7 +87,8 @@ def _resolve(op: str, backend: str) -> Callable[..., Any]:
 
 
 def _impl(op: str) -> Callable[..., Any]:
-    return _resolve(op, get_kernels())
+    fn = _resolve(op, get_kernels())
+    return fn if op == "pack_experts" else sharding.wrap_op(op, fn)
 
 
 def sparse_mla(q, kv, indices, *, sm_scale: float, sink=None, v_dim: int = 512):

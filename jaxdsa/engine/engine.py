@@ -45,34 +45,50 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-def _default_num_pages(cfg: ModelConfig, ec: EngineConfig, max_model_len: int, dtype) -> int:
+def _default_num_pages(cfg: ModelConfig, ec: EngineConfig, max_model_len: int, dtype, groups: int) -> int:
+    """Pages over all dp groups: what fits in free device memory (each device holds its group's
+    pages), capped at enough for every slot to reach max_model_len."""
     per_seq = -(-max_model_len // ec.page_size)
+    enough = per_seq * ec.max_num_seqs
     stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.memory_fraction
-        pages = int(free // (cache_bytes_per_token(cfg, dtype) * ec.page_size))
-        if pages < per_seq:
-            raise ValueError(f"device memory holds {pages} cache pages; one {max_model_len}-token sequence needs {per_seq}")
-        return min(pages, per_seq * ec.max_num_seqs)
-    return per_seq * ec.max_num_seqs
+    if "bytes_limit" not in stats:
+        return enough
+    free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.memory_fraction
+    per_device = int(free // (cache_bytes_per_token(cfg, dtype) * ec.page_size))
+    if per_device < per_seq:
+        raise ValueError(f"device memory holds {per_device} cache pages; one {max_model_len}-token sequence needs {per_seq}")
+    return min(per_device * groups, enough)
 
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, params: dict, *, dtype=jnp.bfloat16, eos_token_ids=(), config: EngineConfig = EngineConfig(), precision=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: dict,
+        *,
+        dtype=jnp.bfloat16,
+        eos_token_ids=(),
+        config: EngineConfig = EngineConfig(),
+        mesh=None,
+        precision=None,
+    ):
         enable_compilation_cache()
         self.cfg, self.config = cfg, config
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} > max_position_embeddings {cfg.max_position_embeddings}")
         self.eos_token_ids = frozenset(eos_token_ids)
-        num_pages = config.num_pages or _default_num_pages(cfg, config, self.max_model_len, dtype)
-        if num_pages * config.page_size < self.max_model_len:
-            raise ValueError(f"{num_pages} pages of {config.page_size} cannot hold one {self.max_model_len}-token sequence")
+        groups = 1 if mesh is None else mesh.shape["dp"]
+        num_pages = config.num_pages or _default_num_pages(cfg, config, self.max_model_len, dtype, groups)
+        num_pages -= num_pages % groups
+        if num_pages // groups * config.page_size < self.max_model_len:
+            raise ValueError(f"{num_pages} pages of {config.page_size} in {groups} group(s) cannot hold one {self.max_model_len}-token sequence")
         self.scheduler = Scheduler(
             num_pages=num_pages,
             page_size=config.page_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            groups=groups,
         )
         self.runner = ModelRunner(
             cfg,
@@ -81,6 +97,8 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            groups=groups,
+            mesh=mesh,
             precision=precision,
         )
         self.requests: dict[str, Request] = {}
@@ -183,12 +201,12 @@ class Engine:
         return time.perf_counter() - start
 
     def stats(self) -> dict[str, float]:
-        alloc = self.scheduler.allocator
+        used, total = self.scheduler.pages_used, self.scheduler.pages_total
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "generated_tokens": self.num_generated_tokens,
-            "cache_pages_used": alloc.num_used,
-            "cache_pages_total": alloc.num_pages,
-            "cache_usage": alloc.num_used / alloc.num_pages,
+            "cache_pages_used": used,
+            "cache_pages_total": total,
+            "cache_usage": used / total,
         }

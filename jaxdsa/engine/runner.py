@@ -1,23 +1,26 @@
 """Runs scheduled segments on the device: padded buffers, one jitted step + sampling per bucket.
 
-Shapes come from a small set of buckets so every step compiles once: the token count is padded
-to a power of two (up to max_num_batched_tokens), the sampled rows to min(tokens, max_num_seqs);
-the page table always has max_num_seqs rows. Steps whose contexts all fit in index_topk run the
-dense path over a page table narrowed to index_topk tokens.
+Shapes come from a small set of buckets so every step compiles once: the token count (per
+data-parallel group) is padded to a power of two up to max_num_batched_tokens, the sampled rows
+to min(tokens, slots per group); the page table always has max_num_seqs rows. Steps whose
+contexts all fit in index_topk run the dense path over a page table narrowed to index_topk tokens.
+With dp groups each group's tokens form one block of the flat buffers and use group-local slot
+and page ids (the scheduler keeps every sequence inside one group).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdsa import sharding
 from jaxdsa.cache import KVCache, StepMeta
 from jaxdsa.config import ModelConfig
-from jaxdsa.engine.request import Request
 from jaxdsa.engine.sampling import sample
 from jaxdsa.engine.scheduler import Segment
 from jaxdsa.models.dsa import step
@@ -34,64 +37,131 @@ def token_buckets(max_tokens: int) -> list[int]:
 def _fused_step(params, tokens, positions, cache, meta, temperature, top_p, top_k, seeds, counters, *, cfg, sparse, with_logits):
     logits, cache = step(params, tokens, positions, cache, meta, cfg=cfg, sparse=sparse, absorbed=True)
     ids = sample(logits, temperature, top_p, top_k, seeds, counters)
-    return ids, (logits if with_logits else None), cache
+    return ids, (logits if with_logits else jnp.zeros((ids.shape[0], 0), jnp.float32)), cache
 
 
 @functools.cache
-def _compiled(cfg: ModelConfig, sparse: bool, with_logits: bool):
-    return jax.jit(functools.partial(_fused_step, cfg=cfg, sparse=sparse, with_logits=with_logits), donate_argnums=(3,))
+def _compiled(cfg: ModelConfig, sparse: bool, with_logits: bool, mesh):
+    fn = functools.partial(_fused_step, cfg=cfg, sparse=sparse, with_logits=with_logits)
+    if mesh is None:
+        return jax.jit(fn, donate_argnums=(3,))
+    fn = jax.jit(sharding.data_parallel(fn, mesh), donate_argnums=(3,))
+
+    def on_mesh(*args):
+        with jax.sharding.set_mesh(mesh):
+            return fn(*args)
+
+    return on_mesh
+
+
+@dataclasses.dataclass
+class _Group:
+    """One dp group's share of a step, in group-local ids."""
+
+    tokens: list = dataclasses.field(default_factory=list)
+    positions: list = dataclasses.field(default_factory=list)
+    seq_ids: list = dataclasses.field(default_factory=list)
+    logits_at: list = dataclasses.field(default_factory=list)
+    rows: list = dataclasses.field(default_factory=list)  # (temperature, top_p, top_k, seed, counter)
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, params: dict, cache: KVCache, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, precision=None):
-        self.cfg, self.params, self.cache = cfg, params, cache
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: dict,
+        cache: KVCache,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        groups: int = 1,
+        mesh=None,
+        precision=None,
+    ):
+        self.cfg, self.params, self.mesh, self.precision = cfg, params, mesh, precision
         self.page_size = cache.page_size
-        self.max_num_seqs = max_num_seqs
+        self.groups = groups
+        self.slots_per_group = max_num_seqs // groups
         self.buckets = token_buckets(max_num_batched_tokens)
         self.page_table = np.zeros((max_num_seqs, -(-max_model_len // self.page_size)), np.int32)
         self.dense_pages = min(self.page_table.shape[1], -(-cfg.index_topk // self.page_size))
         self.can_be_sparse = max_model_len > cfg.index_topk
-        self.precision = precision
+        self.cache = self._place(cache)
+
+    def _place(self, tree):
+        if self.mesh is None:
+            return tree
+        return jax.device_put(tree, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("dp")))
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _call(self, tokens, positions, seq_ids, logits_at, sampling_rows, *, sparse: bool, with_logits: bool):
-        T = self._bucket(len(tokens))
-        R = min(T, self.max_num_seqs)
-        pad = lambda a, n, fill, dt=np.int32: np.concatenate([np.asarray(a, dt), np.full(n - len(a), fill, dt)])  # noqa: E731
+    def _call(self, groups: list[_Group], *, sparse: bool, with_logits: bool):
+        T = self._bucket(max(1, max(len(g.tokens) for g in groups)))
+        R = min(T, self.slots_per_group)
+
+        def flat(field, n, fill, dtype=np.int32):
+            out = np.full((len(groups), n), fill, dtype)
+            for i, g in enumerate(groups):
+                values = getattr(g, field)
+                out[i, : len(values)] = values
+            return out.reshape(-1)
+
+        def sampling(col, fill, dtype):
+            out = np.full((len(groups), R), fill, dtype)
+            for i, g in enumerate(groups):
+                out[i, : len(g.rows)] = [r[col] for r in g.rows]
+            return out.reshape(-1)
+
         table = self.page_table if sparse else self.page_table[:, : self.dense_pages]
-        meta = StepMeta(jnp.asarray(pad(seq_ids, T, -1)), jnp.asarray(table), jnp.asarray(pad(logits_at, R, 0)))
-        temp, top_p, top_k, seeds, counters = (
-            pad([r[i] for r in sampling_rows], R, fill, dt) for i, (fill, dt) in enumerate([(0, np.float32), (1, np.float32), (0, np.int32), (0, np.int32), (0, np.int32)])
+        meta = StepMeta(jnp.asarray(flat("seq_ids", T, -1)), jnp.asarray(table), jnp.asarray(flat("logits_at", R, 0)))
+        args = (
+            jnp.asarray(flat("tokens", T, 0)),
+            jnp.asarray(flat("positions", T, 0)),
+            meta,
+            jnp.asarray(sampling(0, 0, np.float32)),
+            jnp.asarray(sampling(1, 1, np.float32)),
+            jnp.asarray(sampling(2, 0, np.int32)),
+            jnp.asarray(sampling(3, 0, np.int32)),
+            jnp.asarray(sampling(4, 0, np.int32)),
         )
-        fn = _compiled(self.cfg, sparse, with_logits)
+        tokens, positions, meta, *rest = self._place(args)
+        fn = _compiled(self.cfg, sparse, with_logits, self.mesh)
         with self.precision() if self.precision else contextlib.nullcontext():
-            ids, logits, self.cache = fn(self.params, jnp.asarray(pad(tokens, T, 0)), jnp.asarray(pad(positions, T, 0)), self.cache, meta, temp, top_p, top_k, seeds, counters)
-        n = len(logits_at)
-        return np.asarray(ids)[:n], (np.asarray(logits)[:n] if with_logits else None)
+            ids, logits, self.cache = fn(self.params, tokens, positions, self.cache, meta, *rest)
+        ids = np.asarray(ids).reshape(len(groups), R)
+        logits = np.asarray(logits).reshape(len(groups), R, -1) if with_logits else None
+        return ids, logits
 
     def run(self, segments: list[Segment], seeds: dict[str, int], *, with_logits: bool = False):
         """-> (sampled token id per sampling segment, logits rows or None), in segment order."""
-        tokens, positions, seq_ids, logits_at, rows = [], [], [], [], []
+        groups = [_Group() for _ in range(self.groups)]
+        where = []  # (group, row) of each sampling segment
         for s in segments:
-            r: Request = s.request
+            r = s.request
+            gi = r.slot // self.slots_per_group
+            g = groups[gi]
             self.page_table[r.slot, : len(r.pages)] = r.pages
-            tokens += r.tokens[s.start : s.start + s.length]
-            positions += range(s.start, s.start + s.length)
-            seq_ids += [r.slot] * s.length
+            g.tokens += r.tokens[s.start : s.start + s.length]
+            g.positions += range(s.start, s.start + s.length)
+            g.seq_ids += [r.slot - gi * self.slots_per_group] * s.length
             if s.samples:
-                logits_at.append(len(tokens) - 1)
+                g.logits_at.append(len(g.tokens) - 1)
                 sp = r.sampling
-                rows.append((sp.temperature, sp.top_p, sp.top_k, seeds[r.request_id], len(r.output)))
-        sparse = max(positions) + 1 > self.cfg.index_topk
-        return self._call(tokens, positions, seq_ids, logits_at, rows, sparse=sparse, with_logits=with_logits)
+                g.rows.append((sp.temperature, sp.top_p, sp.top_k, seeds[r.request_id], len(r.output)))
+                where.append((gi, len(g.rows) - 1))
+        sparse = max(p for g in groups for p in g.positions) + 1 > self.cfg.index_topk
+        ids, logits = self._call(groups, sparse=sparse, with_logits=with_logits)
+        sampled = np.asarray([ids[g, r] for g, r in where], np.int32)
+        return sampled, (np.stack([logits[g, r] for g, r in where]) if with_logits else None)
 
     def warmup(self, report=None) -> None:
         """Compile every bucket (and the sparse path when contexts can outgrow index_topk)."""
         variants = [(b, sparse) for sparse in ([False, True] if self.can_be_sparse else [False]) for b in self.buckets]
         for i, (b, sparse) in enumerate(variants):
             # All-padding inputs: nothing is written to the cache (slot -1 writes are dropped).
-            self._call([0] * b, [0] * b, [-1] * b, [0], [(0.0, 1.0, 0, 0, 0)], sparse=sparse, with_logits=False)
+            groups = [_Group(tokens=[0] * b, positions=[0] * b, seq_ids=[-1] * b) for _ in range(self.groups)]
+            self._call(groups, sparse=sparse, with_logits=False)
             if report:
                 report(i + 1, len(variants))

@@ -6,6 +6,10 @@ Plain Python and unit-testable without JAX. Each step:
    (its pages are freed and it is recomputed later), never crashing or dropping a request;
 2. waiting requests are admitted first-come-first-served while a decode slot, budget and pages
    for their first chunk are free.
+
+With data parallelism the slots and pages are split into ``groups``: a request lives in one
+group (its slot and all its pages come from that group), so each dp replica of the model sees
+only its own sequences and pages.
 """
 
 from __future__ import annotations
@@ -31,14 +35,35 @@ class Segment:
 
 
 class Scheduler:
-    def __init__(self, *, num_pages: int, page_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, *, num_pages: int, page_size: int, max_num_seqs: int, max_num_batched_tokens: int, groups: int = 1):
+        if max_num_seqs % groups or num_pages % groups:
+            raise ValueError(f"max_num_seqs ({max_num_seqs}) and num_pages ({num_pages}) must split into {groups} groups")
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.allocator = PageAllocator(num_pages)
+        self.groups = groups
+        self.slots_per_group = max_num_seqs // groups
+        self.allocators = [PageAllocator(num_pages // groups) for _ in range(groups)]
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._free_slots = [list(range((g + 1) * self.slots_per_group - 1, g * self.slots_per_group - 1, -1)) for g in range(groups)]
+
+    @property
+    def allocator(self) -> PageAllocator:
+        """The page pool when there is one group (tests and single-replica callers)."""
+        assert self.groups == 1
+        return self.allocators[0]
+
+    @property
+    def pages_used(self) -> int:
+        return sum(a.num_used for a in self.allocators)
+
+    @property
+    def pages_total(self) -> int:
+        return sum(a.num_pages for a in self.allocators)
+
+    def group_of(self, request: Request) -> int:
+        return request.slot // self.slots_per_group
 
     # -- queue management -------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -58,20 +83,29 @@ class Scheduler:
 
     # -- internals --------------------------------------------------------------------------
     def _release(self, request: Request) -> None:
-        self.allocator.free(request.pages)
+        group = self.group_of(request)
+        self.allocators[group].free(request.pages)
         request.pages = []
-        self._free_slots.append(request.slot)
+        self._free_slots[group].append(request.slot)
         request.slot = None
 
     def _pages_needed(self, request: Request, upto: int) -> int:
         return max(0, -(-upto // self.page_size) - len(request.pages))
 
-    def _grow(self, request: Request, upto: int) -> bool:
-        pages = self.allocator.allocate(self._pages_needed(request, upto))
+    def _grow(self, request: Request, upto: int, group: int) -> bool:
+        pages = self.allocators[group].allocate(self._pages_needed(request, upto))
         if pages is None:
             return False
         request.pages.extend(pages)
         return True
+
+    def _admission_group(self, request: Request, upto: int) -> int | None:
+        """The group with a free slot and the most free pages, if it can take the first chunk."""
+        open_groups = [g for g in range(self.groups) if self._free_slots[g]]
+        if not open_groups:
+            return None
+        g = max(open_groups, key=lambda g: self.allocators[g].num_free)
+        return g if self.allocators[g].num_free >= self._pages_needed(request, upto) else None
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -92,8 +126,11 @@ class Scheduler:
             if request.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(request.remaining, budget)
-            while not self._grow(request, request.num_computed + n):
-                victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
+            group = self.group_of(request)
+            while not self._grow(request, request.num_computed + n, group):
+                victim = next(
+                    (r for r in reversed(self.running) if id(r) not in scheduled and self.group_of(r) == group), None
+                )
                 if victim is None:
                     break
                 self._preempt(victim)
@@ -104,13 +141,15 @@ class Scheduler:
             segments.append(Segment(request, request.num_computed, n))
             scheduled.add(id(request))
             budget -= n
-        while self.waiting and budget > 0 and self._free_slots:
+        while self.waiting and budget > 0:
             request = self.waiting[0]
             n = min(request.remaining, budget)
-            if not self._grow(request, request.num_computed + n):
+            group = self._admission_group(request, request.num_computed + n)
+            if group is None:
                 break  # first come, first served: do not let later requests overtake
+            self._grow(request, request.num_computed + n, group)
             self.waiting.popleft()
-            request.slot = self._free_slots.pop()
+            request.slot = self._free_slots[group].pop()
             request.status = Status.RUNNING
             self.running.append(request)
             segments.append(Segment(request, request.num_computed, n))

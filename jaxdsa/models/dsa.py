@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxdsa import ops
+from jaxdsa import ops, sharding
 from jaxdsa.cache import KVCache, StepMeta, slots_for, write_rows
 from jaxdsa.config import ModelConfig
 from jaxdsa.layers import indexer, mla
@@ -100,13 +100,13 @@ def decoder_layer(lp: dict, h, positions, rope, latent_pages, index_pages, meta,
     h = h + a
     x = rms_norm(h, lp["post_attn_norm"], cfg.rms_norm_eps)
     h = h + (moe(lp["moe"], x, cfg) if "moe" in lp else swiglu(lp["mlp"], x))
-    return h, latent_pages, index_pages, topk
+    return sharding.constrain(h, ("batch", "embed")), latent_pages, index_pages, topk
 
 
 def forward(params: dict, tokens, positions, cache: KVCache, meta: StepMeta, *, cfg: ModelConfig, sparse: bool, absorbed: bool):
     """Run all decoder layers. -> (final-normed hidden [R, D] at meta.logits_indices, new cache)."""
     rope = cos_sin(positions, cfg.rope, cfg.qk_rope_head_dim)
-    h = params["embed"][tokens]
+    h = sharding.embed_lookup(params["embed"], tokens)
     latent, index = list(cache.latent), list(cache.index_keys)
     topk = None
     for i, lp in enumerate(params["layers"]):
@@ -136,7 +136,7 @@ def mtp_step(params: dict, hidden, next_tokens, positions, cache: KVCache, meta:
     """
     mp = params["mtp"][0]
     rope = cos_sin(positions, cfg.rope, cfg.qk_rope_head_dim)
-    e = rms_norm(params["embed"][next_tokens], mp["enorm"], cfg.rms_norm_eps)
+    e = rms_norm(sharding.embed_lookup(params["embed"], next_tokens), mp["enorm"], cfg.rms_norm_eps)
     g = rms_norm(hidden.astype(e.dtype), mp["hnorm"], cfg.rms_norm_eps)
     u = jnp.concatenate([e, g], axis=-1) @ mp["eh_proj"]
     u, latent, index, _ = decoder_layer(
@@ -147,6 +147,19 @@ def mtp_step(params: dict, hidden, next_tokens, positions, cache: KVCache, meta:
 
 
 @functools.cache
-def jitted_step(cfg: ModelConfig, sparse: bool, absorbed: bool):
-    """The jitted step for one (cfg, mode); the cache argument is donated."""
-    return jax.jit(functools.partial(step, cfg=cfg, sparse=sparse, absorbed=absorbed), donate_argnums=(3,))
+def jitted_step(cfg: ModelConfig, sparse: bool, absorbed: bool, mesh=None):
+    """The jitted step for one (cfg, mode[, mesh]); the cache argument is donated.
+
+    On a mesh the step runs per data-parallel group (:func:`jaxdsa.sharding.data_parallel`):
+    tokens, positions, cache pages and metadata are split over ``dp`` with group-local indices.
+    """
+    fn = functools.partial(step, cfg=cfg, sparse=sparse, absorbed=absorbed)
+    if mesh is None:
+        return jax.jit(fn, donate_argnums=(3,))
+    fn = jax.jit(sharding.data_parallel(fn, mesh), donate_argnums=(3,))
+
+    def on_mesh(*args):
+        with jax.sharding.set_mesh(mesh):
+            return fn(*args)
+
+    return on_mesh

@@ -103,7 +103,7 @@ def test_preemption_recomputes_and_loses_nothing():
     assert all(r.status is Status.FINISHED and len(r.output) == 8 for r in reqs)
     assert sum(r.num_preemptions for r in reqs) > 0
     assert reqs[0].num_preemptions == 0  # the oldest request is never the victim
-    assert sched.allocator.num_used == 0 and sorted(sched._free_slots) == [0, 1, 2]
+    assert sched.allocator.num_used == 0 and sorted(sched._free_slots[0]) == [0, 1, 2]
 
 
 def test_preempted_request_recomputes_prompt_and_output():

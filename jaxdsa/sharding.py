@@ -1,0 +1,292 @@
+"""Sharding, declared once: logical axis names -> mesh axes, the mesh, and shard_map wrappers.
+
+Parallelism ``(tp, ep, dp)`` maps onto one mesh with four axes:
+
+- ``dp``: data parallel. Each dp group is an independent replica of the step over its own
+  slice of the batch and of the cache pages; the step runs as a shard_map that is manual over
+  ``dp`` only, so everything inside sees group-local tokens, page tables and pages.
+- ``tpe`` x ``tpi`` = ``tp``: attention heads, indexer heads, dense / shared-expert MLP columns and
+  the vocabulary are split over both. Routed experts are split over ``tpe`` (and ``rep``), their
+  intermediate dimension over ``tpi`` (expert tensor parallelism when ep < tp).
+- ``rep``: only when ep > tp: the extra expert-parallel factor; attention is replicated over it.
+
+So ``ep`` either divides ``tp`` or is a multiple of it, and the mesh has dp * tp * max(1, ep/tp)
+devices: (tp, ep, dp) = (4, 2, 1) -> 4 devices, experts over 2 x expert-TP 2; (2, 4, 1) -> 4.
+
+Model code names logical axes only (:func:`constrain`, :func:`param_axes`); the rules table is
+the one place that turns them into mesh axes. Kernels are not auto-partitioned, so
+:func:`wrap_op` runs each ``jaxdsa.ops`` call under shard_map over the axes still automatic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("dp", "rep", "tpe", "tpi")
+TP_AXES = ("tpe", "tpi")
+EXPERT_AXES = ("rep", "tpe")
+
+# logical axis name -> mesh axes. Names not listed are replicated.
+RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("dp",),
+    "pages": ("dp",),
+    "heads": TP_AXES,
+    "index_heads": TP_AXES,
+    "mlp": TP_AXES,
+    "vocab": TP_AXES,
+    "experts": EXPERT_AXES,
+    "expert_mlp": ("tpi",),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    tp: int = 1
+    ep: int = 1
+    dp: int = 1
+
+    def __post_init__(self):
+        for name in ("tp", "ep", "dp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.tp % self.ep and self.ep % self.tp:
+            raise ValueError(f"ep ({self.ep}) must divide tp ({self.tp}) or be a multiple of it")
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        rep = self.ep // self.tp if self.ep > self.tp else 1
+        tpe = min(self.ep, self.tp)
+        return {"dp": self.dp, "rep": rep, "tpe": tpe, "tpi": self.tp // tpe}
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.axis_sizes.values())
+
+
+def make_mesh(par: Parallelism, devices=None) -> Mesh:
+    """The one place meshes are built (all axes Auto: XLA propagates shardings between ops)."""
+    devices = jax.devices() if devices is None else devices
+    if len(devices) < par.num_devices:
+        raise ValueError(f"tp={par.tp} ep={par.ep} dp={par.dp} needs {par.num_devices} devices, found {len(devices)}")
+    sizes = par.axis_sizes
+    grid = np.asarray(devices[: par.num_devices]).reshape([sizes[a] for a in MESH_AXES])
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def spec(logical: tuple[str | None, ...], *, exclude: tuple[str, ...] = ()) -> P:
+    """PartitionSpec for logical dims; mesh axes in ``exclude`` (e.g. manual ones) are dropped."""
+    out = []
+    for name in logical:
+        axes = tuple(a for a in RULES.get(name, ()) if a not in exclude)
+        out.append(axes if len(axes) > 1 else (axes[0] if axes else None))
+    return P(*out)
+
+
+# ---- parameters -------------------------------------------------------------------------------
+
+# Leaf name -> logical axes of the params pytree (see jaxdsa.models.dsa / checkpoints.names).
+_PARAM_AXES: dict[str, tuple[str | None, ...]] = {
+    "embed": ("vocab", None),
+    "lm_head": (None, "vocab"),
+    "q_b": (None, "heads", None),
+    "w_uk": ("heads", None, None),
+    "w_uv": ("heads", None, None),
+    "o": ("heads", None, None),
+    "wq_b": (None, "index_heads", None),
+    "weights_proj": (None, "index_heads"),
+    "gate": (None, "mlp"),
+    "up": (None, "mlp"),
+    "down": ("mlp", None),
+}
+_EXPERT_AXES = {"gate_up": ("experts", None, "expert_mlp"), "down": ("experts", "expert_mlp", None)}
+
+
+def leaf_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
+    """Logical axes of the parameter at ``path`` (dict keys / list indices from the params root)."""
+    key = next((k for k in reversed(path) if isinstance(k, str)), None)
+    table = _EXPERT_AXES if "experts" in path else _PARAM_AXES
+    return table.get(key, (None,) * ndim)
+
+
+def param_axes(params: Any) -> Any:
+    """The logical axes of every parameter leaf (a pytree shaped like ``params``)."""
+
+    def walk(tree, path):
+        if isinstance(tree, dict):
+            return {k: walk(v, path + (k,)) for k, v in tree.items()}
+        if isinstance(tree, list):
+            return [walk(v, path + (i,)) for i, v in enumerate(tree)]
+        return leaf_axes(path, np.ndim(tree))
+
+    return walk(params, ())
+
+
+def fit_to_mesh(value: np.ndarray, logical: tuple[str | None, ...], mesh: Mesh, what: str) -> np.ndarray:
+    """Zero-pad head dims to a multiple of their shard count (a zero head adds exactly nothing:
+    its query and output rows are 0); any other dim that does not split evenly is an error."""
+    pads = []
+    for dim, name in zip(value.shape, logical):
+        n = math.prod(mesh.shape[a] for a in RULES.get(name, ()))
+        extra = -dim % n
+        if extra and name not in ("heads", "index_heads"):
+            raise ValueError(f"{what}: dimension {name!r} of size {dim} does not split over {n} devices")
+        pads.append((0, extra))
+    return np.pad(value, pads) if any(p[1] for p in pads) else value
+
+
+def param_shardings(params: Any, mesh: Mesh) -> Any:
+    axes = param_axes(params)
+    return jax.tree.map(lambda a: NamedSharding(mesh, spec(a)), axes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+# ---- activations and kernels inside the step ---------------------------------------------------
+
+
+def _mesh():
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or math.prod(mesh.shape.values()) == 1 else mesh
+
+
+def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+    """Pin an activation's layout by logical names (a no-op outside a mesh)."""
+    mesh = _mesh()
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, spec(logical, exclude=tuple(mesh.manual_axes)))
+
+
+def _auto_axes(mesh) -> tuple[str, ...]:
+    """Mesh axes of size > 1 that the enclosing code has not taken manual (the shard_map's axes)."""
+    return tuple(a for a in mesh.axis_names if a not in mesh.manual_axes and mesh.shape[a] > 1)
+
+
+def wrap_op(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a jaxdsa.ops implementation under shard_map when the step is traced on a mesh."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        mesh = _mesh()
+        if mesh is None or not _auto_axes(mesh):
+            return fn(*args, **kwargs)
+        return _SHARDED[name](fn, _Axes(mesh), *args, **kwargs)
+
+    return wrapped
+
+
+class _Axes:
+    """The shard_map context of one wrapped call: which TP / expert axes are live."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.live = _auto_axes(mesh)
+        self.tp = tuple(a for a in TP_AXES if a in self.live) or None
+        self.experts = tuple(a for a in EXPERT_AXES if a in self.live)
+        self.expert_tp = tuple(a for a in ("tpi",) if a in self.live)
+
+    def heads(self, ndim: int, at: int) -> P:
+        return P(*([None] * at + [self.tp] + [None] * (ndim - at - 1)))
+
+    def psum(self, x, axes):
+        return jax.lax.psum(x, axes) if axes else x
+
+    def smap(self, f, in_specs, out_specs):
+        return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(self.live), check_vma=False)
+
+    def expert_spec(self, logical):
+        return spec(logical, exclude=tuple(a for a in MESH_AXES if a not in self.live))
+
+
+def _sparse_mla(fn, ax, q, kv, indices, *, sm_scale, sink=None, v_dim=512):
+    f = lambda q, kv, i, s: fn(q, kv, i, sm_scale=sm_scale, sink=s, v_dim=v_dim)  # noqa: E731
+    in_specs = (ax.heads(3, 1), P(), P(), None if sink is None else P(ax.tp))
+    return ax.smap(f, in_specs, (ax.heads(3, 1), ax.heads(2, 1)))(q, kv, indices, sink)
+
+
+def _merge_states(fn, ax, outs, lses, sink=None):
+    f = lambda o, l, s: fn(o, l, sink=s)  # noqa: E731
+    in_specs = (ax.heads(4, 2), ax.heads(3, 2), None if sink is None else P(ax.tp))
+    return ax.smap(f, in_specs, (ax.heads(3, 1), ax.heads(2, 1)))(outs, lses, sink)
+
+
+def _indexer_paged(fn, ax, q, w, k_pages, page_table, seq_ids, q_pos, *, k_scale=None):
+    """Index heads are split over TP: each shard sums its heads, one psum adds the shards."""
+
+    def f(q, w, k, table, seq, pos, scale):
+        return ax.psum(fn(q, w, k, table, seq, pos, k_scale=scale), ax.tp)
+
+    in_specs = (ax.heads(3, 1), ax.heads(2, 1), P(), P(), P(), P(), None if k_scale is None else P())
+    return ax.smap(f, in_specs, P())(q, w, k_pages, page_table, seq_ids, q_pos, k_scale)
+
+
+def _indexer(fn, ax, q, w, k, *, q_pos):
+    f = lambda q, w, k, pos: ax.psum(fn(q, w, k, q_pos=pos), ax.tp)  # noqa: E731
+    return ax.smap(f, (ax.heads(3, 1), ax.heads(2, 1), P(), P()), P())(q, w, k, q_pos)
+
+
+def _topk(fn, ax, logits, k):
+    return ax.smap(lambda x: fn(x, k), (P(),), P())(logits)
+
+
+def _moe(fn, ax, x, ids, weights, experts, *, swiglu_limit=None):
+    """Expert parallelism without all-to-all: tokens are replicated over the expert axes, so each
+    shard runs the slots routed to its own experts (ids shifted into its range, the others drop
+    out) and one psum adds the shards (and the partial down-projections of expert-TP shards)."""
+    n_shards = math.prod(ax.mesh.shape[a] for a in ax.experts)
+    per_shard = experts["down"].shape[0] // n_shards
+    expert_specs = {k: ax.expert_spec(_EXPERT_AXES[k]) for k in experts}
+
+    def f(x, ids, w, e):
+        local = ids - jax.lax.axis_index(ax.experts) * per_shard if ax.experts else ids
+        out = fn(x, local, w, e, swiglu_limit=swiglu_limit)
+        return ax.psum(out.astype(jnp.float32), ax.experts + ax.expert_tp).astype(x.dtype)
+
+    return ax.smap(f, (P(), P(), P(), expert_specs), P())(x, ids, weights, experts)
+
+
+_SHARDED = {
+    "sparse_mla": _sparse_mla,
+    "merge_states": _merge_states,
+    "indexer_logits_paged": _indexer_paged,
+    "indexer_logits": _indexer,
+    "topk_indices": _topk,
+    "moe_experts": _moe,
+}
+
+
+def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """Vocab-parallel embedding: each TP shard looks up the ids in its row range, then one psum."""
+    mesh = _mesh()
+    ax = None if mesh is None else _Axes(mesh)
+    if ax is None or ax.tp is None:
+        return table[ids]
+    rows = table.shape[0] // math.prod(mesh.shape[a] for a in ax.tp)
+
+    def f(t, i):
+        local = i - jax.lax.axis_index(ax.tp) * rows
+        hit = (local >= 0) & (local < rows)
+        return ax.psum(jnp.where(hit[:, None], t[jnp.where(hit, local, 0)], 0), ax.tp)
+
+    return ax.smap(f, (P(ax.tp, None), P()), P())(table, ids)
+
+
+# ---- the step over data-parallel groups --------------------------------------------------------
+
+
+def data_parallel(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
+    """``fn(params, *batch)`` as independent dp groups: params replicated over dp, every batch
+    argument (tokens, positions, cache, metadata) and every output split over dp on its leading
+    dim. Inside, indices are group-local; TP / EP stay automatic."""
+
+    def run(params, *batch):
+        in_specs = (P(),) + (P("dp"),) * len(batch)
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P("dp"), axis_names={"dp"}, check_vma=False)(params, *batch)
+
+    return run
