@@ -1,0 +1,312 @@
+"""GPU benchmark: sparse MLA (Pallas kernel vs the pure-JAX reference) at the anchor shapes.
+
+Run ``python -m benchmarks.kernels_mla`` on a GPU (or call :func:`run` from a batched driver).
+Shapes (shared/anchors/kernels-h100.md): decode H in {16, 64, 128} x B in {1, 8, 32, 128}, one
+query per sequence, top-k 2048 over a 262144-slot pool; prefill T in {1024, 4096} x H in
+{64, 128} over a 65536-slot pool. q/kv bf16 random normal, indices uniform over the pool (no
+-1s, no causal structure), 576-wide rows (512 value + 64 rope), no sink.
+
+Two phases, so the required rows always exist and the sweep only spends what is left:
+
+1. per shape: the kernel with the tuning table's config (``pallas:table``, 20 replays), checked
+   against the float32 reference (rel L2 <= 1e-2 on out, LSE error reported), and the pure-JAX
+   reference (``reference``; bf16 inputs, float32 math, as in the anchors; fewer input sets and
+   replays at big shapes);
+2. a sweep of tile / split variants per shape (5 replays each), each shape getting an equal share
+   of the remaining budget (``BUDGET_S`` of wall time in all); the best variant is re-timed with
+   20 replays when it beats the table. The printed ``TUNED`` lines can be pasted into
+   ``pallas_kernels/sparse_mla/tuning.py``.
+
+Method (as ``harness.time_op``): one jit runs the op over R distinct input sets back to back (R
+sized so a replay touches >= 2.5x the 50 MiB L2, capped at 32), wall clock / R, median over
+replays after warm-up; here the same executable also returns the first set's output for the
+correctness check, so a config compiles once. bytes = T*K*576*2 (gathered rows, each read once)
++ q + out + idx; flops = 2*T*H*K*(576+512). Percentages are of the copy / matmul ceilings passed
+in (or measured here); "% of 3006" is of the anchors' torch ``copy_`` ceiling.
+Writes ``benchmarks/results/kernels_mla-<gpu>.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import pathlib
+import statistics
+import time
+import traceback
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import harness
+from pallas_kernels._triton import compute_capability
+from pallas_kernels.sparse_mla import kernel, ref, tuning
+from pallas_kernels.sparse_mla.tuning import MlaConfig
+
+D, DV, TOPK = 576, 512, 2048
+SCALE = 192**-0.5  # DeepSeek-V3.2's qk_head_dim (128 nope + 64 rope); any scale would do
+DECODE_POOL, PREFILL_POOL = 262144, 65536
+TOLERANCE = 1e-2
+TORCH_COPY_GBS = 3006.0  # anchors: torch dst.copy_(src), 1 GiB, H100
+L2_BYTES = 50 * 2**20
+MAX_SETS = 32
+CHECK_QUERIES = 256  # prefill: queries compared with the float32 reference
+BUDGET_S = float(os.environ.get("KERNELS_MLA_BUDGET_S", "210"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    kind: str  # "decode" (T = batch of one-token sequences) or "prefill"
+    t: int
+    h: int
+    pool: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} H={self.h} {'B' if self.kind == 'decode' else 'T'}={self.t}"
+
+    @property
+    def nbytes(self) -> int:
+        return self.t * TOPK * D * 2 + self.t * self.h * (D + DV) * 2 + self.t * TOPK * 4
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.t * self.h * TOPK * (D + DV)
+
+    @property
+    def sets(self) -> int:
+        return max(1, min(MAX_SETS, math.ceil(2.5 * L2_BYTES / self.nbytes)))
+
+
+SHAPES = [Shape("decode", b, h, DECODE_POOL) for h in (16, 64, 128) for b in (1, 8, 32, 128)] + [
+    Shape("prefill", t, h, PREFILL_POOL) for t in (1024, 4096) for h in (64, 128)
+]
+
+
+def _describe(cfg: MlaConfig) -> str:
+    return f"bh{cfg.block_h} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} splits{cfg.splits}"
+
+
+def _table_config(shape: Shape, block_h: int | None = None) -> MlaConfig:
+    return tuning.choose(shape.t, shape.h, TOPK, D * 2, 4 * DV, block_h=block_h)
+
+
+def _variants(shape: Shape, base: MlaConfig) -> dict[str, MlaConfig]:
+    """Sweep candidates around the table's config, most promising first."""
+    r = functools.partial(dataclasses.replace, base)
+    if shape.kind == "decode":
+        cands = [
+            ("splits*2", r(splits=min(base.splits * 2, TOPK // base.block_n))),
+            # the split rule re-applied to 16 heads per program / to all heads (up to 64) per program
+            ("bh16", _table_config(shape, block_h=16)),
+            ("all_heads", _table_config(shape, block_h=min(64, max(16, shape.h)))),
+            ("splits/2", r(splits=max(1, base.splits // 2))),
+            ("bn64" if base.block_n < 64 else "bn32", r(block_n=64 if base.block_n < 64 else 32)),
+            ("warps4" if base.num_warps > 4 else "warps8", r(num_warps=4 if base.num_warps > 4 else 8)),
+            ("stages3", r(num_stages=3)),
+        ]
+    else:
+        cands = [
+            ("bn64", r(block_n=64)),
+            ("stages3", r(num_stages=3)),
+            ("bn16", r(block_n=16)),
+            ("warps4", r(num_warps=4)),
+            ("bh/2", r(block_h=max(16, base.block_h // 2))),
+        ]
+    if shape.h >= 128:  # all heads in one program (rows read once); 16 warps hold the [128, 512] f32 acc
+        all_heads = ("bh128w16", r(block_h=128, block_n=16, num_warps=16))
+        cands = [all_heads, *cands] if shape.kind == "prefill" else [*cands, all_heads]
+    out: dict[str, MlaConfig] = {}
+    for name, cfg in cands:
+        if cfg != base and cfg not in out.values():
+            out[name] = cfg
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("t", "h", "pool"))
+def _make_set(key, *, t: int, h: int, pool: int):
+    kq, ki = jax.random.split(key)
+    q = jax.random.normal(kq, (t, h, D), jnp.bfloat16)
+    return q, jax.random.randint(ki, (t, TOPK), 0, pool, jnp.int32)
+
+
+def _make_sets(shape: Shape, kv: jax.Array, n: int) -> list[tuple]:
+    keys = jax.random.split(jax.random.key(1000 * shape.h + shape.t), n)
+    return [(*_make_set(k, t=shape.t, h=shape.h, pool=shape.pool), kv) for k in keys]
+
+
+def _checked_queries(shape: Shape) -> int:
+    return min(shape.t, CHECK_QUERIES)
+
+
+def _expected(shape: Shape, q, idx, kv):
+    """Float32 reference on the first queries of set 0 (bf16 kv rows are upcast inside)."""
+    n = _checked_queries(shape)
+    fn = jax.jit(functools.partial(ref.sparse_mla, sm_scale=SCALE, v_dim=DV))
+    return jax.block_until_ready(fn(q[:n].astype(jnp.float32), kv, idx[:n]))
+
+
+def _compile_and_check(fn: Callable, sets: list, want, n_check: int) -> tuple[dict, Callable[[int], float] | None]:
+    """Compile ``fn`` over all sets in one jit, check set 0 against ``want``.
+
+    Returns the check's row fields and, when it passed, ``timer(replays) -> us per call`` that
+    reuses the compiled executable (so a sweep winner is re-timed without a second compile).
+    """
+
+    @jax.jit
+    def run_all(sets):
+        return [fn(*s) for s in sets]
+
+    try:
+        out, lse = jax.block_until_ready(run_all(sets))[0]
+        err = harness.rel_l2(out[:n_check], want[0])
+        lse_err = float(jnp.max(jnp.abs(lse[:n_check] - want[1])))
+    except Exception as exc:  # noqa: BLE001 - one failing variant must not end the batched run
+        traceback.print_exc()
+        return {"note": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"}, None
+    checked = {"rel_err": err, "lse_err": lse_err}
+    if not err <= TOLERANCE:
+        return checked | {"note": f"FAILED check (rel L2 {err:.2e})"}, None
+
+    def timer(replays: int) -> float:
+        jax.block_until_ready(run_all(sets))
+        times = []
+        for _ in range(replays):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run_all(sets))
+            times.append((time.perf_counter() - t0) / len(sets))
+        return statistics.median(times) * 1e6
+
+    return checked, timer
+
+
+def _with_rates(row: dict, shape: Shape, *, copy_gbs: float, mm_tflops: float) -> dict:
+    if "us" in row:
+        sec = row["us"] * 1e-6
+        gbs = shape.nbytes / sec / 1e9
+        tflops = shape.flops / sec / 1e12
+        row |= {
+            "GB/s": gbs,
+            "% copy": 100 * gbs / copy_gbs,
+            "% of 3006": 100 * gbs / TORCH_COPY_GBS,
+            "TFLOP/s": tflops,
+            "% mm": 100 * tflops / mm_tflops,
+        }
+    return row
+
+
+def _kernel_fn(cfg: MlaConfig | None) -> Callable:
+    return lambda q, idx, kv: kernel.sparse_mla(q, kv, idx, sm_scale=SCALE, v_dim=DV, config=cfg)
+
+
+def _reference_fn(q, idx, kv):
+    return ref.sparse_mla(q, kv, idx, sm_scale=SCALE, v_dim=DV)
+
+
+def run(ceilings: Mapping[str, float] | None = None) -> list[dict]:
+    """All rows (per shape: table config, reference, sweep variants). ``ceilings``: optional
+    ``copy_gbs`` / ``matmul_tflops`` (measured here when absent)."""
+    ceilings = dict(ceilings or {})
+    start = time.perf_counter()
+    clock = lambda: time.perf_counter() - start  # noqa: E731
+    copy_gbs = ceilings.get("copy_gbs") or harness.copy_ceiling_gbs()
+    mm_tflops = ceilings.get("matmul_tflops") or harness.matmul_ceiling_tflops()
+    rates = functools.partial(_with_rates, copy_gbs=copy_gbs, mm_tflops=mm_tflops)
+    cc = compute_capability()
+    pools = {
+        n: jax.block_until_ready(jax.random.normal(jax.random.key(n), (n, D), jnp.bfloat16))
+        for n in (DECODE_POOL, PREFILL_POOL)
+    }
+    print(f"kernels_mla: cc {cc}, copy {copy_gbs:.0f} GB/s, mm {mm_tflops:.0f} TFLOP/s, ready at {clock():.0f}s")
+
+    rows: dict[Shape, list[dict]] = {}
+    wants: dict[Shape, Any] = {}
+    for shape in SHAPES:  # phase 1: the required rows
+        kv = pools[shape.pool]
+        sets = _make_sets(shape, kv, shape.sets)
+        wants[shape] = _expected(shape, sets[0][0], sets[0][1], kv)
+        common = {"shape": shape.label, "MB": shape.nbytes / 1e6, "sets": len(sets)}
+        table = common | {"impl": "pallas:table", "config": _describe(_table_config(shape))}
+        checked, timer = _compile_and_check(_kernel_fn(None), sets, wants[shape], _checked_queries(shape))
+        table |= checked | ({"us": timer(20)} if timer else {})
+        ref_sets = sets[: max(1, len(sets) // 4)]
+        us = 1e6 * harness.time_op(_reference_fn, ref_sets, replays=5 if shape.kind == "prefill" else 10)
+        reference = common | {"impl": "reference", "sets": len(ref_sets), "us": us}
+        rows[shape] = [rates(table, shape), rates(reference, shape)]
+        print(f"{shape.label}: table {table.get('us', table.get('note'))} us, reference {us:.1f} us [{clock():.0f}s]")
+
+    tuned = []
+    for i, shape in enumerate(SHAPES):  # phase 2: the sweep, with what is left of the budget
+        share = (BUDGET_S - clock()) / (len(SHAPES) - i)
+        shape_start = clock()
+        sets = _make_sets(shape, pools[shape.pool], shape.sets)
+        common = {"shape": shape.label, "MB": shape.nbytes / 1e6, "sets": len(sets)}
+        best = None  # (us, row, cfg, timer) of the fastest variant
+        for name, cfg in _variants(shape, _table_config(shape)).items():
+            row = common | {"impl": f"pallas:{name}", "config": _describe(cfg)}
+            if clock() - shape_start >= share:
+                rows[shape].append(row | {"note": "skipped: time budget"})
+                continue
+            checked, timer = _compile_and_check(_kernel_fn(cfg), sets, wants[shape], _checked_queries(shape))
+            row |= checked | ({"us": timer(5)} if timer else {})
+            rows[shape].append(rates(row, shape))
+            if timer and (best is None or row["us"] < best[0]):
+                best = (row["us"], row, cfg, timer)
+            print(f"{shape.label} {name} {_describe(cfg)}: {row.get('us', row.get('note'))} [{clock():.0f}s]")
+        table = rows[shape][0]
+        if best and "us" in table and best[0] < table["us"]:
+            _, row, cfg, timer = best
+            row |= rates({"us": timer(20)}, shape)  # full timing for the winner
+            if row["us"] < 0.97 * table["us"]:
+                note = f"{row['us']:.1f} us vs table {table['us']:.1f} us"
+                tuned.append(f"    ({cc}, {shape.h}, {shape.t}): {cfg!r},  # {note}")
+        timed = [r for r in rows[shape] if r["impl"].startswith("pallas") and "us" in r]
+        if timed:
+            min(timed, key=lambda r: r["us"])["impl"] += " (best)"
+
+    results = [r for shape in SHAPES for r in rows[shape]]
+    _write_report(results, tuned, copy_gbs, mm_tflops, clock())
+    return results
+
+
+COLUMNS = ("shape", "MB", "impl", "config", "sets", "us", "GB/s", "% copy", "% of 3006", "TFLOP/s", "% mm",
+           "rel_err", "lse_err", "note")
+
+
+def _write_report(results: list[dict], tuned: list[str], copy_gbs: float, mm_tflops: float, elapsed: float) -> None:
+    header = harness.device_header()
+    lines = [
+        f"# Sparse MLA (576/512, top-{TOPK}, bf16) on {header['device']}",
+        "",
+        "| | |",
+        "|---|---|",
+        *[f"| {k} | {v} |" for k, v in header.items()],
+        f"| copy ceiling (jax x+1, 1 GiB) | {copy_gbs:.0f} GB/s |",
+        f"| matmul ceiling (jax bf16 8192^3) | {mm_tflops:.0f} TFLOP/s |",
+        f"| benchmark wall time | {elapsed:.0f} s |",
+        "",
+        "Method: see the docstring of `benchmarks/kernels_mla.py`. `(best)` marks the fastest Pallas",
+        "config per shape (re-timed with 20 replays when it is a sweep variant).",
+        "",
+        harness.markdown_table(results, COLUMNS),
+        "",
+        "Sweep winners (>3 % better than the table) for `pallas_kernels/sparse_mla/tuning.py` `TUNED`:",
+        "",
+        "```python",
+        *(tuned or ["    # none"]),
+        "```",
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    out = pathlib.Path(__file__).parent / "results" / f"kernels_mla-{harness.gpu_slug()}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    print(f"kernels_mla: wrote {out}")
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,66 @@
+"""Tile sizes for the LSE-merge kernel, per GPU compute capability.
+
+The merge streams n parts into one output. A program owns ``block_rows`` rows x ``block_d``
+columns of the flattened ``[T*H, D]`` output and loads up to ``block_parts`` parts of them as one
+``[block_rows, block_parts, block_d]`` tile, so the usual case (n <= 64 K splits) is a single
+load per program: no loop-carried latency, which is what B = 1 decode needs. The tile is held
+near ``tile_elems`` float32 values (registers); rows are then halved until the grid has about one
+program per SM, so small merges spread over the GPU instead of queueing on a few SMs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels._triton import compute_capability
+
+MAX_BLOCK_PARTS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeConfig:
+    block_rows: int  # output rows per program (power of two)
+    block_parts: int  # parts loaded per step (power of two)
+    block_d: int  # output columns per program (power of two)
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    num_sms: int
+    tile_elems: int  # float32 values per [rows, parts, cols] tile
+    max_block_d: int
+    num_warps: int
+    num_stages: int
+
+
+TABLE: dict[int, _Entry] = {
+    80: _Entry(num_sms=108, tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
+    86: _Entry(num_sms=84, tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
+    89: _Entry(num_sms=128, tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
+    90: _Entry(num_sms=132, tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
+    100: _Entry(num_sms=148, tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
+    120: _Entry(num_sms=188, tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
+    121: _Entry(num_sms=48, tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
+}
+DEFAULT = _Entry(num_sms=108, tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2)
+
+
+def _pow2_at_least(x: int) -> int:
+    p = 1
+    while p < x:
+        p *= 2
+    return p
+
+
+def choose(n_parts: int, rows: int, d: int) -> MergeConfig:
+    """Config for merging ``n_parts`` parts of ``rows`` x ``d`` outputs."""
+    e = TABLE.get(compute_capability(), DEFAULT)
+    block_parts = min(_pow2_at_least(n_parts), MAX_BLOCK_PARTS)
+    block_d = min(e.max_block_d, _pow2_at_least(d), max(32, e.tile_elems // block_parts))
+    block_rows = max(1, e.tile_elems // (block_parts * block_d))
+    col_blocks = -(-d // block_d)
+    while block_rows > 1 and -(-rows // block_rows) * col_blocks < e.num_sms:
+        block_rows //= 2
+    return MergeConfig(block_rows, block_parts, block_d, e.num_warps, e.num_stages)

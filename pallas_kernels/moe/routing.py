@@ -1,0 +1,81 @@
+"""Device-side routing for the grouped expert GEMMs: token slots grouped into per-expert blocks.
+
+Slot ``s = t * k + j`` is token ``t``'s ``j``-th routed expert. Slots are grouped by expert and
+each expert's slots are cut into blocks of ``block_m`` rows; a block is the M tile of one
+program, so an expert's weights are streamed once per block (once in total while the expert has
+at most ``block_m`` slots). The grid of the kernels is static, so the map is sized for the worst
+case (:func:`max_blocks`) and unused blocks are marked idle (expert -1); their programs exit at
+once. Everything here is plain XLA (a sort, a few reductions and one scatter): Pallas-Triton
+kernels cannot sort.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class BlockMap(NamedTuple):
+    block_expert: jax.Array  # [max_blocks] int32: expert of each block, -1 = idle block
+    row_slot: jax.Array  # [max_blocks * block_m] int32: slot held by each block row, -1 = padding
+
+
+def max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Most blocks any routing can need.
+
+    With ``n <= min(E, S)`` touched experts holding ``c_e >= 1`` slots each,
+    ``sum ceil(c_e / bm) <= sum ((c_e - 1) / bm + 1) = (S - n) / bm + n``, which grows with n.
+    """
+    m = min(num_experts, num_slots)
+    return m + (num_slots - m) // block_m
+
+
+def one_block_per_slot(topk_ids: jax.Array, num_experts: int, block_m: int) -> BlockMap:
+    """Every slot its own block: no sort, no scan (one small fusion).
+
+    Valid for any routing (an expert named twice is simply streamed twice). Used for T = 1: a
+    single token's top-k experts are distinct, so grouping has nothing to merge and would only
+    add its sort and scans (a handful of small kernels) to the batch-1 decode latency.
+    """
+    ids = topk_ids.reshape(-1).astype(jnp.int32)
+    num_slots = ids.shape[0]
+    valid = (ids >= 0) & (ids < num_experts)
+    block_expert = jnp.where(valid, ids, -1)
+    slot = jnp.arange(num_slots, dtype=jnp.int32)
+    first_row = jnp.arange(block_m, dtype=jnp.int32)[None, :] == 0
+    row_slot = jnp.where(first_row & valid[:, None], slot[:, None], -1)
+    return BlockMap(block_expert, row_slot.reshape(-1))
+
+
+def group_by_expert(topk_ids: jax.Array, num_experts: int, block_m: int) -> BlockMap:
+    """Slots sorted by expert (stable), each expert's run padded to whole blocks.
+
+    Slots with ids outside ``[0, E)`` sort last and land in no block, so they contribute nothing.
+    """
+    ids = topk_ids.reshape(-1).astype(jnp.int32)
+    num_slots = ids.shape[0]
+    n_blocks = max_blocks(num_slots, num_experts, block_m)
+    key = jnp.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)  # sorted row -> slot
+    experts = jnp.arange(num_experts, dtype=jnp.int32)
+    # group_end[e] = slots with key <= e (cumulative counts, no scatter-add needed)
+    group_end = jnp.sum(key[None, :] <= experts[:, None], axis=1, dtype=jnp.int32)
+    group_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), group_end[:-1]])
+    blocks = (group_end - group_start + block_m - 1) // block_m
+    block_end = jnp.cumsum(blocks, dtype=jnp.int32)
+    block_start = block_end - blocks
+
+    sorted_key = key[order]
+    e = jnp.minimum(sorted_key, num_experts - 1)
+    row = jnp.arange(num_slots, dtype=jnp.int32)
+    padded_row = block_start[e] * block_m + (row - group_start[e])
+    padded_row = jnp.where(sorted_key < num_experts, padded_row, n_blocks * block_m)  # dropped
+    row_slot = jnp.full((n_blocks * block_m,), -1, jnp.int32).at[padded_row].set(order, mode="drop")
+
+    # block b belongs to expert #{e : block_end[e] <= b} (block_end is non-decreasing)
+    b = jnp.arange(n_blocks, dtype=jnp.int32)
+    block_expert = jnp.sum(block_end[None, :] <= b[:, None], axis=1, dtype=jnp.int32)
+    block_expert = jnp.where(block_expert < num_experts, block_expert, -1)
+    return BlockMap(block_expert, row_slot)

@@ -1,0 +1,144 @@
+"""Pallas-Triton top-k selection: indices of the k largest finite values of each row, any order.
+
+Sort-free and exact (the Triton backend lowers no sort/top_k, and has no shared-memory atomics
+for a radix histogram):
+
+1. Every f32 maps to an order-preserving int32 key (the non-sign bits of negatives flipped);
+   non-finite values map to INT32_MIN and are never selected.
+2. One program holds a chunk of ``chunk`` keys of one row in registers and finds the cutoff of its
+   ``kk = min(k, #finite)`` largest keys by MSB-first bisection on the key bits: each probe is a
+   compare-and-count over the registers (a block reduction, no memory traffic), at most 32 probes,
+   and the search stops as soon as a probe has exactly ``kk`` keys at or above it (usual for
+   tie-free data, well before the last bit). The keys above the cutoff plus the first
+   ``kk - #above`` keys equal to it are compacted with two prefix sums and written, so the cost is
+   one read of the chunk plus register work.
+3. A row longer than one chunk is reduced in stages: each chunk writes its own top k (keys and
+   original indices), which contains the row's top k (a key above the row's cutoff is above its
+   chunk's cutoff, and a chunk holding the row's cutoff value keeps at least as many of those ties
+   as the row needs), so the ``ceil(S / chunk) * k`` candidates go through the same kernel again
+   until one chunk holds the whole row.
+
+The index set equals ``jax.lax.top_k``'s whenever the k-th and (k+1)-th largest values differ;
+with ties at the cutoff any of the tied indices may be chosen. Rows with fewer than k finite values
+are padded with -1. ``k > chunk / 2`` on rows longer than one chunk (no shrinking stage exists)
+falls back to ``jax.lax.top_k``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._triton import compiler_params, pl, pltriton
+from pallas_kernels.topk import ref, tuning
+
+_INT32_MIN = -(2**31)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "interpret", "config"))
+def topk_indices(
+    logits: jax.Array, k: int, *, interpret: bool = False, config: tuning.TopkConfig | None = None
+) -> jax.Array:
+    """logits [T,S] -> [T,k] int32 indices of the k largest finite values (any order, -1 padding).
+
+    See :func:`jaxdsa.ops.topk_indices`. ``config`` overrides the tuning table (benchmarks, tests).
+    """
+    cfg = config or tuning.config_for()
+    T, S = logits.shape
+    if S > cfg.chunk and k > cfg.chunk // 2:
+        return ref.topk_indices(logits, k)
+    keys, idx = logits.astype(jnp.float32), None
+    while keys.shape[1] > cfg.chunk:
+        keys, idx = _select(keys, idx, k, cfg.chunk, cfg, final=False, interpret=interpret)
+    chunk = pl.next_power_of_2(max(keys.shape[1], 16))
+    (out,) = _select(keys, idx, k, chunk, cfg, final=True, interpret=interpret)
+    return out
+
+
+def _select(keys, idx, k: int, chunk: int, cfg: tuning.TopkConfig, *, final: bool, interpret: bool):
+    """One stage. ``keys`` is the f32 logits (first stage, ``idx`` None) or the int32 keys of the
+    previous stage's candidates with their original indices ``idx``. Returns ``(indices [T,k],)``
+    when ``final``, else ``(keys, indices)`` of each chunk's top k, ``[T, n_chunks * k]`` each."""
+    T, n = keys.shape
+    n_chunks = pl.cdiv(n, chunk)
+    width = k if final else n_chunks * k
+    out_shape = [jax.ShapeDtypeStruct((T, width), jnp.int32)]
+    if not final:
+        out_shape.insert(0, jax.ShapeDtypeStruct((T, width), jnp.int32))
+    inputs = (keys,) if idx is None else (keys, idx)
+    kernel = functools.partial(_select_kernel, n=n, k=k, chunk=chunk, first=idx is None, final=final)
+    return pl.pallas_call(
+        kernel,
+        out_shape=tuple(out_shape),
+        grid=(T, n_chunks),
+        compiler_params=compiler_params(cfg.num_warps(chunk), 1),
+        interpret=interpret,
+        name="topk_select",
+    )(*inputs)
+
+
+def _select_kernel(*refs, n: int, k: int, chunk: int, first: bool, final: bool) -> None:
+    in_refs, out_refs = (refs[:1], refs[1:]) if first else (refs[:2], refs[2:])
+    row = pl.program_id(0)
+    start = pl.program_id(1) * chunk
+    pos = start + jnp.arange(chunk, dtype=jnp.int32)
+    in_row = pos < n
+    if first:
+        x = pltriton.load(in_refs[0].at[row, pl.ds(start, chunk)], mask=in_row, other=float("-inf"))
+        key, idx = _ordered_key(x), pos
+    else:
+        key = pltriton.load(in_refs[0].at[row, pl.ds(start, chunk)], mask=in_row, other=_INT32_MIN)
+        idx = pltriton.load(in_refs[1].at[row, pl.ds(start, chunk)], mask=in_row, other=-1)
+
+    valid = key > _INT32_MIN
+    kk = jnp.minimum(k, jnp.sum(valid.astype(jnp.int32)))
+    cutoff = _cutoff(key, kk)
+    above = valid & (key > cutoff)
+    tie = (valid & (key == cutoff)).astype(jnp.int32)
+    need = kk - jnp.sum(above.astype(jnp.int32))
+    sel = above | ((tie == 1) & (jnp.cumsum(tie) - tie < need))
+    sel_i = sel.astype(jnp.int32)
+    slot = jnp.cumsum(sel_i) - sel_i
+
+    base = 0 if final else pl.program_id(1) * k
+    width = out_refs[0].shape[1]
+    dest = jnp.where(sel, base + slot, width)  # masked lanes point past the row
+    j = jnp.arange(pl.next_power_of_2(k), dtype=jnp.int32)
+    pad = (j >= kk) & (j < k)
+    pad_dest = jnp.where(pad, base + j, width)
+    *key_out, idx_out = out_refs
+    pltriton.store(idx_out.at[row, dest], idx, mask=sel)
+    pltriton.store(idx_out.at[row, pad_dest], jnp.full(j.shape, -1, jnp.int32), mask=pad)
+    if key_out:
+        pltriton.store(key_out[0].at[row, dest], key, mask=sel)
+        pltriton.store(key_out[0].at[row, pad_dest], jnp.full(j.shape, _INT32_MIN, jnp.int32), mask=pad)
+
+
+def _ordered_key(x: jax.Array) -> jax.Array:
+    """f32 -> int32 with the same order (-0.0 just below +0.0); non-finite -> INT32_MIN."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(jnp.isfinite(x), bits ^ ((bits >> 31) & 0x7FFFFFFF), _INT32_MIN)
+
+
+def _cutoff(key: jax.Array, kk) -> jax.Array:
+    """A threshold ``t`` whose selection ``key > t`` plus ties ``key == t`` yields the ``kk`` largest:
+    the largest ``t`` with ``count(key >= t) >= kk``, built MSB first, or an earlier probe that
+    already has exactly ``kk`` keys at or above it."""
+
+    def cond(state):
+        bit, _, count = state
+        return (bit >= 0) & (count != kk)
+
+    def body(state):
+        bit, t, _ = state
+        # From t = INT32_MIN the first probe, at bit 31, wraps to 0: the sign decides first.
+        probe = t + jnp.left_shift(jnp.int32(1), bit)
+        count = jnp.sum((key >= probe).astype(jnp.int32))
+        return bit - 1, jnp.where(count >= kk, probe, t), count
+
+    # Constant initial carries: the Triton while lowering fails (AssertionError in _add) on a carry
+    # initialised by a scalar jnp.where.
+    return lax.while_loop(cond, body, (jnp.int32(31), jnp.int32(_INT32_MIN), jnp.int32(-1)))[1]

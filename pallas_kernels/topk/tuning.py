@@ -1,0 +1,44 @@
+"""Chunk sizes for the top-k select kernel, per GPU compute capability.
+
+One program holds a chunk of ``chunk`` keys in registers, ``elems_per_thread`` per thread
+(so ``num_warps = chunk / (32 * elems_per_thread)``, at most 16). Bigger chunks mean fewer
+candidate stages on long rows (each stage shrinks a row by ``chunk / k``) but fewer programs per
+row and more registers per thread. Every listed part has 64 K registers per SM, so one table
+fits all until ``benchmarks/kernels_indexer.py`` has been run on each; it prints the best variant
+per shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels.indexer_logits.tuning import target_compute_capability
+
+MAX_WARPS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class TopkConfig:
+    chunk: int = 8192
+    elems_per_thread: int = 32
+
+    def num_warps(self, chunk: int) -> int:
+        """Warps for a program holding ``chunk`` keys (a final stage may use a smaller chunk)."""
+        return max(1, min(MAX_WARPS, chunk // (32 * self.elems_per_thread)))
+
+
+TABLE: dict[int, TopkConfig] = {
+    80: TopkConfig(chunk=8192, elems_per_thread=32),
+    86: TopkConfig(chunk=8192, elems_per_thread=32),
+    89: TopkConfig(chunk=8192, elems_per_thread=32),
+    90: TopkConfig(chunk=8192, elems_per_thread=32),
+    100: TopkConfig(chunk=8192, elems_per_thread=32),
+    120: TopkConfig(chunk=8192, elems_per_thread=32),
+    121: TopkConfig(chunk=8192, elems_per_thread=32),
+}
+DEFAULT = TopkConfig()
+
+
+def config_for(cc: int | None = None) -> TopkConfig:
+    """The table entry for ``cc`` (default: the current target); unknown parts get ``DEFAULT``."""
+    return TABLE.get(target_compute_capability() if cc is None else cc, DEFAULT)

@@ -1,0 +1,176 @@
+"""MoE expert kernels vs the pure-JAX reference (CPU, interpret mode) + CUDA lowering.
+
+Interpret mode runs the real kernel bodies one grid step at a time, so D and N stay small while
+T, E and the routings vary (uneven groups, empty experts, experts spanning several blocks,
+out-of-range ids). The GLM-5 production shapes are only lowered (Pallas -> Triton IR).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdsa import ops
+from pallas_kernels._triton import lower_for_cuda
+from pallas_kernels.moe import kernel, ref, routing, tuning
+from pallas_kernels.moe.tuning import MoeConfig, Tile
+
+_group_by_expert = jax.jit(routing.group_by_expert, static_argnums=(1, 2))
+_one_block_per_slot = jax.jit(routing.one_block_per_slot, static_argnums=(1, 2))
+_ref = jax.jit(ref.moe_experts, static_argnames=("swiglu_limit",))
+
+
+@functools.partial(jax.jit, static_argnames=("swiglu_limit", "config"))
+def _kernel(x, ids, weights, experts, *, swiglu_limit, config):
+    return kernel.moe_experts(x, ids, weights, experts, swiglu_limit=swiglu_limit, interpret=True, config=config)
+
+
+def _routing(rng, t, k, e, *, skew, invalid):
+    """Distinct experts per token; ``skew`` concentrates tokens on few experts (uneven groups,
+    empty experts); a fraction ``invalid`` of the slots gets ids outside [0, E)."""
+    scores = rng.gumbel(size=(t, e)) + skew * np.linspace(4.0, 0.0, e)
+    ids = np.argsort(-scores, axis=1)[:, :k]
+    bad = rng.random((t, k)) < invalid
+    ids[bad] = rng.choice([-1, -7, e, e + 5], size=int(bad.sum()))
+    return jnp.asarray(ids, jnp.int32)
+
+
+def _inputs(seed, t, k, e, d, n, dtype, *, skew=0.0, invalid=0.1):
+    rng = np.random.default_rng(seed)
+    gate = rng.standard_normal((e, n, d), np.float32) / np.sqrt(d)
+    up = rng.standard_normal((e, n, d), np.float32) / np.sqrt(d)
+    down = rng.standard_normal((e, d, n), np.float32) / np.sqrt(n)
+    experts = ref.pack_experts(*(jnp.asarray(w, dtype) for w in (gate, up, down)))
+    x = jnp.asarray(rng.standard_normal((t, d), np.float32), dtype)
+    weights = jnp.asarray(rng.random((t, k)), jnp.float32)
+    return x, _routing(rng, t, k, e, skew=skew, invalid=invalid), weights, experts
+
+
+def _check(x, ids, weights, experts, *, swiglu_limit=None, config=None):
+    got = _kernel(x, ids, weights, experts, swiglu_limit=swiglu_limit, config=config)
+    f32 = {name: w.astype(jnp.float32) for name, w in experts.items()}
+    want = _ref(x.astype(jnp.float32), ids, weights, f32, swiglu_limit=swiglu_limit)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    got, want = np.asarray(got, np.float32), np.asarray(want)
+    assert np.isfinite(got).all()
+    rel = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+    assert rel <= (1e-2 if x.dtype == jnp.bfloat16 else 1e-5), rel
+    dropped = np.asarray(((ids < 0) | (ids >= experts["down"].shape[0])).all(axis=1))
+    assert (got[dropped] == 0).all()  # tokens whose every id is out of range get exactly 0
+
+
+CASES = [  # (T, k, E, dtype, swiglu_limit, skew): D = 64, N = 32
+    pytest.param(1, 8, 256, jnp.bfloat16, None, 0.0, id="decode-T1-E256-bf16"),
+    pytest.param(1, 8, 8, jnp.float32, 0.3, 0.0, id="decode-T1-all-experts-limit"),
+    pytest.param(1, 1, 8, jnp.float32, None, 0.0, id="decode-T1-k1"),
+    pytest.param(37, 8, 256, jnp.float32, 0.3, 2.0, id="T37-E256-uneven-limit"),
+    pytest.param(96, 1, 8, jnp.bfloat16, None, 3.0, id="T96-k1-E8-skewed"),
+    pytest.param(300, 8, 8, jnp.float32, None, 0.0, id="T300-E8-multiblock"),
+    pytest.param(2048, 2, 256, jnp.bfloat16, 0.3, 1.0, id="T2048-k2-E256-bf16-limit"),
+    pytest.param(4096, 1, 8, jnp.float32, None, 2.0, id="T4096-k1-E8"),
+]
+
+
+@pytest.mark.parametrize("t,k,e,dtype,limit,skew", CASES)
+def test_matches_reference(t, k, e, dtype, limit, skew):
+    x, ids, weights, experts = _inputs(1000 + t * k + e, t, k, e, 64, 32, dtype, skew=skew)
+    _check(x, ids, weights, experts, swiglu_limit=limit)
+
+
+def test_all_ids_out_of_range():
+    x, ids, weights, experts = _inputs(7, 5, 4, 8, 64, 32, jnp.float32, invalid=1.0)
+    _check(x, ids, weights, experts)
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_block_size_override(block_m):
+    """Small blocks split big groups over several blocks; big blocks hold many padding rows."""
+    cfg = MoeConfig(block_m, Tile(32, 32, 4, 2), Tile(32, 16, 4, 2))
+    x, ids, weights, experts = _inputs(11, 100, 2, 8, 64, 32, jnp.float32, skew=1.0)
+    _check(x, ids, weights, experts, config=cfg)
+
+
+def test_ops_dispatch_interpret():
+    x, ids, weights, _ = _inputs(3, 4, 2, 8, 64, 32, jnp.float32)
+    rng = np.random.default_rng(3)
+    gate, up = (jnp.asarray(rng.standard_normal((8, 32, 64)), jnp.float32) / 8 for _ in range(2))
+    down = jnp.asarray(rng.standard_normal((8, 64, 32)), jnp.float32) / 6
+    previous = ops.get_kernels()
+    try:
+        ops.set_kernels("interpret")
+        run = jax.jit(lambda *a: ops.moe_experts(*a, ops.pack_experts(gate, up, down), swiglu_limit=0.5))
+        got = run(x, ids, weights)
+    finally:
+        ops.set_kernels(previous)
+    want = ref.moe_experts(x, ids, weights, ref.pack_experts(gate, up, down), swiglu_limit=0.5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("t,k,e,bm", [(50, 8, 16, 16), (33, 2, 256, 32), (1, 8, 256, 16)])
+def test_block_map_invariants(t, k, e, bm):
+    ids = _routing(np.random.default_rng(t), t, k, e, skew=2.0, invalid=0.2)
+    flat = np.asarray(ids).reshape(-1)
+    valid = (flat >= 0) & (flat < e)
+    for bmap in (_group_by_expert(ids, e, bm), _one_block_per_slot(ids, e, bm)):
+        block_expert = np.asarray(bmap.block_expert)
+        row_slot = np.asarray(bmap.row_slot).reshape(-1, bm)
+        held = row_slot[row_slot >= 0]
+        np.testing.assert_array_equal(np.sort(held), np.flatnonzero(valid))  # each valid slot once
+        for blk, slots in zip(block_expert, row_slot):
+            slots = slots[slots >= 0]
+            assert (flat[slots] == blk).all() and (blk >= 0 or slots.size == 0)
+    grouped = np.asarray(_group_by_expert(ids, e, bm).block_expert)
+    counts = np.bincount(flat[valid], minlength=e)
+    np.testing.assert_array_equal(np.bincount(grouped[grouped >= 0], minlength=e), -(-counts // bm))
+
+
+def test_max_blocks_is_tight():
+    """Worst case: every expert but one holds a single slot, the last one holds the rest."""
+    e, bm, slots = 16, 16, 15 + 40
+    ids = jnp.asarray(np.r_[np.arange(15), np.full(40, 15)], jnp.int32)[:, None]
+    bmap = _group_by_expert(ids, e, bm)
+    assert int((bmap.block_expert >= 0).sum()) == 15 + 3 == routing.max_blocks(slots, e, bm)
+
+
+_SMEM = {80: 163, 86: 99, 89: 99, 90: 227, 100: 227, 120: 99, 121: 99}
+
+
+@pytest.mark.parametrize("cc", sorted(_SMEM))
+def test_tuning_fits_shared_memory(cc):
+    for slots in (8, 2048, 4096, 32768):  # block_m 16, 16, 32, 64
+        cfg = tuning.choose(slots, 256, cc)
+        for tile, n_weight_tiles in ((cfg.gate_up, 2), (cfg.down, 1)):
+            stage = (cfg.block_m * tile.block_k + n_weight_tiles * tile.block_k * tile.block_n) * 2
+            assert stage * tile.num_stages <= _SMEM[cc] * 1024, (cc, slots, tile)
+
+
+def test_block_m_regimes():
+    assert [tuning.block_m_for(t * 8, 256, 64) for t in (1, 128, 256, 512, 4096)] == [16, 16, 16, 32, 64]
+
+
+GLM5 = dict(E=256, D=6144, N=2048, k=8)
+
+
+@pytest.mark.parametrize("target,cc", [("sm_80", 80), ("sm_90", 90), ("sm_120", 120)])
+@pytest.mark.parametrize("t", [1, 32, 4096])
+def test_lowers_for_cuda_at_glm5_shapes(target, cc, t):
+    e, d, n, k = GLM5["E"], GLM5["D"], GLM5["N"], GLM5["k"]
+    experts = {
+        "gate_up": jax.ShapeDtypeStruct((e, d, 2 * n), jnp.bfloat16),
+        "down": jax.ShapeDtypeStruct((e, n, d), jnp.bfloat16),
+    }
+    text = lower_for_cuda(
+        kernel.moe_experts,
+        jax.ShapeDtypeStruct((t, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((t, k), jnp.int32),
+        jax.ShapeDtypeStruct((t, k), jnp.float32),
+        experts,
+        target=target,
+        config=tuning.choose(t * k, e, cc),
+        swiglu_limit=7.0,
+    )
+    assert text.count("__gpu$xla.gpu.triton") == 2

@@ -1,0 +1,125 @@
+"""Top-k select kernel vs ``jax.lax.top_k`` (CPU, interpret mode) + CUDA lowering.
+
+Without ties at the cutoff the index set must equal the reference's exactly; with ties any choice
+of tied indices is valid, so those tests compare the selected *values* as multisets. Small chunk
+sizes (``config``) force the multi-stage path on CPU-sized rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdsa import ops
+from pallas_kernels._triton import lower_for_cuda
+from pallas_kernels.topk import kernel, ref
+from pallas_kernels.topk.tuning import TopkConfig
+
+SMALL = TopkConfig(chunk=256, elems_per_thread=4)
+
+
+def _select(logits, k, config=None):
+    logits = jnp.asarray(logits, jnp.float32)
+    if config is None:  # the production path: dispatch as the model does
+        return np.asarray(ops._resolve("topk_indices", "interpret")(logits, k))
+    return np.asarray(kernel.topk_indices(logits, k, interpret=True, config=config))
+
+
+def _check_valid(got, logits, k):
+    """Shape, -1 padding after exactly min(k, #finite) distinct finite indices per row; returns the
+    selected values per row."""
+    assert got.shape == (logits.shape[0], k) and got.dtype == np.int32
+    values = []
+    for row, idx in zip(logits, got):
+        n = min(k, int(np.isfinite(row).sum()))
+        chosen = idx[idx >= 0]
+        assert len(chosen) == n and len(set(chosen.tolist())) == n
+        assert (idx < 0).sum() == k - n
+        assert np.isfinite(row[chosen]).all()
+        values.append(np.sort(row[chosen]))
+    return values
+
+
+def _check_exact(logits, k, config=None):
+    got = _select(logits, k, config)
+    _check_valid(got, logits, k)
+    want = np.asarray(ref.topk_indices(jnp.asarray(logits), k))
+    for g, w in zip(got, want):
+        assert set(g.tolist()) == set(w.tolist())
+
+
+def _random_rows(rng, t, s):
+    """Distinct random values (no ties), with ragged -inf tails, an all -inf row and a short row."""
+    x = rng.standard_normal((t, s)).astype(np.float32) * 10
+    for row in range(t):
+        x[row, int(rng.integers(s // 2, s + 1)) :] = -np.inf
+    x[0] = -np.inf
+    x[-1, 5:] = -np.inf
+    return x
+
+
+@pytest.mark.parametrize(
+    "t, s, k, config",
+    [
+        (6, 1000, 64, None),  # one stage, production config
+        (5, 2000, 64, SMALL),  # three stages: 2000 -> 8 chunks x 64 -> 2 chunks x 64 -> final
+        (4, 1000, 100, SMALL),  # k not a power of two
+        (3, 300, 2048, None),  # S < k: everything finite is selected, -1 padded
+        (1, 5000, 2048, None),  # T = 1, k = 2048 as in production
+    ],
+)
+def test_exact_set_without_ties(t, s, k, config):
+    rng = np.random.default_rng(t * s + k)
+    _check_exact(_random_rows(rng, t, s), k, config)
+
+
+def test_thousands_of_rows():
+    rng = np.random.default_rng(7)
+    _check_exact(_random_rows(rng, 1024, 48), 16, SMALL)
+
+
+@pytest.mark.parametrize("config", [None, SMALL])
+def test_ties_at_the_cutoff(config):
+    """Few distinct values: many ties at the cutoff; any tied index may be chosen, but the selected
+    values must be exactly the k largest (as a multiset). Includes -0.0 / +0.0 and negatives."""
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 4, (4, 1500)).astype(np.float32)
+    x[1, ::2] = -0.0
+    x[2, 60:] = -np.inf
+    k = 100  # <= SMALL.chunk / 2, so SMALL runs four stages over the 1500 columns
+    got = _select(x, k, config)
+    want = np.asarray(ref.topk_indices(jnp.asarray(x), k))
+    for row, values, w in zip(x, _check_valid(got, x, k), want):
+        np.testing.assert_array_equal(values, np.sort(row[w[w >= 0]]))
+
+
+def test_non_finite_values_are_never_selected():
+    """+inf and NaN count as "not finite" like -inf (lax.top_k would rank them first)."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 500)).astype(np.float32)
+    x[:, :50] = np.inf
+    x[:, 50:100] = np.nan
+    got = _select(x, 64, SMALL)
+    finite = np.where(np.isfinite(x), x, -np.inf)
+    want = np.asarray(ref.topk_indices(jnp.asarray(finite), 64))
+    _check_valid(got, x, 64)
+    for g, w in zip(got, want):
+        assert set(g.tolist()) == set(w.tolist())
+
+
+def test_large_k_on_long_rows_falls_back_to_lax_top_k():
+    rng = np.random.default_rng(5)
+    _check_exact(_random_rows(rng, 2, 600), 200, SMALL)  # k > chunk / 2 with S > chunk
+
+
+# --- CUDA lowering at production shapes (no GPU needed) ------------------------------------
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90", "sm_120"])
+def test_lowers_for_cuda(target):
+    """Decode [32, 8192] (one stage) and prefill [4096, 131072] (candidate stages + final)."""
+    for shape in ((32, 8192), (4096, 131072)):
+        text = lower_for_cuda(kernel.topk_indices, jax.ShapeDtypeStruct(shape, jnp.float32), target=target, k=2048)
+        assert "__gpu$xla.gpu.triton" in text
