@@ -46,7 +46,7 @@ TORCH_COPY_GBS = 3006.0  # anchors: torch dst.copy_(src), 1 GiB, H100
 TORCH_GROUPED_US = {1: 302.2, 8: 1646.8, 32: 4534.4, 128: 6879.7, 512: 7427.5, 4096: 13435.5}  # anchors
 EXPERT_BYTES = 3 * D * N * 2
 TOLERANCE = 1e-2
-BUDGET_S = 180.0  # no new sweep variant starts after this many seconds
+BUDGET_S = float(os.environ.get("MOE_BUDGET_S", "180"))  # no new sweep variant starts after this many seconds
 
 # Sweep variants per regime (block_m <= 32: weight streaming; 64+: tensor-core tiles). Sized for
 # the H100's 227 KiB of shared memory; a variant that fails to compile is reported, not fatal.
