@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import functools
 import math
+import os
 import pathlib
 import time
 import traceback
