@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxdsa import sharding
 from jaxdsa.cache import StepMeta, init_cache
+from jaxdsa.config import load_config
 from jaxdsa.engine import Engine, EngineConfig, SamplingParams
 from jaxdsa.models.dsa import jitted_step
 
@@ -62,9 +63,14 @@ class LLM:
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
         num_pages: int | None = None,
+        seed: int = 0,
+        load_format: str = "safetensors",
         progress: bool = True,
     ):
-        from checkpoints.loader import load_params  # imported here: checkpoints imports jaxdsa.ops
+        """``load_format="dummy"``: random weights of the checkpoint's config, made on the device
+        (benchmarking real shapes without the files, like vLLM's ``--load-format dummy``)."""
+        from checkpoints.dummy import random_params  # imported here: checkpoints imports jaxdsa.ops
+        from checkpoints.loader import load_params
 
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r}: choose float32 or bfloat16")
@@ -73,7 +79,13 @@ class LLM:
         self.page_size = page_size
         self.parallelism = sharding.Parallelism(tp=tp, ep=ep, dp=dp)
         self.mesh = sharding.make_mesh(self.parallelism) if self.parallelism.num_devices > 1 else None
-        self.config, self.params = load_params(path, dtype=self.dtype, progress=progress, mesh=self.mesh)
+        if load_format == "dummy":
+            self.config = load_config(path)
+            self.params = random_params(self.config, dtype=self.dtype, mesh=self.mesh, seed=seed)
+        elif load_format == "safetensors":
+            self.config, self.params = load_params(path, dtype=self.dtype, progress=progress, mesh=self.mesh)
+        else:
+            raise ValueError(f"load_format {load_format!r}: choose safetensors or dummy")
         self.eos_token_ids = generation_eos_ids(self.path, self.config.eos_token_ids)
         self.engine_config = EngineConfig(
             max_num_seqs=max_num_seqs,
@@ -81,6 +93,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             page_size=page_size,
             num_pages=num_pages,
+            seed=seed,
         )
         self._engine: Engine | None = None
         self._ids = itertools.count()

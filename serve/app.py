@@ -1,0 +1,351 @@
+"""The OpenAI-compatible HTTP API (FastAPI): models, completions, chat completions, health, metrics.
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or
+SSE streams ending in ``data: [DONE]``), ``GET /health``, ``GET /metrics`` and vLLM's
+``POST /tokenize`` / ``POST /detokenize`` (used by ``serve.bench``). The app never touches the model:
+it talks to the engine only through ``ServingContext.generate`` and ``.stats``, so tests can serve
+scripted outputs through the same code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+import anyio
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jaxdsa.engine import SamplingParams
+from serve.chat_format import ChatFormat, ChatPrompt, ChatTemplateError
+from serve.errors import ApiError, install_error_handlers
+from serve.generation import ClientDisconnected, GenerateFn, Generation, unless_disconnected
+from serve.metrics import CONTENT_TYPE, Metrics
+from serve.output import ReplyDelta, ReplyParser, TextOutput
+from serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice, TokenizeRequest
+from serve.reasoning import REASONING_PARSERS, ReasoningSplitter
+from serve.tokenizer import Tokenizer
+from serve.tool_parsers import TOOL_PARSERS
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+
+
+@dataclasses.dataclass
+class ServingContext:
+    """Everything the HTTP layer needs about the model and the engine."""
+
+    generate: GenerateFn  # AsyncEngine.generate
+    stats: Callable[[], dict[str, float]]  # Engine.stats
+    tokenizer: Tokenizer
+    chat_format: ChatFormat | None
+    model_names: list[str]
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    model_path: str = ""
+    reasoning_parser: str | None = None
+    tool_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    default_sampling: dict[str, Any] = dataclasses.field(default_factory=dict)  # from generation_config.json
+    api_key: str | None = None
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+_DONE = "data: [DONE]\n\n"
+
+
+def create_app(ctx: ServingContext) -> FastAPI:
+    app = FastAPI(title="jaxdsa", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    metrics = Metrics(ctx.stats)
+    started = int(time.time())
+
+    async def authorized(request: Request) -> None:
+        if ctx.api_key and request.headers.get("authorization") != f"Bearer {ctx.api_key}":
+            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+
+    def model_name(requested: str | None) -> str:
+        if requested is not None and requested not in ctx.model_names:
+            raise ApiError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+        return requested or ctx.model_names[0]
+
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": started, "owned_by": "jaxdsa", "root": ctx.model_path, "parent": None, "max_model_len": ctx.max_model_len}
+
+    def sampling(body: ChatCompletionRequest | CompletionRequest, prompt_len: int, requested: int | None, default: int | None, param: str) -> SamplingParams:
+        remaining = ctx.max_model_len - prompt_len
+        if remaining < 1:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {ctx.max_model_len} tokens; the prompt has {prompt_len}, leaving none to generate.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if requested is not None and requested > remaining:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the completion).",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        d = ctx.default_sampling
+        top_k = body.top_k if body.top_k is not None else d.get("top_k", 0)
+        return SamplingParams(
+            max_tokens=requested or min(remaining, default or remaining),
+            temperature=body.temperature if body.temperature is not None else d.get("temperature", 1.0),
+            top_p=body.top_p if body.top_p is not None else d.get("top_p", 1.0),
+            top_k=max(top_k, 0),
+            seed=body.seed,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+        )
+
+    def text_output(body: ChatCompletionRequest | CompletionRequest, sp: SamplingParams, keep: tuple[str, ...] = ()) -> TextOutput:
+        hidden = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else ctx.eos_token_ids)
+        skip = ctx.tokenizer.skip_ids(skip_special_tokens=body.skip_special_tokens, keep=keep)
+        return TextOutput(ctx.tokenizer, skip_ids=skip, stop=body.stop, hidden_ids=hidden)
+
+    def generation(request_id: str, prompt_ids: list[int], sp: SamplingParams, text: TextOutput) -> Generation:
+        return Generation(ctx.generate, metrics, request_id, prompt_ids, sp, text)
+
+    # -- plain endpoints --------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card(n) for n in ctx.model_names]}
+
+    @app.get("/v1/models/{name:path}", dependencies=[Depends(authorized)])
+    async def get_model(name: str) -> dict[str, Any]:
+        return model_card(model_name(name))
+
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        model_name(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            messages = ChatCompletionRequest(messages=body.messages).template_messages()
+            ids = ctx.tokenizer.encode(render_chat(messages, None, {}).text)
+        else:
+            ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        model_name(body.model)
+        return {"prompt": ctx.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    def render_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> ChatPrompt:
+        if ctx.chat_format is None:
+            raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
+        try:
+            return ctx.chat_format.render(messages, tools, kwargs)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), param="messages") from e
+
+    # -- completions ------------------------------------------------------------------------------
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        name, created = model_name(body.model), int(time.time())
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        gens = []
+        for i, prompt in enumerate(body.prompts()):
+            ids = ctx.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+            sp = sampling(body, len(ids), body.requested_max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
+            gens.append(generation(f"{request_id}-{i}", ids, sp, text_output(body, sp)))
+        try:
+            await unless_disconnected(request, _start_all(gens))
+            if body.stream:
+                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                return _sse_response(_completion_stream(gens, request_id, name, created, include_usage))
+            texts = await unless_disconnected(request, _collect_all(gens))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            if not body.stream:
+                for g in gens:
+                    await g.close()
+        choices = [{"index": i, "text": t, "finish_reason": g.finish_reason, "logprobs": None} for i, (g, t) in enumerate(zip(gens, texts))]
+        return JSONResponse(
+            {"id": request_id, "object": "text_completion", "created": created, "model": name, "choices": choices, "usage": _usage(gens)}
+        )
+
+    async def _completion_stream(gens: list[Generation], request_id: str, name: str, created: int, include_usage: bool) -> AsyncIterator[str]:
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            usage = {"usage": None} if include_usage else {}
+            return _sse({"id": request_id, "object": "text_completion", "created": created, "model": name, "choices": choices, **usage, **extra})
+
+        try:
+            async for i, text in _interleave([g.deltas() for g in gens]):
+                g = gens[i]
+                if text is None:
+                    yield chunk([{"index": i, "text": "", "finish_reason": g.finish_reason, "logprobs": None}])
+                else:
+                    yield chunk([{"index": i, "text": text, "finish_reason": None, "logprobs": None}])
+            if include_usage:
+                yield chunk([], usage=_usage(gens))
+        except ApiError as e:
+            yield e.sse()
+        finally:
+            for g in gens:
+                await g.close()
+        yield _DONE
+
+    # -- chat completions -------------------------------------------------------------------------
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        name, created = model_name(body.model), int(time.time())
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        parse_tools = _tool_choice(body, ctx) == "auto" and tools is not None
+        prompt = render_chat(body.template_messages(), tools, body.template_kwargs())
+        ids = ctx.tokenizer.encode(prompt.text)
+        sp = sampling(body, len(ids), body.requested_max_tokens, None, "messages")
+        reasoning = ReasoningSplitter(prompt.thinking) if ctx.reasoning_parser else None
+        tool_parser = TOOL_PARSERS[ctx.tool_parser](tools) if parse_tools else None
+        keep = (REASONING_PARSERS[ctx.reasoning_parser] if reasoning else ()) + (tool_parser.markers if tool_parser else ())
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        gen = generation(request_id, ids, sp, text_output(body, sp, keep))
+        parser = ReplyParser(reasoning, tool_parser)
+        try:
+            await unless_disconnected(request, gen.start())
+            if body.stream:
+                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                return _sse_response(_chat_stream(gen, parser, request_id, name, created, include_usage))
+            reply = await unless_disconnected(request, _collect_reply(gen, parser))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            if not body.stream:
+                await gen.close()
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+        if reasoning is not None:
+            message["reasoning_content"] = reply.reasoning if reasoning.saw_reasoning else None
+        if reply.tool_calls:
+            message["tool_calls"] = [c.to_openai() for c in reply.tool_calls]
+            message["content"] = reply.content or None
+        choice = {"index": 0, "message": message, "finish_reason": _chat_finish_reason(gen, parser), "logprobs": None}
+        return JSONResponse(
+            {"id": request_id, "object": "chat.completion", "created": created, "model": name, "choices": [choice], "usage": gen.usage}
+        )
+
+    async def _chat_stream(gen: Generation, parser: ReplyParser, request_id: str, name: str, created: int, include_usage: bool) -> AsyncIterator[str]:
+        def chunk(delta: dict[str, Any] | None, finish_reason: str | None = None, **extra: Any) -> str:
+            choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+            usage = {"usage": None} if include_usage else {}
+            return _sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": name, "choices": choices, **usage, **extra})
+
+        def reply_chunks(d: ReplyDelta) -> list[str]:
+            out = []
+            if d.reasoning:
+                out.append(chunk({"reasoning_content": d.reasoning}))
+            if d.content:
+                out.append(chunk({"content": d.content}))
+            if d.tool_calls:
+                first = parser.num_tool_calls - len(d.tool_calls)
+                out.append(chunk({"tool_calls": [{"index": first + k, **c.to_openai()} for k, c in enumerate(d.tool_calls)]}))
+            return out
+
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            async for text in gen.deltas():
+                for c in reply_chunks(parser.feed(text)):
+                    yield c
+            for c in reply_chunks(parser.finish()):
+                yield c
+            yield chunk({}, _chat_finish_reason(gen, parser))
+            if include_usage:
+                yield chunk(None, usage=gen.usage)
+        except ApiError as e:
+            yield e.sse()
+        finally:
+            await gen.close()
+        yield _DONE
+
+    return app
+
+
+def _tool_choice(body: ChatCompletionRequest, ctx: ServingContext) -> str:
+    """The effective tool_choice, "none" or "auto" (OpenAI's default with tools); 400 for choices that need guided decoding."""
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
+    if choice == "required" or isinstance(choice, NamedToolChoice):
+        raise ApiError(400, "tool_choice 'required' and named functions need guided decoding, which this server does not do; use 'auto'", param="tool_choice")
+    if choice == "auto" and body.tools and not (ctx.enable_auto_tool_choice and ctx.tool_parser):
+        raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set', param="tool_choice")
+    return choice
+
+
+def _chat_finish_reason(gen: Generation, parser: ReplyParser) -> str | None:
+    return "tool_calls" if parser.num_tool_calls and gen.finish_reason == "stop" else gen.finish_reason
+
+
+def _usage(gens: list[Generation]) -> dict[str, int]:
+    return {k: sum(g.usage[k] for g in gens) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+def _sse_response(body: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _start_all(gens: list[Generation]) -> None:
+    """Start every choice; if one fails, the others are released and the error is raised."""
+    try:
+        for g in gens:
+            await g.start()
+    except BaseException:
+        for g in gens:
+            await g.close()
+        raise
+
+
+async def _collect_all(gens: list[Generation]) -> list[str]:
+    async def text(g: Generation) -> str:
+        return "".join([d async for d in g.deltas()])
+
+    return list(await asyncio.gather(*(text(g) for g in gens)))
+
+
+async def _collect_reply(gen: Generation, parser: ReplyParser) -> ReplyDelta:
+    reply = ReplyDelta()
+    for d in [parser.feed(t) async for t in gen.deltas()] + [parser.finish()]:
+        reply.reasoning += d.reasoning
+        reply.content += d.content
+        reply.tool_calls += d.tool_calls
+    return reply
+
+
+async def _interleave(streams: list[AsyncIterator[str]]) -> AsyncIterator[tuple[int, str | None]]:
+    """Items of several streams as they come, as (stream index, item); (index, None) when one ends."""
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    yield i, None
+                    continue
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+                yield i, item
+    finally:
+        # Wait for the cancelled reads to unwind (shielded: a disconnect cancels this scope too), so
+        # no engine stream is still running when the caller closes it.
+        with anyio.CancelScope(shield=True):
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)

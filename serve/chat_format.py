@@ -1,0 +1,135 @@
+"""Conversation -> prompt text, the way each model family was trained to read it.
+
+GLM checkpoints ship a Jinja chat template (``chat_template`` in tokenizer_config.json, or
+``chat_template.jinja``); it is rendered exactly as transformers' ``apply_chat_template`` does
+(sandboxed environment, ``trim_blocks``/``lstrip_blocks``, ``tojson``, ``raise_exception``,
+``strftime_now``, the special tokens and any ``chat_template_kwargs`` as variables).
+DeepSeek-V3.2 ships no template but a Python encoder, which ``serve.deepseek_encoding`` implements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+from typing import Any, Mapping, Sequence
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
+
+from serve import deepseek_encoding
+
+THINK_START = "<think>"
+
+
+class ChatTemplateError(ValueError):
+    """The conversation cannot be rendered (the template raised, or a field is malformed): HTTP 400."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatPrompt:
+    text: str
+    thinking: bool  # the prompt opened a reasoning block: the reply starts inside <think>
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}…{% endgeneration %}`` (HF's assistant-mask marker) renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class JinjaChatFormat:
+    """A checkpoint's Jinja chat template, rendered like transformers does."""
+
+    def __init__(self, template: str, special_tokens: Mapping[str, Any]):
+        try:
+            self._template = _environment().from_string(template)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise ValueError(f"chat template does not compile: {e}") from e
+        self._special_tokens = dict(special_tokens)
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> ChatPrompt:
+        variables = {"add_generation_prompt": True, **self._special_tokens, **(kwargs or {})}
+        variables |= {"messages": list(messages), "tools": tools or None, "documents": None}
+        try:
+            text = self._template.render(variables)
+        except jinja2.exceptions.TemplateError as e:
+            raise ChatTemplateError(f"chat template: {e}") from e
+        return ChatPrompt(text, text.rstrip().endswith(THINK_START))
+
+
+class DeepSeekChatFormat:
+    """DeepSeek-V3.2's encoder. Thinking is off unless ``thinking``/``enable_thinking`` is true
+    (vLLM's kwarg for DeepSeek) or ``thinking_mode`` is ``"thinking"``."""
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> ChatPrompt:
+        kwargs = kwargs or {}
+        thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", False)))
+        mode = kwargs.get("thinking_mode", "thinking" if thinking else "chat")
+        try:
+            text = deepseek_encoding.encode_messages(messages, thinking_mode=mode, tools=tools or None)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ChatTemplateError(f"DeepSeek encoding: {e}") from e
+        return ChatPrompt(text, text.endswith(deepseek_encoding.THINK_START))
+
+
+ChatFormat = JinjaChatFormat | DeepSeekChatFormat
+
+
+def _template_text(model_dir: str, tokenizer_config: Mapping[str, Any]) -> str | None:
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    path = os.path.join(model_dir, "chat_template.jinja")
+    if template is None and os.path.isfile(path):
+        with open(path, encoding="utf-8") as fh:
+            template = fh.read()
+    return template
+
+
+def load_chat_format(model_dir: str, model_type: str, tokenizer_config: Mapping[str, Any], special_tokens: Mapping[str, Any]) -> ChatFormat | None:
+    """The family's chat format; None when the checkpoint has no template (chat requests get a 400)."""
+    if model_type == "deepseek_v32":
+        return DeepSeekChatFormat()
+    template = _template_text(model_dir, tokenizer_config)
+    return JinjaChatFormat(template, special_tokens) if template else None

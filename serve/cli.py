@@ -1,0 +1,209 @@
+"""``python -m serve [MODEL] [vLLM-style flags]``: load a checkpoint, compile, serve the OpenAI API.
+
+The flags are vLLM's names for the same things, so a ``vllm serve`` command line works with
+``python -m serve`` in its place. MODEL is a checkpoint directory or a Hub id already in the local
+Hugging Face cache; without it the bundled tiny GLM-5 model (``serve.default_model``) is served.
+Bad input (unknown model, impossible flag combination) exits with status 2 and one clear line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any, Sequence
+
+import uvicorn
+from fastapi import FastAPI
+
+import jaxdsa
+from jaxdsa.engine import AsyncEngine
+from serve import default_model
+from serve.app import ServingContext, create_app
+from serve.chat_format import load_chat_format
+from serve.reasoning import REASONING_PARSERS
+from serve.tokenizer import Tokenizer
+from serve.tool_parsers import TOOL_PARSERS
+
+
+class StartupError(Exception):
+    """A problem with the command line or the model that stops the server from starting (exit 2)."""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m serve", description="OpenAI-compatible server for GLM-5.x / DeepSeek-V3.2 on jaxdsa.")
+    p.add_argument("model", nargs="?", help="checkpoint directory or Hub id in the local HF cache (default: the bundled tiny GLM-5)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", help="name(s) clients use in 'model' (default: MODEL as given)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the API routes")
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-model-len", type=int, help="prompt + output tokens per request (default: min(max_position_embeddings, 8192))")
+    g.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step (prefill chunk budget)")
+    g.add_argument("--page-size", "--block-size", dest="page_size", type=int, default=64, help="cache page size in tokens")
+    g.add_argument("--num-pages", type=int, help="cache pages (default: from device memory)")
+    g.add_argument("--max-queue-len", type=int, default=256, help="requests waiting beyond --max-num-seqs before new ones get HTTP 429")
+    g.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto", help="auto: float32 checkpoints in float32, else bfloat16")
+    g.add_argument("--seed", type=int, default=0, help="seed for requests that give none (and for --load-format dummy)")
+    g.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors", help="dummy: random weights of the config's shapes, made on the device (benchmarks)")
+    g.add_argument("--no-warmup", action="store_true", help="compile step shapes on first use instead of at startup")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    g.add_argument("--trust-remote-code", action="store_true", help="accepted for vLLM compatibility; jaxdsa never runs checkpoint code")
+    g = p.add_argument_group("chat")
+    g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS))
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS))
+    g.add_argument("--enable-auto-tool-choice", action="store_true", help='parse tool calls when tool_choice is "auto"')
+    g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
+    return p.parse_args(argv)
+
+
+def _log(message: str) -> None:
+    print(f"jaxdsa: {message}", file=sys.stderr, flush=True)
+
+
+def resolve_model_dir(model: str) -> str:
+    """A local directory, or the snapshot of a Hub id in the Hugging Face cache (no downloads)."""
+    if os.path.isdir(model):
+        return model
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub")
+    repo = os.path.join(hub, "models--" + model.replace("/", "--"))
+    try:
+        with open(os.path.join(repo, "refs", "main"), encoding="utf-8") as fh:
+            snapshot = os.path.join(repo, "snapshots", fh.read().strip())
+    except OSError:
+        snapshot = ""
+    if os.path.isdir(snapshot):
+        return snapshot
+    raise StartupError(f"model {model!r} is neither a directory nor in the Hugging Face cache at {hub} (jaxdsa does not download; fetch it first)")
+
+
+def _checkpoint_json(model_dir: str, name: str) -> dict[str, Any]:
+    path = os.path.join(model_dir, name)
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def _dtype(requested: str, config: dict[str, Any]) -> str:
+    if requested != "auto":
+        return requested
+    return "float32" if config.get("dtype", config.get("torch_dtype")) == "float32" else "bfloat16"
+
+
+def _check_flags(args: argparse.Namespace) -> dict[str, int]:
+    """Flags that cannot work; returns (tp, ep, dp) for jaxdsa.LLM, which checks them against the devices."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise StartupError("--enable-auto-tool-choice needs --tool-call-parser")
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+        if getattr(args, flag) < 1:
+            raise StartupError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.max_queue_len < 0:
+        raise StartupError("--max-queue-len must be >= 0")
+    return {"tp": args.tensor_parallel_size, "ep": args.expert_parallel_size, "dp": args.data_parallel_size}
+
+
+@dataclasses.dataclass
+class Server:
+    app: FastAPI
+    engine: AsyncEngine
+    context: ServingContext
+
+
+def build(args: argparse.Namespace) -> Server:
+    """Load the model, compile (unless --no-warmup), start the engine thread; raise StartupError on bad input."""
+    parallel = _check_flags(args)
+    if args.model:
+        model_dir, names = resolve_model_dir(args.model), args.served_model_name or [args.model]
+    else:
+        _log(f"no model given: serving the bundled tiny GLM-5 model (random weights) from {default_model.cache_root()}")
+        model_dir, names = default_model.ensure_default_model(), args.served_model_name or [default_model.NAME]
+    try:
+        model_type = jaxdsa.load_config(model_dir).model_type
+        tokenizer = Tokenizer(model_dir)
+        chat_format = load_chat_format(model_dir, model_type, tokenizer.config, tokenizer.special_tokens_map)
+        dtype = _dtype(args.dtype, _checkpoint_json(model_dir, "config.json"))
+        _log(f"loading {model_dir} ({model_type}, {dtype})")
+        start = time.perf_counter()
+        llm = jaxdsa.LLM(
+            model_dir,
+            dtype=dtype,
+            page_size=args.page_size,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_pages=args.num_pages,
+            seed=args.seed,
+            load_format=args.load_format,
+            **parallel,
+        )
+        engine = llm.engine
+    except (ValueError, OSError) as e:  # ConfigError / CheckpointError are ValueErrors
+        raise StartupError(str(e)) from e
+    _log(f"loaded in {time.perf_counter() - start:.1f}s; max_model_len {engine.max_model_len}, cache {engine.stats()['cache_pages_total']} pages of {args.page_size}")
+    if not args.no_warmup:
+        engine.warmup(progress=True)
+    generation_config = _checkpoint_json(model_dir, "generation_config.json")
+    defaults = {k: generation_config[k] for k in ("temperature", "top_p", "top_k") if k in generation_config}
+    if defaults:
+        _log(f"default sampling from generation_config.json: {defaults}")
+    aengine = AsyncEngine(engine, max_waiting=args.max_queue_len)
+    aengine.start()
+    context = ServingContext(
+        generate=aengine.generate,
+        stats=engine.stats,
+        tokenizer=tokenizer,
+        chat_format=chat_format,
+        model_names=names,
+        max_model_len=engine.max_model_len,
+        eos_token_ids=frozenset(llm.eos_token_ids),
+        model_path=model_dir,
+        reasoning_parser=args.reasoning_parser,
+        tool_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        default_sampling=defaults,
+        api_key=args.api_key,
+    )
+    return Server(create_app(context), aengine, context)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Claim the port before the slow model load, so a busy port fails at once."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except (OSError, OverflowError) as e:  # OverflowError: a port outside 0-65535
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}") from e
+    return sock
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    sock = None
+    try:
+        sock = bind(args.host, args.port)
+        server = build(args)
+    except StartupError as e:
+        if sock is not None:
+            sock.close()
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    host, port = sock.getsockname()[:2]
+    shown = "localhost" if host in ("0.0.0.0", "::") else host
+    _log(f"ready: serving {server.context.model_names[0]!r} at http://{shown}:{port}/v1")
+    config = uvicorn.Config(server.app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown; that is a normal exit
+        pass
+    finally:
+        server.engine.shutdown()

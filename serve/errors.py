@@ -1,0 +1,79 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status.
+
+Every failure a client can cause or meet is an :class:`ApiError`; FastAPI's own validation
+errors (422 by default) are turned into 400s that name the offending field, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable_error",
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "error"), "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status == 429 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+    def sse(self) -> str:
+        """The error as a server-sent event, for failures after a stream has started."""
+        return f"data: {json.dumps(self.body())}\n\n"
+
+
+def _param(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+def validation_error(exc: RequestValidationError) -> ApiError:
+    error = exc.errors()[0]
+    if error.get("type") == "json_invalid":
+        return ApiError(400, f"invalid JSON body: {error.get('ctx', {}).get('error', error['msg'])}", code="invalid_json")
+    param = _param(tuple(error.get("loc", ())))
+    message = error["msg"].removeprefix("Value error, ")
+    if error.get("type") == "missing" and param:
+        message = "this field is required"
+    return ApiError(400, f"{param}: {message}" if param else message, param=param, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return ApiError(exc.status_code, str(exc.detail)).response()

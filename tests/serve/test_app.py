@@ -1,0 +1,324 @@
+"""The HTTP layer with a scripted engine: forced replies exercise tool calls, reasoning, stop strings,
+engine failures and every request-validation error through the official ``openai`` client."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from jaxdsa.engine import EngineDeadError
+from serve.app import ServingContext, create_app
+from serve.chat_format import load_chat_format
+from serve.deepseek_encoding import render_tool_calls
+from serve.tokenizer import Tokenizer
+from tests.serve.conftest import ScriptedEngine, serving
+
+OBSERVATION = 501  # GLM's <|observation|>: ends an assistant turn that handed over to tools
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
+]
+TOOL_REPLY = (
+    "The user wants weather.</think>Let me check."
+    "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"
+    "<tool_call>get_time</tool_call>"
+)
+
+
+class Stub:
+    def __init__(self, url: str, engine: ScriptedEngine, tok: Tokenizer):
+        self.url, self.engine, self.tok = url, engine, tok
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+    def script(self, text: str, stop_id: int | None = OBSERVATION) -> None:
+        self.engine.scripts.append(self.tok.encode(text) + ([stop_id] if stop_id is not None else []))
+
+    def post(self, path: str, body) -> httpx.Response:
+        data = body if isinstance(body, str) else json.dumps(body)
+        return httpx.post(self.url + path, content=data, headers={"Content-Type": "application/json"}, timeout=30)
+
+
+def make_context(model_dir: str, engine: ScriptedEngine, **overrides) -> ServingContext:
+    tok = Tokenizer(model_dir)
+    settings = dict(
+        generate=engine.generate,
+        stats=engine.stats,
+        tokenizer=tok,
+        chat_format=load_chat_format(model_dir, "glm_moe_dsa", tok.config, tok.special_tokens_map),
+        model_names=["stub"],
+        max_model_len=engine.max_model_len,
+        eos_token_ids=frozenset({492, 499, 501}),
+        reasoning_parser="glm45",
+        tool_parser="glm47",
+        enable_auto_tool_choice=True,
+        default_sampling={"temperature": 0.6},
+    )
+    return ServingContext(**(settings | overrides))
+
+
+@pytest.fixture(scope="module")
+def stub(glm_dir):
+    engine = ScriptedEngine(max_model_len=1024)  # room for the tools block of the system prompt
+    ctx = make_context(glm_dir, engine)
+    with serving(create_app(ctx)) as url:
+        yield Stub(url, engine, ctx.tokenizer)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+# ---- tool calls and reasoning ------------------------------------------------------------------
+
+
+def test_tool_call_round_trip(stub):
+    stub.script(TOOL_REPLY)
+    r = stub.client.chat.completions.create(model="stub", messages=user("Weather in Paris?"), tools=TOOLS)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check."
+    assert choice.message.reasoning_content == "The user wants weather."
+    calls = choice.message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]
+    assert "get_weather" in stub.tok.decode(stub.engine.prompts[-1])  # the tools reached the prompt
+
+    # The client sends the call and the results back; the template renders them for the next turn.
+    stub.script("Got it.</think>It is sunny in Paris.", stop_id=499)
+    history = user("Weather in Paris?") + [
+        choice.message.model_dump(exclude_none=True, exclude={"reasoning_content"}),
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny"},
+        {"role": "tool", "tool_call_id": calls[1].id, "content": "12:00"},
+    ]
+    r2 = stub.client.chat.completions.create(model="stub", messages=history, tools=TOOLS)
+    assert r2.choices[0].message.content == "It is sunny in Paris." and r2.choices[0].finish_reason == "stop"
+    prompt = stub.tok.decode(stub.engine.prompts[-1], skip_special_tokens=False)
+    assert (
+        "<|assistant|></think>Let me check.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+        "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call><tool_call>get_time</tool_call>"
+        "<|observation|><tool_response>sunny</tool_response><tool_response>12:00</tool_response><|assistant|><think>"
+    ) in prompt
+
+
+def test_streamed_tool_calls_match_non_streamed(stub):
+    stub.script(TOOL_REPLY)
+    chunks = list(stub.client.chat.completions.create(model="stub", messages=user("Weather?"), tools=TOOLS, stream=True))
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls: dict[int, dict] = {}
+    for c in chunks:
+        for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            entry["name"] += tc.function.name or ""
+            entry["arguments"] += tc.function.arguments or ""
+    assert reasoning == "The user wants weather." and content == "Let me check."
+    assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_none_keeps_the_text(stub):
+    stub.script(TOOL_REPLY)
+    r = stub.client.chat.completions.create(model="stub", messages=user("x"), tools=TOOLS, tool_choice="none")
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content.startswith("Let me check.<tool_call>get_weather")
+
+
+def test_thinking_off_is_all_content(stub):
+    stub.script("No reasoning here.")
+    r = stub.client.chat.completions.create(model="stub", messages=user("x"), extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].message.content == "No reasoning here."
+    assert r.choices[0].message.reasoning_content is None
+    assert stub.tok.decode(stub.engine.prompts[-1], skip_special_tokens=False).endswith("<|assistant|></think>")
+
+
+def test_auto_tool_choice_needs_the_flags(glm_dir):
+    engine = ScriptedEngine()
+    with serving(create_app(make_context(glm_dir, engine, tool_parser=None, enable_auto_tool_choice=False))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
+            client.chat.completions.create(model="stub", messages=user("x"), tools=TOOLS)
+
+
+# ---- text, stop strings, defaults ------------------------------------------------------------
+
+
+def test_stop_strings_cut_and_abort(stub):
+    for stream in (False, True):
+        stub.script("Hello world. Goodbye world.", stop_id=None)
+        r = stub.client.completions.create(model="stub", prompt="x", max_tokens=50, stop=["Goodbye", "zzz"], stream=stream)
+        if stream:
+            chunks = list(r)
+            text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            text, reason = r.choices[0].text, r.choices[0].finish_reason
+        assert (text, reason) == ("Hello world. ", "stop")
+        assert stub.engine.active == 0  # the engine request was closed (aborted) at the stop string
+
+
+def test_eos_is_hidden_and_defaults_apply(stub):
+    stub.script("Done.", stop_id=492)
+    r = stub.client.chat.completions.create(model="stub", messages=user("Hi"))
+    assert r.choices[0].message.reasoning_content == "Done." and r.choices[0].finish_reason == "stop"
+    sp = stub.engine.sampling[-1]
+    assert sp.temperature == 0.6  # from generation_config.json defaults
+    assert sp.max_tokens == 1024 - len(stub.engine.prompts[-1])  # chat: the rest of the context
+    stub.script("abc", stop_id=None)
+    stub.client.completions.create(model="stub", prompt="Hi")
+    assert stub.engine.sampling[-1].max_tokens == 16  # completions: OpenAI's default
+    stub.script("abc", stop_id=None)
+    stub.client.completions.create(model="stub", prompt="Hi", extra_body={"max_completion_tokens": 7, "top_k": -1})
+    assert stub.engine.sampling[-1].max_tokens == 7 and stub.engine.sampling[-1].top_k == 0
+
+
+def test_batched_prompts_stream_with_indices(stub):
+    stub.script("first", stop_id=None)
+    stub.script("second one", stop_id=None)
+    r = stub.client.completions.create(model="stub", prompt=["a", "b"], max_tokens=20)
+    assert sorted(c.text for c in r.choices) == ["first", "second one"] and r.usage.completion_tokens > 2
+    stub.script("first", stop_id=None)
+    stub.script("second one", stop_id=None)
+    texts = {0: "", 1: ""}
+    for c in stub.client.completions.create(model="stub", prompt=["a", "b"], max_tokens=20, stream=True):
+        texts[c.choices[0].index] += c.choices[0].text
+    assert sorted(texts.values()) == ["first", "second one"]
+
+
+def test_closing_a_batched_stream_releases_every_request(glm_dir):
+    engine = ScriptedEngine(token_delay=0.01)
+    ctx = make_context(glm_dir, engine)
+    with serving(create_app(ctx)) as url:
+        engine.scripts += [ctx.tokenizer.encode("word " * 200)] * 2  # ~2 s of text each
+        body = {"model": "stub", "prompt": ["a", "b"], "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body) as r:
+            next(r.iter_lines())
+            assert engine.active == 2
+        deadline = time.monotonic() + 5
+        while engine.active:
+            assert time.monotonic() < deadline, "engine requests still open after the client left"
+            time.sleep(0.01)
+
+
+def test_include_usage_chunk(stub):
+    stub.script("abc", stop_id=None)
+    chunks = list(stub.client.chat.completions.create(model="stub", messages=user("x"), stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(stub.tok.encode("abc"))
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_tokenize_and_detokenize(stub):
+    ids = stub.post("/tokenize", {"prompt": "Hello 😀"}).json()["tokens"]
+    assert stub.post("/detokenize", {"tokens": ids}).json()["prompt"] == "Hello 😀"
+    chat = stub.post("/tokenize", {"messages": user("Hi")}).json()
+    assert stub.tok.decode(chat["tokens"], skip_special_tokens=False).endswith("<|user|>Hi<|assistant|><think>")
+    assert chat["max_model_len"] == 1024
+
+
+# ---- failures -----------------------------------------------------------------------------------
+
+
+def test_engine_failure_is_503_or_an_error_event(stub):
+    stub.engine.scripts.append(EngineDeadError)
+    with pytest.raises(openai.InternalServerError) as e:
+        stub.client.completions.create(model="stub", prompt="x", max_tokens=5)
+    assert e.value.status_code == 503
+    stub.engine.scripts.append(EngineDeadError)
+    with pytest.raises(openai.APIError, match="engine failure"):
+        list(stub.client.completions.create(model="stub", prompt="x", max_tokens=5, stream=True))
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", "{not json", None),
+        ("/v1/chat/completions", {"model": "stub"}, "messages"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, "messages.0.role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
+        ("/v1/chat/completions", {"messages": user("x"), "n": 2}, "n"),
+        ("/v1/chat/completions", {"messages": user("x"), "temperature": -1}, "temperature"),
+        ("/v1/chat/completions", {"messages": user("x"), "top_p": 0}, "top_p"),
+        ("/v1/chat/completions", {"messages": user("x"), "max_tokens": 0}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": user("x"), "max_tokens": "many"}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": user("x"), "logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {"messages": user("x"), "presence_penalty": 0.5}, "presence_penalty"),
+        ("/v1/chat/completions", {"messages": user("x"), "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/chat/completions", {"messages": user("x"), "tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"messages": user("x"), "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"messages": user("x"), "stop": [""]}, "stop"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+            "messages.0.tool_calls.0.function.arguments",
+        ),
+        ("/v1/chat/completions", {"messages": user("hello " * 1100)}, "messages"),
+        ("/v1/chat/completions", {"messages": user("x"), "max_tokens": 1020}, "max_tokens"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
+        ("/v1/completions", {}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
+    ],
+)
+def test_invalid_requests_are_400_naming_the_field(stub, path, body, param):
+    r = stub.post(path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    if param:
+        assert param in error["message"] or error["code"] == "context_length_exceeded"
+
+
+def test_unknown_model_is_404(stub):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        stub.client.chat.completions.create(model="gpt-4o", messages=user("x"))
+    assert stub.post("/v1/completions", {"model": "nope", "prompt": "x"}).json()["error"]["code"] == "model_not_found"
+    assert stub.client.models.retrieve("stub").id == "stub"
+
+
+def test_api_key(glm_dir):
+    engine = ScriptedEngine()
+    with serving(create_app(make_context(glm_dir, engine, api_key="sesame"))) as url:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        assert [m.id for m in openai.OpenAI(base_url=f"{url}/v1", api_key="sesame").models.list()] == ["stub"]
+        assert httpx.get(f"{url}/health").status_code == 200  # health stays open for load balancers
+
+
+def test_deepseek_v32_reasoning_and_dsml_tool_calls(dsv32_dir):
+    engine = ScriptedEngine(max_model_len=2048)
+    tok = Tokenizer(dsv32_dir)
+    ctx = make_context(
+        dsv32_dir,
+        engine,
+        chat_format=load_chat_format(dsv32_dir, "deepseek_v32", tok.config, tok.special_tokens_map),
+        eos_token_ids=frozenset({1}),
+        reasoning_parser="deepseek_v3",
+        tool_parser="deepseek_v32",
+    )
+    call = [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]
+    reply = "Need the weather.</think>Checking." + render_tool_calls(call)
+    engine.scripts += [tok.encode(reply) + [1], tok.encode("Sunny.") + [1]]
+    with serving(create_app(ctx)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        thinking = {"chat_template_kwargs": {"thinking": True}}
+        r = client.chat.completions.create(model="stub", messages=user("Weather?"), tools=TOOLS, extra_body=thinking)
+        m = r.choices[0].message
+        assert (m.reasoning_content, m.content, r.choices[0].finish_reason) == ("Need the weather.", "Checking.", "tool_calls")
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == [("get_weather", {"city": "Paris", "days": 3})]
+        assert tok.decode(engine.prompts[-1], skip_special_tokens=False).endswith("<｜User｜>Weather?<｜Assistant｜><think>")
+        history = user("Weather?") + [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "sunny"}]
+        r2 = client.chat.completions.create(model="stub", messages=history, tools=TOOLS)  # chat mode: no reasoning
+        assert r2.choices[0].message.content == "Sunny." and r2.choices[0].message.reasoning_content is None
+        prompt = tok.decode(engine.prompts[-1], skip_special_tokens=False)
+        assert prompt.endswith('<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls><｜end▁of▁sentence｜>\n\n<function_results>\n<result>sunny</result>\n</function_results>\n\n</think>')

@@ -1,0 +1,108 @@
+"""``python -m serve``: bad input exits 2 with one clear line; the README line serves the default model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import openai
+import pytest
+
+from jaxdsa.engine.engine import enable_compilation_cache
+from serve import cli
+from tests.serve.conftest import ROOT, free_port, wait_healthy
+LOCAL = ["--host", "127.0.0.1", "--port", "0"]
+
+
+def exit_message(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_missing_model_dir(capsys, tmp_path):
+    assert "neither a directory nor in the Hugging Face cache" in exit_message([str(tmp_path / "nope"), *LOCAL], capsys)
+
+
+def test_checkpoint_without_tokenizer(capsys):
+    assert "no tokenizer.json" in exit_message([os.path.join(ROOT, "tests", "fixtures", "glm5"), *LOCAL], capsys)
+
+
+def test_directory_without_config(capsys, tmp_path):
+    assert "config.json" in exit_message([str(tmp_path), *LOCAL], capsys)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tensor-parallel-size", "4", "--expert-parallel-size", "3"], "ep (3) must divide tp (4)"),
+        (["--data-parallel-size", "0"], "dp must be >= 1"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+        (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+        (["--tool-call-parser", "hermes"], "invalid choice: 'hermes'"),
+        (["--no-such-flag"], "unrecognized arguments"),
+    ],
+)
+def test_bad_flags(glm_dir, capsys, flags, message):
+    assert message in exit_message([glm_dir, *LOCAL, *flags], capsys)
+
+
+def test_more_parallelism_than_devices(glm_dir, capsys):
+    """The vLLM line's --tensor-parallel-size 8 on a machine without 8 devices: a clear exit 2."""
+    n = jax.device_count()
+    message = exit_message([glm_dir, *LOCAL, "--no-warmup", "--tensor-parallel-size", str(2 * n)], capsys)
+    assert f"needs {2 * n} devices, found {n}" in message
+
+
+def test_max_model_len_beyond_the_model(glm_dir, capsys):
+    assert "max_position_embeddings" in exit_message([glm_dir, *LOCAL, "--max-model-len", "4096", "--no-warmup"], capsys)
+
+
+def test_busy_port(glm_dir, capsys):
+    sock = cli.bind("127.0.0.1", 0)
+    sock.listen()
+    port = str(sock.getsockname()[1])
+    try:
+        assert "cannot listen on 127.0.0.1:" in exit_message([glm_dir, "--host", "127.0.0.1", "--port", port], capsys)
+    finally:
+        sock.close()
+
+
+def test_hub_ids_resolve_through_the_hf_cache(glm_dir, tmp_path, monkeypatch):
+    repo = tmp_path / "hub" / "models--zai-org--GLM-5"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123\n")
+    shutil.copytree(glm_dir, repo / "snapshots" / "abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert cli.resolve_model_dir("zai-org/GLM-5") == str(repo / "snapshots" / "abc123")
+    with pytest.raises(cli.StartupError, match="does not download"):
+        cli.resolve_model_dir("zai-org/GLM-5.1")
+
+
+def test_readme_line_serves_the_default_model(tmp_path):
+    """``python -m serve`` with no model: writes the tiny GLM-5 into JAXDSA_CACHE_DIR, warms up, serves."""
+    enable_compilation_cache()  # share compilations with this process (same shapes as test_live's server)
+    env = dict(os.environ, JAXDSA_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    if jax.config.jax_compilation_cache_dir:
+        env |= {"JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    port = free_port()
+    argv = [sys.executable, "-m", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    with open(tmp_path / "serve.log", "w+") as log, subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT) as proc:
+        try:
+            url = wait_healthy(proc, port, tmp_path / "serve.log")
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            assert [m.id for m in client.models.list().data] == ["jaxdsa-tiny-glm5"]
+            r = client.chat.completions.create(model="jaxdsa-tiny-glm5", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+            assert r.usage.completion_tokens >= 1
+        finally:
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=60)
+    output = (tmp_path / "serve.log").read_text()
+    assert code == 0, output
+    assert os.path.isfile(tmp_path / "default-model" / "model.safetensors")
+    assert "compiling step buckets: 20/20" in output and "ready: serving 'jaxdsa-tiny-glm5'" in output, output

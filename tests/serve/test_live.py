@@ -1,0 +1,280 @@
+"""The real server (tiny GLM-5 checkpoint, real engine) on 127.0.0.1, driven by the ``openai`` client.
+
+One module-scoped server, built by the same ``serve.cli.build`` as ``python -m serve``, with the
+engine geometry of the bundled model's defaults (max_model_len 256, 16 sequences, pages of 64,
+512-token steps: the same step shapes, so the persistent compilation cache serves both) and
+``--max-queue-len 0`` so that 17 requests in flight hit HTTP 429.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import jax
+import openai
+import pytest
+
+from jaxdsa.engine.engine import enable_compilation_cache
+from serve import bench
+from serve.cli import build, parse_args
+from tests.serve.conftest import ROOT, free_port, serving, wait_healthy
+
+ARGS = [
+    "--served-model-name", "tiny", "--host", "127.0.0.1", "--max-model-len", "256", "--max-num-seqs", "16",
+    "--max-queue-len", "0", "--reasoning-parser", "glm45", "--tool-call-parser", "glm47", "--enable-auto-tool-choice",
+    "--no-warmup",
+]  # fmt: skip
+GREEDY = {"temperature": 0.0}
+PROMPTS = [
+    "The quick brown fox",
+    "Hello! How are you today?",
+    "你好，世界",
+    "Sparse attention selects the most relevant keys",
+    "def add(a: int, b: int) -> int:",
+    "Emoji: 😀 🚀",
+    "The weather in Paris is mild in spring",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 42",
+    "Café, naïve, façade",
+    "SELECT name FROM users",
+    "Good morning, good evening",
+    "Привет, как дела?",
+    "In 1969, two astronauts walked on the Moon",
+    "Please write a short summary",
+    "We should test the tokenizer",
+    "for i in range(10):",
+]
+
+
+class Live:
+    def __init__(self, url: str, server):
+        self.url, self.server = url, server
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+    def aclient(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics").text
+        return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
+        """Metrics once nothing runs and no cache page is held (fails after ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["jaxdsa:num_requests_running"] == 0 and m["jaxdsa:num_requests_waiting"] == 0 and m["jaxdsa:kv_cache_pages_used"] == 0:
+                return m
+            assert time.monotonic() < deadline, f"engine still busy: {m}"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def live(glm_dir):
+    server = build(parse_args([glm_dir, *ARGS]))
+    with serving(server.app) as url:
+        yield Live(url, server)
+    server.engine.shutdown()
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_models(live):
+    models = live.client.models.list().data
+    assert [m.id for m in models] == ["tiny"] and models[0].max_model_len == 256
+
+
+def test_chat_streamed_equals_non_streamed(live):
+    kwargs = dict(model="tiny", messages=user("Tell me a story."), max_tokens=24, **GREEDY)
+    whole = live.client.chat.completions.create(**kwargs)
+    chunks = list(live.client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    m = whole.choices[0].message
+    assert m.reasoning_content is not None  # thinking is on by default: the reply starts in <think>
+    assert "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices) == m.reasoning_content
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == m.content
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert whole.usage.completion_tokens <= 24 and whole.choices[0].finish_reason in ("stop", "length")
+
+
+def test_completions_streamed_equals_non_streamed(live):
+    ids = httpx.post(f"{live.url}/tokenize", json={"prompt": "The quick brown fox"}).json()["tokens"]
+    for prompt in ("The quick brown fox", ids):
+        whole = live.client.completions.create(model="tiny", prompt=prompt, max_tokens=20, **GREEDY)
+        text = "".join(c.choices[0].text for c in live.client.completions.create(model="tiny", prompt=prompt, max_tokens=20, stream=True, **GREEDY))
+        assert text == whole.choices[0].text
+        assert whole.usage.prompt_tokens == len(ids) and whole.usage.completion_tokens == 20
+        assert whole.choices[0].finish_reason == "length"
+
+
+def test_reasoning_split_matches_the_raw_text(live):
+    """reasoning_content + </think> + content is exactly what the model wrote after the prompt."""
+    ids = httpx.post(f"{live.url}/tokenize", json={"messages": user("Why is the sky blue?")}).json()["tokens"]
+    raw = live.client.completions.create(model="tiny", prompt=ids, max_tokens=32, extra_body={"skip_special_tokens": False}, **GREEDY).choices[0].text
+    m = live.client.chat.completions.create(model="tiny", messages=user("Why is the sky blue?"), max_tokens=32, extra_body={"skip_special_tokens": False}, **GREEDY).choices[0].message
+    reasoning, sep, content = raw.partition("</think>")
+    assert (m.reasoning_content, m.content) == (reasoning, content)
+
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    ids = httpx.post(f"{live.url}/tokenize", json={"messages": user("Hi")}).json()["tokens"]
+    m = live.client.chat.completions.create(model="tiny", messages=user("Hi"), max_tokens=16, extra_body=off, **GREEDY).choices[0].message
+    assert m.reasoning_content is None
+    ids_off = live.client.chat.completions.create(model="tiny", messages=user("Hi"), max_tokens=1, extra_body=off).usage.prompt_tokens
+    assert ids_off == len(ids)  # "<think>" and "</think>" are one token each
+
+
+def test_stop_string(live):
+    text = live.client.completions.create(model="tiny", prompt="Hello! How are you", max_tokens=24, **GREEDY).choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    expected = text[: text.index(stop)]
+    for stream in (False, True):
+        r = live.client.completions.create(model="tiny", prompt="Hello! How are you", max_tokens=24, stop=[stop], stream=stream, **GREEDY)
+        got = "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
+        assert got == expected
+    live.wait_idle()
+
+
+def test_concurrent_requests_equal_sequential_ones(live):
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
+        r = await client.completions.create(model="tiny", prompt=prompt, max_tokens=8, **GREEDY)
+        return r.choices[0].text
+
+    async def together() -> list[str]:
+        client = live.aclient()
+        return await asyncio.gather(*(one(client, p) for p in PROMPTS))
+
+    concurrent = asyncio.run(together())
+    sequential = [live.client.completions.create(model="tiny", prompt=p, max_tokens=8, **GREEDY).choices[0].text for p in PROMPTS]
+    assert concurrent == sequential
+
+
+def test_cancelled_stream_frees_its_pages(live):
+    before = live.metrics()["jaxdsa:generation_tokens_total"]
+    stream = live.client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=240, stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert live.metrics()["jaxdsa:kv_cache_pages_used"] > 0
+    stream.close()
+    after = live.wait_idle()["jaxdsa:generation_tokens_total"]
+    assert after - before < 240  # it was stopped, not run to the end
+
+
+def test_disconnected_non_streaming_request_is_aborted(live):
+    before = live.metrics()["jaxdsa:generation_tokens_total"]
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{live.url}/v1/completions", json=body, timeout=httpx.Timeout(30.0, read=0.5))
+    after = live.wait_idle()["jaxdsa:generation_tokens_total"]
+    assert after - before < 240
+
+
+def test_queue_full_is_429_and_held_streams_release_everything(live):
+    async def scenario() -> None:
+        client = live.aclient()
+        held = [
+            await client.completions.create(model="tiny", prompt=p, max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+            for p in PROMPTS
+        ]
+        try:
+            for s in held:  # each is now in flight (16 = max_num_seqs + max_queue_len 0)
+                await anext(aiter(s))
+            with pytest.raises(openai.RateLimitError) as e:
+                await client.completions.create(model="tiny", prompt="one too many", max_tokens=4)
+            assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+        finally:
+            for s in held:
+                await s.close()
+
+    asyncio.run(scenario())
+    live.wait_idle()
+
+
+def test_client_errors(live):
+    with pytest.raises(openai.BadRequestError) as e:
+        live.client.chat.completions.create(model="tiny", messages=user("x"), max_tokens=300)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        live.client.completions.create(model="tiny", prompt="word " * 300)
+    assert e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        live.client.chat.completions.create(model="tiny", messages=user("x"), temperature=-0.5)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError, match="token ids"):
+        live.client.completions.create(model="tiny", prompt=[10**6])
+    with pytest.raises(openai.NotFoundError):
+        live.client.completions.create(model="not-served", prompt="x")
+    r = httpx.post(f"{live.url}/v1/chat/completions", content=b"{", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_engine_failure_is_503_and_the_server_recovers(live, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(live.server.engine.engine.runner, "run", broken)
+    with pytest.raises(openai.InternalServerError) as e:
+        live.client.completions.create(model="tiny", prompt="x y z", max_tokens=4)
+    assert e.value.status_code == 503 and "device lost" in e.value.message
+    monkeypatch.undo()
+    assert live.client.completions.create(model="tiny", prompt="x y z", max_tokens=4).usage.completion_tokens == 4
+    live.wait_idle()
+
+
+def test_metrics(live):
+    m = live.metrics()
+    for name in (
+        "jaxdsa:num_requests_running",
+        "jaxdsa:num_requests_waiting",
+        "jaxdsa:generation_tokens_total",
+        "jaxdsa:kv_cache_usage_perc",
+        "jaxdsa:time_to_first_token_seconds_count",
+        "jaxdsa:prompt_tokens_total",
+    ):
+        assert name in m, name
+    assert m["jaxdsa:time_to_first_token_seconds_count"] > 10 and m["jaxdsa:generation_tokens_total"] > 100
+    assert m['jaxdsa:request_success_total{finished_reason="length"}'] > 0
+
+
+def test_bench(live, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    bench.main(["--url", live.url, "--concurrency", "1,4", "--input-len", "16", "--output-len", "8", "--num-prompts", "4", "--json", str(out), "--plot", str(tmp_path / "p.png")])
+    rows = json.loads(out.read_text())["results"]
+    assert [r["concurrency"] for r in rows] == [1, 4] and all(r["failed"] == 0 for r in rows)
+    assert all(r["output_throughput"] > 0 and r["ttft_ms"]["p99"] >= r["ttft_ms"]["median"] > 0 for r in rows)
+    table = capsys.readouterr().out
+    assert "out tok/s" in table and len(table.strip().splitlines()) == 3
+
+
+def test_tensor_parallel_server_gives_the_same_text(live, glm_dir, tmp_path):
+    """``--tensor-parallel-size 2`` on two (fake CPU) devices serves what the one-device server does."""
+    enable_compilation_cache()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    if jax.config.jax_compilation_cache_dir:
+        env |= {"JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    port = free_port()
+    argv = [sys.executable, "-m", "serve", glm_dir, *ARGS, "--port", str(port), "--tensor-parallel-size", "2"]
+    with open(tmp_path / "tp.log", "w+") as log, subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT) as proc:
+        try:
+            url = wait_healthy(proc, port, tmp_path / "tp.log")
+            tp = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            for prompt in PROMPTS[:2]:
+                expected = live.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, **GREEDY).choices[0].text
+                assert tp.completions.create(model="tiny", prompt=prompt, max_tokens=8, **GREEDY).choices[0].text == expected
+        finally:
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=60) == 0, (tmp_path / "tp.log").read_text()
+
+
+def test_server_is_alive_after_everything(live):
+    assert httpx.get(f"{live.url}/health").status_code == 200
+    r = live.client.chat.completions.create(model="tiny", messages=user("still there?"), max_tokens=4)
+    assert r.usage.completion_tokens >= 1
+    live.wait_idle()
