@@ -1,0 +1,215 @@
+"""Serving benchmark of a GLM-5-shaped model on one GPU: `python -m serve` + `serve.bench`.
+
+The model has GLM-5's real layer widths (hidden 6144, 64 heads, MLA 2048/512/192+64/256,
+indexer 32 x 128, top-2048, 256 experts top-8 x 2048, vocab 154880) and as many layers as one
+H100 holds next to a useful cache: 3 dense + 2 MoE layers (about 46 GB of bf16 weights), with
+random weights made on the device (``--load-format dummy``). The memory roofline at concurrency
+1 counts what one decode step must read: every weight a token touches (attention, indexer,
+dense MLPs, the 8 routed + 1 shared experts of each MoE layer, the LM head) plus the latent
+cache rows of its context, divided by the copy bandwidth measured in the same run.
+
+    python -m benchmarks.serve_gpu [--layers 5] [--input-len 512] [--output-len 64]
+
+Writes benchmarks/results/serve-<gpu>.md (and the raw bench JSON beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+from benchmarks import harness
+from checkpoints.tokenizer_assets import write_tokenizer
+from jaxdsa.config import config_from_dict
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+GLM5 = {
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "model_type": "glm_moe_dsa",
+    "vocab_size": 154880,
+    "hidden_size": 6144,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 78,
+    "first_k_dense_replace": 3,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "q_lora_rank": 2048,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 192,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 256,
+    "index_n_heads": 32,
+    "index_head_dim": 128,
+    "index_topk": 2048,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+    "rope_interleave": True,
+    "indexer_rope_interleave": True,
+    "max_position_embeddings": 202752,
+    "rms_norm_eps": 1e-5,
+    "num_nextn_predict_layers": 0,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def write_model_dir(directory: str, layers: int, overrides: dict | None = None) -> dict:
+    """config.json (GLM-5 widths, ``layers`` layers) + the GLM tokenizer files; no weights."""
+    raw = {**GLM5, "num_hidden_layers": layers, "indexer_types": ["full"] * layers, **(overrides or {})}
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(raw, fh, indent=1)
+    write_tokenizer("glm_moe_dsa", directory, model_max_length=raw["max_position_embeddings"])
+    return raw
+
+
+def decode_step_bytes(raw: dict, context: int, batch: int = 1) -> float:
+    """Bytes one decode step reads at ``batch`` sequences of ``context`` tokens (bf16 weights)."""
+    c = config_from_dict(raw)
+    D, H, bf16 = c.hidden_size, c.num_attention_heads, 2
+    attn = D * c.q_lora_rank + c.q_lora_rank * H * c.qk_head_dim + D * c.latent_dim
+    attn += H * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank + H * c.v_head_dim * D
+    indexer = c.q_lora_rank * c.index_n_heads * c.index_head_dim + D * c.index_head_dim + 2 * D * c.index_n_heads  # weights_proj is fp32
+    dense = 3 * D * c.intermediate_size
+    expert = 3 * D * c.moe_intermediate_size
+    total = 0.0
+    for layer in range(c.num_hidden_layers):
+        total += attn + (indexer if c.has_indexer(layer) else 0)
+        if c.is_moe_layer(layer):
+            touched = min(c.n_routed_experts, batch * c.num_experts_per_tok)  # upper bound at batch > 1
+            total += D * c.n_routed_experts + (touched + c.n_shared_experts) * expert
+        else:
+            total += dense
+    total += D * c.vocab_size  # LM head
+    kv_rows = min(context, c.index_topk)  # sparse attention reads at most index_topk rows
+    kv = c.num_hidden_layers * kv_rows * c.latent_dim
+    if context > c.index_topk:
+        kv += len(c.indexer_layers) * context * c.index_head_dim  # the indexer scans every key
+    return (total + batch * kv) * bf16
+
+
+def _wait_health(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    start = time.time()
+    while time.time() - start < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"serve exited with {proc.returncode} before becoming healthy")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"serve not healthy after {timeout:.0f}s")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=5)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--concurrency", default="1,4,8,16,32")
+    p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--overrides", default="{}", help="JSON config overrides (CPU smoke tests use small widths)")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    args = p.parse_args(argv)
+
+    work = tempfile.mkdtemp(prefix="glm5-shaped-")
+    raw = write_model_dir(work, args.layers, json.loads(args.overrides))
+    url = f"http://127.0.0.1:{args.port}"
+    levels = [int(c) for c in args.concurrency.split(",")]
+    cmd = [sys.executable, "-m", "serve", work, "--load-format", "dummy", "--port", str(args.port), "--host", "127.0.0.1",
+           "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(max(levels)), "--max-num-batched-tokens",
+           str(args.max_num_batched_tokens), "--no-warmup", "--served-model-name", "glm5-shaped"]
+    start = time.time()
+    server = subprocess.Popen(cmd)
+    try:
+        _wait_health(url, server, timeout=600)
+        startup = time.time() - start
+        out_json = os.path.join(work, "bench.json")
+        bench = [sys.executable, "-m", "serve.bench", "--url", url, "--concurrency", args.concurrency, "--input-len", str(args.input_len),
+                 "--output-len", str(args.output_len), "--num-prompts", str(args.num_prompts), "--json", out_json]
+        subprocess.run(bench, check=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    rows = json.load(open(out_json))["results"]
+    # Only now touch the GPU from this process: JAX takes most of its memory when it starts.
+    _report(rows, raw, args, harness.copy_ceiling_gbs(), startup)
+    return 0
+
+
+def _report(rows, raw, args, copy_gbs: float, startup: float) -> None:
+    header = harness.device_header()
+    context = args.input_len + args.output_len / 2
+    table = []
+    for r in rows:
+        itl = r["itl_ms"]["mean"]
+        per_stream = 1000.0 / itl if itl == itl and itl > 0 else float("nan")
+        row = {
+            "concurrency": r["concurrency"],
+            "per-stream decode tok/s": per_stream,
+            "aggregate decode tok/s": per_stream * r["concurrency"],
+            "output tok/s (incl. prefill)": r["output_throughput"],
+            "total tok/s": r["total_throughput"],
+            "TTFT mean ms": r["ttft_ms"]["mean"],
+            "ITL mean ms": itl,
+            "ITL p99 ms": r["itl_ms"]["p99"],
+            "failed": r["failed"],
+        }
+        step_bytes = decode_step_bytes(raw, int(context), r["concurrency"])
+        row["bytes/step GB"] = step_bytes / 1e9
+        row["roofline ms"] = step_bytes / (copy_gbs * 1e9) * 1e3
+        row["% of roofline"] = 100 * row["roofline ms"] / itl if itl == itl else float("nan")
+        table.append(row)
+    cols = list(table[0])
+    lines = [
+        f"# Serving a GLM-5-shaped model on {header['device']}",
+        "",
+        "| | |",
+        "|---|---|",
+        *[f"| {k} | {v} |" for k, v in header.items()],
+        f"| model | GLM-5 widths, {raw['num_hidden_layers']} layers ({raw['first_k_dense_replace']} dense + {raw['num_hidden_layers'] - raw['first_k_dense_replace']} MoE), random bf16 weights (--load-format dummy) |",
+        f"| workload | serve.bench: {args.num_prompts} prompts/level, {args.input_len} tokens in, {args.output_len} out, ignore_eos, streaming |",
+        f"| server | python -m serve --max-num-seqs {max(r['concurrency'] for r in rows)} --max-num-batched-tokens {args.max_num_batched_tokens} --max-model-len {args.max_model_len} --no-warmup |",
+        f"| copy ceiling (jax x+1, 1 GiB) | {copy_gbs:.0f} GB/s |",
+        f"| server start to /health | {startup:.0f} s |",
+        "",
+        "Per-stream decode tok/s = 1 / mean inter-token latency; aggregate = per-stream x concurrency.",
+        "Roofline = bytes one decode step must read (weights touched + latent cache of a",
+        f"{context:.0f}-token context per sequence; experts: min(256, 8 x batch) + shared) / copy ceiling;",
+        "% of roofline = roofline step time / measured mean ITL.",
+        "",
+        harness.markdown_table(table, cols),
+        "",
+    ]
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"serve-{harness.gpu_slug()}.md"
+    path.write_text("\n".join(lines))
+    print("\n".join(lines))
+    print(f"serve_gpu: wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
