@@ -272,7 +272,8 @@ def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
     def f(t, i):
         local = i - jax.lax.axis_index(ax.tp) * rows
         hit = (local >= 0) & (local < rows)
-        return ax.psum(jnp.where(hit[:, None], t[jnp.where(hit, local, 0)], 0), ax.tp)
+        rows_f32 = jnp.where(hit[:, None], t[jnp.where(hit, local, 0)], 0).astype(jnp.float32)
+        return ax.psum(rows_f32, ax.tp).astype(t.dtype)  # exact: one shard contributes each row
 
     return ax.smap(f, (P(ax.tp, None), P()), P())(table, ids)
 
