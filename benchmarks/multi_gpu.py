@@ -80,7 +80,13 @@ def main(argv=None) -> int:
         rows.append(row)
         del llm
         gc.collect()
-    noise = rel(base["bf16"], base["f32"][0]) if args.layers == 4 else float("nan")
+        noise = rel(base["bf16"], base["f32"][0]) if args.layers == 4 else float("nan")
+        _write(rows, args, noise, n)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+def _write(rows, args, noise: float, n: int) -> None:
+    """Rewritten after every layout, so a run cut short still leaves its finished rows."""
     header = harness.device_header()
     slug = f"{harness.gpu_slug()}x{n}"
     lines = [
@@ -99,8 +105,7 @@ def main(argv=None) -> int:
     ]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"multi-gpu-{slug}.md").write_text("\n".join(lines))
-    print("\n".join(lines))
-    return 0 if all(r["ok"] for r in rows) else 1
+    print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":
