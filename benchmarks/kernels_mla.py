@@ -91,12 +91,13 @@ def _describe(cfg: MlaConfig) -> str:
 
 
 def _table_config(shape: Shape, block_h: int | None = None) -> MlaConfig:
-    return tuning.choose(shape.t, shape.h, TOPK, D * 2, 4 * DV, block_h=block_h)
+    return tuning.choose(shape.t, shape.h, TOPK, d_v=DV, d_r=D - DV, itemsize=2, block_h=block_h)
 
 
 def _variants(shape: Shape, base: MlaConfig) -> dict[str, MlaConfig]:
     """Sweep candidates around the table's config, most promising first."""
     r = functools.partial(dataclasses.replace, base)
+    other_bn = ("bn64", r(block_n=64)) if base.block_n < 64 else ("bn32", r(block_n=32))
     if shape.kind == "decode":
         cands = [
             ("splits*2", r(splits=min(base.splits * 2, TOPK // base.block_n))),
@@ -104,21 +105,20 @@ def _variants(shape: Shape, base: MlaConfig) -> dict[str, MlaConfig]:
             ("bh16", _table_config(shape, block_h=16)),
             ("all_heads", _table_config(shape, block_h=min(64, max(16, shape.h)))),
             ("splits/2", r(splits=max(1, base.splits // 2))),
-            ("bn64" if base.block_n < 64 else "bn32", r(block_n=64 if base.block_n < 64 else 32)),
+            other_bn,
             ("warps4" if base.num_warps > 4 else "warps8", r(num_warps=4 if base.num_warps > 4 else 8)),
             ("stages3", r(num_stages=3)),
         ]
     else:
         cands = [
-            ("bn64", r(block_n=64)),
+            other_bn,
             ("stages3", r(num_stages=3)),
             ("bn16", r(block_n=16)),
             ("warps4", r(num_warps=4)),
             ("bh/2", r(block_h=max(16, base.block_h // 2))),
         ]
-    if shape.h >= 128:  # all heads in one program (rows read once); 16 warps hold the [128, 512] f32 acc
-        all_heads = ("bh128w16", r(block_h=128, block_n=16, num_warps=16))
-        cands = [all_heads, *cands] if shape.kind == "prefill" else [*cands, all_heads]
+    # No 128-head variant: its epilogue converts a 256 KiB f32 accumulator through shared memory (more
+    # than any part has) and at 16 warps ptxas runs out of registers (both seen on H100).
     out: dict[str, MlaConfig] = {}
     for name, cfg in cands:
         if cfg != base and cfg not in out.values():

@@ -48,15 +48,22 @@ class StepMeta:
 
 
 def init_cache(
-    cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16, *, mtp: bool = False
+    cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16, *, mtp: bool = False, sharding=None
 ) -> KVCache:
-    """A zeroed cache for the main layers, or (``mtp=True``) for the next-n prediction layers."""
+    """A zeroed cache for the main layers, or (``mtp=True``) for the next-n prediction layers.
+
+    With ``sharding`` (e.g. pages split over dp) the zeros are made in place on every device.
+    """
     layers = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers) if mtp else range(cfg.num_hidden_layers)
-    latent = tuple(jnp.zeros((num_pages, page_size, cfg.latent_dim), dtype) for _ in layers)
-    index = tuple(
-        jnp.zeros((num_pages, page_size, cfg.index_head_dim), dtype) if cfg.has_indexer(i) else None for i in layers
-    )
-    return KVCache(latent=latent, index_keys=index)
+
+    def make() -> KVCache:
+        latent = tuple(jnp.zeros((num_pages, page_size, cfg.latent_dim), dtype) for _ in layers)
+        index = tuple(
+            jnp.zeros((num_pages, page_size, cfg.index_head_dim), dtype) if cfg.has_indexer(i) else None for i in layers
+        )
+        return KVCache(latent=latent, index_keys=index)
+
+    return make() if sharding is None else jax.jit(make, out_shardings=sharding)()
 
 
 def cache_bytes_per_token(cfg: ModelConfig, dtype=jnp.bfloat16) -> int:

@@ -127,19 +127,21 @@ class LLM:
         dp = self.parallelism.dp
         T, pages = bucket(len(ids)), bucket(-(-len(ids) // self.page_size))
         group = lambda first, fill: np.asarray(list(first) + [fill] * (T - len(ids)) + [fill] * (T * (dp - 1)), np.int32)  # noqa: E731
-        cache = init_cache(self.config, pages * dp, self.page_size, self.dtype)
+        placed = None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("dp"))
+        cache = init_cache(self.config, pages * dp, self.page_size, self.dtype, sharding=placed)
         meta = StepMeta(
-            seq_ids=jnp.asarray(group([0] * len(ids), -1)),
-            page_table=jnp.asarray(np.tile(np.arange(pages, dtype=np.int32), (dp, 1))),
-            logits_indices=jnp.asarray(np.tile(np.arange(T, dtype=np.int32), dp)),
+            seq_ids=group([0] * len(ids), -1),
+            page_table=np.tile(np.arange(pages, dtype=np.int32), (dp, 1)),
+            logits_indices=np.tile(np.arange(T, dtype=np.int32), dp),
         )
-        args = (jnp.asarray(group(ids, 0)), jnp.asarray(group(range(len(ids)), 0)), cache, meta)
+        args = (group(ids, 0), group(range(len(ids)), 0), meta)
         if self.mesh is not None:
-            args = jax.device_put(args, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("dp")))
+            args = sharding.put(args, self.mesh, jax.sharding.PartitionSpec("dp"))
+        tokens, positions, meta = jax.tree.map(jnp.asarray, args)
         fn = jitted_step(self.config, len(ids) > self.config.index_topk, False, self.mesh)
         with self._precision():
-            logits, _ = fn(self.params, *args)
-        return np.asarray(logits)[: len(ids)]
+            logits, _ = fn(self.params, tokens, positions, cache, meta)
+        return sharding.fetch(logits)[: len(ids)]
 
     def generate(
         self,

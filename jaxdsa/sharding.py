@@ -291,3 +291,27 @@ def data_parallel(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P("dp"), axis_names={"dp"}, check_vma=False)(params, *batch)
 
     return run
+
+
+# ---- host <-> device on meshes that may span processes --------------------------------------------
+
+
+def put(tree: Any, mesh: Mesh, partition: P) -> Any:
+    """Place host arrays with ``partition`` on ``mesh``; every process passes the same values and
+    keeps only its own devices' slices (works single- and multi-process)."""
+    target = NamedSharding(mesh, partition)
+
+    def one(x):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
+
+    return jax.tree.map(one, tree)
+
+
+def fetch(x: jax.Array) -> np.ndarray:
+    """The whole value of ``x`` on this host, gathering other processes' shards if needed."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -1,4 +1,5 @@
-"""Shared Pallas-Triton plumbing: the guarded import, the one deprecation filter, GPU lookup.
+"""Shared Pallas-Triton plumbing: the guarded import, the one deprecation filter, GPU lookup,
+and the shared-memory budget every tuning table fits its configs into.
 
 The Pallas Triton backend is deprecated upstream (JAX >= 0.11) and warns at every lowering;
 this module is the single place that silences that warning. Kernels import ``pl`` and
@@ -8,8 +9,9 @@ this module is the single place that silences that warning. Kernels import ``pl`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 from jax.experimental import pallas as pl  # noqa: F401  (re-exported for kernels)
@@ -34,6 +36,62 @@ def compiler_params(num_warps: int, num_stages: int):
     if pltriton is None:
         raise RuntimeError("this jaxlib has no Pallas Triton support")
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+# Opt-in shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin), bytes: 227 KiB on
+# H100/H200/B200, 163 KiB on A100, 99 KiB on the consumer / workstation parts.
+SHARED_MEMORY: dict[int, int] = {
+    80: 166912,
+    86: 101376,
+    89: 101376,
+    90: 232448,
+    100: 232448,
+    120: 101376,
+    121: 101376,
+}
+
+
+def shared_memory_budget(cc: int) -> int:
+    """Bytes of shared memory one program may use on compute capability ``cc``. Unknown parts
+    (and the CPU, cc 0) get the smallest listed budget, so their configs compile everywhere."""
+    return SHARED_MEMORY.get(cc, min(SHARED_MEMORY.values()))
+
+
+def shared_memory_bytes(*, stage: int, num_stages: int, resident: int = 0, epilogue: int = 0) -> int:
+    """Upper bound of the shared memory Triton allocates for one program of a pipelined dot loop:
+
+        max(resident + num_stages * stage, epilogue)
+
+    ``stage``: bytes of the tiles one loop step loads for its dots (at the operand itemsize);
+    ``resident``: loop-invariant dot operands loaded before the loop (they live in shared memory
+    for the whole loop, or pass through it once on their way to registers); ``epilogue``: the
+    output tile after the loop, at 4 bytes per element.
+
+    Why it bounds what Triton allocates: with ``num_stages = S > 1`` the software pipeliner keeps
+    ``S - 1`` copies of each load that feeds a dot (observed on H200: the float32 MoE gate_up kernel
+    with ``block_m = 32``, 64x128 tiles and 4 stages requested 245760 = 3 x 81920 bytes); with
+    ``S = 1`` the loaded tile passes through shared memory once on its way to the dot. Counting
+    ``S`` copies leaves one step's tiles for the layout-conversion scratch inside the loop, which
+    Triton allocates per operation (one conversion live at a time) and which in these kernels is
+    never larger than one step's tiles. After the loop the pipeline buffers are dead and the
+    allocator reuses their space for the epilogue's conversion of the output tile to the store
+    layout, hence ``max`` and not a sum (observed on H100: a 128-head sparse-MLA program requested
+    exactly 262144 bytes, its ``[128, 512]`` float32 accumulator, while its loop needs far less).
+    """
+    return max(resident + num_stages * stage, epilogue)
+
+
+def shrink_to_fit[C](cfg: C, nbytes: Callable[[C], int], budget: int, knobs: Sequence[tuple[str, int]]) -> C:
+    """Shrink ``cfg`` until ``nbytes(cfg) <= budget``: for each ``(field, floor)`` in order,
+    lower that field (``num_stages`` by one, block sizes by halving) down to ``floor``. Knob order
+    is the kernel's preference: what costs least speed goes first."""
+    for field, floor in knobs:
+        while nbytes(cfg) > budget and getattr(cfg, field) > floor:
+            value = getattr(cfg, field)
+            cfg = dataclasses.replace(cfg, **{field: value - 1 if field == "num_stages" else value // 2})
+    if nbytes(cfg) > budget:
+        raise ValueError(f"{cfg} needs {nbytes(cfg)} bytes of shared memory, more than the {budget} available")
+    return cfg
 
 
 def compute_capability() -> int:

@@ -16,6 +16,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdsa.cache import cache_bytes_per_token, init_cache
 from jaxdsa.config import ModelConfig
@@ -50,7 +51,7 @@ def _default_num_pages(cfg: ModelConfig, ec: EngineConfig, max_model_len: int, d
     pages), capped at enough for every slot to reach max_model_len."""
     per_seq = -(-max_model_len // ec.page_size)
     enough = per_seq * ec.max_num_seqs
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         return enough
     free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.memory_fraction
@@ -93,7 +94,7 @@ class Engine:
         self.runner = ModelRunner(
             cfg,
             params,
-            init_cache(cfg, num_pages, config.page_size, dtype),
+            init_cache(cfg, num_pages, config.page_size, dtype, sharding=None if mesh is None else NamedSharding(mesh, PartitionSpec("dp"))),
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens,

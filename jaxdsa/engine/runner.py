@@ -87,12 +87,12 @@ class ModelRunner:
         self.page_table = np.zeros((max_num_seqs, -(-max_model_len // self.page_size)), np.int32)
         self.dense_pages = min(self.page_table.shape[1], -(-cfg.index_topk // self.page_size))
         self.can_be_sparse = max_model_len > cfg.index_topk
-        self.cache = self._place(cache)
+        self.cache = cache
 
     def _place(self, tree):
         if self.mesh is None:
             return tree
-        return jax.device_put(tree, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("dp")))
+        return sharding.put(tree, self.mesh, jax.sharding.PartitionSpec("dp"))
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -130,8 +130,8 @@ class ModelRunner:
         fn = _compiled(self.cfg, sparse, with_logits, self.mesh)
         with self.precision() if self.precision else contextlib.nullcontext():
             ids, logits, self.cache = fn(self.params, tokens, positions, self.cache, meta, *rest)
-        ids = np.asarray(ids).reshape(len(groups), R)
-        logits = np.asarray(logits).reshape(len(groups), R, -1) if with_logits else None
+        ids = sharding.fetch(ids).reshape(len(groups), R)
+        logits = sharding.fetch(logits).reshape(len(groups), R, -1) if with_logits else None
         return ids, logits
 
     def run(self, segments: list[Segment], seeds: dict[str, int], *, with_logits: bool = False):

@@ -6,9 +6,10 @@ Every key is fetched through the page table: logical position ``s`` of sequence 
 ``page_table[seq, s // page] * page + s % page`` of the flat key pool. Two kernels:
 
 * **row kernel**, grid ``(key blocks, T)``: one query and ``steps`` blocks of ``block_s`` keys per
-  program; per block the dot ``keys [block_s, D] x q[t]^T [D, Hi]`` runs on the tensor cores, then
-  relu, weight and sum over heads. Each query reads its own sequence's keys once, so decode (one
-  query per sequence) is a single streaming pass over the keys: memory-bound by design.
+  program; per block the dot ``keys [block_s, D] x q[t]^T [D, Hi]`` (heads zero-padded to 16) runs
+  on the tensor cores, then relu, weight and sum over heads. Each query reads its own sequence's
+  keys once, so decode (one query per sequence) is a single streaming pass over the keys:
+  memory-bound by design.
 * **tile kernel**, grid ``(key blocks, query blocks)``: ``block_t`` queries of one sequence share a
   key tile ``[block_s, D]`` gathered once; a loop over heads does
   ``keys [block_s, D] x q[:, h]^T -> [block_s, block_t]``, relu, times ``w[:, h]``, accumulate. The
@@ -118,6 +119,11 @@ class _Spec:
     has_scale: bool
 
     @property
+    def heads_pad(self) -> int:
+        """Heads of the row kernel's dot: padded to the MMA minimum of 16 and a power of two."""
+        return max(16, pl.next_power_of_2(self.num_heads))
+
+    @property
     def precision(self):
         # f32 dots default to TF32 on the GPU; keep f32 inputs exact.
         return lax.Precision.HIGHEST if self.dtype == jnp.float32 else None
@@ -140,10 +146,10 @@ def _logits_paged(q, w, k_pages, page_table, seq_ids, q_pos, k_scale, *, interpr
     B, M = page_table.shape
     if Dk != D or w.shape != (T, Hi):
         raise ValueError(f"shape mismatch: q {q.shape}, w {w.shape}, k_pages {k_pages.shape}")
-    for name, n in (("heads", Hi), ("head_dim", D)):
-        if n < 16 or n & (n - 1):
-            raise ValueError(f"indexer {name}={n}: Pallas-Triton needs a power of two >= 16")
-    cfg = config or tuning.config_for()
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"indexer head_dim={D}: Pallas-Triton needs a power of two >= 16")
+    itemsize = max(q.dtype.itemsize, k_pages.dtype.itemsize)
+    cfg = config or tuning.choose(num_heads=Hi, head_dim=D, itemsize=itemsize)
     key_format, k_flat = _key_operand(k_pages.reshape(P * page, D), k_scale, native_fp8)
     spec = _Spec(T, Hi, page, M * page, key_format, jnp.dtype(q.dtype), k_scale is not None)
     operands = [q, w, k_flat]
@@ -223,15 +229,14 @@ def _row_block(refs: _Refs, spec: _Spec, t, s0, block_s: int, steps: int = 1) ->
 
     @pl.when(s0 <= pos)
     def _():
-        q_t = refs.q[t]  # [Hi, D]
-        w_t = refs.w[t].astype(jnp.float32)
+        q_t, w_t = _query_heads(refs, spec, t)  # [heads_pad, D], [heads_pad] f32
 
         def step(i, carry):
             s = s0 + i * block_s + jnp.arange(block_s, dtype=jnp.int32)
             in_row = s < spec.seq_len
             valid = (s <= pos) & in_row
             keys, factor = _gather_keys(refs, spec, jnp.maximum(seq, 0), s, valid)
-            scores = pltriton.dot(keys, q_t, trans_b=True, precision=spec.precision)  # [block_s, Hi]
+            scores = pltriton.dot(keys, q_t, trans_b=True, precision=spec.precision)  # [block_s, heads_pad]
             logits = jnp.sum(jnp.maximum(scores, 0.0) * w_t[None, :], axis=1)
             if factor is not None:
                 logits = logits * factor
@@ -246,6 +251,18 @@ def _row_block(refs: _Refs, spec: _Spec, t, s0, block_s: int, steps: int = 1) ->
         s = s0 + jnp.arange(steps * block_s, dtype=jnp.int32)
         fill = jnp.full((steps * block_s,), _NEG_INF, jnp.float32)
         pltriton.store(refs.out.at[t, pl.ds(s0, steps * block_s)], fill, mask=s < spec.seq_len)
+
+
+def _query_heads(refs: _Refs, spec: _Spec, t):
+    """Query ``t``'s heads and weights, padded with zero rows to ``spec.heads_pad`` (tensor-parallel
+    shards of a 32-head indexer hold 4 or 8); a padded head's weight 0 drops it from the sum."""
+    if spec.heads_pad == spec.num_heads:
+        return refs.q[t], refs.w[t].astype(jnp.float32)
+    heads = jnp.arange(spec.heads_pad, dtype=jnp.int32)
+    ok = heads < spec.num_heads
+    cols = jnp.arange(refs.q.shape[2], dtype=jnp.int32)
+    q_t = pltriton.load(refs.q.at[t, heads[:, None], cols[None, :]], mask=ok[:, None], other=0)
+    return q_t, pltriton.load(refs.w.at[t, heads], mask=ok, other=0).astype(jnp.float32)
 
 
 def _row_kernel(*refs, spec: _Spec, block_s: int, steps: int) -> None:

@@ -2,17 +2,22 @@
 
 Two kernels (see ``kernel.py``): the *row* kernel (one query x ``block_s`` keys per program; decode)
 and the *tile* kernel (``block_t`` queries x ``block_s`` keys per program, MMA over queries x keys,
-loop over heads; prefill). Shared-memory use of the tile kernel is about
-``num_stages * block_t * 128 * 2 + block_s * 128 * 2`` bytes, so the 99 KiB parts (sm_86, sm_89,
-sm_12x) get two stages; A100 (163 KiB) and H100 (227 KiB) three. Values are starting points until
-``benchmarks/kernels_indexer.py`` has been run on each part; it prints the best variant per shape.
+loop over heads; prefill). The 99 KiB parts (sm_86, sm_89, sm_12x) get two tile stages; A100
+(163 KiB) and H100 (227 KiB) three. On H100 (bf16, ``benchmarks/results/kernels_indexer-h100.md``)
+the tile config was the fastest at every prefill shape; for decode the 4 x 128-key row variant
+won at half the shapes and lost at the other half (1 % apart in geometric mean), so the table
+keeps the single 128-key step.
+
+:func:`choose` fits the table's configs to the shared memory for the actual head count and
+operand itemsize (:func:`smem_bytes`): float32 operands double every tile, and the MMA pads the
+heads of the row kernel to 16.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels._triton import pltriton
+from pallas_kernels._triton import pl, pltriton, shared_memory_budget, shared_memory_bytes, shrink_to_fit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,3 +82,44 @@ def target_compute_capability() -> int:
 def config_for(cc: int | None = None) -> IndexerConfig:
     """The table entry for ``cc`` (default: the current target); unknown parts get ``DEFAULT``."""
     return TABLE.get(target_compute_capability() if cc is None else cc, DEFAULT)
+
+
+# Shrink order when a config does not fit: stages (down to 2), keys, queries, the last stage.
+_ROW_KNOBS = (("num_stages", 2), ("block_s", 16), ("num_stages", 1))
+_TILE_KNOBS = (("num_stages", 2), ("block_s", 16), ("block_t", 16), ("num_stages", 1))
+
+
+def smem_bytes(cfg: RowConfig | TileConfig, *, num_heads: int, head_dim: int, itemsize: int) -> int:
+    """Shared-memory estimate (:func:`pallas_kernels._triton.shared_memory_bytes`) of one program.
+
+    Row kernel: the query's ``[heads, D]`` tile (heads padded to 16) and weights resident; per stage
+    ``block_s`` gathered keys with their page-table entry and fp8 scale. Tile kernel: the
+    ``[block_s, D]`` key tile resident; per stage one head's ``[block_t, D]`` queries and weights;
+    the ``[block_t, block_s]`` float32 logits in the epilogue; and, since tiles that span several
+    sequences run the row path inside the same kernel, at least the row estimate at its sizes.
+    """
+    row_width = head_dim * itemsize
+    heads = max(16, pl.next_power_of_2(num_heads))
+    row = shared_memory_bytes(
+        resident=heads * (row_width + 4), stage=cfg.block_s * (row_width + 8), num_stages=cfg.num_stages
+    )
+    if isinstance(cfg, RowConfig):
+        return row
+    tile = shared_memory_bytes(
+        resident=cfg.block_s * (row_width + 8),
+        stage=cfg.block_t * (row_width + 4),
+        num_stages=cfg.num_stages,
+        epilogue=cfg.block_s * cfg.block_t * 4,
+    )
+    return max(row, tile)
+
+
+def choose(*, num_heads: int, head_dim: int, itemsize: int, cc: int | None = None) -> IndexerConfig:
+    """The table entry for ``cc`` (default: the current target), fitted to its shared memory for
+    ``num_heads`` heads of ``head_dim`` and ``itemsize``-byte operands."""
+    cc = target_compute_capability() if cc is None else cc
+    e = config_for(cc)
+    budget = shared_memory_budget(cc)
+    nbytes = lambda c: smem_bytes(c, num_heads=num_heads, head_dim=head_dim, itemsize=itemsize)  # noqa: E731
+    row = shrink_to_fit(e.row, nbytes, budget, _ROW_KNOBS)
+    return dataclasses.replace(e, row=row, tile=shrink_to_fit(e.tile, nbytes, budget, _TILE_KNOBS))

@@ -147,11 +147,11 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, expe
     n_inter = two_n // 2
     n_tokens, top_k = topk_ids.shape
     num_slots = n_tokens * top_k
-    cfg = config or tuning.choose(num_slots, num_experts)
+    dtype = gate_up.dtype
+    cfg = config or tuning.choose(num_slots, num_experts, itemsize=dtype.itemsize)
     bm = cfg.block_m
     gu_n, gu_k = _fit(cfg.gate_up.block_n, n_inter, "N"), _fit(cfg.gate_up.block_k, d_model, "D")
     dn_n, dn_k = _fit(cfg.down.block_n, d_model, "D"), _fit(cfg.down.block_k, n_inter, "N")
-    dtype = gate_up.dtype
     precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
     if n_tokens == 1:

@@ -7,23 +7,31 @@ from the mean number of slots per expert, ``S / E``, as the smallest power of tw
 at most 8 slots per expert on average) get 16-row blocks that almost always hold all of an
 expert's slots, so every touched expert is read once and the kernels are pure weight streams
 (the rare second block of an expert runs next to the first and reads the weights from L2).
-Larger batches grow the block up to the table's ``max_block_m``; beyond it bigger blocks mostly
-add padding rows (GLM-5 at T = 4096 has ~128 slots per expert: 64-row blocks pad ~25 %,
-128-row blocks ~50 %).
+Larger batches grow the block up to the table's ``max_block_m``. On H100 128-row blocks won at
+T = 4096 (~128 slots per expert) despite more padding rows: 8169 vs 9871 us for 64-row blocks.
 
-Two tile sets per GPU: ``stream`` (``block_m <= 32``: weight bandwidth; deep pipelines of wide
-weight tiles keep enough bytes in flight per SM) and ``compute`` (``block_m >= 64``: tensor-core
-tiles). Shared memory per stage is ``(block_m*block_k + w*block_k*block_n) * 2`` bytes with
-``w = 2`` for gate|up (two weight tiles) and ``w = 1`` for down; the stage counts below keep it
-under ~227 KiB on sm_90/sm_100, 163 KiB on sm_80, 99 KiB on sm_86/89/120/121 and unknown parts.
-These are reasoned starting points; ``benchmarks/moe.py`` sweeps variants on the GPU.
+Three tile sets per GPU, each a (gate|up, down) pair:
+
+* ``few``: fewer slots than experts (``S < E``; T <= 31 at top-8 of 256): few experts are touched and the
+  grid is small. H100 keeps the narrow ``64 x 128`` weight tiles here, the only tile measured at
+  T = 1 and 8 (a wide tile would also halve the programs of an already small grid);
+* ``stream`` (``block_m <= 32``): weight bandwidth. On H100 wide ``128 x 64`` tiles (128
+  contiguous output columns per weight row) beat ``64 x 128`` by 3.6-4.7 % at T = 32, 128 and 512;
+* ``compute`` (``block_m >= 64``): tensor-core tiles; the H100 winner at T = 4096 had 128 x 64
+  tiles with 8 warps and 3 stages in both kernels.
+
+sm_100 and the other parts keep their reasoned starting points (one tile set for ``few`` and
+``stream``) until ``benchmarks/moe.py`` has been run on them. Every choice is then fitted to the
+shared memory at the operand itemsize (:func:`smem_bytes`), so float32 gets fewer stages or
+smaller tiles than bf16: stages shrink first (3 and 4 stages measured equal on H100), then the K
+step, then the N tile.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels._triton import compute_capability
+from pallas_kernels._triton import compute_capability, shared_memory_budget, shared_memory_bytes, shrink_to_fit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,45 +49,54 @@ class MoeConfig:
     down: Tile
 
 
+Tiles = tuple[Tile, Tile]  # (gate|up, down)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    stream_gate_up: Tile
-    stream_down: Tile
-    compute_gate_up: Tile
-    compute_down: Tile
+    few: Tiles
+    stream: Tiles
+    compute: Tiles
     max_block_m: int = 64
 
 
-_BIG_SMEM = _Entry(  # sm_90 / sm_100: ~227 KiB
-    stream_gate_up=Tile(block_n=64, block_k=128, num_warps=4, num_stages=4),
-    stream_down=Tile(block_n=64, block_k=128, num_warps=4, num_stages=4),
-    compute_gate_up=Tile(block_n=128, block_k=64, num_warps=8, num_stages=3),
-    compute_down=Tile(block_n=128, block_k=64, num_warps=4, num_stages=4),
+# Tiles as Tile(block_n, block_k, num_warps, num_stages).
+_H100 = _Entry(  # measured: benchmarks/results/moe-h100.md
+    few=(Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
+    stream=(Tile(128, 64, 4, 4), Tile(128, 64, 4, 4)),
+    compute=(Tile(128, 64, 8, 3), Tile(128, 64, 8, 3)),
+    max_block_m=128,
+)
+_BIG_SMEM = _Entry(  # sm_100: ~227 KiB
+    few=(Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
+    stream=(Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
+    compute=(Tile(128, 64, 8, 3), Tile(128, 64, 4, 4)),
 )
 _A100 = _Entry(  # 163 KiB
-    stream_gate_up=Tile(block_n=64, block_k=128, num_warps=4, num_stages=3),
-    stream_down=Tile(block_n=64, block_k=128, num_warps=4, num_stages=4),
-    compute_gate_up=Tile(block_n=128, block_k=64, num_warps=8, num_stages=3),
-    compute_down=Tile(block_n=128, block_k=64, num_warps=4, num_stages=4),
+    few=(Tile(64, 128, 4, 3), Tile(64, 128, 4, 4)),
+    stream=(Tile(64, 128, 4, 3), Tile(64, 128, 4, 4)),
+    compute=(Tile(128, 64, 8, 3), Tile(128, 64, 4, 4)),
 )
 _SMALL_SMEM = _Entry(  # 99 KiB consumer parts
-    stream_gate_up=Tile(block_n=64, block_k=64, num_warps=4, num_stages=4),
-    stream_down=Tile(block_n=64, block_k=128, num_warps=4, num_stages=3),
-    compute_gate_up=Tile(block_n=64, block_k=64, num_warps=4, num_stages=3),
-    compute_down=Tile(block_n=128, block_k=64, num_warps=4, num_stages=3),
+    few=(Tile(64, 64, 4, 4), Tile(64, 128, 4, 3)),
+    stream=(Tile(64, 64, 4, 4), Tile(64, 128, 4, 3)),
+    compute=(Tile(64, 64, 4, 3), Tile(128, 64, 4, 3)),
 )
 
 TABLE: dict[int, _Entry] = {
     80: _A100,
     86: _SMALL_SMEM,
     89: _SMALL_SMEM,
-    90: _BIG_SMEM,
+    90: _H100,
     100: _BIG_SMEM,
     120: _SMALL_SMEM,
     121: _SMALL_SMEM,
 }
 # Unknown GPU (and the CPU interpreter): sized for the smallest shared memory so it compiles.
 DEFAULT = _SMALL_SMEM
+
+# Shrink order when a tile does not fit: stages (down to 2), K step, N tile, the last stage.
+_KNOBS = (("num_stages", 2), ("block_k", 16), ("block_n", 16), ("num_stages", 1))
 
 
 def block_m_for(num_slots: int, num_experts: int, max_block_m: int) -> int:
@@ -90,10 +107,28 @@ def block_m_for(num_slots: int, num_experts: int, max_block_m: int) -> int:
     return block_m
 
 
-def choose(num_slots: int, num_experts: int, cc: int | None = None) -> MoeConfig:
-    """Config for ``num_slots`` (= T * top_k) token slots over ``num_experts`` experts."""
-    e = TABLE.get(compute_capability() if cc is None else cc, DEFAULT)
+def smem_bytes(tile: Tile, *, block_m: int, weight_tiles: int, itemsize: int) -> int:
+    """Shared-memory estimate (:func:`pallas_kernels._triton.shared_memory_bytes`) of one program:
+    per stage the ``[block_m, block_k]`` activation tile and ``weight_tiles`` (2 for gate|up, 1 for
+    down) ``[block_k, block_n]`` weight tiles; the ``[block_m, block_n]`` output in the epilogue."""
+    return shared_memory_bytes(
+        stage=(block_m + weight_tiles * tile.block_n) * tile.block_k * itemsize,
+        num_stages=tile.num_stages,
+        epilogue=block_m * tile.block_n * 4,
+    )
+
+
+def choose(num_slots: int, num_experts: int, *, itemsize: int, cc: int | None = None) -> MoeConfig:
+    """Config for ``num_slots`` (= T * top_k) token slots over ``num_experts`` experts with
+    ``itemsize``-byte weights and activations."""
+    cc = compute_capability() if cc is None else cc
+    e = TABLE.get(cc, DEFAULT)
     block_m = block_m_for(num_slots, num_experts, e.max_block_m)
-    if block_m <= 32:
-        return MoeConfig(block_m, e.stream_gate_up, e.stream_down)
-    return MoeConfig(block_m, e.compute_gate_up, e.compute_down)
+    gate_up, down = e.few if num_slots < num_experts else e.stream if block_m <= 32 else e.compute
+    budget = shared_memory_budget(cc)
+
+    def fit(tile: Tile, weight_tiles: int) -> Tile:
+        nbytes = lambda t: smem_bytes(t, block_m=block_m, weight_tiles=weight_tiles, itemsize=itemsize)  # noqa: E731
+        return shrink_to_fit(tile, nbytes, budget, _KNOBS)
+
+    return MoeConfig(block_m, fit(gate_up, 2), fit(down, 1))

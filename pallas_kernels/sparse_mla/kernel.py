@@ -21,7 +21,8 @@ run side by side (the second read of a row hits L2). Each program:
    float32 ``(out, lse)`` partials that :func:`pallas_kernels.merge_states.kernel.merge_states`
    combines (the sink joins there, once).
 
-Split count, head block and tile sizes come from :mod:`.tuning` (per compute capability).
+Split count, head block and tile sizes come from :mod:`.tuning` (per compute capability and
+operand dtype: float32 tiles are sized to fit the same shared memory as bf16 ones).
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ def sparse_mla(
         )
         return ref.sparse_mla(q, kv, indices, sm_scale=sm_scale, sink=sink, v_dim=v_dim)
 
-    cfg = config or tuning.choose(t, h, k, d * kv.dtype.itemsize, 4 * v_dim)
+    itemsize = max(q.dtype.itemsize, kv.dtype.itemsize)  # kv tiles are loaded, then cast to q's dtype
+    cfg = config or tuning.choose(t, h, k, d_v=v_dim, d_r=d - v_dim, itemsize=itemsize)
     chunk = pl.cdiv(pl.cdiv(k, cfg.splits), cfg.block_n) * cfg.block_n
     splits = pl.cdiv(k, chunk)
     g = _Geometry(h, k, n, v_dim, d - v_dim, chunk, cfg.block_h, cfg.block_n)

@@ -18,21 +18,31 @@ query's index list; it gathers ``block_n`` rows per loop step. The choice per sh
 3. If even the maximal split count cannot fill one wave (B = 1 with many heads), the head block
    is halved: more, smaller programs re-read the same rows from L2, which is cheaper than the
    latency of a few programs walking long index lists.
+4. The gather step ``block_n`` is the table's, 64 rows for 64-head blocks on sm_90 (measured on
+   H100, bf16: 129 vs 210 us at H = 64 B = 32, 2.86 vs 3.90 ms at prefill H = 128 T = 1024, 5.56
+   vs 7.38 ms at prefill H = 64 T = 4096); 16-head blocks keep 32 (equal within noise at H = 16
+   B = 1: 28.7 vs 27.7 us).
+5. The tile then has to fit the shared memory (:func:`smem_bytes`, at the operand itemsize, so
+   float32 gets smaller tiles than bf16): ``block_n`` is halved first (measured: 64 heads x 16
+   rows beats 32 heads x 32 rows by 1.2x at prefill), then the stages, then the head block.
+   128-head blocks never fit: the epilogue alone converts a 256 KiB float32 accumulator (and
+   ptxas runs out of registers at 16 warps); both failed on H100.
 
-``TUNED`` holds exact per-shape winners from ``benchmarks/kernels_mla.py`` sweeps; it overrides
-the rule for that (compute capability, H, T). The table below is a reasoned starting point, not
-yet measured: Hopper / datacenter Blackwell have ~227 KiB of shared memory (64-head q tile 72 KiB
-+ two stages of 32 gathered rows 72 KiB) and wgmma reads q from shared memory; A100 (163 KiB,
-mma.sync keeps q in registers next to the accumulator) stops at 32 heads; the consumer parts
-(sm_86/89/120/121, 99 KiB) use 32 heads and 16-row steps. Eight warps everywhere: at 32 heads
-that is 64 accumulator + 32 q registers per thread, where four warps would spill.
+``TUNED`` holds exact per-shape winners from ``benchmarks/kernels_mla.py`` sweeps (bf16, 576-wide
+rows, K = 2048); it overrides the rule for that (compute capability, H, T) with 2-byte operands
+when it fits. Hopper's 227 KiB hold a 64-head q tile (72 KiB) plus two stages of 64 gathered rows
+(2 x 72 KiB) in bf16; A100 (163 KiB, mma.sync keeps q in registers next to the accumulator) stops
+at 32 heads and 32-row steps; the consumer parts (sm_86/89/120/121, 99 KiB) use 32 heads and
+16-row steps. sm_100 keeps 32-row steps until measured. Eight warps everywhere: at 32 heads that
+is 64 accumulator + 32 q registers per thread, where four warps would spill (four warps measured
+1.1-4.1x slower on H100).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels._triton import compute_capability
+from pallas_kernels._triton import compute_capability, shared_memory_budget, shared_memory_bytes, shrink_to_fit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,17 +58,18 @@ class MlaConfig:
 class _Entry:
     num_sms: int
     max_block_h: int
-    block_n: int
+    block_n: int  # rows per step for head blocks below 64
     num_warps: int
     num_stages: int
     max_splits: int = 64
+    wide_block_n: int | None = None  # rows per step for 64-head blocks (None: block_n)
 
 
 TABLE: dict[int, _Entry] = {
     80: _Entry(num_sms=108, max_block_h=32, block_n=32, num_warps=8, num_stages=2),
     86: _Entry(num_sms=84, max_block_h=32, block_n=16, num_warps=8, num_stages=2),
     89: _Entry(num_sms=128, max_block_h=32, block_n=16, num_warps=8, num_stages=2),
-    90: _Entry(num_sms=132, max_block_h=64, block_n=32, num_warps=8, num_stages=2),
+    90: _Entry(num_sms=132, max_block_h=64, block_n=32, num_warps=8, num_stages=2, wide_block_n=64),
     100: _Entry(num_sms=148, max_block_h=64, block_n=32, num_warps=8, num_stages=2),
     120: _Entry(num_sms=188, max_block_h=32, block_n=16, num_warps=8, num_stages=2),
     121: _Entry(num_sms=48, max_block_h=32, block_n=16, num_warps=8, num_stages=2),
@@ -68,8 +79,17 @@ DEFAULT = _Entry(num_sms=108, max_block_h=32, block_n=16, num_warps=8, num_stage
 
 PARTIAL_FLOOR_BYTES = 4 << 20
 
-# (compute capability, H, T) -> measured best config; filled from benchmark sweeps.
-TUNED: dict[tuple[int, int, int], MlaConfig] = {}
+# (compute capability, H, T) -> measured best config with bf16 operands (H100, kernels_mla-sweep-h100.md).
+# The first three are what the rule gives; (90, 128, 32) is the one shape where 64-row steps lost.
+TUNED: dict[tuple[int, int, int], MlaConfig] = {
+    (90, 64, 32): MlaConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, splits=4),  # 129 vs 210 us
+    (90, 128, 1024): MlaConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, splits=1),  # 2861 vs 3896 us
+    (90, 64, 4096): MlaConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, splits=1),  # 5559 vs 7375 us
+    (90, 128, 32): MlaConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, splits=2),  # 240 vs 267 us (bn64)
+}
+
+# Shrink order when a tile does not fit: gather step, stages, head block.
+_KNOBS = (("block_n", 16), ("num_stages", 1), ("block_h", 16))
 
 
 def _pow2_at_least(x: int, floor: int) -> int:
@@ -79,26 +99,49 @@ def _pow2_at_least(x: int, floor: int) -> int:
     return p
 
 
-def choose(
-    t: int, h: int, k: int, row_bytes: int, partial_row_bytes: int, *, block_h: int | None = None
-) -> MlaConfig:
-    """Config for T queries, H heads, K indices per query.
+def smem_bytes(cfg: MlaConfig, *, d_v: int, d_r: int, itemsize: int) -> int:
+    """Shared-memory estimate (:func:`pallas_kernels._triton.shared_memory_bytes`) of one program:
+    the q tile ``[block_h, Dv + Dr]`` resident, per stage ``block_n`` gathered rows plus their int32
+    indices, the ``[block_h, Dv]`` float32 output tile in the epilogue (widths padded as the kernel
+    pads them)."""
+    width = _pow2_at_least(d_v, 16) + (_pow2_at_least(d_r, 16) if d_r else 0)
+    return shared_memory_bytes(
+        resident=cfg.block_h * width * itemsize,
+        stage=cfg.block_n * (width * itemsize + 4),
+        num_stages=cfg.num_stages,
+        epilogue=cfg.block_h * _pow2_at_least(d_v, 16) * 4,
+    )
 
-    ``row_bytes``: bytes of one gathered kv row; ``partial_row_bytes``: bytes of one head's
-    float32 partial output (4 * v_dim). Both only cap the number of splits. ``block_h`` fixes the
-    head block (benchmark sweeps) and leaves only the split count to the rule.
+
+def choose(
+    t: int, h: int, k: int, *, d_v: int, d_r: int, itemsize: int, block_h: int | None = None
+) -> MlaConfig:
+    """Config for T queries, H heads, K indices per query, rows of ``d_v`` value + ``d_r`` rope
+    columns and dot operands of ``itemsize`` bytes.
+
+    ``block_h`` fixes the head block (benchmark sweeps) and leaves the rest to the rule.
     """
     cc = compute_capability()
-    if block_h is None and (cc, h, t) in TUNED:
-        return TUNED[(cc, h, t)]
+    budget = shared_memory_budget(cc)
+    nbytes = lambda c: smem_bytes(c, d_v=d_v, d_r=d_r, itemsize=itemsize)  # noqa: E731
+    tuned = TUNED.get((cc, h, t)) if block_h is None and itemsize == 2 else None
+    if tuned and nbytes(tuned) <= budget:  # measured at 576-wide rows; wider ones may not fit
+        return tuned
     e = TABLE.get(cc, DEFAULT)
-    block_n = min(e.block_n, _pow2_at_least(k, 16))
-    partial_budget = max(t * k * row_bytes, PARTIAL_FLOOR_BYTES)
-    max_splits = max(1, min(e.max_splits, k // block_n, partial_budget // (t * h * partial_row_bytes)))
+    partial_budget = max(t * k * (d_v + d_r) * itemsize, PARTIAL_FLOOR_BYTES)
+
+    def block_n_for(block_h: int) -> int:
+        wide = e.wide_block_n if block_h >= 64 and e.wide_block_n else e.block_n
+        return min(wide, _pow2_at_least(k, 16))
+
+    def max_splits(block_n: int) -> int:
+        return max(1, min(e.max_splits, k // block_n, partial_budget // (t * h * 4 * d_v)))
+
     if block_h is None:
         block_h = min(e.max_block_h, _pow2_at_least(h, 16))
-        while block_h > 16 and t * -(-h // block_h) * max_splits < e.num_sms:
+        while block_h > 16 and t * -(-h // block_h) * max_splits(block_n_for(block_h)) < e.num_sms:
             block_h //= 2
-    programs = t * -(-h // block_h)
-    splits = max(1, min(max_splits, e.num_sms // programs))
-    return MlaConfig(block_h, block_n, e.num_warps, e.num_stages, splits)
+    cfg = MlaConfig(block_h, block_n_for(block_h), e.num_warps, e.num_stages, splits=1)
+    cfg = shrink_to_fit(cfg, nbytes, budget, _KNOBS)
+    programs = t * -(-h // cfg.block_h)
+    return dataclasses.replace(cfg, splits=max(1, min(max_splits(cfg.block_n), e.num_sms // programs)))

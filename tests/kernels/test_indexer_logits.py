@@ -64,6 +64,8 @@ def _assert_close(got, want, tol=1e-5):
         (70, 200, 32, jnp.bfloat16, None),  # tile path, production block sizes, through jaxdsa.ops
         (1, 300, 64, jnp.float32, SMALL),  # row path; f32 inputs take exact (not TF32) dots
         (2048, 48, 16, jnp.bfloat16, None),  # thousands of queries, S below one block
+        (3, 300, 4, jnp.float32, SMALL),  # row path, 4 heads (a TP = 8 shard) padded to 16
+        (80, 300, 8, jnp.bfloat16, SMALL),  # tile path, 8 heads (TP = 4)
     ],
 )
 def test_flat_matches_reference(t, s, hi, dtype, config):
@@ -193,6 +195,25 @@ def test_lowers_for_cuda(target):
     for fp8 in (False, True):
         _lower_paged(target, t=32, batch=32, fp8=fp8)
         _lower_paged(target, t=4096, batch=1, fp8=fp8)
+
+
+@pytest.mark.parametrize("hi", [4, 8])
+def test_lowers_float32_tensor_parallel_heads(hi):
+    """A 32-head indexer at TP = 8 / 4 in float32: padded heads in the row kernel, the tile kernel
+    (with its per-query row fallback) at the float32-fitted sizes."""
+    m = 1024 // 64  # pages of 64 keys per sequence
+    for t, batch in ((32, 32), (4096, 1)):
+        text = lower_for_cuda(
+            lambda q, w, k, table, seq, pos: kernel.indexer_logits_paged(q, w, k, table, seq, pos),
+            _sd((t, hi, D), jnp.float32),
+            _sd((t, hi), jnp.float32),
+            _sd((batch * m, 64, D), jnp.float32),
+            _sd((batch, m), jnp.int32),
+            _sd((t,), jnp.int32),
+            _sd((t,), jnp.int32),
+            target="sm_90",
+        )
+        assert "__gpu$xla.gpu.triton" in text
 
 
 def test_native_e4m3_cast_does_not_lower_on_sm80():

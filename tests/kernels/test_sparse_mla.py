@@ -105,13 +105,27 @@ def test_tuning_rule_shapes(monkeypatch):
         monkeypatch.setattr(tuning, "compute_capability", lambda cc=cc: cc)
         num_sms = tuning.TABLE.get(cc, tuning.DEFAULT).num_sms
         for t, h in [(1, 16), (1, 128), (8, 64), (32, 128), (128, 16), (4096, 128)]:
-            cfg = tuning.choose(t, h, 2048, 1152, 2048)
+            cfg = tuning.choose(t, h, 2048, d_v=512, d_r=64, itemsize=2)
             assert cfg.block_h >= 16 and cfg.block_h & (cfg.block_h - 1) == 0
             if cfg.splits > 1:
                 assert t * -(-h // cfg.block_h) * cfg.splits <= num_sms
                 assert cfg.splits * t * h * 2048 <= max(t * 2048 * 1152, tuning.PARTIAL_FLOOR_BYTES)
             if t >= 128:
                 assert cfg.splits == 1
+
+
+def test_sm90_rule_matches_h100_sweep(monkeypatch):
+    """The rule alone reproduces the sweep's printed winners (bf16, K = 2048; kernels_mla-sweep-h100.md);
+    TUNED pins the one shape where 64-row steps lost, and the 16-head decode keeps 32-row steps."""
+    monkeypatch.setattr(tuning, "compute_capability", lambda: 90)
+    choose = functools.partial(tuning.choose, k=2048, d_v=512, d_r=64, itemsize=2)
+    assert choose(1, 16) == MlaConfig(16, 32, 8, 2, 64)  # table 27.7 us, bn64 28.7 us
+    assert choose(32, 128) == MlaConfig(64, 32, 8, 2, 2)  # table 240 us, bn64 267 us
+    tuned = dict(tuning.TUNED)
+    monkeypatch.setattr(tuning, "TUNED", {})
+    for (_, h, t), cfg in tuned.items():
+        if cfg.block_n == 64:
+            assert choose(t, h) == cfg, (h, t)
 
 
 _TARGET_CC = {"sm_80": 80, "sm_90": 90, "sm_120": 120}
@@ -144,6 +158,20 @@ def test_lowers_for_cuda(target, monkeypatch):
             args.append(jax.ShapeDtypeStruct((h,), jnp.float32))
         fn = functools.partial(_lower_target, sm_scale=0.1, v_dim=v_dim)
         assert "__gpu$xla.gpu.triton" in lower_for_cuda(fn, *args, target=target), (t, h, with_sink)
+
+
+@pytest.mark.parametrize("h", [32, 64])
+def test_lowers_float32_prefill_for_sm90(h, monkeypatch):
+    """Float32 GLM-5 prefill at TP = 2 / 1 (32 / 64 heads, T = 256, K = 2048) with the configs the
+    table shrinks to fit float32 operands."""
+    monkeypatch.setattr(tuning, "compute_capability", lambda: 90)
+    args = [
+        jax.ShapeDtypeStruct((256, h, 576), jnp.float32),
+        jax.ShapeDtypeStruct((4096, 576), jnp.float32),
+        jax.ShapeDtypeStruct((256, 2048), jnp.int32),
+    ]
+    fn = functools.partial(_lower_target, sm_scale=0.1, v_dim=512)
+    assert "__gpu$xla.gpu.triton" in lower_for_cuda(fn, *args, target="sm_90")
 
 
 def _lower_target(q, kv, indices, sink=None, *, sm_scale, v_dim):

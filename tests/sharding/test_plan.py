@@ -14,7 +14,7 @@ from jaxdsa.config import tiny_config
 from jaxdsa.models.dsa import step
 
 
-@pytest.mark.parametrize("tp, ep, dp", [(4, 2, 1), (2, 2, 2), (8, 8, 1)])
+@pytest.mark.parametrize("tp, ep, dp", [(4, 2, 1), (2, 2, 2)])
 def test_planner_memory_matches_compiled_step(tp, ep, dp):
     # Widths large enough that weights and cache dominate XLA's per-device arguments.
     cfg = tiny_config("dsv32", hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_attention_heads=8,
