@@ -75,6 +75,20 @@ def device_header() -> dict[str, str]:
     }
 
 
+def report_header(title: str, rows: dict[str, Any]) -> list[str]:
+    """``# title`` and a two-column table: device, versions and date, then ``rows``."""
+    table = {**device_header(), **rows}
+    return [f"# {title}", "", "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in table.items()], ""]
+
+
+def ceiling_rows(copy_gbs: float, mm_tflops: float, elapsed: float) -> dict[str, str]:
+    return {
+        "copy ceiling (jax x+1, 1 GiB)": f"{copy_gbs:.0f} GB/s",
+        "matmul ceiling (jax bf16 8192^3)": f"{mm_tflops:.0f} TFLOP/s",
+        "benchmark wall time": f"{elapsed:.0f} s",
+    }
+
+
 def markdown_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
     def fmt(v):
         if isinstance(v, float):

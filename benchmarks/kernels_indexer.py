@@ -479,17 +479,8 @@ COLUMNS = (
 
 
 def _write_report(results: list[dict], copy_gbs: float, mm_tflops: float, elapsed: float) -> None:
-    header = harness.device_header()
     lines = [
-        f"# Indexer logits and top-k kernels on {header['device']}",
-        "",
-        "| | |",
-        "|---|---|",
-        *[f"| {k} | {v} |" for k, v in header.items()],
-        f"| copy ceiling (jax x+1, 1 GiB) | {copy_gbs:.0f} GB/s |",
-        f"| matmul ceiling (jax bf16 8192^3) | {mm_tflops:.0f} TFLOP/s |",
-        f"| benchmark wall time | {elapsed:.0f} s |",
-        "",
+        *harness.report_header(f"Indexer logits and top-k kernels on {harness.device_header()['device']}", harness.ceiling_rows(copy_gbs, mm_tflops, elapsed)),
         "Method: see the docstring of `benchmarks/kernels_indexer.py`. `vs anchor` = anchor us / us",
         "(> 1: faster than the anchors' best peer). `(best)` marks the fastest Pallas config per shape.",
         "",

@@ -281,17 +281,8 @@ COLUMNS = ("shape", "MB", "impl", "config", "sets", "us", "GB/s", "% copy", "% o
 
 
 def _write_report(results: list[dict], tuned: list[str], copy_gbs: float, mm_tflops: float, elapsed: float) -> None:
-    header = harness.device_header()
     lines = [
-        f"# Sparse MLA (576/512, top-{TOPK}, bf16) on {header['device']}",
-        "",
-        "| | |",
-        "|---|---|",
-        *[f"| {k} | {v} |" for k, v in header.items()],
-        f"| copy ceiling (jax x+1, 1 GiB) | {copy_gbs:.0f} GB/s |",
-        f"| matmul ceiling (jax bf16 8192^3) | {mm_tflops:.0f} TFLOP/s |",
-        f"| benchmark wall time | {elapsed:.0f} s |",
-        "",
+        *harness.report_header(f"Sparse MLA (576/512, top-{TOPK}, bf16) on {harness.device_header()['device']}", harness.ceiling_rows(copy_gbs, mm_tflops, elapsed)),
         "Method: see the docstring of `benchmarks/kernels_mla.py`. `(best)` marks the fastest Pallas",
         "config per shape (re-timed with 20 replays when it is a sweep variant).",
         "",

@@ -267,17 +267,8 @@ COLUMNS = ("T", "distinct experts", "MB", "floor us", "impl", "config", "us", "G
 
 
 def _write_report(results: list[dict], copy_gbs: float, mm_tflops: float, elapsed: float) -> None:
-    header = harness.device_header()
     lines = [
-        f"# MoE experts at GLM-5 shapes (E={E}, top-{TOP_K}, D={D}, N={N}, bf16) on {header['device']}",
-        "",
-        "| | |",
-        "|---|---|",
-        *[f"| {k} | {v} |" for k, v in header.items()],
-        f"| copy ceiling (jax x+1, 1 GiB) | {copy_gbs:.0f} GB/s |",
-        f"| matmul ceiling (jax bf16 8192^3) | {mm_tflops:.0f} TFLOP/s |",
-        f"| benchmark wall time | {elapsed:.0f} s |",
-        "",
+        *harness.report_header(f"MoE experts at GLM-5 shapes (E={E}, top-{TOP_K}, D={D}, N={N}, bf16) on {harness.device_header()['device']}", harness.ceiling_rows(copy_gbs, mm_tflops, elapsed)),
         "Method: see the docstring of `benchmarks/moe.py`. `% copy` is of the copy ceiling above,",
         "`% of 3006` of the anchors' torch copy_ ceiling, `% mm` of the matmul ceiling above;",
         "`floor us` = touched bytes at the copy ceiling. `(best)` marks the fastest Pallas config per T.",

@@ -174,8 +174,8 @@ def main(argv=None) -> int:
 
 
 def _report(rows, raw, args, copy_gbs: float, startup: float) -> None:
-    header = harness.device_header()
     context = args.input_len + args.output_len / 2
+    header = harness.device_header()
     table = []
     for r in rows:
         itl = r["itl_ms"]["mean"]
@@ -197,18 +197,15 @@ def _report(rows, raw, args, copy_gbs: float, startup: float) -> None:
         row["% of roofline"] = 100 * row["roofline ms"] / itl if itl == itl else float("nan")
         table.append(row)
     cols = list(table[0])
+    moe_layers = raw["num_hidden_layers"] - raw["first_k_dense_replace"]
     lines = [
-        f"# Serving a GLM-5-shaped model on {header['device']}",
-        "",
-        "| | |",
-        "|---|---|",
-        *[f"| {k} | {v} |" for k, v in header.items()],
-        f"| model | GLM-5 widths, {raw['num_hidden_layers']} layers ({raw['first_k_dense_replace']} dense + {raw['num_hidden_layers'] - raw['first_k_dense_replace']} MoE), random bf16 weights (--load-format dummy) |",
-        f"| workload | serve.bench: {args.num_prompts} prompts/level, {args.input_len} tokens in, {args.output_len} out, ignore_eos, streaming |",
-        f"| server | python -m serve --max-num-seqs {max(r['concurrency'] for r in rows)} --max-num-batched-tokens {args.max_num_batched_tokens} --max-model-len {args.max_model_len} (buckets compiled at start-up) |",
-        f"| copy ceiling (jax x+1, 1 GiB) | {copy_gbs:.0f} GB/s |",
-        f"| server start to /health | {startup:.0f} s |",
-        "",
+        *harness.report_header(f"Serving a GLM-5-shaped model on {header['device']}", {
+            "model": f"GLM-5 widths, {raw['num_hidden_layers']} layers ({raw['first_k_dense_replace']} dense + {moe_layers} MoE), random bf16 weights (--load-format dummy)",
+            "workload": f"serve.bench: {args.num_prompts} prompts/level, {args.input_len} tokens in, {args.output_len} out, ignore_eos, streaming",
+            "server": f"python -m serve --max-num-seqs {max(r['concurrency'] for r in rows)} --max-num-batched-tokens {args.max_num_batched_tokens} --max-model-len {args.max_model_len} (buckets compiled at start-up)",
+            "copy ceiling (jax x+1, 1 GiB)": f"{copy_gbs:.0f} GB/s",
+            "server start to /health": f"{startup:.0f} s",
+        }),
         "Per-stream decode tok/s = 1 / mean inter-token latency; aggregate = per-stream x concurrency.",
         "Roofline = bytes one decode step must read (weights touched + latent cache of a",
         f"{context:.0f}-token context per sequence; experts: min(256, 8 x batch) + shared) / copy ceiling;",

@@ -281,6 +281,20 @@ def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
 # ---- the step over data-parallel groups --------------------------------------------------------
 
 
+def jit_step(fn: Callable[..., Any], mesh: Mesh | None, donate_argnums: tuple[int, ...]) -> Callable[..., Any]:
+    """jit a step; on a mesh, as data-parallel groups and traced with the mesh set (so the
+    shard_map wrappers of jaxdsa.ops see it)."""
+    if mesh is None:
+        return jax.jit(fn, donate_argnums=donate_argnums)
+    compiled = jax.jit(data_parallel(fn, mesh), donate_argnums=donate_argnums)
+
+    def on_mesh(*args):
+        with jax.sharding.set_mesh(mesh):
+            return compiled(*args)
+
+    return on_mesh
+
+
 def data_parallel(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
     """``fn(params, *batch)`` as independent dp groups: params replicated over dp, every batch
     argument (tokens, positions, cache, metadata) and every output split over dp on its leading

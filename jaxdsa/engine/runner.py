@@ -43,15 +43,7 @@ def _fused_step(params, tokens, positions, cache, meta, temperature, top_p, top_
 @functools.cache
 def _compiled(cfg: ModelConfig, sparse: bool, with_logits: bool, mesh):
     fn = functools.partial(_fused_step, cfg=cfg, sparse=sparse, with_logits=with_logits)
-    if mesh is None:
-        return jax.jit(fn, donate_argnums=(3,))
-    fn = jax.jit(sharding.data_parallel(fn, mesh), donate_argnums=(3,))
-
-    def on_mesh(*args):
-        with jax.sharding.set_mesh(mesh):
-            return fn(*args)
-
-    return on_mesh
+    return sharding.jit_step(fn, mesh, donate_argnums=(3,))
 
 
 @dataclasses.dataclass

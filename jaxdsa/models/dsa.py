@@ -153,13 +153,4 @@ def jitted_step(cfg: ModelConfig, sparse: bool, absorbed: bool, mesh=None):
     On a mesh the step runs per data-parallel group (:func:`jaxdsa.sharding.data_parallel`):
     tokens, positions, cache pages and metadata are split over ``dp`` with group-local indices.
     """
-    fn = functools.partial(step, cfg=cfg, sparse=sparse, absorbed=absorbed)
-    if mesh is None:
-        return jax.jit(fn, donate_argnums=(3,))
-    fn = jax.jit(sharding.data_parallel(fn, mesh), donate_argnums=(3,))
-
-    def on_mesh(*args):
-        with jax.sharding.set_mesh(mesh):
-            return fn(*args)
-
-    return on_mesh
+    return sharding.jit_step(functools.partial(step, cfg=cfg, sparse=sparse, absorbed=absorbed), mesh, donate_argnums=(3,))
