@@ -9,7 +9,10 @@ from jaxdsa.engine.request import FinishReason, Request, SamplingParams, Status
 from jaxdsa.engine.scheduler import Scheduler
 
 
-def make(n_prompt, max_tokens, name=None, _ids=itertools.count()):
+_ids = itertools.count()
+
+
+def make(n_prompt, max_tokens, name=None):
     return Request(name or f"r{next(_ids)}", list(range(n_prompt)), SamplingParams(max_tokens=max_tokens))
 
 
