@@ -29,11 +29,16 @@ def time_op(fn: Callable[..., Any], input_sets: Sequence[tuple], *, replays: int
     sets = list(input_sets)
     for _ in range(warmup):
         jax.block_until_ready(run_all(sets))
+    return median_seconds(lambda: run_all(sets), len(sets), replays)
+
+
+def median_seconds(run: Callable[[], Any], per_call: int, replays: int) -> float:
+    """Median over ``replays`` of the wall time of ``run()`` (blocked on its result) / ``per_call``."""
     times = []
     for _ in range(replays):
         t0 = time.perf_counter()
-        jax.block_until_ready(run_all(sets))
-        times.append((time.perf_counter() - t0) / len(sets))
+        jax.block_until_ready(run())
+        times.append((time.perf_counter() - t0) / per_call)
     return statistics.median(times)
 
 

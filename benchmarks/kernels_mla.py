@@ -33,7 +33,6 @@ import functools
 import math
 import os
 import pathlib
-import statistics
 import time
 import traceback
 from typing import Any, Callable, Mapping
@@ -173,12 +172,7 @@ def _compile_and_check(fn: Callable, sets: list, want, n_check: int) -> tuple[di
 
     def timer(replays: int) -> float:
         jax.block_until_ready(run_all(sets))
-        times = []
-        for _ in range(replays):
-            t0 = time.perf_counter()
-            jax.block_until_ready(run_all(sets))
-            times.append((time.perf_counter() - t0) / len(sets))
-        return statistics.median(times) * 1e6
+        return harness.median_seconds(lambda: run_all(sets), len(sets), replays) * 1e6
 
     return checked, timer
 
