@@ -61,9 +61,7 @@ class _Random:
 
         def make():
             gate, up, down = draw("gate_proj", (E, N, D), D), draw("up_proj", (E, N, D), D), draw("down_proj", (E, D, N), N)
-            # keep [gate_i | up_i] column blocks together per expert-TP shard (see the loader)
-            both = jnp.concatenate([gate.reshape(E, tpi, N // tpi, D), up.reshape(E, tpi, N // tpi, D)], axis=2).reshape(E, 2 * N, D)
-            return ops.pack_experts(both[:, :N], both[:, N:], down)
+            return ops.pack_experts(*sharding.expert_tp_order(gate, up, tpi), down)
 
         if self.mesh is None:
             return jax.jit(make)()

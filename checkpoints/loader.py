@@ -132,12 +132,8 @@ class _Loader:
             first = index[0].start or 0
             if first not in packed_parts:
                 g, u, d = self._expert_matrices(spec, first, first + per)
-                n = spec.inter // tpi
-                g, u = g.reshape(per, tpi, n, -1), u.reshape(per, tpi, n, -1)
-                gate_up = np.concatenate([g, u], axis=2).reshape(per, 2 * spec.inter, -1)  # [gate_i | up_i] per shard
-                packed_parts[first] = {k: np.asarray(v) for k, v in ops.pack_experts(
-                    jnp.asarray(gate_up[:, : spec.inter]), jnp.asarray(gate_up[:, spec.inter :]), jnp.asarray(d)
-                ).items()}
+                g, u = sharding.expert_tp_order(g, u, tpi)
+                packed_parts[first] = {k: np.asarray(v) for k, v in ops.pack_experts(*map(jnp.asarray, (g, u, d))).items()}
                 del g, u, d
             part = packed_parts[first][key]
             return np.asarray(part[(slice(None),) + tuple(index[1:])], self.dtype)

@@ -147,6 +147,17 @@ def param_shardings(params: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda a: NamedSharding(mesh, spec(a)), axes, is_leaf=lambda x: isinstance(x, tuple))
 
 
+def expert_tp_order(gate, up, tpi: int):
+    """Reorder HF gate / up [E, N, D] so that ``pack_experts(*result, down)`` keeps each expert-TP
+    shard's columns together: splitting the packed ``[gate | up]`` axis over ``tpi`` devices then
+    gives shard i exactly ``[gate_i | up_i]``, the layout every kernel expects locally.
+    Works on NumPy and JAX arrays; the identity when ``tpi`` is 1."""
+    xp = jnp if isinstance(gate, jax.Array) else np
+    E, N, D = gate.shape
+    both = xp.concatenate([gate.reshape(E, tpi, N // tpi, D), up.reshape(E, tpi, N // tpi, D)], axis=2).reshape(E, 2 * N, D)
+    return both[:, :N], both[:, N:]
+
+
 # ---- activations and kernels inside the step ---------------------------------------------------
 
 
