@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import pathlib
 import platform
 import statistics
 import time
@@ -78,6 +79,17 @@ def device_header() -> dict[str, str]:
         "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
     }
+
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def write_result(name: str, text: str, suffix: str = "") -> pathlib.Path:
+    """Write ``benchmarks/results/<name>-<gpu><suffix>.md`` and return its path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}-{gpu_slug()}{suffix}.md"
+    path.write_text(text, encoding="utf-8")
+    return path
 
 
 def report_header(title: str, rows: dict[str, Any]) -> list[str]:

@@ -12,12 +12,7 @@ The MoE expert kernel has its own run: ``python -m benchmarks.moe``.
 
 from __future__ import annotations
 
-import pathlib
-
 from benchmarks import harness, kernels_indexer, kernels_mla
-
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-
 
 def main() -> None:
     ceilings = {"copy_gbs": harness.copy_ceiling_gbs(), "matmul_tflops": harness.matmul_ceiling_tflops()}
@@ -25,9 +20,8 @@ def main() -> None:
     kernels_mla.run(ceilings)
     kernels_indexer.run(ceilings)
     slug = harness.gpu_slug()
-    parts = [(RESULTS / f"kernels_mla-{slug}.md").read_text(), (RESULTS / f"kernels_indexer-{slug}.md").read_text()]
-    out = RESULTS / f"kernels-{slug}.md"
-    out.write_text("\n\n".join(parts))
+    parts = [(harness.RESULTS / f"kernels_{name}-{slug}.md").read_text() for name in ("mla", "indexer")]
+    out = harness.write_result("kernels", "\n\n".join(parts))
     print(f"kernels: wrote {out}")
 
 

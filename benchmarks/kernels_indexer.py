@@ -32,7 +32,6 @@ import dataclasses
 import functools
 import math
 import os
-import pathlib
 import time
 import traceback
 from typing import Any, Callable, Mapping, Sequence
@@ -487,9 +486,7 @@ def _write_report(results: list[dict], copy_gbs: float, mm_tflops: float, elapse
         harness.markdown_table(results, COLUMNS),
         "",
     ]
-    out = pathlib.Path(__file__).parent / "results" / f"kernels_indexer-{harness.gpu_slug()}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines), encoding="utf-8")
+    out = harness.write_result("kernels_indexer", "\n".join(lines))
     print(harness.markdown_table(results, COLUMNS))
     print(f"kernels_indexer: wrote {out}")
 

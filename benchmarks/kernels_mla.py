@@ -32,7 +32,6 @@ import dataclasses
 import functools
 import math
 import os
-import pathlib
 import time
 import traceback
 from typing import Any, Callable, Mapping
@@ -291,9 +290,7 @@ def _write_report(results: list[dict], tuned: list[str], copy_gbs: float, mm_tfl
     ]
     text = "\n".join(lines)
     print(text)
-    out = pathlib.Path(__file__).parent / "results" / f"kernels_mla-{harness.gpu_slug()}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text, encoding="utf-8")
+    out = harness.write_result("kernels_mla", text)
     print(f"kernels_mla: wrote {out}")
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pathlib
 import time
 import traceback
 from typing import Any, Callable, Mapping
@@ -282,9 +281,7 @@ def _write_report(results: list[dict], copy_gbs: float, mm_tflops: float, elapse
         harness.markdown_table(results, COLUMNS),
         "",
     ]
-    out = pathlib.Path(__file__).parent / "results" / f"moe-{harness.gpu_slug()}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines), encoding="utf-8")
+    out = harness.write_result("moe", "\n".join(lines))
     print(f"moe: wrote {out}")
 
 

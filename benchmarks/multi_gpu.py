@@ -28,7 +28,7 @@ import numpy as np
 
 import jaxdsa
 from benchmarks import harness
-from benchmarks.serve_gpu import RESULTS, write_model_dir
+from benchmarks.serve_gpu import write_model_dir
 
 TOLERANCE = 1e-3  # float32 with HIGHEST matmul precision; only reduction orders differ
 
@@ -88,7 +88,6 @@ def main(argv=None) -> int:
 def _write(rows, args, noise: float, n: int) -> None:
     """Rewritten after every layout, so a run cut short still leaves its finished rows."""
     header = harness.device_header()
-    slug = f"{harness.gpu_slug()}x{n}"
     lines = [
         *harness.report_header(f"Tensor / expert parallelism of a GLM-5-shaped model on {n} x {header['device']}", {
             "model": f"GLM-5 widths, random weights identical across layouts: float32 check with 3 dense + 1 MoE layers, bf16 throughput with 3 dense + {args.layers - 3} MoE",
@@ -99,8 +98,7 @@ def _write(rows, args, noise: float, n: int) -> None:
         harness.markdown_table(rows, list(rows[0])),
         "",
     ]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"multi-gpu-{slug}.md").write_text("\n".join(lines))
+    harness.write_result("multi-gpu", "\n".join(lines), suffix=f"x{n}")
     print("\n".join(lines), flush=True)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import tempfile
@@ -29,7 +28,6 @@ from benchmarks import harness
 from checkpoints.tokenizer_assets import write_tokenizer
 from jaxdsa.config import config_from_dict
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 GLM5 = {
     "architectures": ["GlmMoeDsaForCausalLM"],
@@ -214,9 +212,7 @@ def _report(rows, raw, args, copy_gbs: float, startup: float) -> None:
         harness.markdown_table(table, cols),
         "",
     ]
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"serve-{harness.gpu_slug()}.md"
-    path.write_text("\n".join(lines))
+    path = harness.write_result("serve", "\n".join(lines))
     print("\n".join(lines))
     print(f"serve_gpu: wrote {path}")
 
