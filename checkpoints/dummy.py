@@ -9,6 +9,7 @@ seed holds the same model.
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any
 
@@ -83,7 +84,7 @@ def random_params(cfg: ModelConfig, *, dtype=jnp.bfloat16, mesh=None, seed: int 
     """A params pytree of ``cfg``'s shapes with random weights, placed (and sharded) on device."""
     if mesh is not None:
         for what, size, n in (("attention heads", cfg.num_attention_heads, "heads"), ("indexer heads", cfg.index_n_heads, "index_heads")):
-            shards = int(jnp.prod(jnp.asarray([mesh.shape[a] for a in sharding.RULES[n]])))
+            shards = math.prod(mesh.shape[a] for a in sharding.RULES[n])
             if size % shards:
                 raise ValueError(f"random weights: {what} ({size}) must split evenly over {shards} devices")
     gen = _Random(cfg, dtype, mesh, seed)
