@@ -194,13 +194,17 @@ def test_batched_prompts_stream_with_indices(stub):
 
 
 def test_closing_a_batched_stream_releases_every_request(glm_dir):
-    engine = ScriptedEngine(token_delay=0.01)
+    # 200 tokens at 0.1 s each: the client reads one line and leaves long before either ends, even
+    # when a loaded CI machine stalls this thread for seconds. The line iterator is kept: dropping it
+    # closes the response, so the requests would end before the check below.
+    engine = ScriptedEngine(token_delay=0.1)
     ctx = make_context(glm_dir, engine)
     with serving(create_app(ctx)) as url:
-        engine.scripts += [ctx.tokenizer.encode("word " * 200)] * 2  # ~2 s of text each
+        engine.scripts += [ctx.tokenizer.encode("word " * 200)] * 2
         body = {"model": "stub", "prompt": ["a", "b"], "max_tokens": 200, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body) as r:
-            next(r.iter_lines())
+            lines = r.iter_lines()
+            next(lines)
             assert engine.active == 2
         deadline = time.monotonic() + 5
         while engine.active:
