@@ -106,14 +106,23 @@ def ceiling_rows(copy_gbs: float, mm_tflops: float, elapsed: float) -> dict[str,
     }
 
 
+SKIPPED = "skipped: time budget"
+
+
 def markdown_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
+    """Rows as a markdown table; sweep variants the time budget cut (note ``SKIPPED``) are counted
+    in a line below it rather than listed as empty rows."""
+
     def fmt(v):
         if isinstance(v, float):
             return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
         return str(v)
 
+    shown = [r for r in rows if r.get("note") != SKIPPED]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in shown]
+    if len(shown) < len(rows):
+        lines += ["", f"{len(rows) - len(shown)} sweep variants were not run (time budget)."]
     return "\n".join(lines)
 
 

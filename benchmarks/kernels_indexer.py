@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
+from pallas_kernels._triton import compute_capability
 from pallas_kernels.indexer_logits import kernel as ikernel
 from pallas_kernels.indexer_logits import ref as iref
 from pallas_kernels.indexer_logits import tuning as ituning
@@ -102,6 +103,9 @@ TOPK_VARIANTS = {
     "c8192e32": ttuning.TopkConfig(chunk=8192, elems_per_thread=32),
     "c16384e32": ttuning.TopkConfig(chunk=16384, elems_per_thread=32),
     "c8192e16": ttuning.TopkConfig(chunk=8192, elems_per_thread=16),
+    "c4096e16": ttuning.TopkConfig(chunk=4096, elems_per_thread=16),
+    "c16384e64": ttuning.TopkConfig(chunk=16384, elems_per_thread=64),
+    "c4096e8": ttuning.TopkConfig(chunk=4096, elems_per_thread=8),
 }
 
 
@@ -248,7 +252,7 @@ def _sweep(
     for name, cfg in candidates.items():
         label = f"pallas:{name}"
         if name != "table" and clock.over_budget():
-            rows.append(common | {"impl": label, "config": describe(cfg), "note": "skipped: time budget"})
+            rows.append(common | {"impl": label, "config": describe(cfg), "note": harness.SKIPPED})
             continue
         row = _measure(label, make_fn(cfg), sets, check, replays=replays, warmup=warmup)
         rows.append(common | row | {"config": describe(cfg)})
@@ -291,7 +295,7 @@ def _decode(clock: _Clock, rate: dict) -> list[dict]:
 
 def _fp8(clock: _Clock, rate: dict) -> list[dict]:
     table = ituning.config_for()
-    native_ok = ituning.target_compute_capability() >= 89
+    native_ok = compute_capability() >= 89
     heads, results = 64, []
     for s in SEQ:
         set_bytes = BATCH * s * (D + 4 + 4)

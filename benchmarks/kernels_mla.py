@@ -85,7 +85,7 @@ SHAPES = [Shape("decode", b, h, DECODE_POOL) for h in (16, 64, 128) for b in (1,
 
 
 def _describe(cfg: MlaConfig) -> str:
-    return f"bh{cfg.block_h} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} splits{cfg.splits}"
+    return f"bh{cfg.block_h} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} splits{cfg.splits}" + (" prefetch" if cfg.prefetch else "")
 
 
 def _table_config(shape: Shape, block_h: int | None = None) -> MlaConfig:
@@ -95,21 +95,25 @@ def _table_config(shape: Shape, block_h: int | None = None) -> MlaConfig:
 def _variants(shape: Shape, base: MlaConfig) -> dict[str, MlaConfig]:
     """Sweep candidates around the table's config, most promising first."""
     r = functools.partial(dataclasses.replace, base)
-    other_bn = ("bn64", r(block_n=64)) if base.block_n < 64 else ("bn32", r(block_n=32))
+    other_name, other = ("bn64", r(block_n=64)) if base.block_n < 64 else ("bn32", r(block_n=32))
     if shape.kind == "decode":
+        more = lambda cfg, f: dataclasses.replace(cfg, splits=min(cfg.splits * f, TOPK // cfg.block_n))  # noqa: E731
         cands = [
-            ("splits*2", r(splits=min(base.splits * 2, TOPK // base.block_n))),
+            ("prefetch", r(prefetch=True)),
+            ("splits*2", more(base, 2)),
+            (other_name, other),
+            (f"{other_name} splits*2", more(other, 2)),
+            ("splits*4", more(base, 4)),
             # the split rule re-applied to 16 heads per program / to all heads (up to 64) per program
             ("bh16", _table_config(shape, block_h=16)),
             ("all_heads", _table_config(shape, block_h=min(64, max(16, shape.h)))),
             ("splits/2", r(splits=max(1, base.splits // 2))),
-            other_bn,
-            ("warps4" if base.num_warps > 4 else "warps8", r(num_warps=4 if base.num_warps > 4 else 8)),
             ("stages3", r(num_stages=3)),
         ]
     else:
         cands = [
-            other_bn,
+            ("prefetch", r(prefetch=True)),
+            (other_name, other),
             ("stages3", r(num_stages=3)),
             ("bn16", r(block_n=16)),
             ("warps4", r(num_warps=4)),
@@ -245,7 +249,7 @@ def run(ceilings: Mapping[str, float] | None = None) -> list[dict]:
         for name, cfg in _variants(shape, _table_config(shape)).items():
             row = common | {"impl": f"pallas:{name}", "config": _describe(cfg)}
             if clock() - shape_start >= share:
-                rows[shape].append(row | {"note": "skipped: time budget"})
+                rows[shape].append(row | {"note": harness.SKIPPED})
                 continue
             checked, timer = _compile_and_check(_kernel_fn(cfg), sets, wants[shape], _checked_queries(shape))
             row |= checked | ({"us": timer(5)} if timer else {})

@@ -225,7 +225,7 @@ def run(ceilings: Mapping[str, float] | None = None) -> list[dict]:
     for case in reversed(cases):
         for name, cfg in _variants(case.t).items():
             if time.perf_counter() - start > BUDGET_S:
-                skipped = {"impl": f"pallas:{name}", "config": _describe(cfg), "note": "skipped: time budget"}
+                skipped = {"impl": f"pallas:{name}", "config": _describe(cfg), "note": harness.SKIPPED}
                 results.append(case.common | skipped)
             else:
                 results.append(_pallas(case, name, cfg))

@@ -47,7 +47,8 @@ class LLM:
     """A GLM-5.x / DeepSeek-V3.2 checkpoint ready to score and generate.
 
     ``tp`` / ``ep`` / ``dp``: tensor, expert and data parallelism over the local devices
-    (see :mod:`jaxdsa.sharding`); weights load straight into their sharded layout.
+    (see :mod:`jaxdsa.sharding`); ``dp_attention``: the dp groups share the experts (``ep``
+    counts the shards over all of them). Weights load straight into their sharded layout.
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class LLM:
         tp: int = 1,
         ep: int = 1,
         dp: int = 1,
+        dp_attention: bool = False,
         page_size: int = 64,
         max_model_len: int | None = None,
         max_num_seqs: int = 16,
@@ -77,7 +79,7 @@ class LLM:
         self.path = os.fspath(path)
         self.dtype = _DTYPES[dtype]
         self.page_size = page_size
-        self.parallelism = sharding.Parallelism(tp=tp, ep=ep, dp=dp)
+        self.parallelism = sharding.Parallelism(tp=tp, ep=ep, dp=dp, dp_attention=dp_attention)
         self.mesh = sharding.make_mesh(self.parallelism) if self.parallelism.num_devices > 1 else None
         if load_format == "dummy":
             self.config = load_config(path)
@@ -127,7 +129,7 @@ class LLM:
         dp = self.parallelism.dp
         T, pages = bucket(len(ids)), bucket(-(-len(ids) // self.page_size))
         group = lambda first, fill: np.asarray(list(first) + [fill] * (T - len(ids)) + [fill] * (T * (dp - 1)), np.int32)  # noqa: E731
-        placed = None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("dp"))
+        placed = None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, sharding.batch_spec())
         cache = init_cache(self.config, pages * dp, self.page_size, self.dtype, sharding=placed)
         meta = StepMeta(
             seq_ids=group([0] * len(ids), -1),
@@ -136,7 +138,7 @@ class LLM:
         )
         args = (group(ids, 0), group(range(len(ids)), 0), meta)
         if self.mesh is not None:
-            args = sharding.put(args, self.mesh, jax.sharding.PartitionSpec("dp"))
+            args = sharding.put(args, self.mesh, sharding.batch_spec())
         tokens, positions, meta = jax.tree.map(jnp.asarray, args)
         fn = jitted_step(self.config, len(ids) > self.config.index_topk, False, self.mesh)
         with self._precision():

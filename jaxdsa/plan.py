@@ -1,6 +1,6 @@
 """Size a deployment from a config.json alone: per-device memory, cache capacity, traffic, speed.
 
-    python -m jaxdsa.plan --config CONFIG_JSON --tp 8 --ep 8 --dp 1 --hbm-gib 80 \\
+    python -m jaxdsa.plan --config CONFIG_JSON --tp 8 --ep 8 --dp 1 [--dp-attention] --hbm-gib 80 \\
         --weights bf16|fp8|int4 --max-model-len 32768 [--batch 32]
 
 Shard sizes come from the same rules table the loader uses (:mod:`jaxdsa.sharding`) applied to
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from checkpoints import names
 from jaxdsa.config import ModelConfig, load_config
-from jaxdsa.sharding import RULES, Parallelism, leaf_axes
+from jaxdsa.sharding import EXPERT_AXES, RULES, Parallelism, leaf_axes
 
 # Bytes per weight for the quantizable linears (FP8: 1 byte + one fp32 scale per 128x128 block;
 # INT4 compressed-tensors: 0.5 byte + a bf16 scale and an int4 zero point per group of 32).
@@ -93,8 +93,11 @@ def cache_bytes_per_token(cfg: ModelConfig) -> int:
 def decode_step(cfg: ModelConfig, par: Parallelism, weights: str, batch: int, context: int) -> dict[str, float]:
     """Per-device bytes read and collective bytes of one decode step of ``batch`` sequences per dp group."""
     read = 0.0
-    E_local = cfg.n_routed_experts / (par.axis_sizes["rep"] * par.axis_sizes["tpe"])
-    touched = E_local * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch)  # expected distinct local experts
+    sizes = par.axis_sizes
+    edp = sizes["edp"]  # dp-attention groups whose tokens meet at every expert
+    E_local = cfg.n_routed_experts / math.prod(sizes[a] for a in EXPERT_AXES)
+    moe_tokens = batch * edp
+    touched = E_local * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** moe_tokens)  # expected distinct local experts
     for leaf in parameter_leaves(cfg):
         width = leaf.bytes_per_element
         if width < 0:
@@ -115,10 +118,13 @@ def decode_step(cfg: ModelConfig, par: Parallelism, weights: str, batch: int, co
     per_layer = 2 * batch * D * 2  # attention output + MLP/MoE output all-reduces, bf16
     collective = ring * (cfg.num_hidden_layers * per_layer + batch * D * 4)  # + the embedding psum (f32)
     collective += ring * len(cfg.indexer_layers) * batch * context * 4  # indexer head-sum psum (f32 logits)
-    ep_shards = par.axis_sizes["rep"] * par.axis_sizes["tpe"]
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    ep_shards = sizes["rep"] * sizes["tpe"]  # expert shards inside a group
     if ep_shards > 1:
-        moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
-        collective += 2 * (ep_shards - 1) / ep_shards * moe_layers * batch * D * 4  # expert psum (f32)
+        collective += 2 * (ep_shards - 1) / ep_shards * moe_layers * moe_tokens * D * 4  # expert psum (f32)
+    if edp > 1:  # all-gather the groups' tokens (bf16 + ids/weights), reduce-scatter the f32 outputs
+        k = cfg.num_experts_per_tok
+        collective += (edp - 1) * moe_layers * batch * (D * 2 + k * 8 + D * 4)
     return {"bytes_read": read, "collective_bytes": collective}
 
 
@@ -151,6 +157,7 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--dp-attention", action="store_true", help="the dp groups share the experts (ep counts all shards)")
     p.add_argument("--hbm-gib", type=float, default=80)
     p.add_argument("--weights", choices=sorted(WEIGHT_BYTES), default="bf16")
     p.add_argument("--max-model-len", type=int, default=32768)
@@ -161,13 +168,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config)
-        par = Parallelism(tp=args.tp, ep=args.ep, dp=args.dp)
+        par = Parallelism(tp=args.tp, ep=args.ep, dp=args.dp, dp_attention=args.dp_attention)
     except ValueError as e:
         print(f"plan: {e}", file=sys.stderr)
         return 2
     result = plan(cfg, par, hbm_gib=args.hbm_gib, weights=args.weights, max_model_len=args.max_model_len, batch=args.batch,
                   hbm_gbs=args.hbm_gbs, link_gbs=args.link_gbs, reserve_gib=args.reserve_gib)
-    print(f"{cfg.model_type}: {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts; tp={par.tp} ep={par.ep} dp={par.dp}, weights {args.weights}")
+    dp_attention = " (dp attention)" if par.dp_attention else ""
+    print(f"{cfg.model_type}: {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts; tp={par.tp} ep={par.ep} dp={par.dp}{dp_attention}, weights {args.weights}")
     for key, value in result.items():
         print(f"  {key:38s} {value:,.2f}" if isinstance(value, float) else f"  {key:38s} {value:,}")
     if result["cache_tokens_per_dp_group"] < args.max_model_len:

@@ -1,17 +1,26 @@
 """Sharding, declared once: logical axis names -> mesh axes, the mesh, and shard_map wrappers.
 
-Parallelism ``(tp, ep, dp)`` maps onto one mesh with four axes:
+Parallelism ``(tp, ep, dp)`` maps onto one mesh with five axes:
 
 - ``dp``: data parallel. Each dp group is an independent replica of the step over its own
   slice of the batch and of the cache pages; the step runs as a shard_map that is manual over
-  ``dp`` only, so everything inside sees group-local tokens, page tables and pages.
+  the data-parallel axes, so everything inside sees group-local tokens, page tables and pages.
+- ``edp``: data-parallel attention groups that share one set of experts (``dp_attention``, as in
+  SGLang's ``--enable-dp-attention``): batch and cache pages split like ``dp``, but the routed
+  experts are split over ``edp`` too. Each MoE layer all-gathers the groups' tokens over ``edp``,
+  runs the slots routed to the local experts, and reduce-scatters the partial outputs back
+  (vLLM's "allgather-reducescatter" dispatch and combine). The latent cache is then held once per
+  group instead of once per TP device, and no expert is stored twice.
 - ``tpe`` x ``tpi`` = ``tp``: attention heads, indexer heads, dense / shared-expert MLP columns and
   the vocabulary are split over both. Routed experts are split over ``tpe`` (and ``rep``), their
   intermediate dimension over ``tpi`` (expert tensor parallelism when ep < tp).
-- ``rep``: only when ep > tp: the extra expert-parallel factor; attention is replicated over it.
+- ``rep``: only when the group's expert factor exceeds tp: attention is replicated over it.
 
-So ``ep`` either divides ``tp`` or is a multiple of it, and the mesh has dp * tp * max(1, ep/tp)
-devices: (tp, ep, dp) = (4, 2, 1) -> 4 devices, experts over 2 x expert-TP 2; (2, 4, 1) -> 4.
+``ep`` counts all expert shards. Without dp_attention they live inside each dp group, so ``ep``
+either divides ``tp`` or is a multiple of it and the mesh has dp * tp * max(1, ep/tp) devices:
+(tp, ep, dp) = (4, 2, 1) -> 4 devices, experts over 2 x expert-TP 2; (2, 4, 1) -> 4. With
+dp_attention each of the dp groups holds ``ep / dp`` of them: (1, 8, 8) -> 8 devices, one
+eighth of the experts each; (2, 4, 2) -> 4 devices.
 
 Model code names logical axes only (:func:`constrain`, :func:`param_axes`); the rules table is
 the one place that turns them into mesh axes. Kernels are not auto-partitioned, so
@@ -30,14 +39,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("dp", "rep", "tpe", "tpi")
+MESH_AXES = ("dp", "edp", "rep", "tpe", "tpi")
+DP_AXES = ("dp", "edp")  # the step is manual over these (data_parallel)
 TP_AXES = ("tpe", "tpi")
-EXPERT_AXES = ("rep", "tpe")
+EXPERT_AXES = ("edp", "rep", "tpe")
 
 # logical axis name -> mesh axes. Names not listed are replicated.
 RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("dp",),
-    "pages": ("dp",),
+    "batch": DP_AXES,
+    "pages": DP_AXES,
     "heads": TP_AXES,
     "index_heads": TP_AXES,
     "mlp": TP_AXES,
@@ -52,19 +62,31 @@ class Parallelism:
     tp: int = 1
     ep: int = 1
     dp: int = 1
+    dp_attention: bool = False  # the dp groups share the experts (split over all of them)
 
     def __post_init__(self):
         for name in ("tp", "ep", "dp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.tp % self.ep and self.ep % self.tp:
-            raise ValueError(f"ep ({self.ep}) must divide tp ({self.tp}) or be a multiple of it")
+        if self.dp_attention and self.ep % self.dp:
+            raise ValueError(f"with dp_attention, ep ({self.ep}) counts the expert shards of all {self.dp} dp groups: it must be a multiple of dp")
+        ep = self.group_ep
+        if self.tp % ep and ep % self.tp:
+            within = " per dp group" if self.dp_attention else ""
+            raise ValueError(f"ep{within} ({ep}) must divide tp ({self.tp}) or be a multiple of it")
+
+    @property
+    def group_ep(self) -> int:
+        """Expert shards inside one dp group."""
+        return self.ep // self.dp if self.dp_attention else self.ep
 
     @property
     def axis_sizes(self) -> dict[str, int]:
-        rep = self.ep // self.tp if self.ep > self.tp else 1
-        tpe = min(self.ep, self.tp)
-        return {"dp": self.dp, "rep": rep, "tpe": tpe, "tpi": self.tp // tpe}
+        ep = self.group_ep
+        rep = ep // self.tp if ep > self.tp else 1
+        tpe = min(ep, self.tp)
+        dp, edp = (1, self.dp) if self.dp_attention else (self.dp, 1)
+        return {"dp": dp, "edp": edp, "rep": rep, "tpe": tpe, "tpi": self.tp // tpe}
 
     @property
     def num_devices(self) -> int:
@@ -185,9 +207,12 @@ def wrap_op(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         mesh = _mesh()
-        if mesh is None or not _auto_axes(mesh):
+        if mesh is None:
             return fn(*args, **kwargs)
-        return _SHARDED[name](fn, _Axes(mesh), *args, **kwargs)
+        call = functools.partial(_SHARDED[name], fn, _Axes(mesh)) if _auto_axes(mesh) else fn
+        if name == "moe_experts" and mesh.shape["edp"] > 1:
+            return _moe_over_edp(call, *args, **kwargs)
+        return call(*args, **kwargs)
 
     return wrapped
 
@@ -262,6 +287,19 @@ def _moe(fn, ax, x, ids, weights, experts, *, swiglu_limit=None):
     return ax.smap(f, (P(), P(), P(), expert_specs), P())(x, ids, weights, experts)
 
 
+def _moe_over_edp(call, x, ids, weights, experts, **kwargs):
+    """Dispatch and combine across dp-attention groups (inside the step's edp-manual shard_map):
+    all-gather every group's tokens, run the slots routed to this group's experts (``call`` may
+    split them further over the group's own expert axes), reduce-scatter the partial outputs back
+    to the groups they came from. Exact: each slot is computed by exactly one group."""
+    local_experts = experts["down"].shape[0]
+    gather = functools.partial(jax.lax.all_gather, axis_name="edp", axis=0, tiled=True)
+    local_ids = gather(ids) - jax.lax.axis_index("edp") * local_experts
+    out = call(gather(x), local_ids, gather(weights), experts, **kwargs)
+    # float32 collective: XLA:CPU has no bf16 reduce-scatter, and the sum is exact in f32 anyway
+    return jax.lax.psum_scatter(out.astype(jnp.float32), "edp", scatter_dimension=0, tiled=True).astype(x.dtype)
+
+
 _SHARDED = {
     "sparse_mla": _sparse_mla,
     "merge_states": _merge_states,
@@ -307,15 +345,29 @@ def jit_step(fn: Callable[..., Any], mesh: Mesh | None, donate_argnums: tuple[in
 
 
 def data_parallel(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
-    """``fn(params, *batch)`` as independent dp groups: params replicated over dp, every batch
-    argument (tokens, positions, cache, metadata) and every output split over dp on its leading
-    dim. Inside, indices are group-local; TP / EP stay automatic."""
+    """``fn(params, *batch)`` as dp groups: every batch argument (tokens, positions, cache,
+    metadata) and every output split over the data-parallel axes on its leading dim; params
+    replicated over them, except routed experts, which dp-attention groups split over ``edp``.
+    Inside, indices are group-local; TP / EP stay automatic."""
+    manual = set(DP_AXES)
+    within_group = tuple(a for a in MESH_AXES if a not in manual)
 
     def run(params, *batch):
-        in_specs = (P(),) + (P("dp"),) * len(batch)
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P("dp"), axis_names={"dp"}, check_vma=False)(params, *batch)
+        param_specs = jax.tree.map(lambda a: spec(a, exclude=within_group), param_axes(params), is_leaf=lambda x: isinstance(x, tuple))
+        in_specs = (param_specs,) + (batch_spec(),) * len(batch)
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=batch_spec(), axis_names=manual, check_vma=False)(params, *batch)
 
     return run
+
+
+def batch_spec() -> P:
+    """Leading dim split over the data-parallel groups: batches, page pools, step outputs."""
+    return spec(("batch",))
+
+
+def dp_groups(mesh: Mesh | None) -> int:
+    """Number of data-parallel groups (each with its own requests and cache pages)."""
+    return 1 if mesh is None else math.prod(mesh.shape[a] for a in DP_AXES)
 
 
 # ---- host <-> device on meshes that may span processes --------------------------------------------

@@ -95,7 +95,14 @@ def shrink_to_fit[C](cfg: C, nbytes: Callable[[C], int], budget: int, knobs: Seq
 
 
 def compute_capability() -> int:
-    """Compute capability of the first GPU as an int (90 for H100); 0 when there is none."""
+    """Compute capability being compiled for, as an int (90 for H100): the abstract device of a
+    deviceless lowering (:func:`abstract_gpu`), else the local GPU; 0 without either (CPU
+    interpret runs). Every tuning table is keyed by it."""
+    if pltriton is not None:
+        try:
+            return int(pltriton.get_gpu_info().compute_capability)
+        except ValueError:  # no GPU and no abstract one: "Unsupported GPU device kind: cpu"
+            pass
     try:
         dev = jax.devices("gpu")[0]
     except RuntimeError:

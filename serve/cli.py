@@ -55,6 +55,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    g.add_argument("--enable-dp-attention", action="store_true",
+                   help="the data-parallel groups share the routed experts (split over all of them; "
+                   "--expert-parallel-size counts every shard), as in SGLang")
     g.add_argument("--trust-remote-code", action="store_true", help="accepted for vLLM compatibility; jaxdsa never runs checkpoint code")
     g = p.add_argument_group("chat")
     g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS))
@@ -98,8 +101,8 @@ def _dtype(requested: str, config: dict[str, Any]) -> str:
     return "float32" if config.get("dtype", config.get("torch_dtype")) == "float32" else "bfloat16"
 
 
-def _check_flags(args: argparse.Namespace) -> dict[str, int]:
-    """Flags that cannot work; returns (tp, ep, dp) for jaxdsa.LLM, which checks them against the devices."""
+def _check_flags(args: argparse.Namespace) -> dict[str, int | bool]:
+    """Flags that cannot work; returns the parallelism for jaxdsa.LLM, which checks it against the devices."""
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise StartupError("--enable-auto-tool-choice needs --tool-call-parser")
     for flag in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
@@ -107,7 +110,8 @@ def _check_flags(args: argparse.Namespace) -> dict[str, int]:
             raise StartupError(f"--{flag.replace('_', '-')} must be >= 1")
     if args.max_queue_len < 0:
         raise StartupError("--max-queue-len must be >= 0")
-    return {"tp": args.tensor_parallel_size, "ep": args.expert_parallel_size, "dp": args.data_parallel_size}
+    return {"tp": args.tensor_parallel_size, "ep": args.expert_parallel_size, "dp": args.data_parallel_size,
+            "dp_attention": args.enable_dp_attention}
 
 
 @dataclasses.dataclass

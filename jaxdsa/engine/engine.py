@@ -16,8 +16,9 @@ import time
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
+from jaxdsa import sharding
 from jaxdsa.cache import cache_bytes_per_token, init_cache
 from jaxdsa.config import ModelConfig
 from jaxdsa.engine.request import FinishReason, Request, RequestOutput, SamplingParams, Status
@@ -79,7 +80,7 @@ class Engine:
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} > max_position_embeddings {cfg.max_position_embeddings}")
         self.eos_token_ids = frozenset(eos_token_ids)
-        groups = 1 if mesh is None else mesh.shape["dp"]
+        groups = sharding.dp_groups(mesh)
         num_pages = config.num_pages or _default_num_pages(cfg, config, self.max_model_len, dtype, groups)
         num_pages -= num_pages % groups
         if num_pages // groups * config.page_size < self.max_model_len:
@@ -94,7 +95,7 @@ class Engine:
         self.runner = ModelRunner(
             cfg,
             params,
-            init_cache(cfg, num_pages, config.page_size, dtype, sharding=None if mesh is None else NamedSharding(mesh, PartitionSpec("dp"))),
+            init_cache(cfg, num_pages, config.page_size, dtype, sharding=None if mesh is None else NamedSharding(mesh, sharding.batch_spec())),
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens,

@@ -84,7 +84,7 @@ class ModelRunner:
     def _place(self, tree):
         if self.mesh is None:
             return tree
-        return sharding.put(tree, self.mesh, jax.sharding.PartitionSpec("dp"))
+        return sharding.put(tree, self.mesh, sharding.batch_spec())
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)

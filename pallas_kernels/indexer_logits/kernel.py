@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._triton import compiler_params, pl, pltriton
+from pallas_kernels._triton import compiler_params, compute_capability, pl, pltriton
 from pallas_kernels.indexer_logits import tuning
 
 KeyFormat = Literal["plain", "e4m3", "e4m3_bits"]
@@ -184,7 +184,7 @@ def _key_operand(k_flat, k_scale, native_fp8):
     if k_flat.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"k_scale given, so keys must be float8_e4m3fn, got {k_flat.dtype}")
     if native_fp8 is None:
-        native_fp8 = tuning.target_compute_capability() >= 89
+        native_fp8 = compute_capability() >= 89
     # Both fp8 paths load bytes: a masked load needs an ``other`` fill, which has no e4m3 constant.
     return ("e4m3" if native_fp8 else "e4m3_bits"), lax.bitcast_convert_type(k_flat, jnp.uint8)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels._triton import pl, pltriton, shared_memory_budget, shared_memory_bytes, shrink_to_fit
+from pallas_kernels._triton import compute_capability, pl, shared_memory_budget, shared_memory_bytes, shrink_to_fit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,20 +68,9 @@ TABLE: dict[int, IndexerConfig] = {
 DEFAULT = _SMALL_SMEM
 
 
-def target_compute_capability() -> int:
-    """Compute capability being lowered for: the abstract device of a deviceless lowering, else the
-    local GPU; 0 without either (CPU interpret runs)."""
-    if pltriton is None:
-        return 0
-    try:
-        return pltriton.get_gpu_info().compute_capability
-    except ValueError:  # no GPU: "Unsupported GPU device kind: cpu"
-        return 0
-
-
 def config_for(cc: int | None = None) -> IndexerConfig:
     """The table entry for ``cc`` (default: the current target); unknown parts get ``DEFAULT``."""
-    return TABLE.get(target_compute_capability() if cc is None else cc, DEFAULT)
+    return TABLE.get(compute_capability() if cc is None else cc, DEFAULT)
 
 
 # Shrink order when a config does not fit: stages (down to 2), keys, queries, the last stage.
@@ -117,7 +106,7 @@ def smem_bytes(cfg: RowConfig | TileConfig, *, num_heads: int, head_dim: int, it
 def choose(*, num_heads: int, head_dim: int, itemsize: int, cc: int | None = None) -> IndexerConfig:
     """The table entry for ``cc`` (default: the current target), fitted to its shared memory for
     ``num_heads`` heads of ``head_dim`` and ``itemsize``-byte operands."""
-    cc = target_compute_capability() if cc is None else cc
+    cc = compute_capability() if cc is None else cc
     e = config_for(cc)
     budget = shared_memory_budget(cc)
     nbytes = lambda c: smem_bytes(c, num_heads=num_heads, head_dim=head_dim, itemsize=itemsize)  # noqa: E731

@@ -63,6 +63,7 @@ class _Geometry:
     chunk: int  # indices per split (a multiple of block_n)
     block_h: int
     block_n: int
+    prefetch: bool  # load step i+1's indices while step i's rows are gathered
 
     @property
     def d_v_pad(self) -> int:
@@ -104,10 +105,17 @@ def _kernel(*refs, g: _Geometry, sm_scale: float, has_sink: bool, precision):
     if g.d_r:
         q_r = _load_tile(q_ref, heads, head_ok, g.d_v, g.d_r, g.d_r_pad)
 
-    def step(i, carry):
-        m, l, acc = carry
+    def load_indices(i):
         pos = start + i * g.block_n + jnp.arange(g.block_n, dtype=jnp.int32)
-        idx = pltriton.load(idx_ref.at[pos], mask=pos < g.n_keys, other=-1)
+        return pltriton.load(idx_ref.at[pos], mask=pos < g.n_keys, other=-1)
+
+    def step(i, carry):
+        if g.prefetch:  # this step's indices came with the carry; fetch the next step's now
+            m, l, acc, idx = carry
+            nxt = load_indices(i + 1)
+        else:
+            m, l, acc = carry
+            idx = load_indices(i)
         valid = (idx >= 0) & (idx < g.n_slots)
         safe = jnp.where(valid, idx, 0)
         kv_v = _load_tile(kv_ref, safe, valid, 0, g.d_v, g.d_v_pad).astype(dtype)
@@ -120,14 +128,17 @@ def _kernel(*refs, g: _Geometry, sm_scale: float, has_sink: bool, precision):
         alpha = jnp.exp2(m - m_ref)
         p = jnp.exp2(s - m_ref[:, None])
         acc = acc * alpha[:, None] + dot(p.astype(dtype), kv_v, nn)
-        return m_new, l * alpha + jnp.sum(p, axis=1), acc
+        out = (m_new, l * alpha + jnp.sum(p, axis=1), acc)
+        return (*out, nxt) if g.prefetch else out
 
     init = (
         jnp.full((g.block_h,), -jnp.inf, jnp.float32),
         jnp.zeros((g.block_h,), jnp.float32),
         jnp.zeros((g.block_h, g.d_v_pad), jnp.float32),
     )
-    m, l, acc = lax.fori_loop(0, g.chunk // g.block_n, step, init)
+    if g.prefetch:
+        init = (*init, load_indices(0))
+    m, l, acc = lax.fori_loop(0, g.chunk // g.block_n, step, init)[:3]
 
     l_safe = jnp.where(l > 0, l, 1.0)
     out = acc / l_safe[:, None]
@@ -185,7 +196,7 @@ def sparse_mla(
     cfg = config or tuning.choose(t, h, k, d_v=v_dim, d_r=d - v_dim, itemsize=itemsize)
     chunk = pl.cdiv(pl.cdiv(k, cfg.splits), cfg.block_n) * cfg.block_n
     splits = pl.cdiv(k, chunk)
-    g = _Geometry(h, k, n, v_dim, d - v_dim, chunk, cfg.block_h, cfg.block_n)
+    g = _Geometry(h, k, n, v_dim, d - v_dim, chunk, cfg.block_h, cfg.block_n, cfg.prefetch)
 
     has_sink = sink is not None and splits == 1
     part_dtype = q.dtype if splits == 1 else jnp.float32

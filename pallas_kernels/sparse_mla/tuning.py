@@ -52,6 +52,7 @@ class MlaConfig:
     num_warps: int
     num_stages: int
     splits: int  # K splits per query (1 = no merge)
+    prefetch: bool = False  # carry the next step's indices through the loop (A/B in benchmarks/kernels_mla.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.indexer_logits.tuning import target_compute_capability
+from pallas_kernels._triton import compute_capability
 
 MAX_WARPS = 16
 
@@ -41,4 +41,4 @@ DEFAULT = TopkConfig()
 
 def config_for(cc: int | None = None) -> TopkConfig:
     """The table entry for ``cc`` (default: the current target); unknown parts get ``DEFAULT``."""
-    return TABLE.get(target_compute_capability() if cc is None else cc, DEFAULT)
+    return TABLE.get(compute_capability() if cc is None else cc, DEFAULT)

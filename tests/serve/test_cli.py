@@ -42,6 +42,7 @@ def test_directory_without_config(capsys, tmp_path):
     [
         (["--tensor-parallel-size", "4", "--expert-parallel-size", "3"], "ep (3) must divide tp (4)"),
         (["--data-parallel-size", "0"], "dp must be >= 1"),
+        (["--data-parallel-size", "4", "--expert-parallel-size", "2", "--enable-dp-attention"], "must be a multiple of dp"),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
         (["--tool-call-parser", "hermes"], "invalid choice: 'hermes'"),

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.conftest import FIXTURES
 
 WORKER = textwrap.dedent(
@@ -17,9 +19,10 @@ WORKER = textwrap.dedent(
     jaxdsa.distributed.initialize()  # coordinator, count and id from JAXDSA_* variables
     import numpy as np
     import jaxdsa
-    fixture, tp, ep, dp = sys.argv[1], *map(int, sys.argv[2:5])
+    fixture, tp, ep, dp, dp_attention = sys.argv[1], *map(int, sys.argv[2:6])
     golden = np.load(fixture + "/golden.npz")
-    llm = jaxdsa.LLM(fixture, "float32", tp=tp, ep=ep, dp=dp, page_size=8, max_num_seqs=2 * dp, max_model_len=64, progress=False)
+    llm = jaxdsa.LLM(fixture, "float32", tp=tp, ep=ep, dp=dp, dp_attention=bool(dp_attention), page_size=8,
+                     max_num_seqs=2 * dp, max_model_len=64, progress=False)
     assert llm.parallelism.num_devices == 8 and jax.process_count() == 2
     got = llm.score(golden["prompt_long"].tolist())
     err = (np.linalg.norm(got - golden["logits_long"], axis=-1) / np.linalg.norm(golden["logits_long"], axis=-1)).max()
@@ -36,13 +39,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_the_goldens(tmp_path):
+# (tp, ep, dp, dp_attention): one dp group per process; with dp attention the experts are split
+# over both processes, so every MoE layer gathers and scatters tokens across them.
+@pytest.mark.parametrize("layout", [(4, 2, 2, 0), (4, 4, 2, 1)], ids=["dp", "dp-attention"])
+def test_two_processes_match_the_goldens(tmp_path, layout):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = dict(os.environ, JAXDSA_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", JAXDSA_NUM_PROCESSES="2", PYTHONPATH=os.getcwd())
     env.pop("XLA_FLAGS", None)
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(FIXTURES / "glm52"), "4", "2", "2"], env=dict(env, JAXDSA_PROCESS_ID=str(i)),
+        subprocess.Popen([sys.executable, str(script), str(FIXTURES / "glm52"), *map(str, layout)], env=dict(env, JAXDSA_PROCESS_ID=str(i)),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)
     ]

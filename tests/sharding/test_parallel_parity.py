@@ -11,7 +11,8 @@ import pytest
 import jaxdsa
 from tests.conftest import FIXTURES
 
-LAYOUTS = [(2, 1, 1), (4, 2, 1), (2, 4, 1), (8, 8, 1), (2, 2, 2)]
+# (tp, ep, dp, dp_attention); with dp_attention the dp groups share the experts (ep counts all shards).
+LAYOUTS = [(2, 1, 1, False), (4, 2, 1, False), (2, 4, 1, False), (8, 8, 1, False), (2, 2, 2, False), (2, 4, 2, True), (4, 4, 2, True), (1, 8, 8, True)]
 TOLERANCE = 1e-4
 
 
@@ -19,13 +20,14 @@ def rel_l2(got, want):
     return np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
 
 
-def expected_shard_shapes(cfg, tp, ep):
+def expected_shard_shapes(cfg, tp, ep, dp, dp_attention):
     """Independent statement of the layout: leaf name -> per-device shard shape."""
     H = -(-cfg.num_attention_heads // tp) * tp  # heads are zero-padded to a multiple of tp
     Hi = -(-cfg.index_n_heads // tp) * tp
     r, D, E, N = cfg.kv_lora_rank, cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
     expert_shards = ep
-    expert_tp = tp // ep if ep < tp else 1
+    group_ep = ep // dp if dp_attention else ep
+    expert_tp = tp // group_ep if group_ep < tp else 1
     return {
         "embed": (cfg.vocab_size // tp, D),
         "lm_head": (D, cfg.vocab_size // tp),
@@ -45,8 +47,8 @@ def expected_shard_shapes(cfg, tp, ep):
     }
 
 
-def check_layout(llm, tp, ep):
-    want = expected_shard_shapes(llm.config, tp, ep)
+def check_layout(llm, layout):
+    want = expected_shard_shapes(llm.config, *layout)
     seen = set()
     for path, leaf in jax.tree_util.tree_leaves_with_path(llm.params):
         keys = [p.key for p in path if hasattr(p, "key")]
@@ -57,16 +59,17 @@ def check_layout(llm, tp, ep):
     assert seen == set(want)
 
 
-@pytest.fixture(scope="module", params=[(f, layout) for f in ("glm52", "dsv32") for layout in LAYOUTS], ids=lambda p: f"{p[0]}-tp{p[1][0]}ep{p[1][1]}dp{p[1][2]}")
+@pytest.fixture(scope="module", params=[(f, layout) for f in ("glm52", "dsv32") for layout in LAYOUTS], ids=lambda p: f"{p[0]}-tp{p[1][0]}ep{p[1][1]}dp{p[1][2]}" + ("-dpattn" if p[1][3] else ""))
 def case(request):
-    name, (tp, ep, dp) = request.param
-    llm = jaxdsa.LLM(FIXTURES / name, dtype="float32", page_size=8, progress=False, tp=tp, ep=ep, dp=dp, max_num_seqs=2 * dp, max_model_len=64)
-    return llm, (tp, ep, dp), dict(np.load(FIXTURES / name / "golden.npz"))
+    name, (tp, ep, dp, dp_attention) = request.param
+    llm = jaxdsa.LLM(FIXTURES / name, dtype="float32", page_size=8, progress=False, tp=tp, ep=ep, dp=dp, dp_attention=dp_attention, max_num_seqs=2 * dp, max_model_len=64)
+    return llm, (tp, ep, dp, dp_attention), dict(np.load(FIXTURES / name / "golden.npz"))
 
 
 def test_every_parameter_is_sharded_as_declared(case):
-    llm, (tp, ep, dp), _ = case
-    check_layout(llm, tp, ep)
+    llm, layout, _ = case
+    check_layout(llm, layout)
+    dp = layout[2]
     cache_leaf = llm.engine.runner.cache.latent[0]
     assert cache_leaf.sharding.shard_shape(cache_leaf.shape)[0] == cache_leaf.shape[0] // dp  # pages split over dp
 

@@ -5,7 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from checkpoints.dummy import random_params
 from jaxdsa import plan, sharding
@@ -14,18 +14,19 @@ from jaxdsa.config import tiny_config
 from jaxdsa.models.dsa import step
 
 
-@pytest.mark.parametrize("tp, ep, dp", [(4, 2, 1), (2, 2, 2)])
-def test_planner_memory_matches_compiled_step(tp, ep, dp):
+@pytest.mark.parametrize("tp, ep, dp, dp_attention", [(4, 2, 1, False), (2, 2, 2, False), (2, 8, 4, True)])
+def test_planner_memory_matches_compiled_step(tp, ep, dp, dp_attention):
     # Widths large enough that weights and cache dominate XLA's per-device arguments.
     cfg = tiny_config("dsv32", hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_attention_heads=8,
                       num_key_value_heads=8, q_lora_rank=128, kv_lora_rank=256, qk_nope_head_dim=32, qk_rope_head_dim=32,
                       v_head_dim=32, index_head_dim=64, vocab_size=1024, n_routed_experts=16)
-    par = sharding.Parallelism(tp=tp, ep=ep, dp=dp)
+    par = sharding.Parallelism(tp=tp, ep=ep, dp=dp, dp_attention=dp_attention)
     mesh = sharding.make_mesh(par)
     params = random_params(cfg, dtype=jnp.bfloat16, mesh=mesh)
     pages, page, batch = 64 * dp, 16, 8 * dp
-    cache = jax.device_put(init_cache(cfg, pages, page, jnp.bfloat16), NamedSharding(mesh, P("dp")))
-    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("dp")))  # noqa: E731
+    groups = NamedSharding(mesh, sharding.batch_spec())
+    cache = jax.device_put(init_cache(cfg, pages, page, jnp.bfloat16), groups)
+    put = lambda x: jax.device_put(x, groups)  # noqa: E731
     meta = StepMeta(put(jnp.zeros(batch, jnp.int32)), put(jnp.zeros((batch, 8), jnp.int32)), put(jnp.zeros(batch, jnp.int32)))
     fn = jax.jit(sharding.data_parallel(functools.partial(step, cfg=cfg, sparse=True, absorbed=True), mesh), donate_argnums=(3,))
     with jax.sharding.set_mesh(mesh):
@@ -42,8 +43,18 @@ def test_planner_cli_on_a_real_sized_config(tmp_path, capsys):
     from benchmarks.serve_gpu import GLM5
 
     (tmp_path / "config.json").write_text(json.dumps(GLM5))
-    assert plan.main(["--config", str(tmp_path), "--tp", "8", "--ep", "8", "--weights", "int4", "--hbm-gib", "80"]) == 0
-    out = capsys.readouterr().out
-    weights = float(next(line for line in out.splitlines() if "weights_gib_per_device" in line).split()[-1])
-    assert 45 < weights < 55  # GLM-5 INT4 is about 410 GB over 8 GPUs
+
+    def run(*flags: str) -> dict[str, float]:
+        assert plan.main(["--config", str(tmp_path), "--weights", "int4", "--hbm-gib", "80", *flags]) == 0
+        rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+        return {r[0]: float(r[-1].replace(",", "")) for r in rows if len(r) == 2}
+
+    tp8 = run("--tp", "8", "--ep", "8")
+    assert 45 < tp8["weights_gib_per_device"] < 55  # GLM-5 INT4 is about 410 GB over 8 GPUs
+    # dp attention on the same 8 GPUs: attention weights are replicated, but each GPU caches only
+    # its own group's sequences instead of a copy of everyone's, so the pool grows ~8x.
+    dp8 = run("--tp", "1", "--ep", "8", "--dp", "8", "--dp-attention")
+    assert dp8["devices"] == 8 and tp8["weights_gib_per_device"] < dp8["weights_gib_per_device"] < 70
+    assert dp8["cache_tokens_total"] > 4 * tp8["cache_tokens_total"]
     assert plan.main(["--config", str(tmp_path), "--tp", "3", "--ep", "2"]) == 2  # impossible layout: clear error
+    assert plan.main(["--config", str(tmp_path), "--ep", "4", "--dp", "8", "--dp-attention"]) == 2  # ep not a multiple of dp
