@@ -210,9 +210,8 @@ def wrap_op(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         if mesh is None:
             return fn(*args, **kwargs)
         call = functools.partial(_SHARDED[name], fn, _Axes(mesh)) if _auto_axes(mesh) else fn
-        if name == "moe_experts" and mesh.shape["edp"] > 1:
-            return _moe_over_edp(call, *args, **kwargs)
-        return call(*args, **kwargs)
+        across = _ACROSS_EDP.get(name) if mesh.shape["edp"] > 1 else None
+        return across(call, *args, **kwargs) if across else call(*args, **kwargs)
 
     return wrapped
 
@@ -299,6 +298,10 @@ def _moe_over_edp(call, x, ids, weights, experts, **kwargs):
     # float32 collective: XLA:CPU has no bf16 reduce-scatter, and the sum is exact in f32 anyway
     return jax.lax.psum_scatter(out.astype(jnp.float32), "edp", scatter_dimension=0, tiled=True).astype(x.dtype)
 
+
+# Ops whose operands differ per dp-attention group and must meet across the groups (the step is
+# manual over edp): each wraps the call that _SHARDED (or the plain op) makes inside one group.
+_ACROSS_EDP = {"moe_experts": _moe_over_edp}
 
 _SHARDED = {
     "sparse_mla": _sparse_mla,
