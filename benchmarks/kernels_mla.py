@@ -104,6 +104,8 @@ def _variants(shape: Shape, base: MlaConfig) -> dict[str, MlaConfig]:
             (other_name, other),
             (f"{other_name} splits*2", more(other, 2)),
             ("splits*4", more(base, 4)),
+            # B = 1: twice the programs, each walking half the rows (shorter dependent chain)
+            ("bn16 splits*2", more(r(block_n=16), 2)),
             # the split rule re-applied to 16 heads per program / to all heads (up to 64) per program
             ("bh16", _table_config(shape, block_h=16)),
             ("all_heads", _table_config(shape, block_h=min(64, max(16, shape.h)))),
