@@ -96,10 +96,14 @@ def _variants(shape: Shape, base: MlaConfig) -> dict[str, MlaConfig]:
     """Sweep candidates around the table's config, most promising first."""
     r = functools.partial(dataclasses.replace, base)
     other_name, other = ("bn64", r(block_n=64)) if base.block_n < 64 else ("bn32", r(block_n=32))
+    # 64 heads at 8 warps hold a 128 KiB f32 accumulator: 255 registers and local-memory spills
+    # (Nsight Compute, H100, H = 64 B = 32); 16 warps halve the registers per thread.
+    wide = [("warps16", r(num_warps=16))] if base.block_h >= 64 else []
     if shape.kind == "decode":
         more = lambda cfg, f: dataclasses.replace(cfg, splits=min(cfg.splits * f, TOPK // cfg.block_n))  # noqa: E731
         cands = [
             ("prefetch", r(prefetch=True)),
+            *wide,
             ("splits*2", more(base, 2)),
             (other_name, other),
             (f"{other_name} splits*2", more(other, 2)),
@@ -115,6 +119,7 @@ def _variants(shape: Shape, base: MlaConfig) -> dict[str, MlaConfig]:
     else:
         cands = [
             ("prefetch", r(prefetch=True)),
+            *wide,
             (other_name, other),
             ("stages3", r(num_stages=3)),
             ("bn16", r(block_n=16)),

@@ -11,9 +11,11 @@ Empty parts (lse = -inf) weigh 0; if everything is empty the output is 0 and the
 (or the sink). :func:`apply_sink` is the same formula for one part and is used in-kernel by
 sparse MLA when it needs no K split.
 
-Grid: ``(row_blocks, col_blocks)`` over the flattened ``[T*H, D]`` output. A program loads its
-rows' LSEs of all parts for the maximum, then the ``[block_rows, block_parts, block_d]`` output
-tile (all parts at once when n <= 64, else in chunks) and reduces over the parts axis. Loads are
+Grid: ``(row_blocks, col_blocks)`` over the flattened ``[T*H, D]`` output. When all parts fit
+one ``[block_rows, block_parts, block_d]`` tile (n <= 64, decode's K splits) a program loads its
+rows' LSEs and that tile together and reduces over the parts axis: one memory round trip, which
+is what B = 1 latency needs. More parts go in chunks: a pass over the LSEs for the maximum, then
+one over the tiles. Loads are
 masked at the row/part/column edges (explicit masks and ``other``, so JAX 0.11.2, which does not
 mask edge blocks, and 0.12 agree).
 """
@@ -64,25 +66,40 @@ def _merge_kernel(*refs, n_parts, n_rows, d, n_heads, has_sink, cfg):
         ok = row_ok[:, None] & (parts < n_parts)[None, :]
         return parts, ok, pltriton.load(lse_ref.at[parts[None, :], rows[:, None]], mask=ok, other=-jnp.inf)
 
-    n_chunks = pl.cdiv(n_parts, bp)
-    neg_inf = jnp.full((br,), -jnp.inf, jnp.float32)
-    m = lax.fori_loop(0, n_chunks, lambda c, m: jnp.maximum(m, jnp.max(chunk_lse(c)[2], axis=1)), neg_inf)
-    if has_sink:
-        sink = pltriton.load(sink_ref.at[rows % n_heads], mask=row_ok, other=-jnp.inf)
-        m = jnp.maximum(m, sink)
-    m = _finite_or_zero(m)
-
-    def accumulate(c, carry):
-        acc, den = carry
-        parts, ok, lse = chunk_lse(c)
-        w = jnp.exp(lse - m[:, None])  # [br, bp]; empty parts and padding weigh exp(-inf) = 0
+    def chunk_tile(parts, ok):  # [br, bp, bd] outputs of those parts
         mask = ok[:, :, None] if col_ok is None else ok[:, :, None] & col_ok[:, None, :]
         view = outs_ref.at[parts[None, :, None], rows[:, None, None], cols[None, None, :]]
-        tile = pltriton.load(view, mask=mask, other=0.0).astype(jnp.float32)  # [br, bp, bd]
+        return pltriton.load(view, mask=mask, other=0.0).astype(jnp.float32)
+
+    def weigh(lse, tile, m, acc, den):
+        w = jnp.exp(lse - m[:, None])  # [br, bp]; empty parts and padding weigh exp(-inf) = 0
         return acc + jnp.sum(w[:, :, None] * tile, axis=1), den + jnp.sum(w, axis=1)
 
+    def finite_max(lse_max):
+        if has_sink:
+            sink = pltriton.load(sink_ref.at[rows % n_heads], mask=row_ok, other=-jnp.inf)
+            return _finite_or_zero(jnp.maximum(lse_max, sink)), sink
+        return _finite_or_zero(lse_max), None
+
+    n_chunks = pl.cdiv(n_parts, bp)
     init = (jnp.zeros((br, bd), jnp.float32), jnp.zeros((br,), jnp.float32))
-    acc, den = lax.fori_loop(0, n_chunks, accumulate, init)
+    if n_chunks == 1:
+        # All parts in one tile (decode's usual case): the LSE and output loads are issued together,
+        # one memory round trip instead of two.
+        parts, ok, lse = chunk_lse(0)
+        tile = chunk_tile(parts, ok)
+        m, sink = finite_max(jnp.max(lse, axis=1))
+        acc, den = weigh(lse, tile, m, *init)
+    else:
+        neg_inf = jnp.full((br,), -jnp.inf, jnp.float32)
+        m = lax.fori_loop(0, n_chunks, lambda c, m: jnp.maximum(m, jnp.max(chunk_lse(c)[2], axis=1)), neg_inf)
+        m, sink = finite_max(m)
+
+        def accumulate(c, carry):
+            parts, ok, lse = chunk_lse(c)
+            return weigh(lse, chunk_tile(parts, ok), m, *carry)
+
+        acc, den = lax.fori_loop(0, n_chunks, accumulate, init)
     if has_sink:
         den = den + jnp.exp(sink - m)
     safe = jnp.where(den > 0, den, 1.0)

@@ -82,11 +82,14 @@ PARTIAL_FLOOR_BYTES = 4 << 20
 
 # (compute capability, H, T) -> measured best config with bf16 operands (H100, kernels_mla-sweep-h100.md).
 # The first three are what the rule gives; (90, 128, 32) is the one shape where 64-row steps lost.
+# (Sweeps of 2026-11-21; timed with synchronous calls, see benchmarks/harness.py.)
 TUNED: dict[tuple[int, int, int], MlaConfig] = {
     (90, 64, 32): MlaConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, splits=4),  # 129 vs 210 us
     (90, 128, 1024): MlaConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, splits=1),  # 2861 vs 3896 us
     (90, 64, 4096): MlaConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, splits=1),  # 5559 vs 7375 us
     (90, 128, 32): MlaConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, splits=2),  # 240 vs 267 us (bn64)
+    # 128 programs of 16 heads leave a wave of 132 SMs under-filled; two splits give 256
+    (90, 16, 128): MlaConfig(block_h=16, block_n=32, num_warps=8, num_stages=2, splits=2),  # 239 vs 331 us
 }
 
 # Shrink order when a tile does not fit: gather step, stages, head block.

@@ -102,7 +102,9 @@ def test_all_invalid_and_extreme_sinks():
 
 
 def test_tuning_rule_shapes(monkeypatch):
-    """The rule fills at most one wave when it splits, caps the partial bytes, keeps MMA-legal tiles."""
+    """The rule fills at most one wave when it splits, caps the partial bytes, keeps MMA-legal tiles
+    (measured TUNED exceptions aside)."""
+    monkeypatch.setattr(tuning, "TUNED", {})
     for cc in (0, 80, 90, 120):
         monkeypatch.setattr(tuning, "compute_capability", lambda cc=cc: cc)
         num_sms = tuning.TABLE.get(cc, tuning.DEFAULT).num_sms
