@@ -451,10 +451,11 @@ def run(ceilings: Mapping[str, float] | None = None, sections: Sequence[str] = S
     print(f"kernels_indexer: copy {copy_gbs:.0f} GB/s, mm {mm_tflops:.0f} TFLOP/s at {clock.elapsed():.0f}s")
     rate = {"copy_gbs": copy_gbs, "mm_tflops": mm_tflops}
     results: list[dict] = []
-    for name in SECTIONS:
-        if name in sections:
-            results += _SECTION_FNS[name](clock, rate)
-    _write_report(results, copy_gbs, mm_tflops, clock.elapsed())
+    todo = [name for name in SECTIONS if name in sections]
+    for i, name in enumerate(todo):
+        results += _SECTION_FNS[name](clock, rate)
+        # Rewritten after every section, so a run cut short by its time limit keeps its finished rows.
+        _write_report(results, copy_gbs, mm_tflops, clock.elapsed(), pending=todo[i + 1 :])
     return results
 
 
@@ -482,17 +483,20 @@ COLUMNS = (
 )
 
 
-def _write_report(results: list[dict], copy_gbs: float, mm_tflops: float, elapsed: float) -> None:
+def _write_report(results: list[dict], copy_gbs: float, mm_tflops: float, elapsed: float, pending: Sequence[str]) -> None:
+    table = harness.markdown_table(results, COLUMNS)
     lines = [
         *harness.report_header(f"Indexer logits and top-k kernels on {harness.device_header()['device']}", harness.ceiling_rows(copy_gbs, mm_tflops, elapsed)),
         "Method: see the docstring of `benchmarks/kernels_indexer.py`. `vs anchor` = anchor us / us",
         "(> 1: faster than the anchors' best peer). `(best)` marks the fastest Pallas config per shape.",
+        *([f"Sections still to run when this was written: {', '.join(pending)}."] if pending else []),
         "",
-        harness.markdown_table(results, COLUMNS),
+        table,
         "",
     ]
     out = harness.write_result("kernels_indexer", "\n".join(lines))
-    print(harness.markdown_table(results, COLUMNS))
+    if not pending:
+        print(table)
     print(f"kernels_indexer: wrote {out}")
 
 

@@ -10,6 +10,8 @@ and warms up outside the range, then runs once inside ``cuProfilerStart``/``cuPr
 
 Without ncu it prints each case's kernel time from the harness's method, so a run can be
 checked before it is profiled. Shapes are the benchmark scripts' (anchor shapes, bf16).
+``--summarize NCU_LOG`` turns the saved ncu output into one markdown row per kernel (case,
+duration, registers, spills, occupancy, throughputs, issue stalls).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
+import pathlib
+import re
 from typing import Callable
 
 import jax
@@ -88,10 +92,59 @@ def _profiler(name: str) -> Callable[[], None]:
     return lambda: fn()
 
 
+# ncu details-page metric name -> summary column
+_METRICS = {
+    "Duration": "duration",
+    "Registers Per Thread": "regs",
+    "Local Memory Spilling Requests": "spill requests",
+    "Dynamic Shared Memory Per Block": "smem/block",
+    "Theoretical Occupancy": "occupancy % (theor.)",
+    "Achieved Occupancy": "occupancy % (achieved)",
+    "DRAM Throughput": "DRAM % of peak",
+    "Compute (SM) Throughput": "SM % of peak",
+    "Warp Cycles Per Issued Instruction": "cycles / issue",
+}
+_KERNEL = re.compile(r"^  (\S.*) \((\d+, \d+, \d+)\)x\((\d+), \d+, \d+\), Context ")
+_METRIC = re.compile(r"^    (\S.*?)\s{2,}(\S+(?:/\S+)?)?\s+([\d,.]+)$")
+_CASE = re.compile(r"^profile_kernels: (\S+):")
+_PROFILING = re.compile(r'^==PROF== Profiling "')
+
+
+def summarize(log: str) -> list[dict]:
+    """One row per profiled kernel of an ncu text log written by this script."""
+    lines = log.splitlines()
+    case_of, launched = [], 0  # case name of each profiled launch, in order
+    for line in lines:
+        if _PROFILING.match(line):
+            launched += 1
+        elif m := _CASE.match(line):
+            case_of += [m.group(1)] * (launched - len(case_of))
+    rows: list[dict] = []
+    for line in lines:
+        if m := _KERNEL.match(line):
+            name = re.sub(r"^void |<.*$|\(.*$", "", m.group(1))  # C++ kernels: drop templates and arguments
+            rows.append({"case": case_of[len(rows)] if len(rows) < len(case_of) else "?", "kernel": name,
+                         "grid": m.group(2).replace(" ", ""), "threads": int(m.group(3))})
+        elif rows and (m := _METRIC.match(line)) and m.group(1) in _METRICS:
+            unit, value = m.group(2) or "", m.group(3).replace(",", "")
+            key = _METRICS[m.group(1)]
+            if key in rows[-1]:
+                continue  # the same metric printed by two sections
+            rows[-1][key] = f"{value} {unit}".strip() if unit and unit not in ("%", "register/thread", "cycle") else value
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("cases", nargs="+", choices=sorted(CASES))
+    p.add_argument("cases", nargs="*", choices=sorted(CASES))
+    p.add_argument("--summarize", metavar="NCU_LOG", help="print a markdown summary of a saved ncu log and exit")
     args = p.parse_args(argv)
+    if args.summarize:
+        rows = summarize(pathlib.Path(args.summarize).read_text())
+        print(harness.markdown_table(rows, ["case", "kernel", "grid", "threads", *_METRICS.values()]))
+        return
+    if not args.cases:
+        p.error("name at least one case (or --summarize NCU_LOG)")
     start, stop = _profiler("cuProfilerStart"), _profiler("cuProfilerStop")
     for name in args.cases:
         fn, inputs = CASES[name]()
