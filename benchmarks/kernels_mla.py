@@ -85,7 +85,8 @@ SHAPES = [Shape("decode", b, h, DECODE_POOL) for h in (16, 64, 128) for b in (1,
 
 
 def _describe(cfg: MlaConfig) -> str:
-    return f"bh{cfg.block_h} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} splits{cfg.splits}" + (" prefetch" if cfg.prefetch else "")
+    flags = (" prefetch" if cfg.prefetch else "") + (" bf16-partials" if cfg.narrow_partials else "")
+    return f"bh{cfg.block_h} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} splits{cfg.splits}{flags}"
 
 
 def _table_config(shape: Shape, block_h: int | None = None) -> MlaConfig:
@@ -102,6 +103,8 @@ def _variants(shape: Shape, base: MlaConfig) -> dict[str, MlaConfig]:
     if shape.kind == "decode":
         more = lambda cfg, f: dataclasses.replace(cfg, splits=min(cfg.splits * f, TOPK // cfg.block_n))  # noqa: E731
         cands = [
+            # B = 1 writes and merges as many partial bytes as it gathers (H = 64: 4 MB of float32)
+            *([("bf16 partials", r(narrow_partials=True))] if base.splits > 1 and shape.t == 1 else []),
             ("prefetch", r(prefetch=True)),
             *wide,
             ("splits*2", more(base, 2)),

@@ -18,8 +18,9 @@ run side by side (the second read of a row hits L2). Each program:
    traffic; duplicates are just two rows), ``S = q.r^T`` (f32 accumulate), online softmax,
    ``acc += P.r[:, :Dv]``;
 3. with one split, normalises, folds in the sink and writes ``out``/``lse``; with several, writes
-   float32 ``(out, lse)`` partials that :func:`pallas_kernels.merge_states.kernel.merge_states`
-   combines (the sink joins there, once).
+   ``(out, lse)`` partials (outputs in float32, or in the query dtype with ``narrow_partials``:
+   half the bytes written and merged at B = 1, where they rival the gathered rows) that
+   :func:`pallas_kernels.merge_states.kernel.merge_states` combines (the sink joins there, once).
 
 Split count, head block and tile sizes come from :mod:`.tuning` (per compute capability and
 operand dtype: float32 tiles are sized to fit the same shared memory as bf16 ones).
@@ -199,7 +200,7 @@ def sparse_mla(
     g = _Geometry(h, k, n, v_dim, d - v_dim, chunk, cfg.block_h, cfg.block_n, cfg.prefetch)
 
     has_sink = sink is not None and splits == 1
-    part_dtype = q.dtype if splits == 1 else jnp.float32
+    part_dtype = q.dtype if splits == 1 or cfg.narrow_partials else jnp.float32
     in_specs = [
         pl.BlockSpec((None, k), lambda hg, s, i: (i, 0)),
         pl.BlockSpec((None, h, d), lambda hg, s, i: (i, 0, 0)),

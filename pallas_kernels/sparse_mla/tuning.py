@@ -53,6 +53,7 @@ class MlaConfig:
     num_stages: int
     splits: int  # K splits per query (1 = no merge)
     prefetch: bool = False  # carry the next step's indices through the loop (A/B in benchmarks/kernels_mla.py)
+    narrow_partials: bool = False  # K-split partial outputs in the query dtype, not float32 (A/B as above)
 
 
 @dataclasses.dataclass(frozen=True)
