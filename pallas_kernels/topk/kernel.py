@@ -9,9 +9,11 @@ for a radix histogram):
    ``kk = min(k, #finite)`` largest keys by MSB-first bisection on the key bits: each probe is a
    compare-and-count over the registers (a block reduction, no memory traffic), at most 32 probes,
    and the search stops as soon as a probe has exactly ``kk`` keys at or above it (usual for
-   tie-free data, well before the last bit). The keys above the cutoff plus the first
-   ``kk - #above`` keys equal to it are compacted with two prefix sums and written, so the cost is
-   one read of the chunk plus register work.
+   tie-free data, well before the last bit). ``TopkConfig(search="secant")`` finds the same
+   cutoff by false position on the values instead: about half the probes on normal-like rows,
+   and each probe is a block reduction, which bounds this kernel on H100. The keys above the
+   cutoff plus the first ``kk - #above`` keys equal to it are compacted with two prefix sums and
+   written, so the cost is one read of the chunk plus register work.
 3. A row longer than one chunk is reduced in stages: each chunk writes its own top k (keys and
    original indices), which contains the row's top k (a key above the row's cutoff is above its
    chunk's cutoff, and a chunk holding the row's cutoff value keeps at least as many of those ties
@@ -36,6 +38,7 @@ from pallas_kernels._triton import compiler_params, pl, pltriton
 from pallas_kernels.topk import ref, tuning
 
 _INT32_MIN = -(2**31)
+_INT32_MAX = 2**31 - 1
 
 
 @functools.partial(jax.jit, static_argnames=("k", "interpret", "config"))
@@ -69,7 +72,9 @@ def _select(keys, idx, k: int, chunk: int, cfg: tuning.TopkConfig, *, final: boo
     if not final:
         out_shape.insert(0, jax.ShapeDtypeStruct((T, width), jnp.int32))
     inputs = (keys,) if idx is None else (keys, idx)
-    kernel = functools.partial(_select_kernel, n=n, k=k, chunk=chunk, first=idx is None, final=final)
+    kernel = functools.partial(
+        _select_kernel, n=n, k=k, chunk=chunk, first=idx is None, final=final, secant=cfg.search == "secant"
+    )
     return pl.pallas_call(
         kernel,
         out_shape=tuple(out_shape),
@@ -80,7 +85,7 @@ def _select(keys, idx, k: int, chunk: int, cfg: tuning.TopkConfig, *, final: boo
     )(*inputs)
 
 
-def _select_kernel(*refs, n: int, k: int, chunk: int, first: bool, final: bool) -> None:
+def _select_kernel(*refs, n: int, k: int, chunk: int, first: bool, final: bool, secant: bool) -> None:
     in_refs, out_refs = (refs[:1], refs[1:]) if first else (refs[:2], refs[2:])
     row = pl.program_id(0)
     start = pl.program_id(1) * chunk
@@ -95,7 +100,7 @@ def _select_kernel(*refs, n: int, k: int, chunk: int, first: bool, final: bool) 
 
     valid = key > _INT32_MIN
     kk = jnp.minimum(k, jnp.sum(valid.astype(jnp.int32)))
-    cutoff = _cutoff(key, kk)
+    cutoff = _cutoff_secant(key, valid, kk) if secant else _cutoff(key, kk)
     above = valid & (key > cutoff)
     tie = (valid & (key == cutoff)).astype(jnp.int32)
     need = kk - jnp.sum(above.astype(jnp.int32))
@@ -142,3 +147,54 @@ def _cutoff(key: jax.Array, kk) -> jax.Array:
     # Constant initial carries: the Triton while lowering fails (AssertionError in _add) on a carry
     # initialised by a scalar jnp.where.
     return lax.while_loop(cond, body, (jnp.int32(31), jnp.int32(_INT32_MIN), jnp.int32(-1)))[1]
+
+
+def _key_value(key: jax.Array) -> jax.Array:
+    """Inverse of :func:`_ordered_key` on finite keys (the bit flip is its own inverse)."""
+    return lax.bitcast_convert_type(key ^ ((key >> 31) & 0x7FFFFFFF), jnp.float32)
+
+
+def _cutoff_secant(key: jax.Array, valid: jax.Array, kk) -> jax.Array:
+    """The same cutoff as :func:`_cutoff`, found by false position on the values.
+
+    Invariant: ``count(key >= lo) >= kk > count(key >= hi)``, starting from the smallest valid
+    key and one past the largest. Each probe is placed where the line through the two counts
+    reaches ``kk`` in value space, and is clamped strictly inside ``(lo, hi)``. When one end is
+    kept twice in a row its weight is halved (Illinois), so the other end keeps moving. After two
+    probes that fail to halve the count gap, the next probe bisects the key interval. The search
+    ends on a probe with exactly ``kk`` keys at or above it, or when ``hi = lo + 1``. Then ``lo``
+    is the kk-th largest key, as in the bisection.
+    """
+    f32, i32 = jnp.float32, jnp.int32
+    lo = jnp.min(jnp.where(valid, key, _INT32_MAX))
+    hi = jnp.max(key) + 1
+    c_lo = jnp.sum(valid.astype(i32))
+
+    def cond(s):
+        lo, hi, c_lo, *_ = s
+        return (c_lo != kk) & (hi - 1 > lo)
+
+    def body(s):
+        lo, hi, c_lo, c_hi, w_lo, w_hi, side, slow = s
+        a = (c_lo - kk).astype(f32) * w_lo  # |count - kk| at each end, as weighted
+        b = (kk - c_hi).astype(f32) * w_hi
+        frac = b / (a + b)  # where the line through both ends reaches kk, measured from hi
+        # hi - 1 is a valid key (hi itself may be +inf's bit pattern); every key in between is finite.
+        v = _key_value(hi - 1) * (1.0 - frac) + _key_value(lo) * frac
+        interp = _ordered_key(v)
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without int32 overflow
+        probe = jnp.clip(jnp.where(slow >= 2, mid, interp), lo + 1, hi - 1)
+        count = jnp.sum((key >= probe).astype(i32))
+        up = count >= kk  # the probe becomes the new lo (an exact hit also ends the loop there)
+        gap = c_lo - c_hi
+        new_lo, new_c_lo = jnp.where(up, probe, lo), jnp.where(up, count, c_lo)
+        new_hi, new_c_hi = jnp.where(up, hi, probe), jnp.where(up, c_hi, count)
+        new_side = jnp.where(up, 1, -1)
+        # Illinois: an end kept a second time in a row counts half, pulling the next probe towards it.
+        w_hi = jnp.where(up, jnp.where(side == 1, w_hi * 0.5, 1.0), 1.0)
+        w_lo = jnp.where(up, 1.0, jnp.where(side == -1, w_lo * 0.5, 1.0))
+        slow = jnp.where(slow >= 2, 0, jnp.where(2 * (new_c_lo - new_c_hi) > gap, slow + 1, 0))
+        return new_lo, new_hi, new_c_lo, new_c_hi, w_lo, w_hi, new_side, slow
+
+    init = (lo, hi, c_lo, jnp.int32(0), jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0), jnp.int32(0))
+    return lax.while_loop(cond, body, init)[0]

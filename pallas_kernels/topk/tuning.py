@@ -21,6 +21,11 @@ MAX_WARPS = 16
 class TopkConfig:
     chunk: int = 8192
     elems_per_thread: int = 32
+    # How a program finds its cutoff: "bisect" (MSB-first on the key bits, <= 32 counts) or
+    # "secant" (false position on the values, Illinois-weighted, with a bisection step after two
+    # slow ones: about 10 counts plus two for the bounds on normal-like rows, up to ~3x32 on
+    # adversarial ones). Each count is a block reduction, the top-k kernel's bottleneck on H100.
+    search: str = "bisect"
 
     def num_warps(self, chunk: int) -> int:
         """Warps for a program holding ``chunk`` keys (a final stage may use a smaller chunk)."""

@@ -117,9 +117,47 @@ def test_large_k_on_long_rows_falls_back_to_lax_top_k():
 # --- CUDA lowering at production shapes (no GPU needed) ------------------------------------
 
 
+@pytest.mark.parametrize("search", ["bisect", "secant"])
 @pytest.mark.parametrize("target", ["sm_80", "sm_90", "sm_120"])
-def test_lowers_for_cuda(target):
+def test_lowers_for_cuda(target, search):
     """Decode [32, 8192] (one stage) and prefill [4096, 131072] (candidate stages + final)."""
+    config = TopkConfig(search=search)
     for shape in ((32, 8192), (4096, 131072)):
-        text = lower_for_cuda(kernel.topk_indices, jax.ShapeDtypeStruct(shape, jnp.float32), target=target, k=2048)
+        spec = jax.ShapeDtypeStruct(shape, jnp.float32)
+        text = lower_for_cuda(kernel.topk_indices, spec, target=target, k=2048, config=config)
         assert "__gpu$xla.gpu.triton" in text
+
+
+SECANT = TopkConfig(chunk=256, elems_per_thread=4, search="secant")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda rng: _random_rows(rng, 5, 2000),  # distinct values, ragged -inf tails, an empty row
+        lambda rng: rng.standard_exponential((4, 1500)).astype(np.float32) ** 4,  # heavy tail
+        lambda rng: np.concatenate([rng.standard_normal((3, 900)), np.full((3, 100), 3e38)], 1).astype(np.float32),
+    ],
+    ids=["normal_ragged", "heavy_tail", "near_float_max"],
+)
+def test_secant_search_selects_the_same_set(make):
+    """False position on the values finds the same cutoff as bisection (multi-stage rows, k = 64)."""
+    rng = np.random.default_rng(11)
+    x = make(rng)
+    got = _select(x, 64, SECANT)
+    values = _check_valid(got, x, 64)
+    want = np.asarray(ref.topk_indices(jnp.asarray(x), 64))
+    for row, v, w in zip(x, values, want):
+        np.testing.assert_array_equal(v, np.sort(row[w[w >= 0]]))
+
+
+def test_secant_search_with_ties_and_signed_zeros():
+    rng = np.random.default_rng(12)
+    x = rng.integers(-3, 4, (4, 1500)).astype(np.float32)
+    x[1, ::2] = -0.0
+    x[2, 60:] = -np.inf
+    x[3, :] = 1.0  # one value only: every probe ties
+    got = _select(x, 100, SECANT)
+    want = np.asarray(ref.topk_indices(jnp.asarray(x), 100))
+    for row, values, w in zip(x, _check_valid(got, x, 100), want):
+        np.testing.assert_array_equal(values, np.sort(row[w[w >= 0]]))
