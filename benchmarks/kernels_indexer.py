@@ -101,7 +101,7 @@ TILE_VARIANTS = {
     "t64s256w8": ituning.TileConfig(block_t=64, block_s=256, num_warps=8, num_stages=3),
 }
 TOPK_VARIANTS = {
-    # false-position cutoff search: ~10 block counts instead of ~19 on normal-like rows (simulated)
+    # false-position cutoff search: 10.5 block counts instead of 19 on normal rows (benchmarks/topk_probes.py)
     "c8192e32 secant": ttuning.TopkConfig(chunk=8192, elems_per_thread=32, search="secant"),
     "c8192e16 secant": ttuning.TopkConfig(chunk=8192, elems_per_thread=16, search="secant"),
     "c16384e32 secant": ttuning.TopkConfig(chunk=16384, elems_per_thread=32, search="secant"),

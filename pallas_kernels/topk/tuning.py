@@ -21,10 +21,11 @@ MAX_WARPS = 16
 class TopkConfig:
     chunk: int = 8192
     elems_per_thread: int = 32
-    # How a program finds its cutoff: "bisect" (MSB-first on the key bits, <= 32 counts) or
-    # "secant" (false position on the values, Illinois-weighted, with a bisection step after two
-    # slow ones: about 10 counts plus two for the bounds on normal-like rows, up to ~3x32 on
-    # adversarial ones). Each count is a block reduction, the top-k kernel's bottleneck on H100.
+    # How a program finds its cutoff: "bisect" (MSB-first on the key bits, <= 32 counts; 19 on
+    # normal rows of 8192) or "secant" (false position on the values, Illinois-weighted, with a
+    # bisection step after two slow ones: 10.5 counts on normal rows, 25 mean and 80 worst on rows
+    # of 50 distinct values; `python -m benchmarks.topk_probes`). Each count is a block reduction,
+    # the top-k kernel's bottleneck on H100. Untimed on a GPU so far, so the table keeps "bisect".
     search: str = "bisect"
 
     def num_warps(self, chunk: int) -> int:
