@@ -82,6 +82,9 @@ class ModelRunner:
         self.cache = cache
 
     def _place(self, tree):
+        """A step's host inputs as the step takes them: numpy straight into jit on one device (its
+        dispatch transfers them), laid out over the dp groups on a mesh. Never via a device array
+        first, which would cost a device-to-host copy per input before the mesh put."""
         if self.mesh is None:
             return tree
         return sharding.put(tree, self.mesh, sharding.batch_spec())
@@ -107,16 +110,16 @@ class ModelRunner:
             return out.reshape(-1)
 
         table = self.page_table if sparse else self.page_table[:, : self.dense_pages]
-        meta = StepMeta(jnp.asarray(flat("seq_ids", T, -1)), jnp.asarray(table), jnp.asarray(flat("logits_at", R, 0)))
+        meta = StepMeta(flat("seq_ids", T, -1), np.array(table), flat("logits_at", R, 0))
         args = (
-            jnp.asarray(flat("tokens", T, 0)),
-            jnp.asarray(flat("positions", T, 0)),
+            flat("tokens", T, 0),
+            flat("positions", T, 0),
             meta,
-            jnp.asarray(sampling(0, 0, np.float32)),
-            jnp.asarray(sampling(1, 1, np.float32)),
-            jnp.asarray(sampling(2, 0, np.int32)),
-            jnp.asarray(sampling(3, 0, np.int32)),
-            jnp.asarray(sampling(4, 0, np.int32)),
+            sampling(0, 0, np.float32),
+            sampling(1, 1, np.float32),
+            sampling(2, 0, np.int32),
+            sampling(3, 0, np.int32),
+            sampling(4, 0, np.int32),
         )
         tokens, positions, meta, *rest = self._place(args)
         fn = _compiled(self.cfg, sparse, with_logits, self.mesh)
