@@ -15,9 +15,8 @@ Grid: ``(row_blocks, col_blocks)`` over the flattened ``[T*H, D]`` output. When 
 one ``[block_rows, block_parts, block_d]`` tile (n <= 64, decode's K splits) a program loads its
 rows' LSEs and that tile together and reduces over the parts axis: one memory round trip, which
 is what B = 1 latency needs. More parts go in chunks: a pass over the LSEs for the maximum, then
-one over the tiles. Loads are
-masked at the row/part/column edges (explicit masks and ``other``, so JAX 0.11.2, which does not
-mask edge blocks, and 0.12 agree).
+one over the tiles. Loads are masked at the row/part/column edges (explicit masks and ``other``,
+so JAX 0.11.2, which does not mask edge blocks, and 0.12 agree).
 """
 
 from __future__ import annotations
