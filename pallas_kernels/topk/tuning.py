@@ -15,6 +15,7 @@ import dataclasses
 from pallas_kernels._triton import compute_capability
 
 MAX_WARPS = 16
+SEARCHES = ("bisect", "secant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,10 @@ class TopkConfig:
     # of 50 distinct values; `python -m benchmarks.topk_probes`). Each count is a block reduction,
     # the top-k kernel's bottleneck on H100. Untimed on a GPU so far, so the table keeps "bisect".
     search: str = "bisect"
+
+    def __post_init__(self) -> None:
+        if self.search not in SEARCHES:  # the kernel would otherwise fall back to bisection silently
+            raise ValueError(f"TopkConfig.search {self.search!r}: choose one of {SEARCHES}")
 
     def num_warps(self, chunk: int) -> int:
         """Warps for a program holding ``chunk`` keys (a final stage may use a smaller chunk)."""

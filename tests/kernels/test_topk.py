@@ -151,6 +151,11 @@ def test_secant_search_selects_the_same_set(make):
         np.testing.assert_array_equal(v, np.sort(row[w[w >= 0]]))
 
 
+def test_unknown_search_is_an_error():
+    with pytest.raises(ValueError, match="secant"):
+        TopkConfig(search="secnt")
+
+
 def test_secant_search_with_ties_and_signed_zeros():
     rng = np.random.default_rng(12)
     x = rng.integers(-3, 4, (4, 1500)).astype(np.float32)
