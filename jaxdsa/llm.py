@@ -49,6 +49,7 @@ class LLM:
     ``tp`` / ``ep`` / ``dp``: tensor, expert and data parallelism over the local devices
     (see :mod:`jaxdsa.sharding`); ``dp_attention``: the dp groups share the experts (``ep``
     counts the shards over all of them). Weights load straight into their sharded layout.
+    ``max_logprobs``: the most top logprobs a request served by :attr:`engine` may ask for.
     """
 
     def __init__(
@@ -65,6 +66,7 @@ class LLM:
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
         num_pages: int | None = None,
+        max_logprobs: int = 20,
         seed: int = 0,
         load_format: str = "safetensors",
         progress: bool = True,
@@ -95,6 +97,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             page_size=page_size,
             num_pages=num_pages,
+            max_logprobs=max_logprobs,
             seed=seed,
         )
         self._engine: Engine | None = None

@@ -24,6 +24,7 @@ from jaxdsa.engine import SamplingParams
 from serve.chat_format import ChatFormat, ChatPrompt, ChatTemplateError
 from serve.errors import ApiError, install_error_handlers
 from serve.generation import ClientDisconnected, GenerateFn, Generation, unless_disconnected
+from serve.logprobs import LogprobsFormatter
 from serve.metrics import CONTENT_TYPE, Metrics
 from serve.output import ReplyDelta, ReplyParser, TextOutput
 from serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice, TokenizeRequest
@@ -51,6 +52,7 @@ class ServingContext:
     enable_auto_tool_choice: bool = False
     default_sampling: dict[str, Any] = dataclasses.field(default_factory=dict)  # from generation_config.json
     api_key: str | None = None
+    max_logprobs: int = 20  # the engine's limit on top logprobs per token
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -95,6 +97,9 @@ def create_app(ctx: ServingContext) -> FastAPI:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        logprobs, logprobs_param = body.logprobs_request()
+        if logprobs is not None and logprobs > ctx.max_logprobs:
+            raise ApiError(400, f"{logprobs_param} {logprobs} is above this server's --max-logprobs {ctx.max_logprobs}", param=logprobs_param)
         d = ctx.default_sampling
         top_k = body.top_k if body.top_k is not None else d.get("top_k", 0)
         return SamplingParams(
@@ -105,6 +110,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
             seed=body.seed,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
         )
 
     def text_output(body: ChatCompletionRequest | CompletionRequest, sp: SamplingParams, keep: tuple[str, ...] = ()) -> TextOutput:
@@ -179,7 +185,10 @@ def create_app(ctx: ServingContext) -> FastAPI:
             if not body.stream:
                 for g in gens:
                     await g.close()
-        choices = [{"index": i, "text": t, "finish_reason": g.finish_reason, "logprobs": None} for i, (g, t) in enumerate(zip(gens, texts))]
+        choices = [
+            {"index": i, "text": t, "finish_reason": g.finish_reason, "logprobs": _completion_logprobs(g, LogprobsFormatter(ctx.tokenizer))}
+            for i, (g, t) in enumerate(zip(gens, texts))
+        ]
         return JSONResponse(
             {"id": request_id, "object": "text_completion", "created": created, "model": name, "choices": choices, "usage": _usage(gens)}
         )
@@ -189,13 +198,15 @@ def create_app(ctx: ServingContext) -> FastAPI:
             usage = {"usage": None} if include_usage else {}
             return _sse({"id": request_id, "object": "text_completion", "created": created, "model": name, "choices": choices, **usage, **extra})
 
+        formatters = [LogprobsFormatter(ctx.tokenizer) for _ in gens]
         try:
             async for i, text in _interleave([g.deltas() for g in gens]):
                 g = gens[i]
+                logprobs = _completion_logprobs(g, formatters[i])
                 if text is None:
-                    yield chunk([{"index": i, "text": "", "finish_reason": g.finish_reason, "logprobs": None}])
+                    yield chunk([{"index": i, "text": "", "finish_reason": g.finish_reason, "logprobs": logprobs}])
                 else:
-                    yield chunk([{"index": i, "text": text, "finish_reason": None, "logprobs": None}])
+                    yield chunk([{"index": i, "text": text, "finish_reason": None, "logprobs": logprobs}])
             if include_usage:
                 yield chunk([], usage=_usage(gens))
         except ApiError as e:
@@ -237,14 +248,20 @@ def create_app(ctx: ServingContext) -> FastAPI:
         if reply.tool_calls:
             message["tool_calls"] = [c.to_openai() for c in reply.tool_calls]
             message["content"] = reply.content or None
-        choice = {"index": 0, "message": message, "finish_reason": _chat_finish_reason(gen, parser), "logprobs": None}
+        logprobs = LogprobsFormatter(ctx.tokenizer).chat(gen.take_logprobs()) if sp.logprobs is not None else None
+        choice = {"index": 0, "message": message, "finish_reason": _chat_finish_reason(gen, parser), "logprobs": logprobs}
         return JSONResponse(
             {"id": request_id, "object": "chat.completion", "created": created, "model": name, "choices": [choice], "usage": gen.usage}
         )
 
     async def _chat_stream(gen: Generation, parser: ReplyParser, request_id: str, name: str, created: int, include_usage: bool) -> AsyncIterator[str]:
+        formatter = LogprobsFormatter(ctx.tokenizer) if gen.sampling.logprobs is not None else None
+
         def chunk(delta: dict[str, Any] | None, finish_reason: str | None = None, **extra: Any) -> str:
-            choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+            # Each content chunk carries the logprobs of the tokens read since the previous one.
+            new = gen.take_logprobs() if formatter and delta is not None and "role" not in delta else []
+            logprobs = formatter.chat(new) if new else None
+            choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
             usage = {"usage": None} if include_usage else {}
             return _sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": name, "choices": choices, **usage, **extra})
 
@@ -290,6 +307,11 @@ def _tool_choice(body: ChatCompletionRequest, ctx: ServingContext) -> str:
 
 def _chat_finish_reason(gen: Generation, parser: ReplyParser) -> str | None:
     return "tool_calls" if parser.num_tool_calls and gen.finish_reason == "stop" else gen.finish_reason
+
+
+def _completion_logprobs(gen: Generation, formatter: LogprobsFormatter) -> dict[str, Any] | None:
+    """The legacy logprobs of the tokens read since the last call, or None when not asked for."""
+    return formatter.completion(gen.take_logprobs()) if gen.sampling.logprobs is not None else None
 
 
 def _usage(gens: list[Generation]) -> dict[str, int]:

@@ -49,6 +49,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--num-pages", type=int, help="cache pages (default: from device memory)")
     g.add_argument("--max-queue-len", type=int, default=256, help="requests waiting beyond --max-num-seqs before new ones get HTTP 429")
     g.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto", help="auto: float32 checkpoints in float32, else bfloat16")
+    g.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs a request may ask for per token")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that give none (and for --load-format dummy)")
     g.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors", help="dummy: random weights of the config's shapes, made on the device (benchmarks)")
     g.add_argument("--no-warmup", action="store_true", help="compile step shapes on first use instead of at startup")
@@ -110,6 +111,8 @@ def _check_flags(args: argparse.Namespace) -> dict[str, int | bool]:
             raise StartupError(f"--{flag.replace('_', '-')} must be >= 1")
     if args.max_queue_len < 0:
         raise StartupError("--max-queue-len must be >= 0")
+    if args.max_logprobs < 0:
+        raise StartupError("--max-logprobs must be >= 0")
     return {"tp": args.tensor_parallel_size, "ep": args.expert_parallel_size, "dp": args.data_parallel_size,
             "dp_attention": args.enable_dp_attention}
 
@@ -144,6 +147,7 @@ def build(args: argparse.Namespace) -> Server:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             num_pages=args.num_pages,
+            max_logprobs=args.max_logprobs,
             seed=args.seed,
             load_format=args.load_format,
             **parallel,
@@ -174,6 +178,7 @@ def build(args: argparse.Namespace) -> Server:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         default_sampling=defaults,
         api_key=args.api_key,
+        max_logprobs=args.max_logprobs,
     )
     return Server(create_app(context), aengine, context)
 

@@ -15,7 +15,7 @@ from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 
-from jaxdsa.engine import EngineDeadError, QueueFullError, RequestOutput, SamplingParams
+from jaxdsa.engine import EngineDeadError, QueueFullError, RequestOutput, SamplingParams, TokenLogprobs
 from serve.errors import ApiError
 from serve.metrics import Metrics
 from serve.output import TextOutput
@@ -45,6 +45,7 @@ class Generation:
     num_output_tokens: int = 0
     _stream: AsyncIterator[RequestOutput] | None = dataclasses.field(default=None, init=False, repr=False)
     _first: RequestOutput | None = dataclasses.field(default=None, init=False, repr=False)
+    _logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list, init=False, repr=False)
 
     async def start(self) -> None:
         self._stream = self.generate(self.request_id, self.prompt_ids, self.sampling)
@@ -60,6 +61,7 @@ class Generation:
         out = self._first
         try:
             while True:
+                self._logprobs += out.logprobs or ()
                 delta = self.text.push(out)
                 self.num_output_tokens = out.num_output_tokens
                 if self.text.stopped or out.finished:
@@ -76,6 +78,11 @@ class Generation:
             await self.close()
         self.metrics.e2e_latency.observe(time.monotonic() - self.arrival)
         self.metrics.requests.labels(self.finish_reason).inc()
+
+    def take_logprobs(self) -> list[TokenLogprobs]:
+        """Logprobs of the tokens read since the last call (empty unless the request asked)."""
+        taken, self._logprobs = self._logprobs, []
+        return taken
 
     async def close(self) -> None:
         """Abort the request if it is still running (idempotent)."""

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI endpoints (plus vLLM's sampling extensions), validated by pydantic.
 
 Unknown fields are ignored, as OpenAI-compatible servers do. Fields the engine cannot honour
-(logprobs, penalties, n > 1, ...) are rejected with a 400 naming the field rather than being
-silently ignored, because ignoring them would change what the client gets without telling it.
+(penalties, n > 1, prompt logprobs through ``echo``, ...) are rejected with a 400 naming the
+field rather than being silently ignored, because ignoring them would change what the client
+gets without telling it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 # field -> the values that mean "off"; anything else is unsupported.
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1),
@@ -51,8 +50,6 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
 
-    logprobs: Any = None
-    top_logprobs: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
     repetition_penalty: Any = None
@@ -99,6 +96,11 @@ class _GenerationRequest(BaseModel):
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0)  # the legacy shape: how many top tokens per position
+
+    def logprobs_request(self) -> tuple[int | None, str]:
+        """(top tokens per position, or None for no logprobs; the field that asked)."""
+        return self.logprobs, "logprobs"
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -206,6 +208,19 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     response_format: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs to be true")
+        return value
+
+    def logprobs_request(self) -> tuple[int | None, str]:
+        """(top tokens per position, or None for no logprobs; the field that asked)."""
+        return (self.top_logprobs or 0) if self.logprobs else None, "top_logprobs"
 
     @field_validator("response_format")
     @classmethod

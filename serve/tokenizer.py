@@ -7,11 +7,13 @@ the incremental detokenizer used for streaming.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any, Iterable
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders
 
 # The special-token attributes HF passes to chat templates (``special_tokens_map``).
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -46,7 +48,13 @@ class Tokenizer:
         }
         extra = [t for t in map(_token_text, self.config.get("additional_special_tokens") or []) if t]
         self.special_tokens_map["additional_special_tokens"] = extra
-        self.special_ids = frozenset(i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special)
+        added = self._tok.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, tok in added.items() if tok.special)
+        self._added_ids = frozenset(added)
+        self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
+        # Per-instance caches: logprobs look the same few thousand tokens up again and again.
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
+        self.token_bytes = functools.lru_cache(maxsize=1 << 16)(self._token_bytes)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
@@ -58,6 +66,23 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def _token_text(self, token_id: int) -> str:
+        """One token decoded on its own (as vLLM reports logprob tokens): part of a multi-byte
+        character decodes to U+FFFD; :meth:`token_bytes` has the exact bytes."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes a token stands for (OpenAI's logprob ``bytes``).
+
+        Byte-level BPE vocabularies (GLM, DeepSeek) spell each byte as one printable character;
+        that spelling is undone here. Added tokens are their text; other vocabularies fall back to
+        the UTF-8 of :meth:`token_text`.
+        """
+        piece = self._tok.id_to_token(token_id)
+        if self._byte_level and piece is not None and token_id not in self._added_ids:
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return self._token_text(token_id).encode("utf-8")
+
     def skip_ids(self, *, skip_special_tokens: bool, keep: Iterable[str] = ()) -> frozenset[int]:
         """Ids to drop from output text: the special ones, except the single-token ``keep`` markers.
 
@@ -68,6 +93,17 @@ class Tokenizer:
             return frozenset()
         kept = {self.token_to_id(t) for t in keep}
         return self.special_ids - kept
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte -> printable character map, inverted: printable Latin-1 bytes stand for
+    themselves, the other 68 bytes for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 class IncrementalDetokenizer:

@@ -2,6 +2,6 @@
 
 from jaxdsa.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from jaxdsa.engine.engine import Engine, EngineConfig
-from jaxdsa.engine.request import FinishReason, RequestOutput, SamplingParams
+from jaxdsa.engine.request import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
 
-__all__ = ["AsyncEngine", "Engine", "EngineConfig", "EngineDeadError", "FinishReason", "QueueFullError", "RequestOutput", "SamplingParams"]
+__all__ = ["AsyncEngine", "Engine", "EngineConfig", "EngineDeadError", "FinishReason", "QueueFullError", "RequestOutput", "SamplingParams", "TokenLogprobs"]

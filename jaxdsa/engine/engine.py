@@ -21,8 +21,8 @@ from jax.sharding import NamedSharding
 from jaxdsa import sharding
 from jaxdsa.cache import cache_bytes_per_token, init_cache
 from jaxdsa.config import ModelConfig
-from jaxdsa.engine.request import FinishReason, Request, RequestOutput, SamplingParams, Status
-from jaxdsa.engine.runner import ModelRunner
+from jaxdsa.engine.request import FinishReason, Request, RequestOutput, SamplingParams, Status, TokenLogprobs
+from jaxdsa.engine.runner import ModelRunner, StepResult
 from jaxdsa.engine.scheduler import Scheduler
 
 
@@ -35,6 +35,7 @@ class EngineConfig:
     num_pages: int | None = None  # default: from free device memory, else enough for full concurrency
     memory_fraction: float = 0.85  # of the device memory left after the weights, for the cache
     seed: int = 0
+    max_logprobs: int = 20  # most top logprobs a request may ask for (vLLM's default)
 
 
 def enable_compilation_cache() -> None:
@@ -100,6 +101,7 @@ class Engine:
             max_model_len=self.max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens,
             groups=groups,
+            max_logprobs=config.max_logprobs,
             mesh=mesh,
             precision=precision,
         )
@@ -115,6 +117,8 @@ class Engine:
             raise ValueError("the prompt is empty")
         if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+        if sampling.logprobs is not None and sampling.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs {sampling.logprobs} exceeds the server's max_logprobs {self.config.max_logprobs}")
         if len(prompt) + sampling.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds max_model_len {self.max_model_len}"
@@ -164,12 +168,14 @@ class Engine:
         segments = self.scheduler.schedule()
         if not segments:
             return []
-        with_logits = any(s.request.request_id in self._want_logits for s in segments if s.samples)
-        ids, logits = self.runner.run(segments, self._seeds, with_logits=with_logits)
+        sampling = [s for s in segments if s.samples]
+        with_logits = any(s.request.request_id in self._want_logits for s in sampling)
+        with_logprobs = any(s.request.sampling.logprobs is not None for s in sampling)
+        result = self.runner.run(segments, self._seeds, with_logits=with_logits, with_logprobs=with_logprobs)
         self.scheduler.commit(segments)
         outputs = []
-        for i, s in enumerate(s for s in segments if s.samples):
-            request, token = s.request, int(ids[i])
+        for i, s in enumerate(sampling):
+            request, token = s.request, int(result.ids[i])
             request.output.append(token)
             self.num_generated_tokens += 1
             wants_logits = request.request_id in self._want_logits
@@ -185,7 +191,8 @@ class Engine:
                     reason,
                     len(request.prompt),
                     len(request.output),
-                    logits=logits[i] if wants_logits else None,
+                    logits=result.logits[i] if wants_logits else None,
+                    logprobs=_token_logprobs(result, i, request.sampling.logprobs),
                 )
             )
         return outputs
@@ -212,3 +219,10 @@ class Engine:
             "cache_pages_total": total,
             "cache_usage": used / total,
         }
+
+
+def _token_logprobs(result: StepResult, row: int, n: int | None) -> list[TokenLogprobs] | None:
+    if n is None:
+        return None
+    top = tuple(zip(result.top_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist()))
+    return [TokenLogprobs(int(result.ids[row]), float(result.logprobs[row]), top)]

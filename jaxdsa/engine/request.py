@@ -25,6 +25,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; n >= 0: the sampled token's logprob and the n most likely
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -35,6 +36,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError("logprobs must be >= 0")
 
 
 class Status(enum.Enum):
@@ -71,6 +74,15 @@ class Request:
         return self.num_tokens - self.num_computed
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled token's log-probability under the model, with the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
 @dataclasses.dataclass
 class RequestOutput:
     """What one engine step produced for one request."""
@@ -82,3 +94,4 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     logits: Any = None  # float32 [vocab] the token was sampled from, when the request asked for it
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for them

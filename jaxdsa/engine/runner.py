@@ -21,7 +21,7 @@ import numpy as np
 from jaxdsa import sharding
 from jaxdsa.cache import KVCache, StepMeta
 from jaxdsa.config import ModelConfig
-from jaxdsa.engine.sampling import sample
+from jaxdsa.engine.sampling import Sampled, sample
 from jaxdsa.engine.scheduler import Segment
 from jaxdsa.models.dsa import step
 
@@ -34,16 +34,30 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
-def _fused_step(params, tokens, positions, cache, meta, temperature, top_p, top_k, seeds, counters, *, cfg, sparse, with_logits):
+def _fused_step(params, tokens, positions, cache, meta, temperature, top_p, top_k, seeds, counters, *, cfg, sparse, with_logits, num_logprobs):
     logits, cache = step(params, tokens, positions, cache, meta, cfg=cfg, sparse=sparse, absorbed=True)
-    ids = sample(logits, temperature, top_p, top_k, seeds, counters)
-    return ids, (logits if with_logits else jnp.zeros((ids.shape[0], 0), jnp.float32)), cache
+    sampled = sample(logits, temperature, top_p, top_k, seeds, counters, num_logprobs=num_logprobs)
+    return sampled, (logits if with_logits else jnp.zeros((logits.shape[0], 0), jnp.float32)), cache
 
 
 @functools.cache
-def _compiled(cfg: ModelConfig, sparse: bool, with_logits: bool, mesh):
-    fn = functools.partial(_fused_step, cfg=cfg, sparse=sparse, with_logits=with_logits)
+def _compiled(cfg: ModelConfig, sparse: bool, with_logits: bool, num_logprobs: int, mesh):
+    fn = functools.partial(_fused_step, cfg=cfg, sparse=sparse, with_logits=with_logits, num_logprobs=num_logprobs)
     return sharding.jit_step(fn, mesh, donate_argnums=(3,))
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one step sampled, one row per sampling segment (in segment order).
+
+    The logprob arrays are fetched from the device only when the step was asked for them.
+    """
+
+    ids: np.ndarray  # [n] int32
+    logits: np.ndarray | None = None  # [n, V] float32
+    logprobs: np.ndarray | None = None  # [n] float32: log p of the sampled token
+    top_ids: np.ndarray | None = None  # [n, max_logprobs] int32, most likely first
+    top_logprobs: np.ndarray | None = None  # [n, max_logprobs] float32
 
 
 @dataclasses.dataclass
@@ -68,10 +82,12 @@ class ModelRunner:
         max_model_len: int,
         max_num_batched_tokens: int,
         groups: int = 1,
+        max_logprobs: int = 0,
         mesh=None,
         precision=None,
     ):
         self.cfg, self.params, self.mesh, self.precision = cfg, params, mesh, precision
+        self.max_logprobs = max_logprobs
         self.page_size = cache.page_size
         self.groups = groups
         self.slots_per_group = max_num_seqs // groups
@@ -92,7 +108,8 @@ class ModelRunner:
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _call(self, groups: list[_Group], *, sparse: bool, with_logits: bool):
+    def _call(self, groups: list[_Group], *, sparse: bool, with_logits: bool, with_logprobs: bool = False) -> tuple[Sampled, np.ndarray | None]:
+        """Host arrays [groups, R] (and [groups, R, ...]); logprob fields are None unless asked for."""
         T = self._bucket(max(1, max(len(g.tokens) for g in groups)))
         R = min(T, self.slots_per_group)
 
@@ -122,15 +139,15 @@ class ModelRunner:
             sampling(4, 0, np.int32),
         )
         tokens, positions, meta, *rest = self._place(args)
-        fn = _compiled(self.cfg, sparse, with_logits, self.mesh)
+        fn = _compiled(self.cfg, sparse, with_logits, self.max_logprobs, self.mesh)
         with self.precision() if self.precision else contextlib.nullcontext():
-            ids, logits, self.cache = fn(self.params, tokens, positions, self.cache, meta, *rest)
-        ids = sharding.fetch(ids).reshape(len(groups), R)
-        logits = sharding.fetch(logits).reshape(len(groups), R, -1) if with_logits else None
-        return ids, logits
+            sampled, logits, self.cache = fn(self.params, tokens, positions, self.cache, meta, *rest)
+        rows = lambda a: sharding.fetch(a).reshape(len(groups), R, *a.shape[1:])  # noqa: E731
+        fetched = Sampled(rows(sampled.ids), *(map(rows, sampled[1:]) if with_logprobs else (None,) * 3))
+        return fetched, rows(logits) if with_logits else None
 
-    def run(self, segments: list[Segment], seeds: dict[str, int], *, with_logits: bool = False):
-        """-> (sampled token id per sampling segment, logits rows or None), in segment order."""
+    def run(self, segments: list[Segment], seeds: dict[str, int], *, with_logits: bool = False, with_logprobs: bool = False) -> StepResult:
+        """Run one step; ``with_logits`` / ``with_logprobs`` fetch those rows as well."""
         groups = [_Group() for _ in range(self.groups)]
         where = []  # (group, row) of each sampling segment
         for s in segments:
@@ -147,9 +164,10 @@ class ModelRunner:
                 g.rows.append((sp.temperature, sp.top_p, sp.top_k, seeds[r.request_id], len(r.output)))
                 where.append((gi, len(g.rows) - 1))
         sparse = max(p for g in groups for p in g.positions) + 1 > self.cfg.index_topk
-        ids, logits = self._call(groups, sparse=sparse, with_logits=with_logits)
-        sampled = np.asarray([ids[g, r] for g, r in where], np.int32)
-        return sampled, (np.stack([logits[g, r] for g, r in where]) if with_logits else None)
+        sampled, logits = self._call(groups, sparse=sparse, with_logits=with_logits, with_logprobs=with_logprobs)
+        at = tuple(np.asarray(where, np.intp).reshape(-1, 2).T)  # (group, row) of each sampled segment
+        pick = lambda a: None if a is None else a[at]  # noqa: E731
+        return StepResult(pick(sampled.ids), pick(logits), *map(pick, sampled[1:]))
 
     def warmup(self, report=None) -> None:
         """Compile every bucket (and the sparse path when contexts can outgrow index_topk)."""

@@ -1,21 +1,41 @@
-"""On-device sampling: greedy, temperature, top-k and top-p, with per-request seeds.
+"""On-device sampling: greedy, temperature, top-k and top-p, with per-request seeds; logprobs.
 
 Each request's key is fold_in(key(seed), n) where n counts its generated tokens, so a seeded
 request samples the same tokens whatever else shares its batch, and after a preemption.
+
+Logprobs are those of the model's own distribution (log-softmax of the raw logits, before
+temperature and the top-k / top-p filters), as vLLM reports them by default. The top-k / top-p
+filters already sort every row; the sort carries the token ids along, so the most likely
+``num_logprobs`` tokens come out of it without a second sort.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 
-def sample(logits, temperature, top_p, top_k, seeds, counters):
-    """logits [R, V] float32; per-row temperature/top_p (f32), top_k/seeds/counters (i32) -> ids [R]."""
+class Sampled(NamedTuple):
+    ids: jax.Array  # [R] int32: the sampled tokens
+    logprobs: jax.Array  # [R] float32: log p(ids)
+    top_ids: jax.Array  # [R, L] int32: the L most likely tokens, most likely first (ties: lower id first)
+    top_logprobs: jax.Array  # [R, L] float32
+
+
+def sample(logits, temperature, top_p, top_k, seeds, counters, *, num_logprobs: int = 0) -> Sampled:
+    """logits [R, V] float32; per-row temperature/top_p (f32), top_k/seeds/counters (i32).
+
+    ``num_logprobs`` (static) is L, the number of top tokens reported per row (clamped to V).
+    """
+    R, V = logits.shape
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     z = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    ordered = -jnp.sort(-z, axis=-1)
-    V = logits.shape[-1]
+    # Sorting the raw logits (stable: ties keep id order, as argmax does) orders z the same way.
+    vocab_ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (R, V))
+    neg_sorted, order = jax.lax.sort((-logits, vocab_ids), num_keys=1, is_stable=True)
+    ordered = jnp.take_along_axis(z, order, axis=-1)
     kth = jnp.take_along_axis(ordered, jnp.clip(top_k - 1, 0, V - 1)[:, None], axis=-1)
     z = jnp.where((top_k[:, None] > 0) & (z < kth), -jnp.inf, z)
     ordered = jnp.where((top_k[:, None] > 0) & (ordered < kth), -jnp.inf, ordered)
@@ -25,4 +45,13 @@ def sample(logits, temperature, top_p, top_k, seeds, counters):
     z = jnp.where(z < cutoff, -jnp.inf, z)
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
     drawn = jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+    ids = jnp.where(temperature > 0, drawn, greedy)
+
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    L = min(num_logprobs, V)
+    return Sampled(
+        ids,
+        jnp.take_along_axis(logits, ids[:, None], axis=-1)[:, 0] - lse,
+        order[:, :L],
+        -neg_sorted[:, :L] - lse[:, None],
+    )

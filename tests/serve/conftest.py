@@ -17,7 +17,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from checkpoints.make_tiny import make_tiny
-from jaxdsa.engine import EngineDeadError, FinishReason, RequestOutput, SamplingParams
+from jaxdsa.engine import EngineDeadError, FinishReason, RequestOutput, SamplingParams, TokenLogprobs
 from serve.cli import bind
 
 
@@ -73,11 +73,18 @@ def serving(app: FastAPI) -> Iterator[str]:
         thread.join(timeout=30)
 
 
+def scripted_logprobs(i: int, token: int, n: int) -> TokenLogprobs:
+    """The i-th scripted token's logprobs: distinct values, the token itself the most likely."""
+    lp = -0.25 * (i + 1)
+    return TokenLogprobs(token, lp, tuple((token + k, lp - k) for k in range(n)))
+
+
 class ScriptedEngine:
     """Stands in for AsyncEngine: replies with the next scripted token ids, one token per step.
 
     Lets tests force exactly what the "model" says (tool calls, reasoning) and see the prompts the
     server rendered. A script entry of ``EngineDeadError`` fails the request after its first token.
+    Requests that ask for logprobs get :func:`scripted_logprobs`.
     """
 
     def __init__(self, max_model_len: int = 256, token_delay: float = 0.0):
@@ -102,7 +109,8 @@ class ScriptedEngine:
                 await asyncio.sleep(self.token_delay)
                 last = i == len(ids) - 1
                 reason = (FinishReason.STOP if len(ids) < sampling.max_tokens or token in sampling.stop_token_ids else FinishReason.LENGTH) if last else None
-                yield RequestOutput(request_id, [token], last, reason, len(prompt), i + 1)
+                logprobs = None if sampling.logprobs is None else [scripted_logprobs(i, token, sampling.logprobs)]
+                yield RequestOutput(request_id, [token], last, reason, len(prompt), i + 1, logprobs=logprobs)
         finally:
             self.active -= 1
 

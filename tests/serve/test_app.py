@@ -7,6 +7,7 @@ import json
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -15,7 +16,7 @@ from serve.app import ServingContext, create_app
 from serve.chat_format import load_chat_format
 from serve.deepseek_encoding import render_tool_calls
 from serve.tokenizer import Tokenizer
-from tests.serve.conftest import ScriptedEngine, serving
+from tests.serve.conftest import ScriptedEngine, scripted_logprobs, serving
 
 OBSERVATION = 501  # GLM's <|observation|>: ends an assistant turn that handed over to tools
 TOOLS = [
@@ -227,6 +228,65 @@ def test_tokenize_and_detokenize(stub):
     assert chat["max_model_len"] == 1024
 
 
+# ---- logprobs -----------------------------------------------------------------------------------
+
+LOGPROB_REPLY = "Why 😀?</think>Answer: 你好 🚀"  # the emoji and CJK characters span several tokens
+
+
+def test_chat_logprobs_cover_every_token_streamed_or_not(stub):
+    ids = stub.tok.encode(LOGPROB_REPLY) + [OBSERVATION]
+    expected = [scripted_logprobs(i, t, 3) for i, t in enumerate(ids)]
+    got = {}
+    for stream in (False, True):
+        stub.script(LOGPROB_REPLY)
+        r = stub.client.chat.completions.create(model="stub", messages=user("x"), logprobs=True, top_logprobs=3, stream=stream)
+        if stream:
+            chunks = list(r)
+            got[stream] = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+            assert chunks[1].choices[0].logprobs is not None  # entries arrive with the text, not only at the end
+        else:
+            got[stream] = r.choices[0].logprobs.content
+            assert r.choices[0].message.content == "Answer: 你好 🚀"
+    assert [e.model_dump() for e in got[True]] == [e.model_dump() for e in got[False]]
+    content = got[False]
+    assert [(e.logprob, [t.logprob for t in e.top_logprobs]) for e in content] == [(x.logprob, [lp for _, lp in x.top]) for x in expected]
+    assert [e.token for e in content] == [stub.tok.token_text(t) for t in ids]
+    assert content[-1].token == "<|observation|>"  # the hidden stop token keeps its entry
+    assert b"".join(bytes(e.bytes) for e in content[:-1]).decode() == LOGPROB_REPLY  # bytes rebuild split characters
+    assert [t.token for t in content[0].top_logprobs] == [stub.tok.token_text(ids[0] + k) for k in range(3)]
+
+
+def test_chat_logprobs_without_top_and_off_by_default(stub):
+    stub.script("ok")
+    r = stub.client.chat.completions.create(model="stub", messages=user("x"), logprobs=True)
+    assert stub.engine.sampling[-1].logprobs == 0 and all(e.top_logprobs == [] for e in r.choices[0].logprobs.content)
+    stub.script("ok")
+    assert stub.client.chat.completions.create(model="stub", messages=user("x")).choices[0].logprobs is None
+    assert stub.engine.sampling[-1].logprobs is None
+
+
+def test_completion_logprobs_legacy_shape_streamed_or_not(stub):
+    text = "Hello 😀 world"
+    ids = stub.tok.encode(text)
+    merged = {}
+    for stream in (False, True):
+        stub.script(text, stop_id=None)
+        r = stub.client.completions.create(model="stub", prompt="x", max_tokens=50, logprobs=2, stream=stream)
+        parts = [c.choices[0].logprobs for c in r if c.choices[0].logprobs] if stream else [r.choices[0].logprobs]
+        merged[stream] = {k: [v for p in parts for v in getattr(p, k)] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert merged[True] == merged[False]
+    lp = merged[False]
+    tokens = [stub.tok.token_text(t) for t in ids]
+    assert lp["tokens"] == tokens
+    assert lp["token_logprobs"] == [scripted_logprobs(i, t, 2).logprob for i, t in enumerate(ids)]
+    assert lp["text_offset"] == np.cumsum([0] + [len(t) for t in tokens[:-1]]).tolist()
+    for i, t in enumerate(ids):
+        top = {}
+        for j, v in scripted_logprobs(i, t, 2).top:
+            top.setdefault(stub.tok.token_text(j), v)
+        assert lp["top_logprobs"][i] == top
+
+
 # ---- failures -----------------------------------------------------------------------------------
 
 
@@ -253,7 +313,9 @@ def test_engine_failure_is_503_or_an_error_event(stub):
         ("/v1/chat/completions", {"messages": user("x"), "top_p": 0}, "top_p"),
         ("/v1/chat/completions", {"messages": user("x"), "max_tokens": 0}, "max_tokens"),
         ("/v1/chat/completions", {"messages": user("x"), "max_tokens": "many"}, "max_tokens"),
-        ("/v1/chat/completions", {"messages": user("x"), "logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {"messages": user("x"), "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": user("x"), "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": user("x"), "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": user("x"), "presence_penalty": 0.5}, "presence_penalty"),
         ("/v1/chat/completions", {"messages": user("x"), "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/chat/completions", {"messages": user("x"), "tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
@@ -270,6 +332,8 @@ def test_engine_failure_is_503_or_an_error_event(stub):
         ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
         ("/v1/completions", {}, "prompt"),
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
         ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
     ],
 )

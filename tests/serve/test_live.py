@@ -114,6 +114,21 @@ def test_completions_streamed_equals_non_streamed(live):
         assert whole.choices[0].finish_reason == "length"
 
 
+def test_logprobs_of_greedy_tokens_are_the_top_ones(live):
+    kwargs = dict(model="tiny", messages=user("Tell me a story."), max_tokens=12, logprobs=True, top_logprobs=4, **GREEDY)
+    whole = live.client.chat.completions.create(**kwargs)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    for e in content:
+        top = [t.logprob for t in e.top_logprobs]
+        assert (e.top_logprobs[0].token, top[0]) == (e.token, e.logprob) and top == sorted(top, reverse=True) and top[0] <= 0
+    chunks = live.client.chat.completions.create(stream=True, **kwargs)
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    legacy = live.client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=6, logprobs=3, **GREEDY).choices[0].logprobs
+    assert len(legacy.tokens) == 6 and all(lp == max(top.values()) for lp, top in zip(legacy.token_logprobs, legacy.top_logprobs))
+
+
 def test_reasoning_split_matches_the_raw_text(live):
     """reasoning_content + </think> + content is exactly what the model wrote after the prompt."""
     ids = httpx.post(f"{live.url}/tokenize", json={"messages": user("Why is the sky blue?")}).json()["tokens"]

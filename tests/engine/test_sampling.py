@@ -1,0 +1,106 @@
+"""The on-device sampler against NumPy: filters, seeds and logprobs."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxdsa.engine.sampling import sample
+
+V = 12
+DRAWS = 4000  # rows of one distribution, each with its own counter: frequencies within ~0.03
+
+
+def _rows(logits, *, temperature=1.0, top_p=1.0, top_k=0, seed=3, num_logprobs=0, n=DRAWS):
+    """``n`` rows of the same logits with counters 0..n-1 -> host arrays of the Sampled fields."""
+    logits = np.broadcast_to(np.asarray(logits, np.float32), (n, len(logits)))
+    full = lambda v, dt: np.full(n, v, dt)  # noqa: E731
+    out = jax.jit(sample, static_argnames="num_logprobs")(
+        logits, full(temperature, np.float32), full(top_p, np.float32), full(top_k, np.int32),
+        full(seed, np.int32), np.arange(n, dtype=np.int32), num_logprobs=num_logprobs,
+    )  # fmt: skip
+    return jax.tree.map(np.asarray, out)
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    return x - x.max() - np.log(np.exp(x - x.max()).sum())
+
+
+def _frequencies(ids):
+    return np.bincount(ids, minlength=V) / len(ids)
+
+
+@pytest.fixture
+def logits():
+    return np.random.default_rng(0).normal(0, 1.5, V).astype(np.float32)
+
+
+def test_temperature_draws_follow_the_softmax(logits):
+    for t in (0.5, 1.0, 2.0):
+        expected = np.exp(_log_softmax(logits / t))
+        assert np.abs(_frequencies(_rows(logits, temperature=t).ids) - expected).max() < 0.03
+
+
+def test_greedy_is_argmax_whatever_the_seed(logits):
+    assert (_rows(logits, temperature=0.0, n=16).ids == np.argmax(logits)).all()
+    assert (_rows(logits, temperature=0.7, top_k=1, n=16).ids == np.argmax(logits)).all()
+
+
+@pytest.mark.parametrize("top_k", [2, 5])
+def test_top_k_keeps_the_k_most_likely(logits, top_k):
+    kept = np.argsort(-logits)[:top_k]
+    expected = np.zeros(V)
+    expected[kept] = np.exp(_log_softmax(logits[kept]))
+    assert np.abs(_frequencies(_rows(logits, top_k=top_k).ids) - expected).max() < 0.03
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.75, 0.95])
+def test_top_p_keeps_the_smallest_set_reaching_p(logits, top_p):
+    p = np.exp(_log_softmax(logits))
+    order = np.argsort(-p)
+    before = np.cumsum(p[order]) - p[order]  # mass above each token
+    kept = order[before < top_p]
+    expected = np.zeros(V)
+    expected[kept] = p[kept] / p[kept].sum()
+    assert np.abs(_frequencies(_rows(logits, top_p=top_p).ids) - expected).max() < 0.03
+
+
+def test_a_seeded_row_draws_the_same_token_in_any_batch(logits):
+    alone = _rows(logits, seed=11, n=64).ids
+    rng = np.random.default_rng(1)
+    others = rng.normal(size=(64, V)).astype(np.float32)
+    batch = np.concatenate([others[:, None], np.broadcast_to(logits, (64, 1, V))], axis=1).reshape(128, V)
+    seeds = np.tile([5, 11], 64).astype(np.int32)
+    counters = np.repeat(np.arange(64, dtype=np.int32), 2)
+    ones = np.ones(128, np.float32)
+    ids = np.asarray(sample(batch, ones, ones, np.zeros(128, np.int32), seeds, counters).ids)
+    assert (ids[1::2] == alone).all()
+    assert len(set(alone.tolist())) > 3  # the counter moves the key
+
+
+def test_logprobs_are_the_models_distribution_and_its_top_tokens():
+    rng = np.random.default_rng(2)
+    logits = rng.normal(0, 3, (6, V)).astype(np.float32)
+    logits[0, [3, 7, 9]] = logits[0].max() + 1  # a three-way tie for the top: lower id first
+    temperature = np.array([0, 0.7, 1.0, 1.5, 0.7, 0], np.float32)
+    top_k = np.array([0, 3, 0, 0, 0, 0], np.int32)
+    top_p = np.array([1, 1, 0.5, 1, 1, 1], np.float32)
+    seeds, counters = np.arange(6, dtype=np.int32), np.zeros(6, np.int32)
+    out = jax.tree.map(np.asarray, sample(logits, temperature, top_p, top_k, seeds, counters, num_logprobs=5))
+    assert out.top_ids.shape == out.top_logprobs.shape == (6, 5)
+    for r in range(6):
+        lp = _log_softmax(logits[r])  # raw logits: neither temperature nor the filters change it
+        np.testing.assert_allclose(out.logprobs[r], lp[out.ids[r]], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(out.top_ids[r], np.argsort(-logits[r], kind="stable")[:5])
+        np.testing.assert_allclose(out.top_logprobs[r], lp[out.top_ids[r]], rtol=1e-5, atol=1e-5)
+    assert out.top_ids[0, :3].tolist() == [3, 7, 9] and out.ids[0] == 3  # greedy takes the first of a tie
+    assert (out.ids[[0, 5]] == out.top_ids[[0, 5], 0]).all()
+
+
+def test_logprobs_count_is_clamped_to_the_vocabulary(logits):
+    out = _rows(logits, n=2, num_logprobs=50)
+    assert out.top_ids.shape == (2, V) and sorted(out.top_ids[0].tolist()) == list(range(V))
+    np.testing.assert_allclose(np.exp(out.top_logprobs[0]).sum(), 1.0, rtol=1e-5)
+    assert _rows(logits, n=2).top_ids.shape == (2, 0)

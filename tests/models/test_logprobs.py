@@ -1,0 +1,40 @@
+"""Engine logprobs on the real model: the log-softmax of the distribution each token came from."""
+
+import numpy as np
+import pytest
+
+from jaxdsa.engine import Engine, EngineConfig, SamplingParams
+
+
+def log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("family", ["glm5", "dsv32"])
+def test_logprobs_are_the_full_forward_log_softmax(tiny_llms, family):
+    llm = tiny_llms[family]
+    prompt = np.random.default_rng(3).integers(0, llm.config.vocab_size, 20).tolist()
+    engine = Engine(llm.config, llm.params, dtype=llm.dtype, config=EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, max_logprobs=5))
+    with pytest.raises(ValueError, match="max_logprobs"):
+        engine.add_request("too-many", prompt, SamplingParams(logprobs=6))
+    # A sampled request with logprobs shares its steps with one without (whose rows are not fetched).
+    engine.add_request("a", prompt, SamplingParams(max_tokens=6, temperature=0.9, seed=3, logprobs=5), return_logits=True)
+    engine.add_request("b", prompt[:7], SamplingParams(max_tokens=6))
+    outputs = {"a": [], "b": []}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outputs[o.request_id].append(o)
+    assert all(o.logprobs is None for o in outputs["b"])
+    tokens = [o.new_token_ids[0] for o in outputs["a"]]
+    full = log_softmax(llm.score(prompt + tokens)[len(prompt) - 1 : -1])  # one forward over everything
+    for pos, o in enumerate(outputs["a"]):
+        (entry,) = o.logprobs
+        step = log_softmax(o.logits)
+        assert entry.token_id == tokens[pos]
+        np.testing.assert_allclose(entry.logprob, step[entry.token_id], atol=1e-5)
+        np.testing.assert_allclose(entry.logprob, full[pos, entry.token_id], atol=1e-4)
+        top_ids, top_lps = zip(*entry.top)
+        assert list(top_ids) == np.argsort(-o.logits, kind="stable")[:5].tolist()
+        np.testing.assert_allclose(top_lps, full[pos, list(top_ids)], atol=1e-4)
