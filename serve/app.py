@@ -168,16 +168,17 @@ def create_app(ctx: ServingContext) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         name, created = model_name(body.model), int(time.time())
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        gens = []
-        for i, prompt in enumerate(body.prompts()):
+        gens = []  # prompt-major: choice index = prompt index * n + j
+        for prompt in body.prompts():
             ids = ctx.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
             sp = sampling(body, len(ids), body.requested_max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
-            gens.append(generation(f"{request_id}-{i}", ids, sp, text_output(body, sp)))
+            for spj in _choice_sampling(sp, body.n):
+                gens.append(generation(f"{request_id}-{len(gens)}", ids, spj, text_output(body, spj)))
         try:
             await unless_disconnected(request, _start_all(gens))
             if body.stream:
                 include_usage = body.stream_options is not None and body.stream_options.include_usage
-                return _sse_response(_completion_stream(gens, request_id, name, created, include_usage))
+                return _sse_response(_completion_stream(gens, body.n, request_id, name, created, include_usage))
             texts = await unless_disconnected(request, _collect_all(gens))
         except ClientDisconnected:
             return Response(status_code=499)
@@ -190,10 +191,10 @@ def create_app(ctx: ServingContext) -> FastAPI:
             for i, (g, t) in enumerate(zip(gens, texts))
         ]
         return JSONResponse(
-            {"id": request_id, "object": "text_completion", "created": created, "model": name, "choices": choices, "usage": _usage(gens)}
+            {"id": request_id, "object": "text_completion", "created": created, "model": name, "choices": choices, "usage": _usage(gens, body.n)}
         )
 
-    async def _completion_stream(gens: list[Generation], request_id: str, name: str, created: int, include_usage: bool) -> AsyncIterator[str]:
+    async def _completion_stream(gens: list[Generation], n: int, request_id: str, name: str, created: int, include_usage: bool) -> AsyncIterator[str]:
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             usage = {"usage": None} if include_usage else {}
             return _sse({"id": request_id, "object": "text_completion", "created": created, "model": name, "choices": choices, **usage, **extra})
@@ -208,7 +209,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
                 else:
                     yield chunk([{"index": i, "text": text, "finish_reason": None, "logprobs": logprobs}])
             if include_usage:
-                yield chunk([], usage=_usage(gens))
+                yield chunk([], usage=_usage(gens, n))
         except ApiError as e:
             yield e.sse()
         finally:
@@ -225,74 +226,106 @@ def create_app(ctx: ServingContext) -> FastAPI:
         prompt = render_chat(body.template_messages(), tools, body.template_kwargs())
         ids = ctx.tokenizer.encode(prompt.text)
         sp = sampling(body, len(ids), body.requested_max_tokens, None, "messages")
-        reasoning = ReasoningSplitter(prompt.thinking) if ctx.reasoning_parser else None
-        tool_parser = TOOL_PARSERS[ctx.tool_parser](tools) if parse_tools else None
-        keep = (REASONING_PARSERS[ctx.reasoning_parser] if reasoning else ()) + (tool_parser.markers if tool_parser else ())
+        keep = (REASONING_PARSERS[ctx.reasoning_parser] if ctx.reasoning_parser else ()) + (TOOL_PARSERS[ctx.tool_parser].markers if parse_tools else ())
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = generation(request_id, ids, sp, text_output(body, sp, keep))
-        parser = ReplyParser(reasoning, tool_parser)
+
+        def choice(j: int, spj: SamplingParams) -> _ChatChoice:
+            parser = ReplyParser(
+                ReasoningSplitter(prompt.thinking) if ctx.reasoning_parser else None,
+                TOOL_PARSERS[ctx.tool_parser](tools) if parse_tools else None,
+            )
+            formatter = LogprobsFormatter(ctx.tokenizer) if spj.logprobs is not None else None
+            return _ChatChoice(generation(f"{request_id}-{j}", ids, spj, text_output(body, spj, keep)), parser, formatter)
+
+        choices = [choice(j, spj) for j, spj in enumerate(_choice_sampling(sp, body.n))]
+        gens = [c.gen for c in choices]
         try:
-            await unless_disconnected(request, gen.start())
+            await unless_disconnected(request, _start_all(gens))
             if body.stream:
                 include_usage = body.stream_options is not None and body.stream_options.include_usage
-                return _sse_response(_chat_stream(gen, parser, request_id, name, created, include_usage))
-            reply = await unless_disconnected(request, _collect_reply(gen, parser))
+                return _sse_response(_chat_stream(choices, request_id, name, created, include_usage))
+            replies = await unless_disconnected(request, asyncio.gather(*(_collect_reply(c.gen, c.parser) for c in choices)))
         except ClientDisconnected:
             return Response(status_code=499)
         finally:
             if not body.stream:
-                await gen.close()
-        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
-        if reasoning is not None:
-            message["reasoning_content"] = reply.reasoning if reasoning.saw_reasoning else None
-        if reply.tool_calls:
-            message["tool_calls"] = [c.to_openai() for c in reply.tool_calls]
-            message["content"] = reply.content or None
-        logprobs = LogprobsFormatter(ctx.tokenizer).chat(gen.take_logprobs()) if sp.logprobs is not None else None
-        choice = {"index": 0, "message": message, "finish_reason": _chat_finish_reason(gen, parser), "logprobs": logprobs}
+                for g in gens:
+                    await g.close()
+        out = [_chat_message(i, c, reply) for i, (c, reply) in enumerate(zip(choices, replies))]
         return JSONResponse(
-            {"id": request_id, "object": "chat.completion", "created": created, "model": name, "choices": [choice], "usage": gen.usage}
+            {"id": request_id, "object": "chat.completion", "created": created, "model": name, "choices": out, "usage": _usage(gens, body.n)}
         )
 
-    async def _chat_stream(gen: Generation, parser: ReplyParser, request_id: str, name: str, created: int, include_usage: bool) -> AsyncIterator[str]:
-        formatter = LogprobsFormatter(ctx.tokenizer) if gen.sampling.logprobs is not None else None
-
-        def chunk(delta: dict[str, Any] | None, finish_reason: str | None = None, **extra: Any) -> str:
-            # Each content chunk carries the logprobs of the tokens read since the previous one.
-            new = gen.take_logprobs() if formatter and delta is not None and "role" not in delta else []
-            logprobs = formatter.chat(new) if new else None
-            choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+    async def _chat_stream(choices: list[_ChatChoice], request_id: str, name: str, created: int, include_usage: bool) -> AsyncIterator[str]:
+        def chunk(choice_list: list[dict[str, Any]], **extra: Any) -> str:
             usage = {"usage": None} if include_usage else {}
-            return _sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": name, "choices": choices, **usage, **extra})
+            return _sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": name, "choices": choice_list, **usage, **extra})
 
-        def reply_chunks(d: ReplyDelta) -> list[str]:
+        def delta_chunk(i: int, delta: dict[str, Any], finish_reason: str | None = None) -> str:
+            # Each content chunk carries the logprobs of the tokens read since the previous one.
+            c = choices[i]
+            new = c.gen.take_logprobs() if c.formatter and "role" not in delta else []
+            logprobs = c.formatter.chat(new) if new else None
+            return chunk([{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+
+        def reply_chunks(i: int, d: ReplyDelta) -> list[str]:
             out = []
             if d.reasoning:
-                out.append(chunk({"reasoning_content": d.reasoning}))
+                out.append(delta_chunk(i, {"reasoning_content": d.reasoning}))
             if d.content:
-                out.append(chunk({"content": d.content}))
+                out.append(delta_chunk(i, {"content": d.content}))
             if d.tool_calls:
-                first = parser.num_tool_calls - len(d.tool_calls)
-                out.append(chunk({"tool_calls": [{"index": first + k, **c.to_openai()} for k, c in enumerate(d.tool_calls)]}))
+                first = choices[i].parser.num_tool_calls - len(d.tool_calls)
+                out.append(delta_chunk(i, {"tool_calls": [{"index": first + k, **c.to_openai()} for k, c in enumerate(d.tool_calls)]}))
             return out
 
+        gens = [c.gen for c in choices]
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            async for text in gen.deltas():
-                for c in reply_chunks(parser.feed(text)):
-                    yield c
-            for c in reply_chunks(parser.finish()):
-                yield c
-            yield chunk({}, _chat_finish_reason(gen, parser))
+            for i in range(len(choices)):
+                yield delta_chunk(i, {"role": "assistant", "content": ""})
+            async for i, text in _interleave([g.deltas() for g in gens]):
+                c = choices[i]
+                for x in reply_chunks(i, c.parser.feed(text) if text is not None else c.parser.finish()):
+                    yield x
+                if text is None:
+                    yield delta_chunk(i, {}, _chat_finish_reason(c.gen, c.parser))
             if include_usage:
-                yield chunk(None, usage=gen.usage)
+                yield chunk([], usage=_usage(gens, len(gens)))
         except ApiError as e:
             yield e.sse()
         finally:
-            await gen.close()
+            for g in gens:
+                await g.close()
         yield _DONE
 
     return app
+
+
+@dataclasses.dataclass
+class _ChatChoice:
+    """One of a chat request's ``n`` choices: its engine request, reply parser and logprobs."""
+
+    gen: Generation
+    parser: ReplyParser
+    formatter: LogprobsFormatter | None
+
+
+def _choice_sampling(sp: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling of each of ``n`` choices: a seeded request's choice j uses seed + j, so the
+    choices differ and each one is reproducible (unseeded ones get distinct derived seeds)."""
+    return [sp if sp.seed is None else dataclasses.replace(sp, seed=sp.seed + j) for j in range(n)]
+
+
+def _chat_message(index: int, c: _ChatChoice, reply: ReplyDelta) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    reasoning = c.parser.reasoning
+    if reasoning is not None:
+        message["reasoning_content"] = reply.reasoning if reasoning.saw_reasoning else None
+    if reply.tool_calls:
+        message["tool_calls"] = [t.to_openai() for t in reply.tool_calls]
+        message["content"] = reply.content or None
+    logprobs = c.formatter.chat(c.gen.take_logprobs()) if c.formatter else None
+    return {"index": index, "message": message, "finish_reason": _chat_finish_reason(c.gen, c.parser), "logprobs": logprobs}
 
 
 def _tool_choice(body: ChatCompletionRequest, ctx: ServingContext) -> str:
@@ -314,8 +347,11 @@ def _completion_logprobs(gen: Generation, formatter: LogprobsFormatter) -> dict[
     return formatter.completion(gen.take_logprobs()) if gen.sampling.logprobs is not None else None
 
 
-def _usage(gens: list[Generation]) -> dict[str, int]:
-    return {k: sum(g.usage[k] for g in gens) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+def _usage(gens: list[Generation], n: int) -> dict[str, int]:
+    """Token counts of a response whose choices come ``n`` per prompt: each prompt counts once."""
+    prompt = sum(len(g.prompt_ids) for g in gens[::n])
+    completion = sum(g.num_output_tokens for g in gens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _sse_response(body: AsyncIterator[str]) -> StreamingResponse:

@@ -89,14 +89,6 @@ class Generation:
         if self._stream is not None:
             await self._stream.aclose()
 
-    @property
-    def usage(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": len(self.prompt_ids),
-            "completion_tokens": self.num_output_tokens,
-            "total_tokens": len(self.prompt_ids) + self.num_output_tokens,
-        }
-
 
 class ClientDisconnected(Exception):
     """The client went away before the response was ready."""

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI endpoints (plus vLLM's sampling extensions), validated by pydantic.
 
 Unknown fields are ignored, as OpenAI-compatible servers do. Fields the engine cannot honour
-(penalties, n > 1, prompt logprobs through ``echo``, ...) are rejected with a 400 naming the
+(penalties, beam search, prompt logprobs through ``echo``, ...) are rejected with a 400 naming the
 field rather than being silently ignored, because ignoring them would change what the client
 gets without telling it.
 """
@@ -46,7 +46,7 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=128)  # choices per prompt, each its own engine request (OpenAI's limit)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
 
@@ -70,13 +70,6 @@ class _GenerationRequest(BaseModel):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported")
-        return value
 
     @field_validator("stop")
     @classmethod

@@ -94,12 +94,16 @@ class ScriptedEngine:
         self.sampling: list[SamplingParams] = []
         self.max_model_len = max_model_len
         self.active = 0
+        self._running: set[str] = set()
 
     async def generate(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if request_id in self._running:
+            raise ValueError(f"duplicate request id {request_id!r}")  # as the real engine does
         self.prompts.append(list(prompt))
         self.sampling.append(sampling)
         script = self.scripts.pop(0)
         self.active += 1
+        self._running.add(request_id)
         try:
             if script is EngineDeadError:
                 yield RequestOutput(request_id, [65], False, None, len(prompt), 1)
@@ -113,6 +117,7 @@ class ScriptedEngine:
                 yield RequestOutput(request_id, [token], last, reason, len(prompt), i + 1, logprobs=logprobs)
         finally:
             self.active -= 1
+            self._running.discard(request_id)
 
     def stats(self) -> dict[str, float]:
         return {"running": self.active, "waiting": 0, "generated_tokens": 0, "cache_pages_used": 0, "cache_pages_total": 1, "cache_usage": 0.0}

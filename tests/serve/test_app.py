@@ -228,6 +228,55 @@ def test_tokenize_and_detokenize(stub):
     assert chat["max_model_len"] == 1024
 
 
+# ---- n choices ----------------------------------------------------------------------------------
+
+
+def test_chat_n_choices_each_parse_their_own_reply(stub):
+    replies = ["First thought.</think>Plain answer.", TOOL_REPLY, "Third.</think>Another answer."]
+    messages = {}
+    for stream in (False, True):
+        for text in replies:
+            stub.script(text)
+        r = stub.client.chat.completions.create(model="stub", messages=user("x"), tools=TOOLS, n=3, seed=5, stream=stream, stream_options={"include_usage": True} if stream else None)
+        assert [sp.seed for sp in stub.engine.sampling[-3:]] == [5, 6, 7]
+        if stream:
+            chunks = list(r)
+            got = {i: {"content": "", "reasoning": "", "calls": [], "finish": None} for i in range(3)}
+            for c in chunks[:-1]:
+                (ch,) = c.choices
+                g = got[ch.index]
+                g["content"] += ch.delta.content or ""
+                g["reasoning"] += getattr(ch.delta, "reasoning_content", None) or ""
+                g["calls"] += [t.function.name for t in ch.delta.tool_calls or ()]
+                g["finish"] = ch.finish_reason or g["finish"]
+            usage = chunks[-1].usage
+        else:
+            assert [c.index for c in r.choices] == [0, 1, 2]
+            got = {
+                c.index: {"content": c.message.content or "", "reasoning": c.message.reasoning_content, "calls": [t.function.name for t in c.message.tool_calls or ()], "finish": c.finish_reason}
+                for c in r.choices
+            }
+            usage = r.usage
+        messages[stream] = got
+        assert usage.prompt_tokens == len(stub.engine.prompts[-1])  # the prompt counts once, not n times
+        assert usage.completion_tokens == sum(len(stub.tok.encode(t)) + 1 for t in replies)
+    assert messages[True] == messages[False]
+    got = messages[False]
+    assert (got[0]["content"], got[0]["reasoning"], got[0]["finish"]) == ("Plain answer.", "First thought.", "stop")
+    assert got[1]["calls"] == ["get_weather", "get_time"] and got[1]["finish"] == "tool_calls"
+    assert got[2]["content"] == "Another answer." and got[2]["calls"] == []
+
+
+def test_completions_n_choices_are_prompt_major(stub):
+    for text in ("a1", "a2", "b1", "b2"):
+        stub.script(text, stop_id=None)
+    r = stub.client.completions.create(model="stub", prompt=["first prompt", "b"], max_tokens=10, n=2)
+    assert [(c.index, c.text) for c in r.choices] == [(0, "a1"), (1, "a2"), (2, "b1"), (3, "b2")]
+    prompts = stub.engine.prompts[-4:]
+    assert prompts[0] == prompts[1] != prompts[2] == prompts[3]
+    assert r.usage.prompt_tokens == len(prompts[0]) + len(prompts[2])
+
+
 # ---- logprobs -----------------------------------------------------------------------------------
 
 LOGPROB_REPLY = "Why 😀?</think>Answer: 你好 🚀"  # the emoji and CJK characters span several tokens
@@ -308,7 +357,8 @@ def test_engine_failure_is_503_or_an_error_event(stub):
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, "messages.0.role"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
-        ("/v1/chat/completions", {"messages": user("x"), "n": 2}, "n"),
+        ("/v1/chat/completions", {"messages": user("x"), "n": 0}, "n"),
+        ("/v1/chat/completions", {"messages": user("x"), "n": 129}, "n"),
         ("/v1/chat/completions", {"messages": user("x"), "temperature": -1}, "temperature"),
         ("/v1/chat/completions", {"messages": user("x"), "top_p": 0}, "top_p"),
         ("/v1/chat/completions", {"messages": user("x"), "max_tokens": 0}, "max_tokens"),

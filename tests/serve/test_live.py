@@ -129,6 +129,14 @@ def test_logprobs_of_greedy_tokens_are_the_top_ones(live):
     assert len(legacy.tokens) == 6 and all(lp == max(top.values()) for lp, top in zip(legacy.token_logprobs, legacy.top_logprobs))
 
 
+def test_n_seeded_choices_are_the_requests_with_seeds_seed_plus_j(live):
+    kwargs = dict(model="tiny", prompt="The weather in Paris", max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    both = live.client.completions.create(n=2, seed=40, **kwargs)
+    alone = [live.client.completions.create(seed=40 + j, **kwargs).choices[0].text for j in range(2)]
+    assert [c.text for c in both.choices] == alone and alone[0] != alone[1]
+    assert both.usage.completion_tokens == 16
+
+
 def test_reasoning_split_matches_the_raw_text(live):
     """reasoning_content + </think> + content is exactly what the model wrote after the prompt."""
     ids = httpx.post(f"{live.url}/tokenize", json={"messages": user("Why is the sky blue?")}).json()["tokens"]
