@@ -168,17 +168,21 @@ def create_app(ctx: ServingContext) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         name, created = model_name(body.model), int(time.time())
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        gens = []  # prompt-major: choice index = prompt index * n + j
+        gens, echoes = [], []  # prompt-major: choice index = prompt index * n + j
         for prompt in body.prompts():
             ids = ctx.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
             sp = sampling(body, len(ids), body.requested_max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
+            if body.echo:  # the prompt's logprobs come back too
+                sp = dataclasses.replace(sp, prompt_logprobs=sp.logprobs)
+            echo = "" if not body.echo else prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens)
             for spj in _choice_sampling(sp, body.n):
                 gens.append(generation(f"{request_id}-{len(gens)}", ids, spj, text_output(body, spj)))
+                echoes.append(echo)
         try:
             await unless_disconnected(request, _start_all(gens))
             if body.stream:
                 include_usage = body.stream_options is not None and body.stream_options.include_usage
-                return _sse_response(_completion_stream(gens, body.n, request_id, name, created, include_usage))
+                return _sse_response(_completion_stream(gens, echoes, body.n, request_id, name, created, include_usage))
             texts = await unless_disconnected(request, _collect_all(gens))
         except ClientDisconnected:
             return Response(status_code=499)
@@ -186,21 +190,27 @@ def create_app(ctx: ServingContext) -> FastAPI:
             if not body.stream:
                 for g in gens:
                     await g.close()
-        choices = [
-            {"index": i, "text": t, "finish_reason": g.finish_reason, "logprobs": _completion_logprobs(g, LogprobsFormatter(ctx.tokenizer))}
-            for i, (g, t) in enumerate(zip(gens, texts))
-        ]
+        choices = []
+        for i, (g, echo, text) in enumerate(zip(gens, echoes, texts)):
+            formatter = LogprobsFormatter(ctx.tokenizer)
+            logprobs = _join_logprobs(_echo_logprobs(g, formatter) if body.echo else None, _completion_logprobs(g, formatter))
+            choices.append({"index": i, "text": echo + text, "finish_reason": g.finish_reason, "logprobs": logprobs})
         return JSONResponse(
             {"id": request_id, "object": "text_completion", "created": created, "model": name, "choices": choices, "usage": _usage(gens, body.n)}
         )
 
-    async def _completion_stream(gens: list[Generation], n: int, request_id: str, name: str, created: int, include_usage: bool) -> AsyncIterator[str]:
+    async def _completion_stream(
+        gens: list[Generation], echoes: list[str], n: int, request_id: str, name: str, created: int, include_usage: bool
+    ) -> AsyncIterator[str]:
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             usage = {"usage": None} if include_usage else {}
             return _sse({"id": request_id, "object": "text_completion", "created": created, "model": name, "choices": choices, **usage, **extra})
 
         formatters = [LogprobsFormatter(ctx.tokenizer) for _ in gens]
         try:
+            for i, (g, echo) in enumerate(zip(gens, echoes)):
+                if echo or g.prompt_logprobs is not None:
+                    yield chunk([{"index": i, "text": echo, "finish_reason": None, "logprobs": _echo_logprobs(g, formatters[i])}])
             async for i, text in _interleave([g.deltas() for g in gens]):
                 g = gens[i]
                 logprobs = _completion_logprobs(g, formatters[i])
@@ -345,6 +355,16 @@ def _chat_finish_reason(gen: Generation, parser: ReplyParser) -> str | None:
 def _completion_logprobs(gen: Generation, formatter: LogprobsFormatter) -> dict[str, Any] | None:
     """The legacy logprobs of the tokens read since the last call, or None when not asked for."""
     return formatter.completion(gen.take_logprobs()) if gen.sampling.logprobs is not None else None
+
+
+def _echo_logprobs(gen: Generation, formatter: LogprobsFormatter) -> dict[str, Any] | None:
+    """The legacy logprobs of an echoed prompt, or None when not asked for."""
+    return formatter.completion(gen.prompt_logprobs, gen.prompt_ids) if gen.prompt_logprobs is not None else None
+
+
+def _join_logprobs(*parts: dict[str, Any] | None) -> dict[str, Any] | None:
+    present = [p for p in parts if p is not None]
+    return {k: [v for p in present for v in p[k]] for k in present[0]} if present else None
 
 
 def _usage(gens: list[Generation], n: int) -> dict[str, int]:

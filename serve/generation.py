@@ -46,6 +46,7 @@ class Generation:
     _stream: AsyncIterator[RequestOutput] | None = dataclasses.field(default=None, init=False, repr=False)
     _first: RequestOutput | None = dataclasses.field(default=None, init=False, repr=False)
     _logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list, init=False, repr=False)
+    prompt_logprobs: list[TokenLogprobs | None] | None = dataclasses.field(default=None, init=False)  # when asked
 
     async def start(self) -> None:
         self._stream = self.generate(self.request_id, self.prompt_ids, self.sampling)
@@ -53,6 +54,7 @@ class Generation:
             self._first = await anext(self._stream)
         except (ValueError, QueueFullError, EngineDeadError) as e:
             raise engine_error(e) from e
+        self.prompt_logprobs = self._first.prompt_logprobs
         self.metrics.prompt_tokens.inc(len(self.prompt_ids))
         self.metrics.time_to_first_token.observe(time.monotonic() - self.arrival)
 

@@ -2,10 +2,11 @@
 
 Chat completions: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``.
 Completions (the legacy shape): ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
-"text_offset"}``. Every generated token has an entry, a final EOS or stop token included (its
-text is hidden, its probability is still the model's); streamed chunks carry the entries of
-the tokens that arrived since the previous chunk, so the entries of all chunks are the
-non-streamed list. Token strings are single-token decodes, as in vLLM.
+"text_offset"}``, led by the prompt's entries with ``echo``. Every generated token has an entry,
+a final EOS or stop token included (its text is hidden, its probability is still the model's);
+streamed chunks carry the entries of the tokens that arrived since the previous chunk, so the
+entries of all chunks are the non-streamed list. Token strings are single-token decodes, as in
+vLLM.
 """
 
 from __future__ import annotations
@@ -40,16 +41,23 @@ class LogprobsFormatter:
         ]
         return {"content": content}
 
-    def completion(self, entries: Iterable[TokenLogprobs]) -> dict[str, Any]:
+    def completion(self, entries: Iterable[TokenLogprobs], prompt_ids: list[int] | None = None) -> dict[str, Any]:
+        """Generated tokens' entries; with ``prompt_ids`` (echo), ``entries`` are the prompt's, where
+        the first token has none (``None`` logprob and top, as in OpenAI's and vLLM's echo)."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for e in entries:
-            text = self._tok.token_text(e.token_id)
+        for k, e in enumerate(entries):
+            token_id = e.token_id if e is not None else prompt_ids[k]
+            text = self._tok.token_text(token_id)
             out["tokens"].append(text)
+            out["text_offset"].append(self._offset)
+            self._offset += len(text)
+            if e is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
             out["token_logprobs"].append(_lp(e.logprob))
             top: dict[str, float] = {}
             for i, lp in e.top:  # tokens that decode alike (partial characters) keep the likelier
                 top.setdefault(self._tok.token_text(i), _lp(lp))
             out["top_logprobs"].append(top)
-            out["text_offset"].append(self._offset)
-            self._offset += len(text)
         return out

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI endpoints (plus vLLM's sampling extensions), validated by pydantic.
 
 Unknown fields are ignored, as OpenAI-compatible servers do. Fields the engine cannot honour
-(penalties, beam search, prompt logprobs through ``echo``, ...) are rejected with a 400 naming the
+(penalties, beam search, ``best_of``, ...) are rejected with a 400 naming the
 field rather than being silently ignored, because ignoring them would change what the client
 gets without telling it.
 """
@@ -21,7 +21,6 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "logit_bias": (None, {}),
     "min_tokens": (None, 0),
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
     "use_beam_search": (None, False),
 }
@@ -56,7 +55,6 @@ class _GenerationRequest(BaseModel):
     logit_bias: Any = None
     min_tokens: Any = None
     best_of: Any = None
-    echo: Any = None
     suffix: Any = None
     use_beam_search: Any = None
 
@@ -90,6 +88,7 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0)  # the legacy shape: how many top tokens per position
+    echo: bool = False  # the prompt comes back before the completion (with its logprobs, if asked)
 
     def logprobs_request(self) -> tuple[int | None, str]:
         """(top tokens per position, or None for no logprobs; the field that asked)."""

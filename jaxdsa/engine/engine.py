@@ -23,7 +23,8 @@ from jaxdsa.cache import cache_bytes_per_token, init_cache
 from jaxdsa.config import ModelConfig
 from jaxdsa.engine.request import FinishReason, Request, RequestOutput, SamplingParams, Status, TokenLogprobs
 from jaxdsa.engine.runner import ModelRunner, StepResult
-from jaxdsa.engine.scheduler import Scheduler
+from jaxdsa.engine.sampling import Scored
+from jaxdsa.engine.scheduler import Scheduler, Segment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +109,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._seeds: dict[str, int] = {}
         self._want_logits: set[str] = set()
+        self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}  # filled while the prompt runs
         self.num_generated_tokens = 0
 
     # -- requests ------------------------------------------------------------------------------
@@ -117,8 +119,10 @@ class Engine:
             raise ValueError("the prompt is empty")
         if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
-        if sampling.logprobs is not None and sampling.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs {sampling.logprobs} exceeds the server's max_logprobs {self.config.max_logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(sampling, name)
+            if n is not None and n > self.config.max_logprobs:
+                raise ValueError(f"{name} {n} exceeds the server's max_logprobs {self.config.max_logprobs}")
         if len(prompt) + sampling.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds max_model_len {self.max_model_len}"
@@ -133,6 +137,8 @@ class Engine:
         self._seeds[request_id] = seed & 0x7FFFFFFF
         if return_logits:
             self._want_logits.add(request_id)
+        if sampling.prompt_logprobs is not None:
+            self._prompt_logprobs[request_id] = [None] * len(prompt)  # the first token has none
         self.requests[request_id] = request
         self.scheduler.add(request)
 
@@ -151,6 +157,7 @@ class Engine:
         self.requests.pop(request_id, None)
         self._seeds.pop(request_id, None)
         self._want_logits.discard(request_id)
+        self._prompt_logprobs.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -171,7 +178,11 @@ class Engine:
         sampling = [s for s in segments if s.samples]
         with_logits = any(s.request.request_id in self._want_logits for s in sampling)
         with_logprobs = any(s.request.sampling.logprobs is not None for s in sampling)
-        result = self.runner.run(segments, self._seeds, with_logits=with_logits, with_logprobs=with_logprobs)
+        score = frozenset(s.request.request_id for s in segments if s.request.request_id in self._prompt_logprobs)
+        result = self.runner.run(segments, self._seeds, with_logits=with_logits, with_logprobs=with_logprobs, score=score)
+        for s, scored in zip(segments, result.scores or ()):
+            if scored is not None:
+                self._record_prompt_logprobs(s, scored)
         self.scheduler.commit(segments)
         outputs = []
         for i, s in enumerate(sampling):
@@ -179,6 +190,7 @@ class Engine:
             request.output.append(token)
             self.num_generated_tokens += 1
             wants_logits = request.request_id in self._want_logits
+            prompt_logprobs = self._prompt_logprobs.pop(request.request_id, None)  # complete at the first sample
             reason = self._stop_reason(request)
             if reason is not None:
                 self.scheduler.finish(request, reason)
@@ -193,9 +205,20 @@ class Engine:
                     len(request.output),
                     logits=result.logits[i] if wants_logits else None,
                     logprobs=_token_logprobs(result, i, request.sampling.logprobs),
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
         return outputs
+
+    def _record_prompt_logprobs(self, segment: Segment, scored: Scored) -> None:
+        """Entry p of the prompt: log p(prompt[p] | prompt[:p]), from the token before it."""
+        request = segment.request
+        entries, n = self._prompt_logprobs[request.request_id], request.sampling.prompt_logprobs
+        for k in range(segment.length):
+            p = segment.start + k + 1
+            if p < len(request.prompt):
+                top = tuple(zip(scored.top_ids[k, :n].tolist(), scored.top_logprobs[k, :n].tolist()))
+                entries[p] = TokenLogprobs(request.prompt[p], float(scored.logprobs[k]), top)
 
     def warmup(self, progress: bool = True) -> float:
         """Compile every step shape now (with a progress line); returns seconds taken."""

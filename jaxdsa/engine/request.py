@@ -26,6 +26,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n >= 0: the sampled token's logprob and the n most likely
+    prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -38,6 +39,8 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError("logprobs must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError("prompt_logprobs must be >= 0")
 
 
 class Status(enum.Enum):
@@ -95,3 +98,4 @@ class RequestOutput:
     num_output_tokens: int
     logits: Any = None  # float32 [vocab] the token was sampled from, when the request asked for it
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for them
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token, when asked: one per prompt token

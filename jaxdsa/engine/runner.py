@@ -21,7 +21,7 @@ import numpy as np
 from jaxdsa import sharding
 from jaxdsa.cache import KVCache, StepMeta
 from jaxdsa.config import ModelConfig
-from jaxdsa.engine.sampling import Sampled, sample
+from jaxdsa.engine.sampling import Sampled, Scored, sample, score
 from jaxdsa.engine.scheduler import Segment
 from jaxdsa.models.dsa import step
 
@@ -34,10 +34,18 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
-def _fused_step(params, tokens, positions, cache, meta, temperature, top_p, top_k, seeds, counters, *, cfg, sparse, with_logits, num_logprobs):
+def _fused_step(params, tokens, positions, cache, meta, temperature, top_p, top_k, seeds, counters, *scoring, cfg, sparse, with_logits, num_logprobs):
+    """One step: the model, then sampling. With ``scoring`` = (targets [T], sample rows [R]) the
+    model returned logits for every token (meta.logits_indices covers them all): each token is
+    scored against its target (the prompt's next token) and the sample rows are picked after."""
     logits, cache = step(params, tokens, positions, cache, meta, cfg=cfg, sparse=sparse, absorbed=True)
+    scored = None
+    if scoring:
+        targets, sample_rows = scoring
+        scored = score(logits, targets, num_logprobs=num_logprobs)
+        logits = logits[sample_rows]
     sampled = sample(logits, temperature, top_p, top_k, seeds, counters, num_logprobs=num_logprobs)
-    return sampled, (logits if with_logits else jnp.zeros((logits.shape[0], 0), jnp.float32)), cache
+    return sampled, (logits if with_logits else jnp.zeros((logits.shape[0], 0), jnp.float32)), scored, cache
 
 
 @functools.cache
@@ -58,6 +66,7 @@ class StepResult:
     logprobs: np.ndarray | None = None  # [n] float32: log p of the sampled token
     top_ids: np.ndarray | None = None  # [n, max_logprobs] int32, most likely first
     top_logprobs: np.ndarray | None = None  # [n, max_logprobs] float32
+    scores: list[Scored | None] | None = None  # per segment: its tokens scored against the next token
 
 
 @dataclasses.dataclass
@@ -69,6 +78,7 @@ class _Group:
     seq_ids: list = dataclasses.field(default_factory=list)
     logits_at: list = dataclasses.field(default_factory=list)
     rows: list = dataclasses.field(default_factory=list)  # (temperature, top_p, top_k, seed, counter)
+    targets: list = dataclasses.field(default_factory=list)  # next token of each scored token, else -1
 
 
 class ModelRunner:
@@ -108,8 +118,9 @@ class ModelRunner:
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _call(self, groups: list[_Group], *, sparse: bool, with_logits: bool, with_logprobs: bool = False) -> tuple[Sampled, np.ndarray | None]:
-        """Host arrays [groups, R] (and [groups, R, ...]); logprob fields are None unless asked for."""
+    def _call(self, groups: list[_Group], *, sparse: bool, with_logits: bool, with_logprobs: bool = False, scoring: bool = False):
+        """-> (Sampled [groups, R, ...], logits or None, Scored [groups, T, ...] or None) on the host;
+        the logprob fields of Sampled are None unless asked for."""
         T = self._bucket(max(1, max(len(g.tokens) for g in groups)))
         R = min(T, self.slots_per_group)
 
@@ -127,7 +138,8 @@ class ModelRunner:
             return out.reshape(-1)
 
         table = self.page_table if sparse else self.page_table[:, : self.dense_pages]
-        meta = StepMeta(flat("seq_ids", T, -1), np.array(table), flat("logits_at", R, 0))
+        every_token = np.tile(np.arange(T, dtype=np.int32), len(groups))
+        meta = StepMeta(flat("seq_ids", T, -1), np.array(table), every_token if scoring else flat("logits_at", R, 0))
         args = (
             flat("tokens", T, 0),
             flat("positions", T, 0),
@@ -137,25 +149,39 @@ class ModelRunner:
             sampling(2, 0, np.int32),
             sampling(3, 0, np.int32),
             sampling(4, 0, np.int32),
-        )
+        ) + ((flat("targets", T, -1), flat("logits_at", R, 0)) if scoring else ())
         tokens, positions, meta, *rest = self._place(args)
         fn = _compiled(self.cfg, sparse, with_logits, self.max_logprobs, self.mesh)
         with self.precision() if self.precision else contextlib.nullcontext():
-            sampled, logits, self.cache = fn(self.params, tokens, positions, self.cache, meta, *rest)
-        rows = lambda a: sharding.fetch(a).reshape(len(groups), R, *a.shape[1:])  # noqa: E731
+            sampled, logits, scored, self.cache = fn(self.params, tokens, positions, self.cache, meta, *rest)
+        rows = lambda a, n=R: sharding.fetch(a).reshape(len(groups), n, *a.shape[1:])  # noqa: E731
         fetched = Sampled(rows(sampled.ids), *(map(rows, sampled[1:]) if with_logprobs else (None,) * 3))
-        return fetched, rows(logits) if with_logits else None
+        scored = Scored(*(rows(a, T) for a in scored)) if scoring else None
+        return fetched, rows(logits) if with_logits else None, scored
 
-    def run(self, segments: list[Segment], seeds: dict[str, int], *, with_logits: bool = False, with_logprobs: bool = False) -> StepResult:
-        """Run one step; ``with_logits`` / ``with_logprobs`` fetch those rows as well."""
+    def run(
+        self,
+        segments: list[Segment],
+        seeds: dict[str, int],
+        *,
+        with_logits: bool = False,
+        with_logprobs: bool = False,
+        score: frozenset[str] = frozenset(),
+    ) -> StepResult:
+        """Run one step; ``with_logits`` / ``with_logprobs`` fetch those rows as well. The tokens of
+        requests in ``score`` are scored against the token after each (prompt logprobs)."""
         groups = [_Group() for _ in range(self.groups)]
         where = []  # (group, row) of each sampling segment
+        spans = []  # (group, first token) of each segment
         for s in segments:
             r = s.request
             gi = r.slot // self.slots_per_group
             g = groups[gi]
             self.page_table[r.slot, : len(r.pages)] = r.pages
-            g.tokens += r.tokens[s.start : s.start + s.length]
+            spans.append((gi, len(g.tokens)))
+            tokens = r.tokens
+            g.targets += [tokens[p + 1] if r.request_id in score and p + 1 < len(tokens) else -1 for p in range(s.start, s.start + s.length)]
+            g.tokens += tokens[s.start : s.start + s.length]
             g.positions += range(s.start, s.start + s.length)
             g.seq_ids += [r.slot - gi * self.slots_per_group] * s.length
             if s.samples:
@@ -164,10 +190,17 @@ class ModelRunner:
                 g.rows.append((sp.temperature, sp.top_p, sp.top_k, seeds[r.request_id], len(r.output)))
                 where.append((gi, len(g.rows) - 1))
         sparse = max(p for g in groups for p in g.positions) + 1 > self.cfg.index_topk
-        sampled, logits = self._call(groups, sparse=sparse, with_logits=with_logits, with_logprobs=with_logprobs)
+        scoring = any(s.request.request_id in score for s in segments)
+        sampled, logits, scored = self._call(groups, sparse=sparse, with_logits=with_logits, with_logprobs=with_logprobs, scoring=scoring)
         at = tuple(np.asarray(where, np.intp).reshape(-1, 2).T)  # (group, row) of each sampled segment
         pick = lambda a: None if a is None else a[at]  # noqa: E731
-        return StepResult(pick(sampled.ids), pick(logits), *map(pick, sampled[1:]))
+        result = StepResult(pick(sampled.ids), pick(logits), *map(pick, sampled[1:]))
+        if scoring:
+            result.scores = [
+                Scored(*(a[gi, start : start + s.length] for a in scored)) if s.request.request_id in score else None
+                for s, (gi, start) in zip(segments, spans)
+            ]
+        return result
 
     def warmup(self, report=None) -> None:
         """Compile every bucket (and the sparse path when contexts can outgrow index_topk)."""

@@ -55,3 +55,24 @@ def sample(logits, temperature, top_p, top_k, seeds, counters, *, num_logprobs: 
         order[:, :L],
         -neg_sorted[:, :L] - lse[:, None],
     )
+
+
+class Scored(NamedTuple):
+    logprobs: jax.Array  # [N] float32: log p(target) (meaningless where target < 0)
+    top_ids: jax.Array  # [N, L] int32: the L most likely tokens, most likely first
+    top_logprobs: jax.Array  # [N, L] float32
+
+
+def score(logits, targets, *, num_logprobs: int) -> Scored:
+    """Each row's log-probability of its target token (the prompt's next token) and top tokens.
+
+    logits [N, V] float32, targets [N] int32. Used for prompt logprobs, where N is every token of
+    a step, so the top tokens come from ``lax.top_k`` rather than a full sort of each row.
+    """
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0] - lse
+    L = min(num_logprobs, logits.shape[-1])
+    if L == 0:
+        return Scored(target, jnp.zeros((logits.shape[0], 0), jnp.int32), jnp.zeros((logits.shape[0], 0), jnp.float32))
+    values, ids = jax.lax.top_k(logits, L)  # ties: lower id first, as the sampler's stable sort
+    return Scored(target, ids.astype(jnp.int32), values - lse[:, None])

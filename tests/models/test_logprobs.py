@@ -38,3 +38,30 @@ def test_logprobs_are_the_full_forward_log_softmax(tiny_llms, family):
         top_ids, top_lps = zip(*entry.top)
         assert list(top_ids) == np.argsort(-o.logits, kind="stable")[:5].tolist()
         np.testing.assert_allclose(top_lps, full[pos, list(top_ids)], atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["glm5", "glm52"])
+def test_prompt_logprobs_over_chunked_prefill_are_the_full_forward(tiny_llms, family):
+    llm = tiny_llms[family]
+    prompt = np.random.default_rng(4).integers(0, llm.config.vocab_size, 30).tolist()
+    # A 12-token budget runs the prompt in chunks (crossing index_topk = 8) beside another request.
+    config = EngineConfig(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=12, page_size=8, max_logprobs=4)
+    engine = Engine(llm.config, llm.params, dtype=llm.dtype, config=config)
+    engine.add_request("scored", prompt, SamplingParams(max_tokens=1, prompt_logprobs=3))  # ends at its first token
+    engine.add_request("other", prompt[:9], SamplingParams(max_tokens=4))
+    outputs = {"scored": [], "other": []}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outputs[o.request_id].append(o)
+    (first,) = outputs["scored"]
+    assert all(o.prompt_logprobs is None for o in outputs["other"])
+    entries = first.prompt_logprobs
+    assert len(entries) == len(prompt) and entries[0] is None
+    full = log_softmax(llm.score(prompt))
+    for p in range(1, len(prompt)):
+        e = entries[p]
+        assert e.token_id == prompt[p]
+        np.testing.assert_allclose(e.logprob, full[p - 1, prompt[p]], atol=1e-4)
+        top_ids, top_lps = zip(*e.top)
+        assert list(top_ids) == np.argsort(-full[p - 1], kind="stable")[:3].tolist()
+        np.testing.assert_allclose(top_lps, full[p - 1, list(top_ids)], atol=1e-4)

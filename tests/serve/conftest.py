@@ -84,7 +84,7 @@ class ScriptedEngine:
 
     Lets tests force exactly what the "model" says (tool calls, reasoning) and see the prompts the
     server rendered. A script entry of ``EngineDeadError`` fails the request after its first token.
-    Requests that ask for logprobs get :func:`scripted_logprobs`.
+    Requests that ask for logprobs or prompt logprobs get :func:`scripted_logprobs`.
     """
 
     def __init__(self, max_model_len: int = 256, token_delay: float = 0.0):
@@ -114,7 +114,9 @@ class ScriptedEngine:
                 last = i == len(ids) - 1
                 reason = (FinishReason.STOP if len(ids) < sampling.max_tokens or token in sampling.stop_token_ids else FinishReason.LENGTH) if last else None
                 logprobs = None if sampling.logprobs is None else [scripted_logprobs(i, token, sampling.logprobs)]
-                yield RequestOutput(request_id, [token], last, reason, len(prompt), i + 1, logprobs=logprobs)
+                n = sampling.prompt_logprobs
+                prompt_logprobs = None if i or n is None else [None] + [scripted_logprobs(p, prompt[p], n) for p in range(1, len(prompt))]
+                yield RequestOutput(request_id, [token], last, reason, len(prompt), i + 1, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         finally:
             self.active -= 1
             self._running.discard(request_id)

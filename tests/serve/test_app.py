@@ -336,6 +336,39 @@ def test_completion_logprobs_legacy_shape_streamed_or_not(stub):
         assert lp["top_logprobs"][i] == top
 
 
+def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(stub):
+    prompt = "The capital of France is"
+    ids = stub.tok.encode(prompt, add_special_tokens=True)
+    merged = {}
+    for stream in (False, True):
+        stub.script(" Paris", stop_id=None)
+        r = stub.client.completions.create(model="stub", prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0, stream=stream)
+        if stream:
+            chunks = list(r)
+            text = "".join(c.choices[0].text for c in chunks)
+            parts = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+            merged[stream] = (text, {k: [v for p in parts for v in getattr(p, k)] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")})
+        else:
+            lp = r.choices[0].logprobs
+            merged[stream] = (r.choices[0].text, {k: getattr(lp, k) for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")})
+        assert stub.engine.sampling[-1].prompt_logprobs == 1
+    assert merged[True] == merged[False]
+    text, lp = merged[False]
+    generated = stub.tok.encode(" Paris")[0]
+    assert text == prompt + stub.tok.decode([generated])
+    assert lp["tokens"] == [stub.tok.token_text(t) for t in ids + [generated]]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # the first prompt token has none
+    assert lp["token_logprobs"][1:] == [scripted_logprobs(p, ids[p], 1).logprob for p in range(1, len(ids))] + [scripted_logprobs(0, generated, 1).logprob]
+    assert "".join(lp["tokens"][: len(ids)]) == prompt and lp["text_offset"][len(ids)] == len(prompt)
+
+
+def test_echo_without_logprobs_only_prefixes_the_text(stub):
+    stub.script("!", stop_id=None)
+    r = stub.client.completions.create(model="stub", prompt=stub.tok.encode("Hi there"), max_tokens=3, echo=True)
+    assert r.choices[0].text == "Hi there!" and r.choices[0].logprobs is None
+    assert stub.engine.sampling[-1].prompt_logprobs is None
+
+
 # ---- failures -----------------------------------------------------------------------------------
 
 
@@ -381,7 +414,7 @@ def test_engine_failure_is_503_or_an_error_event(stub):
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
         ("/v1/completions", {}, "prompt"),
-        ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
         ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
         ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),

@@ -129,6 +129,16 @@ def test_logprobs_of_greedy_tokens_are_the_top_ones(live):
     assert len(legacy.tokens) == 6 and all(lp == max(top.values()) for lp, top in zip(legacy.token_logprobs, legacy.top_logprobs))
 
 
+def test_echo_logprobs_score_the_prompt(live):
+    ids = httpx.post(f"{live.url}/tokenize", json={"prompt": "Sparse attention selects keys"}).json()["tokens"]
+    r = live.client.completions.create(model="tiny", prompt=ids, max_tokens=1, echo=True, logprobs=2, **GREEDY).choices[0]
+    lp = r.logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 and max(top.values()) >= v for v, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]))
+    assert lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())  # the greedy token is the top one
+    assert r.text.startswith(httpx.post(f"{live.url}/detokenize", json={"tokens": ids}).json()["prompt"])
+
+
 def test_n_seeded_choices_are_the_requests_with_seeds_seed_plus_j(live):
     kwargs = dict(model="tiny", prompt="The weather in Paris", max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
     both = live.client.completions.create(n=2, seed=40, **kwargs)
