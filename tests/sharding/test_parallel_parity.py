@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jaxdsa
+from jaxdsa.engine import SamplingParams
 from tests.conftest import FIXTURES
 
 # (tp, ep, dp, dp_attention); with dp_attention the dp groups share the experts (ep counts all shards).
@@ -80,3 +81,24 @@ def test_logits_and_greedy_tokens_match_hf(case):
     tokens, logits = llm.generate([golden["greedy_prompt"].tolist()], max_new_tokens=len(golden["greedy_tokens"]), return_logits=True)
     assert tokens[0] == golden["greedy_tokens"].tolist()
     assert rel_l2(logits[0], golden["greedy_logits"]).max() <= TOLERANCE
+
+
+def test_prompt_logprobs_on_dp_groups_match_hf(case):
+    """Scoring picks each segment's tokens out of its own dp group (dp = 8: one layout per family)."""
+    llm, (_, _, dp, _), golden = case
+    if dp < 8:
+        pytest.skip("one dp layout is enough")
+    engine, prompt = llm.engine, golden["prompt_long"].tolist()
+    for i in range(3):  # admitted to the groups with the most free pages: spread over the groups
+        engine.add_request(f"r{i}", prompt[: 10 + i], SamplingParams(max_tokens=1, prompt_logprobs=2 if i == 1 else None))
+    engine.add_request("scored", prompt, SamplingParams(max_tokens=1, prompt_logprobs=2))
+    entries = {}
+    while engine.has_unfinished():
+        entries |= {o.request_id: o.prompt_logprobs for o in engine.step()}
+    logits = golden["logits_long"].astype(np.float64)
+    hf = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    for name, n in (("r1", 11), ("scored", len(prompt))):
+        got = entries[name]
+        assert got[0] is None and len(got) == n
+        np.testing.assert_allclose([e.logprob for e in got[1:]], hf[np.arange(n - 1), prompt[1:n]], atol=1e-4)
+    assert entries["r0"] is None and entries["r2"] is None
