@@ -49,7 +49,8 @@ class LLM:
     ``tp`` / ``ep`` / ``dp``: tensor, expert and data parallelism over the local devices
     (see :mod:`jaxdsa.sharding`); ``dp_attention``: the dp groups share the experts (``ep``
     counts the shards over all of them). Weights load straight into their sharded layout.
-    ``max_logprobs``: the most top logprobs a request served by :attr:`engine` may ask for.
+    ``max_logprobs``: the most top logprobs a request served by :attr:`engine` may ask for;
+    ``enable_prefix_caching``: its requests reuse the cache pages of token prefixes computed before.
     """
 
     def __init__(
@@ -67,6 +68,7 @@ class LLM:
         max_num_batched_tokens: int = 512,
         num_pages: int | None = None,
         max_logprobs: int = 20,
+        enable_prefix_caching: bool = True,
         seed: int = 0,
         load_format: str = "safetensors",
         progress: bool = True,
@@ -98,6 +100,7 @@ class LLM:
             page_size=page_size,
             num_pages=num_pages,
             max_logprobs=max_logprobs,
+            enable_prefix_caching=enable_prefix_caching,
             seed=seed,
         )
         self._engine: Engine | None = None

@@ -50,6 +50,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max-queue-len", type=int, default=256, help="requests waiting beyond --max-num-seqs before new ones get HTTP 429")
     g.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto", help="auto: float32 checkpoints in float32, else bfloat16")
     g.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs a request may ask for per token")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the cache pages of token prefixes computed before (chat history, system prompts)")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that give none (and for --load-format dummy)")
     g.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors", help="dummy: random weights of the config's shapes, made on the device (benchmarks)")
     g.add_argument("--no-warmup", action="store_true", help="compile step shapes on first use instead of at startup")
@@ -148,6 +150,7 @@ def build(args: argparse.Namespace) -> Server:
             max_num_batched_tokens=args.max_num_batched_tokens,
             num_pages=args.num_pages,
             max_logprobs=args.max_logprobs,
+            enable_prefix_caching=args.enable_prefix_caching,
             seed=args.seed,
             load_format=args.load_format,
             **parallel,

@@ -32,6 +32,8 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("jaxdsa:kv_cache_usage_perc", "Fraction of cache pages in use (1 = full).", value=s["cache_usage"])
         yield GaugeMetricFamily("jaxdsa:kv_cache_pages_used", "Cache pages in use.", value=s["cache_pages_used"])
         yield GaugeMetricFamily("jaxdsa:kv_cache_pages_total", "Cache pages in the pool.", value=s["cache_pages_total"])
+        yield CounterMetricFamily("jaxdsa:prefix_cache_queries", "Tokens of admitted requests looked up in the prefix cache.", value=s["prefix_cache_queries"])
+        yield CounterMetricFamily("jaxdsa:prefix_cache_hits", "Of those, tokens found in the prefix cache.", value=s["prefix_cache_hits"])
 
 
 class Metrics:

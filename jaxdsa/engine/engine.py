@@ -37,6 +37,7 @@ class EngineConfig:
     memory_fraction: float = 0.85  # of the device memory left after the weights, for the cache
     seed: int = 0
     max_logprobs: int = 20  # most top logprobs a request may ask for (vLLM's default)
+    enable_prefix_caching: bool = True  # reuse cached pages of shared token prefixes (vLLM's default)
 
 
 def enable_compilation_cache() -> None:
@@ -93,6 +94,7 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             groups=groups,
+            prefix_caching=config.enable_prefix_caching,
         )
         self.runner = ModelRunner(
             cfg,
@@ -241,6 +243,8 @@ class Engine:
             "cache_pages_used": used,
             "cache_pages_total": total,
             "cache_usage": used / total,
+            "prefix_cache_queries": self.scheduler.prefix_queried,
+            "prefix_cache_hits": self.scheduler.prefix_hit,
         }
 
 

@@ -57,6 +57,7 @@ class Request:
     arrival: float = dataclasses.field(default_factory=time.monotonic)
     output: list[int] = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)
+    block_ids: list[int] = dataclasses.field(default_factory=list)  # prefix-cache ids of its full computed pages
     num_computed: int = 0  # tokens whose latent rows are in the cache
     slot: int | None = None  # page-table row while running
     status: Status = Status.WAITING

@@ -10,6 +10,11 @@ Plain Python and unit-testable without JAX. Each step:
 With data parallelism the slots and pages are split into ``groups``: a request lives in one
 group (its slot and all its pages come from that group), so each dp replica of the model sees
 only its own sequences and pages.
+
+With ``prefix_caching`` a request is admitted with the longest run of full pages its tokens share
+with cached ones (:mod:`.allocator`), in the group that has the longest such run, and starts
+computing after them; at least its last token always runs, so it has logits to sample from.
+Every page that fills up with computed tokens is registered for later requests.
 """
 
 from __future__ import annotations
@@ -35,13 +40,18 @@ class Segment:
 
 
 class Scheduler:
-    def __init__(self, *, num_pages: int, page_size: int, max_num_seqs: int, max_num_batched_tokens: int, groups: int = 1):
+    def __init__(
+        self, *, num_pages: int, page_size: int, max_num_seqs: int, max_num_batched_tokens: int, groups: int = 1, prefix_caching: bool = False
+    ):
         if max_num_seqs % groups or num_pages % groups:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and num_pages ({num_pages}) must split into {groups} groups")
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.groups = groups
+        self.prefix_caching = prefix_caching
+        self.prefix_queried = 0  # tokens of admitted requests looked up in the prefix cache
+        self.prefix_hit = 0  # of those, tokens found there (not computed again)
         self.slots_per_group = max_num_seqs // groups
         self.allocators = [PageAllocator(num_pages // groups) for _ in range(groups)]
         self.waiting: collections.deque[Request] = collections.deque()
@@ -85,7 +95,7 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         group = self.group_of(request)
         self.allocators[group].free(request.pages)
-        request.pages = []
+        request.pages, request.block_ids = [], []
         self._free_slots[group].append(request.slot)
         request.slot = None
 
@@ -99,13 +109,22 @@ class Scheduler:
         request.pages.extend(pages)
         return True
 
-    def _admission_group(self, request: Request, upto: int) -> int | None:
-        """The group with a free slot and the most free pages, if it can take the first chunk."""
+    def _admission(self, request: Request, budget: int) -> tuple[int, list[tuple[int, int]], int] | None:
+        """(group, cached (block id, page) prefix, first chunk length) for a waiting request: the
+        group with a free slot, the longest cached prefix, then the most free pages; None if that
+        group cannot take the first chunk."""
         open_groups = [g for g in range(self.groups) if self._free_slots[g]]
         if not open_groups:
             return None
-        g = max(open_groups, key=lambda g: self.allocators[g].num_free)
-        return g if self.allocators[g].num_free >= self._pages_needed(request, upto) else None
+        max_pages = (request.num_tokens - 1) // self.page_size if self.prefix_caching else 0
+        hits = {g: self.allocators[g].cached_prefix(request.tokens, self.page_size, max_pages) for g in open_groups}
+        g = max(open_groups, key=lambda g: (len(hits[g]), self.allocators[g].num_free))
+        start = len(hits[g]) * self.page_size
+        n = min(request.num_tokens - start, budget)
+        new_pages = -(-(start + n) // self.page_size) - len(hits[g])
+        if not self.allocators[g].can_take(new_pages, shared=[page for _, page in hits[g]]):
+            return None
+        return g, hits[g], n
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -143,10 +162,15 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            n = min(request.remaining, budget)
-            group = self._admission_group(request, request.num_computed + n)
-            if group is None:
+            admission = self._admission(request, budget)
+            if admission is None:
                 break  # first come, first served: do not let later requests overtake
+            group, hits, n = admission
+            self.allocators[group].share([page for _, page in hits])
+            request.block_ids, request.pages = [b for b, _ in hits], [page for _, page in hits]
+            request.num_computed = len(hits) * self.page_size
+            self.prefix_queried += request.num_tokens
+            self.prefix_hit += request.num_computed
             self._grow(request, request.num_computed + n, group)
             self.waiting.popleft()
             request.slot = self._free_slots[group].pop()
@@ -160,3 +184,11 @@ class Scheduler:
         """The model ran these segments: their tokens are now in the cache."""
         for s in segments:
             s.request.num_computed = s.start + s.length
+            if self.prefix_caching:
+                self._register_full_pages(s.request)
+
+    def _register_full_pages(self, request: Request) -> None:
+        allocator, size, tokens = self.allocators[self.group_of(request)], self.page_size, request.tokens
+        for i in range(len(request.block_ids), request.num_computed // size):
+            parent = request.block_ids[-1] if request.block_ids else -1
+            request.block_ids.append(allocator.register(parent, tokens[i * size : (i + 1) * size], request.pages[i]))

@@ -1,5 +1,6 @@
 """The scheduler and page allocator, driven by a fake model (no JAX)."""
 
+import collections
 import itertools
 
 import pytest
@@ -151,3 +152,120 @@ def test_random_load_completes(seed):
     drain(sched)
     assert all(r.status is Status.FINISHED and len(r.output) == r.sampling.max_tokens for r in reqs)
     assert sched.allocator.num_used == 0
+
+
+# ---- prefix caching -------------------------------------------------------------------------------
+
+
+def cached(n_pages=16, page_size=4, seqs=4, budget=64, groups=1):
+    return Scheduler(num_pages=n_pages, page_size=page_size, max_num_seqs=seqs, max_num_batched_tokens=budget, groups=groups, prefix_caching=True)
+
+
+def request(tokens, max_tokens=1, name=None):
+    return Request(name or f"r{next(_ids)}", list(tokens), SamplingParams(max_tokens=max_tokens))
+
+
+def check_references(sched):
+    """Each page's reference count is the number of running requests that hold it."""
+    for g, a in enumerate(sched.allocators):
+        held = collections.Counter(p for r in sched.running if sched.group_of(r) == g for p in r.pages)
+        assert all(a._refs[p] == held[p] for p in range(a.num_pages))
+
+
+def test_allocator_keeps_freed_full_pages_until_it_needs_them():
+    a = PageAllocator(3)
+    p0, p1 = a.allocate(2)
+    b0 = a.register(-1, [1, 2], p0)
+    b1 = a.register(b0, [3, 4], p1)
+    assert a.register(-1, [1, 2], 2) == b0  # the same prefix again: the first page stays its home
+    a.free([p0, p1])
+    assert a.num_used == 0 and a.num_free == 3
+    assert a.cached_prefix([1, 2, 3, 4, 5], 2, 2) == [(b0, p0), (b1, p1)]
+    assert a.cached_prefix([1, 2, 9, 9], 2, 2) == [(b0, p0)]  # a key names the whole prefix
+    assert a.cached_prefix([3, 4], 2, 1) == []  # [3, 4] after nothing is another key
+    assert a.allocate(2) == [2, p1]  # the free page first, then a freed run's tail before its head
+    assert a.cached_prefix([1, 2, 3, 4], 2, 2) == [(b0, p0)]
+
+
+def test_a_shared_prefix_is_not_computed_again():
+    sched = cached()
+    a = request(range(10), max_tokens=3)
+    sched.add(a)
+    drain(sched)
+    b = request([*range(9), 99, 5, 6], max_tokens=2)  # shares a's first two pages (8 tokens), then differs
+    sched.add(b)
+    (seg,) = run_step(sched)
+    assert (seg.start, seg.length) == (8, 4) and b.pages[:2] == [0, 1]
+    assert (sched.prefix_queried, sched.prefix_hit) == (10 + 12, 8)
+    check_references(sched)
+    drain(sched)
+    assert sched.allocator.num_used == 0
+
+
+def test_an_identical_prompt_recomputes_its_last_page_only():
+    sched = cached()
+    first, second = request(range(12)), request(range(12), max_tokens=2)
+    sched.add(first)
+    drain(sched)
+    sched.add(second)
+    (seg,) = run_step(sched)
+    assert (seg.start, seg.length) == (8, 4)  # 12 tokens = 3 full pages; the last one runs to sample
+    assert second.pages[:2] == first_pages_of(sched, range(8))
+
+
+def first_pages_of(sched, tokens):
+    return [page for _, page in sched.allocator.cached_prefix(list(tokens), sched.page_size, len(tokens) // sched.page_size)]
+
+
+def test_requests_running_together_share_pages_once_computed():
+    sched = cached(budget=8)
+    a = request(range(16), max_tokens=4)
+    b = request([*range(16), 42], max_tokens=4)
+    sched.add(a)
+    run_step(sched)  # a's first 8 tokens: 2 pages registered
+    sched.add(b)
+    segs = run_step(sched)
+    assert [(s.request, s.start) for s in segs] == [(a, 8)]  # a takes the whole budget
+    segs = run_step(sched)  # a sampled; b admitted with a's 4 registered pages, runs its last token
+    assert [(s.request, s.start, s.length) for s in segs] == [(a, 16, 1), (b, 16, 1)]
+    assert b.pages[:4] == a.pages[:4]
+    check_references(sched)
+    assert sched.allocator.num_used == len(set(a.pages) | set(b.pages))
+    drain(sched)
+    assert sched.allocator.num_used == 0
+
+
+def test_dp_admission_prefers_the_group_with_the_prefix():
+    sched = cached(n_pages=16, seqs=4, groups=2)
+    warm = request(range(12), max_tokens=2)
+    sched.add(warm)
+    run_step(sched)
+    g = sched.group_of(warm)
+    drain(sched)
+    other = request(range(100, 112))  # nothing cached: would go to the emptier group
+    again = request([*range(12), 7], max_tokens=2)
+    sched.add(other)
+    sched.add(again)
+    run_step(sched)
+    assert sched.group_of(again) == g and again.num_computed >= 12
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_load_with_shared_prefixes_completes(seed):
+    import random
+
+    rng = random.Random(seed)
+    sched = cached(n_pages=12, seqs=3, budget=10)
+    prefixes = [[rng.randrange(50) for _ in range(rng.randint(1, 12))] for _ in range(3)]
+    reqs = []
+    for step in range(300):
+        if rng.random() < 0.3 and len(reqs) < 30:
+            tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(1, 8))]
+            reqs.append(request(tokens, rng.randint(1, 12)))
+            sched.add(reqs[-1])
+        if sched.has_work():
+            run_step(sched)
+            check_references(sched)
+    drain(sched)
+    assert all(r.status is Status.FINISHED and len(r.output) == r.sampling.max_tokens for r in reqs)
+    assert sched.allocator.num_used == 0 and sched.prefix_hit > 0

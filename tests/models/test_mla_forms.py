@@ -59,3 +59,32 @@ def test_chunked_prefill_and_decode_match_full_forward(tiny_llms, family):
     full = llm.score(prompt + tokens)  # one forward over prompt + generated tokens
     assert rel_l2(logits, full[29:-1]).max() < 1e-5
     assert tokens == np.argmax(full[29:-1], -1).tolist()
+
+
+@pytest.mark.parametrize("family", ["glm5", "dsv32"])
+def test_prefix_cache_hits_give_the_logits_of_a_full_computation(tiny_llms, family):
+    """Requests that share prefixes (also with requests still running) reuse cached pages, sparse
+    past index_topk, and produce what an engine without the cache computes."""
+    llm = tiny_llms[family]
+    rng = np.random.default_rng(9)
+    base = rng.integers(0, llm.config.vocab_size, 21).tolist()
+    prompts = [base, base + [5, 6, 7], base[:13] + [1, 2, 3], list(base)]  # longer, diverging mid-page, identical
+
+    def serve(prefix_caching):
+        config = EngineConfig(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16, page_size=8, enable_prefix_caching=prefix_caching)
+        engine = Engine(llm.config, llm.params, dtype=llm.dtype, config=config)
+        out = {}
+        for i, prompt in enumerate(prompts):  # two at a time: later ones find earlier ones' pages
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=6), return_logits=True)
+            if i % 2:
+                while engine.has_unfinished():
+                    for o in engine.step():
+                        out.setdefault(o.request_id, []).append(o)
+        return engine, {k: (sum((o.new_token_ids for o in v), []), np.stack([o.logits for o in v])) for k, v in out.items()}
+
+    engine, cached = serve(True)
+    _, plain = serve(False)
+    assert engine.scheduler.prefix_hit >= 16 + 8 + 16  # pages of 8: 2 of request 1, 1 of request 2, 2 of request 3
+    for k in plain:
+        assert cached[k][0] == plain[k][0]
+        assert rel_l2(cached[k][1], plain[k][1]).max() < 1e-5

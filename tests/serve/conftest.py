@@ -122,4 +122,7 @@ class ScriptedEngine:
             self._running.discard(request_id)
 
     def stats(self) -> dict[str, float]:
-        return {"running": self.active, "waiting": 0, "generated_tokens": 0, "cache_pages_used": 0, "cache_pages_total": 1, "cache_usage": 0.0}
+        return {
+            "running": self.active, "waiting": 0, "generated_tokens": 0, "cache_pages_used": 0, "cache_pages_total": 1, "cache_usage": 0.0,
+            "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+        }  # fmt: skip

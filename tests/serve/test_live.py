@@ -262,6 +262,14 @@ def test_engine_failure_is_503_and_the_server_recovers(live, monkeypatch):
     live.wait_idle()
 
 
+def test_a_repeated_long_prompt_hits_the_prefix_cache(live):
+    ids = httpx.post(f"{live.url}/tokenize", json={"prompt": " ".join(PROMPTS)}).json()["tokens"][:160]  # 2.5 pages of 64
+    before = live.metrics()["jaxdsa:prefix_cache_hits_total"]
+    texts = [live.client.completions.create(model="tiny", prompt=ids, max_tokens=8, **GREEDY).choices[0].text for _ in range(2)]
+    assert texts[0] == texts[1]
+    assert live.metrics()["jaxdsa:prefix_cache_hits_total"] - before >= 128  # the second request skipped two pages
+
+
 def test_metrics(live):
     m = live.metrics()
     for name in (
@@ -271,6 +279,7 @@ def test_metrics(live):
         "jaxdsa:kv_cache_usage_perc",
         "jaxdsa:time_to_first_token_seconds_count",
         "jaxdsa:prompt_tokens_total",
+        "jaxdsa:prefix_cache_queries_total",
     ):
         assert name in m, name
     assert m["jaxdsa:time_to_first_token_seconds_count"] > 10 and m["jaxdsa:generation_tokens_total"] > 100
