@@ -116,7 +116,9 @@ class Scheduler:
         open_groups = [g for g in range(self.groups) if self._free_slots[g]]
         if not open_groups:
             return None
-        max_pages = (request.num_tokens - 1) // self.page_size if self.prefix_caching else 0
+        # Prompt logprobs need every prompt token computed, as in vLLM: no cache hits for those.
+        lookup = self.prefix_caching and request.sampling.prompt_logprobs is None
+        max_pages = (request.num_tokens - 1) // self.page_size if lookup else 0
         hits = {g: self.allocators[g].cached_prefix(request.tokens, self.page_size, max_pages) for g in open_groups}
         g = max(open_groups, key=lambda g: (len(hits[g]), self.allocators[g].num_free))
         start = len(hits[g]) * self.page_size

@@ -44,9 +44,13 @@ def test_logprobs_are_the_full_forward_log_softmax(tiny_llms, family):
 def test_prompt_logprobs_over_chunked_prefill_are_the_full_forward(tiny_llms, family):
     llm = tiny_llms[family]
     prompt = np.random.default_rng(4).integers(0, llm.config.vocab_size, 30).tolist()
-    # A 12-token budget runs the prompt in chunks (crossing index_topk = 8) beside another request.
+    # A 12-token budget runs the prompt in chunks (crossing index_topk = 8) beside another request,
+    # and all of it although an earlier request left its pages in the prefix cache.
     config = EngineConfig(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=12, page_size=8, max_logprobs=4)
     engine = Engine(llm.config, llm.params, dtype=llm.dtype, config=config)
+    engine.add_request("earlier", prompt, SamplingParams(max_tokens=1))  # caches the prompt's pages
+    while engine.has_unfinished():
+        engine.step()
     engine.add_request("scored", prompt, SamplingParams(max_tokens=1, prompt_logprobs=3))  # ends at its first token
     engine.add_request("other", prompt[:9], SamplingParams(max_tokens=4))
     outputs = {"scored": [], "other": []}
