@@ -138,8 +138,8 @@ class ModelRunner:
             return out.reshape(-1)
 
         table = self.page_table if sparse else self.page_table[:, : self.dense_pages]
-        every_token = np.tile(np.arange(T, dtype=np.int32), len(groups))
-        meta = StepMeta(flat("seq_ids", T, -1), np.array(table), every_token if scoring else flat("logits_at", R, 0))
+        logits_at = np.tile(np.arange(T, dtype=np.int32), len(groups)) if scoring else flat("logits_at", R, 0)
+        meta = StepMeta(flat("seq_ids", T, -1), np.array(table), logits_at)
         args = (
             flat("tokens", T, 0),
             flat("positions", T, 0),
@@ -180,7 +180,9 @@ class ModelRunner:
             self.page_table[r.slot, : len(r.pages)] = r.pages
             spans.append((gi, len(g.tokens)))
             tokens = r.tokens
-            g.targets += [tokens[p + 1] if r.request_id in score and p + 1 < len(tokens) else -1 for p in range(s.start, s.start + s.length)]
+            if score:  # the next token of each scored one, else -1 (decode steps skip this)
+                scored = r.request_id in score
+                g.targets += [tokens[p + 1] if scored and p + 1 < len(tokens) else -1 for p in range(s.start, s.start + s.length)]
             g.tokens += tokens[s.start : s.start + s.length]
             g.positions += range(s.start, s.start + s.length)
             g.seq_ids += [r.slot - gi * self.slots_per_group] * s.length

@@ -190,7 +190,10 @@ class Scheduler:
                 self._register_full_pages(s.request)
 
     def _register_full_pages(self, request: Request) -> None:
-        allocator, size, tokens = self.allocators[self.group_of(request)], self.page_size, request.tokens
+        size = self.page_size
+        if request.num_computed // size == len(request.block_ids):
+            return  # no page filled up (most decode steps): skip building the token list
+        allocator, tokens = self.allocators[self.group_of(request)], request.tokens
         for i in range(len(request.block_ids), request.num_computed // size):
             parent = request.block_ids[-1] if request.block_ids else -1
             request.block_ids.append(allocator.register(parent, tokens[i * size : (i + 1) * size], request.pages[i]))
