@@ -14,7 +14,7 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
 from fastapi import Depends, FastAPI, Request
@@ -31,6 +31,8 @@ from serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeR
 from serve.reasoning import REASONING_PARSERS, ReasoningSplitter
 from serve.tokenizer import Tokenizer
 from serve.tool_parsers import TOOL_PARSERS
+
+T = TypeVar("T")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 
@@ -178,54 +180,38 @@ def create_app(ctx: ServingContext) -> FastAPI:
             for spj in _choice_sampling(sp, body.n):
                 gens.append(generation(f"{request_id}-{len(gens)}", ids, spj, text_output(body, spj)))
                 echoes.append(echo)
-        try:
-            await unless_disconnected(request, _start_all(gens))
-            if body.stream:
-                include_usage = body.stream_options is not None and body.stream_options.include_usage
-                return _sse_response(_completion_stream(gens, echoes, body.n, request_id, name, created, include_usage))
-            texts = await unless_disconnected(request, _collect_all(gens))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        finally:
-            if not body.stream:
-                for g in gens:
-                    await g.close()
-        choices = []
-        for i, (g, echo, text) in enumerate(zip(gens, echoes, texts)):
-            formatter = LogprobsFormatter(ctx.tokenizer)
-            logprobs = _join_logprobs(_echo_logprobs(g, formatter) if body.echo else None, _completion_logprobs(g, formatter))
-            choices.append({"index": i, "text": echo + text, "finish_reason": g.finish_reason, "logprobs": logprobs})
-        return JSONResponse(
-            {"id": request_id, "object": "text_completion", "created": created, "model": name, "choices": choices, "usage": _usage(gens, body.n)}
-        )
+
+        def reply(texts: list[str]) -> Response:
+            choices = []
+            for i, (g, echo, text) in enumerate(zip(gens, echoes, texts)):
+                logprobs = _completion_logprobs(g, LogprobsFormatter(ctx.tokenizer), echo=body.echo)
+                choices.append({"index": i, "text": echo + text, "finish_reason": g.finish_reason, "logprobs": logprobs})
+            usage = _usage(gens, body.n)
+            return JSONResponse({"id": request_id, "object": "text_completion", "created": created, "model": name, "choices": choices, "usage": usage})
+
+        stream = lambda: _completion_stream(gens, echoes, body, request_id, name, created)  # noqa: E731
+        return await _respond(request, body, gens, stream, lambda: _collect_all(gens), reply)
 
     async def _completion_stream(
-        gens: list[Generation], echoes: list[str], n: int, request_id: str, name: str, created: int, include_usage: bool
+        gens: list[Generation], echoes: list[str], body: CompletionRequest, request_id: str, name: str, created: int
     ) -> AsyncIterator[str]:
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-            usage = {"usage": None} if include_usage else {}
+            usage = {"usage": None} if body.include_usage else {}
             return _sse({"id": request_id, "object": "text_completion", "created": created, "model": name, "choices": choices, **usage, **extra})
 
         formatters = [LogprobsFormatter(ctx.tokenizer) for _ in gens]
-        try:
+        if body.echo:  # the prompts (and their logprobs) first
             for i, (g, echo) in enumerate(zip(gens, echoes)):
-                if echo or g.prompt_logprobs is not None:
-                    yield chunk([{"index": i, "text": echo, "finish_reason": None, "logprobs": _echo_logprobs(g, formatters[i])}])
-            async for i, text in _interleave([g.deltas() for g in gens]):
-                g = gens[i]
-                logprobs = _completion_logprobs(g, formatters[i])
-                if text is None:
-                    yield chunk([{"index": i, "text": "", "finish_reason": g.finish_reason, "logprobs": logprobs}])
-                else:
-                    yield chunk([{"index": i, "text": text, "finish_reason": None, "logprobs": logprobs}])
-            if include_usage:
-                yield chunk([], usage=_usage(gens, n))
-        except ApiError as e:
-            yield e.sse()
-        finally:
-            for g in gens:
-                await g.close()
-        yield _DONE
+                yield chunk([{"index": i, "text": echo, "finish_reason": None, "logprobs": _completion_logprobs(g, formatters[i], echo=True)}])
+        async for i, text in _interleave([g.deltas() for g in gens]):
+            g = gens[i]
+            logprobs = _completion_logprobs(g, formatters[i])
+            if text is None:
+                yield chunk([{"index": i, "text": "", "finish_reason": g.finish_reason, "logprobs": logprobs}])
+            else:
+                yield chunk([{"index": i, "text": text, "finish_reason": None, "logprobs": logprobs}])
+        if body.include_usage:
+            yield chunk([], usage=_usage(gens, body.n))
 
     # -- chat completions -------------------------------------------------------------------------
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
@@ -249,26 +235,19 @@ def create_app(ctx: ServingContext) -> FastAPI:
 
         choices = [choice(j, spj) for j, spj in enumerate(_choice_sampling(sp, body.n))]
         gens = [c.gen for c in choices]
-        try:
-            await unless_disconnected(request, _start_all(gens))
-            if body.stream:
-                include_usage = body.stream_options is not None and body.stream_options.include_usage
-                return _sse_response(_chat_stream(choices, request_id, name, created, include_usage))
-            replies = await unless_disconnected(request, asyncio.gather(*(_collect_reply(c.gen, c.parser) for c in choices)))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        finally:
-            if not body.stream:
-                for g in gens:
-                    await g.close()
-        out = [_chat_message(i, c, reply) for i, (c, reply) in enumerate(zip(choices, replies))]
-        return JSONResponse(
-            {"id": request_id, "object": "chat.completion", "created": created, "model": name, "choices": out, "usage": _usage(gens, body.n)}
-        )
 
-    async def _chat_stream(choices: list[_ChatChoice], request_id: str, name: str, created: int, include_usage: bool) -> AsyncIterator[str]:
+        def reply(replies: list[ReplyDelta]) -> Response:
+            out = [_chat_message(i, c, r) for i, (c, r) in enumerate(zip(choices, replies))]
+            usage = _usage(gens, body.n)
+            return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": name, "choices": out, "usage": usage})
+
+        stream = lambda: _chat_stream(choices, body, request_id, name, created)  # noqa: E731
+        collect = lambda: asyncio.gather(*(_collect_reply(c.gen, c.parser) for c in choices))  # noqa: E731
+        return await _respond(request, body, gens, stream, collect, reply)
+
+    async def _chat_stream(choices: list[_ChatChoice], body: ChatCompletionRequest, request_id: str, name: str, created: int) -> AsyncIterator[str]:
         def chunk(choice_list: list[dict[str, Any]], **extra: Any) -> str:
-            usage = {"usage": None} if include_usage else {}
+            usage = {"usage": None} if body.include_usage else {}
             return _sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": name, "choices": choice_list, **usage, **extra})
 
         def delta_chunk(i: int, delta: dict[str, Any], finish_reason: str | None = None) -> str:
@@ -289,24 +268,16 @@ def create_app(ctx: ServingContext) -> FastAPI:
                 out.append(delta_chunk(i, {"tool_calls": [{"index": first + k, **c.to_openai()} for k, c in enumerate(d.tool_calls)]}))
             return out
 
-        gens = [c.gen for c in choices]
-        try:
-            for i in range(len(choices)):
-                yield delta_chunk(i, {"role": "assistant", "content": ""})
-            async for i, text in _interleave([g.deltas() for g in gens]):
-                c = choices[i]
-                for x in reply_chunks(i, c.parser.feed(text) if text is not None else c.parser.finish()):
-                    yield x
-                if text is None:
-                    yield delta_chunk(i, {}, _chat_finish_reason(c.gen, c.parser))
-            if include_usage:
-                yield chunk([], usage=_usage(gens, len(gens)))
-        except ApiError as e:
-            yield e.sse()
-        finally:
-            for g in gens:
-                await g.close()
-        yield _DONE
+        for i in range(len(choices)):
+            yield delta_chunk(i, {"role": "assistant", "content": ""})
+        async for i, text in _interleave([c.gen.deltas() for c in choices]):
+            c = choices[i]
+            for x in reply_chunks(i, c.parser.feed(text) if text is not None else c.parser.finish()):
+                yield x
+            if text is None:
+                yield delta_chunk(i, {}, _chat_finish_reason(c.gen, c.parser))
+        if body.include_usage:
+            yield chunk([], usage=_usage([c.gen for c in choices], body.n))
 
     return app
 
@@ -352,19 +323,12 @@ def _chat_finish_reason(gen: Generation, parser: ReplyParser) -> str | None:
     return "tool_calls" if parser.num_tool_calls and gen.finish_reason == "stop" else gen.finish_reason
 
 
-def _completion_logprobs(gen: Generation, formatter: LogprobsFormatter) -> dict[str, Any] | None:
-    """The legacy logprobs of the tokens read since the last call, or None when not asked for."""
-    return formatter.completion(gen.take_logprobs()) if gen.sampling.logprobs is not None else None
-
-
-def _echo_logprobs(gen: Generation, formatter: LogprobsFormatter) -> dict[str, Any] | None:
-    """The legacy logprobs of an echoed prompt, or None when not asked for."""
-    return formatter.completion(gen.prompt_logprobs, gen.prompt_ids) if gen.prompt_logprobs is not None else None
-
-
-def _join_logprobs(*parts: dict[str, Any] | None) -> dict[str, Any] | None:
-    present = [p for p in parts if p is not None]
-    return {k: [v for p in present for v in p[k]] for k in present[0]} if present else None
+def _completion_logprobs(gen: Generation, formatter: LogprobsFormatter, *, echo: bool = False) -> dict[str, Any] | None:
+    """The legacy logprobs of the tokens read since the last call, led by the prompt's with
+    ``echo``; None when not asked for."""
+    if gen.sampling.logprobs is None:
+        return None
+    return formatter.completion([*(gen.prompt_logprobs if echo else ()), *gen.take_logprobs()], gen.prompt_ids)
 
 
 def _usage(gens: list[Generation], n: int) -> dict[str, int]:
@@ -372,6 +336,45 @@ def _usage(gens: list[Generation], n: int) -> dict[str, int]:
     prompt = sum(len(g.prompt_ids) for g in gens[::n])
     completion = sum(g.num_output_tokens for g in gens)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _respond(
+    request: Request,
+    body: ChatCompletionRequest | CompletionRequest,
+    gens: list[Generation],
+    stream: Callable[[], AsyncIterator[str]],
+    collect: Callable[[], Awaitable[T]],
+    reply: Callable[[T], Response],
+) -> Response:
+    """Start every choice, then either stream its events (the stream owns the generations from
+    then on) or collect the results and build the reply; the generations are closed either way,
+    and a client gone before the answer gets 499."""
+    try:
+        await unless_disconnected(request, _start_all(gens))
+        if body.stream:
+            return _sse_response(_sse_events(gens, stream()))
+        collected = await unless_disconnected(request, collect())
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        if not body.stream:
+            for g in gens:
+                await g.close()
+    return reply(collected)
+
+
+async def _sse_events(gens: list[Generation], events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream's events, then ``[DONE]``; an engine failure mid-stream becomes an error event,
+    and the generations are closed however the stream ends (also when the client leaves)."""
+    try:
+        async for event in events:
+            yield event
+    except ApiError as e:
+        yield e.sse()
+    finally:
+        for g in gens:
+            await g.close()
+    yield _DONE
 
 
 def _sse_response(body: AsyncIterator[str]) -> StreamingResponse:

@@ -41,9 +41,9 @@ class LogprobsFormatter:
         ]
         return {"content": content}
 
-    def completion(self, entries: Iterable[TokenLogprobs], prompt_ids: list[int] | None = None) -> dict[str, Any]:
-        """Generated tokens' entries; with ``prompt_ids`` (echo), ``entries`` are the prompt's, where
-        the first token has none (``None`` logprob and top, as in OpenAI's and vLLM's echo)."""
+    def completion(self, entries: Iterable[TokenLogprobs | None], prompt_ids: list[int] | None = None) -> dict[str, Any]:
+        """Entries in order; an echoed prompt leads them, and its first token has none: that
+        position gets ``prompt_ids[0]``'s text and ``None`` logprob and top (OpenAI's and vLLM's echo)."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for k, e in enumerate(entries):
             token_id = e.token_id if e is not None else prompt_ids[k]

@@ -66,6 +66,11 @@ class _GenerationRequest(BaseModel):
         return value
 
     @property
+    def include_usage(self) -> bool:
+        """Streams end with a usage chunk (``stream_options.include_usage``)."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 

@@ -219,8 +219,7 @@ class Engine:
         for k in range(segment.length):
             p = segment.start + k + 1
             if p < len(request.prompt):
-                top = tuple(zip(scored.top_ids[k, :n].tolist(), scored.top_logprobs[k, :n].tolist()))
-                entries[p] = TokenLogprobs(request.prompt[p], float(scored.logprobs[k]), top)
+                entries[p] = _entry(request.prompt[p], scored.logprobs[k], scored.top_ids[k], scored.top_logprobs[k], n)
 
     def warmup(self, progress: bool = True) -> float:
         """Compile every step shape now (with a progress line); returns seconds taken."""
@@ -251,5 +250,9 @@ class Engine:
 def _token_logprobs(result: StepResult, row: int, n: int | None) -> list[TokenLogprobs] | None:
     if n is None:
         return None
-    top = tuple(zip(result.top_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist()))
-    return [TokenLogprobs(int(result.ids[row]), float(result.logprobs[row]), top)]
+    return [_entry(int(result.ids[row]), result.logprobs[row], result.top_ids[row], result.top_logprobs[row], n)]
+
+
+def _entry(token_id: int, logprob, top_ids, top_logprobs, n: int) -> TokenLogprobs:
+    """A token's entry from one row of the step's logprob arrays, with its ``n`` top tokens."""
+    return TokenLogprobs(token_id, float(logprob), tuple(zip(top_ids[:n].tolist(), top_logprobs[:n].tolist())))

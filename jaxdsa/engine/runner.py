@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
