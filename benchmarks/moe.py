@@ -40,7 +40,9 @@ from pallas_kernels.moe import kernel, ref, tuning
 from pallas_kernels.moe.tuning import MoeConfig, Tile
 
 E, TOP_K, D, N = 256, 8, 6144, 2048
-TOKENS = (1, 8, 32, 128, 512, 4096)
+ALL_TOKENS = (1, 8, 32, 128, 512, 4096)
+# MOE_TOKENS=4096,512 runs only those T (a sweep, written to moe-<gpu>-sweep.md).
+TOKENS = tuple(int(t) for t in os.environ["MOE_TOKENS"].split(",")) if os.environ.get("MOE_TOKENS") else ALL_TOKENS
 TORCH_COPY_GBS = 3006.0  # anchors: torch dst.copy_(src), 1 GiB, H100
 TORCH_GROUPED_US = {1: 302.2, 8: 1646.8, 32: 4534.4, 128: 6879.7, 512: 7427.5, 4096: 13435.5}  # anchors
 EXPERT_BYTES = 3 * D * N * 2
@@ -55,20 +57,26 @@ STREAM_VARIANTS = {
     "narrow": (Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
     "wide_n": (Tile(128, 64, 4, 4), Tile(128, 64, 4, 4)),
     "s3_2cta": (Tile(64, 128, 4, 3), Tile(64, 128, 4, 3)),  # 108 KiB: two programs per SM
-    "long_k": (Tile(32, 256, 4, 3), Tile(64, 256, 4, 3)),
     "8warps": (Tile(64, 128, 8, 4), Tile(128, 128, 8, 3)),
 }
 COMPUTE_VARIANTS = {
-    "bm128": (128, Tile(128, 64, 8, 3), Tile(128, 64, 8, 3)),  # H100's table at T = 4096
-    "bm64": (64, Tile(128, 64, 8, 3), Tile(128, 64, 4, 4)),  # H100's table before that sweep
-    "bm64_n64": (64, Tile(64, 64, 4, 4), Tile(256, 64, 8, 3)),
-    "bm128_n64": (128, Tile(64, 64, 8, 4), Tile(128, 64, 8, 4)),
+    "bm128": MoeConfig(128, Tile(128, 64, 8, 4), Tile(128, 64, 8, 3)),  # H100's table at T = 4096
+    "absorb32": MoeConfig(128, Tile(128, 64, 8, 4), Tile(128, 64, 8, 3), absorb_m=32),
+    "absorb32_dn_n256": MoeConfig(128, Tile(128, 64, 8, 4), Tile(256, 64, 8, 3), absorb_m=32),
+    "dn_n256": MoeConfig(128, Tile(128, 64, 8, 4), Tile(256, 64, 8, 3)),
+    "gu_s3": MoeConfig(128, Tile(128, 64, 8, 3), Tile(128, 64, 8, 3)),
 }
+# Dropped after sweeps on H100 and H200 (moe-h100-sweep-*.md, moe-h200-sweep.md), slower at every
+# T they ran: long_k (32x256 / 64x256), 128-row K steps, 256-row blocks, 64-wide gate|up tiles,
+# 64-row blocks at two programs per SM (4 warps, 2-4 stages).
 
 
 def _describe(cfg: MoeConfig) -> str:
     t = lambda x: f"{x.block_n}x{x.block_k}/w{x.num_warps}s{x.num_stages}"  # noqa: E731
-    return f"bm{cfg.block_m} gu {t(cfg.gate_up)} dn {t(cfg.down)}"
+    default = MoeConfig(cfg.block_m, cfg.gate_up, cfg.down)
+    shrink = "" if cfg.min_block_m == default.min_block_m else f" min_m{cfg.min_block_m}"
+    absorb = "" if cfg.absorb_m == default.absorb_m else f" absorb{cfg.absorb_m}"
+    return f"bm{cfg.block_m} gu {t(cfg.gate_up)} dn {t(cfg.down)}{shrink}{absorb}"
 
 
 def _variants(t: int) -> dict[str, MoeConfig]:
@@ -77,7 +85,8 @@ def _variants(t: int) -> dict[str, MoeConfig]:
     if base.block_m <= 32:
         out |= {name: MoeConfig(base.block_m, gu, dn) for name, (gu, dn) in STREAM_VARIANTS.items()}
     if base.block_m >= 32:
-        out |= {name: MoeConfig(bm, gu, dn) for name, (bm, gu, dn) in COMPUTE_VARIANTS.items()}
+        out |= COMPUTE_VARIANTS
+    out["no_shrink"] = dataclasses.replace(base, min_block_m=base.block_m)  # tail blocks at full height
     return {name: cfg for name, cfg in out.items() if cfg != base}
 
 
@@ -198,6 +207,42 @@ def _pallas(case: _Case, name: str, cfg: MoeConfig) -> dict[str, Any]:
     return _measure(f"pallas:{name}", fn, case, replays=20 if case.t <= 512 else 10) | {"config": _describe(cfg)}
 
 
+def _phases(case: _Case) -> list[dict[str, Any]]:
+    """Where the table config's time goes: routing alone, then routing + gate|up; the rest of
+    ``pallas:table`` is down + combine."""
+    cfg = tuning.choose(case.t * TOP_K, E, itemsize=2)
+
+    def routed(x, ids, w, ex):
+        return kernel.route(ids, E, cfg.block_m)
+
+    def activated(x, ids, w, ex):
+        return kernel.gate_up(x, kernel.route(ids, E, cfg.block_m), ex["gate_up"], cfg, top_k=TOP_K)
+
+    rows = []
+    for name, fn in (("phase: routing", routed), ("phase: routing + gate_up", activated)):
+        us = harness.time_op(fn, case.sets, replays=10) * 1e6
+        print(f"moe T={case.t} {name}: {us:.1f} us")
+        rows.append(case.common | {"impl": name, "config": _describe(cfg), "us": us})
+    return rows
+
+
+def _skewed(case: _Case, experts: dict) -> dict[str, Any]:
+    """The table config under uneven routing: expert popularity falling off along the expert
+    index (Gumbel scores plus a linear bias), as an unbalanced router would route."""
+    kx, ki = jax.random.split(jax.random.key(200 + case.t))
+    x = jax.random.normal(kx, (case.t, D), jnp.bfloat16)
+    scores = jax.random.gumbel(ki, (case.t, E)) + jnp.linspace(3.0, 0.0, E)
+    ids = jax.lax.top_k(scores, TOP_K)[1].astype(jnp.int32)
+    w = jax.nn.softmax(jax.random.normal(kx, (case.t, TOP_K)), axis=-1)
+    counts = np.bincount(np.asarray(ids).reshape(-1), minlength=E)
+    skewed = dataclasses.replace(case, sets=[(x, ids, w, experts)], want=_f32_rows(x[case.rows], ids[case.rows], w[case.rows], experts),
+                                 distinct=float((counts > 0).sum()))
+    cfg = tuning.choose(case.t * TOP_K, E, itemsize=2)
+    fn = lambda x, ids, w, ex: kernel.moe_experts(x, ids, w, ex, config=cfg)  # noqa: E731
+    row = _measure("skewed routing: table", fn, skewed, replays=10) | {"config": _describe(cfg)}
+    return row | {"note": f"slots per expert {counts.min()}-{counts.max()}"}
+
+
 def run(ceilings: Mapping[str, float] | None = None) -> list[dict]:
     """All rows (T x implementation). ``ceilings``: optional ``copy_gbs`` / ``matmul_tflops``.
 
@@ -222,6 +267,11 @@ def run(ceilings: Mapping[str, float] | None = None) -> list[dict]:
             results.append(case.common | {"impl": "ragged_dot", "note": note})
         if case.t <= 32:
             results.append(_measure("gather", _gather_moe, case, replays=10))
+        if case.t >= 512:
+            try:
+                results += [*_phases(case), _skewed(case, experts)]
+            except Exception:  # noqa: BLE001 - diagnostics must not end the batched run
+                traceback.print_exc()
     for case in reversed(cases):
         for name, cfg in _variants(case.t).items():
             if time.perf_counter() - start > BUDGET_S:
@@ -281,7 +331,7 @@ def _write_report(results: list[dict], copy_gbs: float, mm_tflops: float, elapse
         harness.markdown_table(results, COLUMNS),
         "",
     ]
-    out = harness.write_result("moe", "\n".join(lines))
+    out = harness.write_result("moe", "\n".join(lines), "" if TOKENS == ALL_TOKENS else "-sweep")
     print(f"moe: wrote {out}")
 
 

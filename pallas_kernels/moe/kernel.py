@@ -1,24 +1,32 @@
 """Pallas-Triton MoE experts: grouped SwiGLU GEMMs that read only the experts a batch touches.
 
-Three steps, all inside the caller's jit:
+Four steps, all inside the caller's jit (:func:`route`, :func:`gate_up`, :func:`down`,
+:func:`combine`):
 
 1. Routing (:mod:`.routing`, plain XLA): token slots grouped by expert into blocks of
-   ``block_m`` rows; a block map of static worst-case size with idle blocks marked -1.
+   ``block_m`` rows; a block map of static worst-case size (idle blocks marked -1) with each
+   block's filled rows and its expert's span of blocks.
 2. ``gate_up`` kernel: one program per (block, N tile). It gathers the block's token rows of
    ``x`` straight from ``[T, D]`` (no permuted copy of the activations), multiplies them with the
    expert's gate and up tiles in one K loop (two f32 accumulators), and applies the clamp and
-   SwiGLU in the epilogue, writing ``act`` in block-padded row order (padding rows are exactly 0).
+   SwiGLU in the epilogue, writing ``act`` in block-padded row order (padding rows inside the
+   row tile are exactly 0).
 3. ``down`` kernel: one program per (block, D tile); ``act @ down_e``, rows scattered back to
-   slot order ``[T * k, D]``; the weighted sum over the k slots of a token is one XLA fusion.
+   slot order ``[T * k, D]``.
+4. The weighted sum over the k slots of a token: one XLA fusion.
 
 Idle programs (blocks beyond the routing's need, or blocks of a filtered expert) exit at once.
-Programs are numbered output tile fastest, so all tiles of a block run side by side (its
-gathered ``x`` rows stay in L2) and the blocks of one expert meet the same weight tile close
-together in time (a second block's weight reads come from L2). With decode-sized batches
-``block_m`` almost always covers all of an expert's slots, so each touched expert's weights are
-streamed from HBM once (see :mod:`.tuning`). Both kernels read weights only through
-:func:`_weight_tile` (``[block_k, block_n]`` slices of the packed arrays), the one place a fused
-dequantize step would go.
+Programs are numbered expert by expert, then output tile, then block (:func:`_block_and_tile`):
+the blocks of one expert that share a weight tile run side by side, so only the first of them
+reads it from HBM and the others hit L2, and all tiles of an expert run close together (its
+gathered ``x`` rows stay in L2). A block multiplies only the rows it holds, rounded up to a
+power of two (:func:`_with_row_tiles`), and an expert's small last block rides on the block
+before it, which multiplies those rows with the weight tiles it already has in shared memory
+(H100, T = 4096: 4.7 vs 4.9 ms for routing + gate|up, ``benchmarks/results/moe-h100-sweep-*.md``).
+With decode-sized batches ``block_m`` almost always covers all of an expert's slots, so each
+touched expert's weights are streamed from HBM once (see :mod:`.tuning`). Both kernels read
+weights only through :func:`_weight_tile` (``[block_k, block_n]`` slices of the packed arrays),
+the one place a fused dequantize step would go.
 
 Loads and stores that can touch padding (the gathered ``x`` rows, the ``y`` scatter) carry
 explicit masks and ``other``; the weight, ``act`` and block-map accesses are in bounds by
@@ -38,7 +46,9 @@ import jax.numpy as jnp
 from pallas_kernels._triton import compiler_params, pl, pltriton
 from pallas_kernels.moe import ref, routing, tuning
 
-__all__ = ["moe_experts", "pack_experts"]
+__all__ = ["combine", "down", "gate_up", "moe_experts", "pack_experts", "route"]
+
+_EXPERT, _ROWS, _SPAN_START, _SPAN_LEN = range(4)  # rows of the per-block metadata the kernels read
 
 
 def pack_experts(gate: jax.Array, up: jax.Array, down: jax.Array, *, interpret: bool = False) -> dict:
@@ -69,67 +79,129 @@ def _weight_tile(w_ref, expert, k0, n0, block_k: int, block_n: int) -> jax.Array
     return w_ref[expert, pl.ds(k0, block_k), pl.ds(n0, block_n)]
 
 
-def _gate_up_kernel(block_expert_ref, row_slot_ref, x_ref, w_ref, act_ref, *,
-                    top_k: int, block_m: int, block_n: int, block_k: int, n_tiles: int,
+def _block_and_tile(meta_ref, n_tiles: int) -> tuple[jax.Array, jax.Array]:
+    """(block, output tile) of this program. An expert owning blocks ``[s, s + c)`` owns programs
+    ``[s * n_tiles, (s + c) * n_tiles)``; inside that range the block index runs fastest, so the
+    ``c`` programs that read the same weight tile are adjacent in launch order."""
+    pid = pl.program_id(0)
+    owner = pid // n_tiles  # some block of the same expert
+    start, count = meta_ref[_SPAN_START, owner], meta_ref[_SPAN_LEN, owner]
+    local = pid - start * n_tiles
+    return start + local % count, local // count
+
+
+def _row_powers(top: int, bottom: int) -> list[tuple[int, int]]:
+    """``(m, lower)`` for m = top, top/2, ... bottom: row tile m serves ``lower < rows <= m``."""
+    out, m = [], top
+    while m >= bottom:
+        out.append((m, m // 2 if m // 2 >= bottom else 0))
+        m //= 2
+    return out
+
+
+def _with_row_tiles(meta_ref, block, *, block_m: int, min_m: int, absorb_m: int, body) -> None:
+    """Run ``body(m, extra)`` for this block: ``m`` rows of its own, ``extra`` rows of the next.
+
+    A block runs with the smallest power-of-two row tile ``m`` in ``[min_m, block_m]`` that holds
+    its filled rows (valid rows are a prefix), so a partly filled block multiplies ``m`` rows, not
+    ``block_m``. An expert's last block with at most ``absorb_m`` rows is absorbed: the block
+    before it also multiplies those rows (``extra``, a power of two >= 16) with the weight tiles it
+    has already loaded, and the last block's own programs exit. Without that, a few-row tail
+    block streams the whole weight slab again for a sliver of the work.
+    """
+    rows = meta_ref[_ROWS, block]
+    start, count = meta_ref[_SPAN_START, block], meta_ref[_SPAN_LEN, block]
+    last = start + count - 1
+    plain = rows > 0
+    if absorb_m:
+        absorbed = (count >= 2) & (meta_ref[_ROWS, last] <= absorb_m)
+        plain &= ~absorbed | (block < last - 1)
+        tail_rows = meta_ref[_ROWS, last]
+        for extra, lower in _row_powers(absorb_m, 16):
+            pl.when(absorbed & (block == last - 1) & (tail_rows > lower) & (tail_rows <= extra))(
+                functools.partial(body, block_m, extra))
+    for m, lower in _row_powers(block_m, min_m):
+        pl.when(plain & (rows > lower) & (rows <= m))(functools.partial(body, m, 0))
+
+
+def _row_groups(block, block_m: int, m: int, extra: int) -> list[tuple[pl.Slice, int]]:
+    """Row ranges a program multiplies: its block's first ``m`` rows, and the next block's first
+    ``extra`` rows when it absorbs that block."""
+    groups = [(pl.ds(pl.multiple_of(block * block_m, block_m), m), m)]
+    if extra:
+        groups.append((pl.ds(pl.multiple_of((block + 1) * block_m, block_m), extra), extra))
+    return groups
+
+
+def _gate_up_kernel(meta_ref, row_slot_ref, x_ref, w_ref, act_ref, *, top_k: int, block_m: int,
+                    min_m: int, absorb_m: int, block_n: int, block_k: int, n_tiles: int,
                     swiglu_limit: float | None, precision):
-    block = pl.program_id(0) // n_tiles
-    n0 = pl.multiple_of((pl.program_id(0) % n_tiles) * block_n, block_n)
-    expert = block_expert_ref[block]
+    block, tile = _block_and_tile(meta_ref, n_tiles)
+    n0 = pl.multiple_of(tile * block_n, block_n)
+    expert = meta_ref[_EXPERT, block]
     d_model = x_ref.shape[1]
     n_inter = w_ref.shape[2] // 2
 
-    @pl.when(expert >= 0)
-    def _():
-        rows = pl.ds(pl.multiple_of(block * block_m, block_m), block_m)
-        slots = row_slot_ref[rows]
-        valid = slots >= 0
-        tokens = jnp.where(valid, slots // top_k, 0)
+    def run(m: int, extra: int) -> None:
+        groups = _row_groups(block, block_m, m, extra)
+        gathers = []  # (token of each row, row valid) per group
+        for rows, _ in groups:
+            slots = row_slot_ref[rows]
+            gathers.append((jnp.where(slots >= 0, slots // top_k, 0), slots >= 0))
 
         def step(i, acc):
-            gate, up = acc
             k0 = pl.multiple_of(i * block_k, block_k)
             cols = k0 + jnp.arange(block_k, dtype=jnp.int32)
-            xs = pltriton.load(x_ref.at[tokens[:, None], cols[None, :]], mask=valid[:, None], other=0)
             w_gate = _weight_tile(w_ref, expert, k0, n0, block_k, block_n)
             w_up = _weight_tile(w_ref, expert, k0, n_inter + n0, block_k, block_n)
-            gate += jnp.dot(xs, w_gate, preferred_element_type=jnp.float32, precision=precision)
-            up += jnp.dot(xs, w_up, preferred_element_type=jnp.float32, precision=precision)
-            return gate, up
+            out = []
+            for (gate, up), (tokens, valid) in zip(acc, gathers):
+                xs = pltriton.load(x_ref.at[tokens[:, None], cols[None, :]], mask=valid[:, None], other=0)
+                gate += jnp.dot(xs, w_gate, preferred_element_type=jnp.float32, precision=precision)
+                up += jnp.dot(xs, w_up, preferred_element_type=jnp.float32, precision=precision)
+                out.append((gate, up))
+            return tuple(out)
 
-        zeros = jnp.zeros((block_m, block_n), jnp.float32)
-        gate, up = jax.lax.fori_loop(0, d_model // block_k, step, (zeros, zeros))
-        if swiglu_limit is not None:
-            gate = jnp.minimum(gate, swiglu_limit)
-            up = jnp.clip(up, -swiglu_limit, swiglu_limit)
-        act_ref[rows, pl.ds(n0, block_n)] = (jax.nn.silu(gate) * up).astype(act_ref.dtype)
+        zeros = tuple((jnp.zeros((n, block_n), jnp.float32),) * 2 for _, n in groups)
+        acc = jax.lax.fori_loop(0, d_model // block_k, step, zeros)
+        for (rows, _), (gate, up) in zip(groups, acc):
+            if swiglu_limit is not None:
+                gate = jnp.minimum(gate, swiglu_limit)
+                up = jnp.clip(up, -swiglu_limit, swiglu_limit)
+            act_ref[rows, pl.ds(n0, block_n)] = (jax.nn.silu(gate) * up).astype(act_ref.dtype)
+
+    _with_row_tiles(meta_ref, block, block_m=block_m, min_m=min_m, absorb_m=absorb_m, body=run)
 
 
-def _down_kernel(block_expert_ref, row_slot_ref, act_ref, w_ref, y_ref, *,
-                 block_m: int, block_n: int, block_k: int, n_tiles: int, precision):
-    block = pl.program_id(0) // n_tiles
-    d0 = pl.multiple_of((pl.program_id(0) % n_tiles) * block_n, block_n)
-    expert = block_expert_ref[block]
+def _down_kernel(meta_ref, row_slot_ref, act_ref, w_ref, y_ref, *, block_m: int, min_m: int,
+                 absorb_m: int, block_n: int, block_k: int, n_tiles: int, precision):
+    block, tile = _block_and_tile(meta_ref, n_tiles)
+    d0 = pl.multiple_of(tile * block_n, block_n)
+    expert = meta_ref[_EXPERT, block]
     n_inter = act_ref.shape[1]
 
-    @pl.when(expert >= 0)
-    def _():
-        rows = pl.ds(pl.multiple_of(block * block_m, block_m), block_m)
+    def run(m: int, extra: int) -> None:  # reads exactly the act rows the gate|up program of (m, extra) wrote
+        groups = _row_groups(block, block_m, m, extra)
 
         def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
-            a = act_ref[rows, pl.ds(k0, block_k)]
             w = _weight_tile(w_ref, expert, k0, d0, block_k, block_n)
-            return acc + jnp.dot(a, w, preferred_element_type=jnp.float32, precision=precision)
+            return tuple(a + jnp.dot(act_ref[rows, pl.ds(k0, block_k)], w, preferred_element_type=jnp.float32,
+                                     precision=precision) for a, (rows, _) in zip(acc, groups))
 
-        acc = jax.lax.fori_loop(0, n_inter // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
-        slots = row_slot_ref[rows]
-        valid = slots >= 0
-        # Padding rows aim at distinct spare rows past the slots: masked off on the GPU, and the
-        # interpreter (which writes masked lanes back unchanged) sees no duplicate destinations.
-        spare = y_ref.shape[0] - block_m + jnp.arange(block_m, dtype=jnp.int32)
+        zeros = tuple(jnp.zeros((n, block_n), jnp.float32) for _, n in groups)
+        acc = jax.lax.fori_loop(0, n_inter // block_k, step, zeros)
         cols = d0 + jnp.arange(block_n, dtype=jnp.int32)
-        dest = y_ref.at[jnp.where(valid, slots, spare)[:, None], cols[None, :]]
-        pltriton.store(dest, acc.astype(y_ref.dtype), mask=valid[:, None])
+        for (rows, n), out in zip(groups, acc):
+            slots = row_slot_ref[rows]
+            valid = slots >= 0
+            # Padding rows aim at distinct spare rows past the slots: masked off on the GPU, and the
+            # interpreter (which writes masked lanes back unchanged) sees no duplicate destinations.
+            spare = y_ref.shape[0] - n + jnp.arange(n, dtype=jnp.int32)
+            dest = y_ref.at[jnp.where(valid, slots, spare)[:, None], cols[None, :]]
+            pltriton.store(dest, out.astype(y_ref.dtype), mask=valid[:, None])
+
+    _with_row_tiles(meta_ref, block, block_m=block_m, min_m=min_m, absorb_m=absorb_m, body=run)
 
 
 def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, experts: dict, *,
@@ -142,48 +214,84 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, expe
     [-limit, limit]. ``config`` overrides the tuning table (benchmark sweeps). D and N must be
     multiples of 16. Returns [T, D] in x's dtype.
     """
-    gate_up, down = experts["gate_up"], experts["down"]
-    num_experts, d_model, two_n = gate_up.shape
-    n_inter = two_n // 2
-    n_tokens, top_k = topk_ids.shape
-    num_slots = n_tokens * top_k
-    dtype = gate_up.dtype
-    cfg = config or tuning.choose(num_slots, num_experts, itemsize=dtype.itemsize)
-    bm = cfg.block_m
-    gu_n, gu_k = _fit(cfg.gate_up.block_n, n_inter, "N"), _fit(cfg.gate_up.block_k, d_model, "D")
-    dn_n, dn_k = _fit(cfg.down.block_n, d_model, "D"), _fit(cfg.down.block_k, n_inter, "N")
-    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    num_experts = experts["gate_up"].shape[0]
+    cfg = config or tuning.choose(topk_ids.size, num_experts, itemsize=experts["gate_up"].dtype.itemsize)
+    bmap = route(topk_ids, num_experts, cfg.block_m)
+    act = gate_up(x, bmap, experts["gate_up"], cfg, top_k=topk_ids.shape[1], swiglu_limit=swiglu_limit,
+                  interpret=interpret)
+    y = down(act, bmap, experts["down"], cfg, num_slots=topk_ids.size, interpret=interpret)
+    return combine(y, topk_ids, topk_weights, num_experts).astype(x.dtype)
 
-    if n_tokens == 1:
-        bmap = routing.one_block_per_slot(topk_ids, num_experts, bm)
-    else:
-        bmap = routing.group_by_expert(topk_ids, num_experts, bm)
-    n_blocks = bmap.block_expert.shape[0]
 
-    gu_tiles = n_inter // gu_n
-    act = pl.pallas_call(
-        functools.partial(_gate_up_kernel, top_k=top_k, block_m=bm, block_n=gu_n, block_k=gu_k,
-                          n_tiles=gu_tiles, swiglu_limit=swiglu_limit, precision=precision),
-        out_shape=jax.ShapeDtypeStruct((n_blocks * bm, n_inter), dtype),
-        grid=(n_blocks * gu_tiles,),
+def route(topk_ids: jax.Array, num_experts: int, block_m: int) -> routing.BlockMap:
+    """The block map: one block per slot for a single token (its experts are distinct, nothing to
+    group), slots grouped by expert otherwise."""
+    if topk_ids.shape[0] == 1:
+        return routing.one_block_per_slot(topk_ids, num_experts, block_m)
+    return routing.group_by_expert(topk_ids, num_experts, block_m)
+
+
+def _metadata(bmap: routing.BlockMap) -> jax.Array:
+    return jnp.stack([bmap.block_expert, bmap.block_rows, bmap.span_start, bmap.span_len])
+
+
+def _absorb_m(cfg: tuning.MoeConfig) -> int:
+    """Largest tail a block absorbs: a power of two in [16, block_m / 4], or 0 (never)."""
+    m = min(cfg.absorb_m, cfg.block_m // 4)
+    return 1 << (m.bit_length() - 1) if m >= 16 else 0
+
+
+def _precision(dtype):
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def gate_up(x: jax.Array, bmap: routing.BlockMap, w: jax.Array, cfg: tuning.MoeConfig, *, top_k: int,
+            swiglu_limit: float | None = None, interpret: bool = False) -> jax.Array:
+    """``act [blocks * block_m, N]``: SwiGLU of the gathered token rows through their expert's
+    gate|up weights ``w [E, D, 2N]``, in block-padded row order."""
+    _, d_model, two_n = w.shape
+    n_inter, bm = two_n // 2, cfg.block_m
+    block_n, block_k = _fit(cfg.gate_up.block_n, n_inter, "N"), _fit(cfg.gate_up.block_k, d_model, "D")
+    n_blocks, n_tiles = bmap.block_expert.shape[0], n_inter // block_n
+    return pl.pallas_call(
+        functools.partial(_gate_up_kernel, top_k=top_k, block_m=bm, min_m=min(cfg.min_block_m, bm),
+                          absorb_m=_absorb_m(cfg),
+                          block_n=block_n, block_k=block_k, n_tiles=n_tiles, swiglu_limit=swiglu_limit,
+                          precision=_precision(w.dtype)),
+        out_shape=jax.ShapeDtypeStruct((n_blocks * bm, n_inter), w.dtype),
+        grid=(n_blocks * n_tiles,),
         compiler_params=compiler_params(cfg.gate_up.num_warps, cfg.gate_up.num_stages),
         interpret=interpret,
         name="moe_gate_up",
-    )(bmap.block_expert, bmap.row_slot, x.astype(dtype), gate_up)
+    )(_metadata(bmap), bmap.row_slot, x.astype(w.dtype), w)
 
-    dn_tiles = d_model // dn_n
-    y = pl.pallas_call(
-        functools.partial(_down_kernel, block_m=bm, block_n=dn_n, block_k=dn_k, n_tiles=dn_tiles,
-                          precision=precision),
-        out_shape=jax.ShapeDtypeStruct((num_slots + bm, d_model), dtype),
-        grid=(n_blocks * dn_tiles,),
+
+def down(act: jax.Array, bmap: routing.BlockMap, w: jax.Array, cfg: tuning.MoeConfig, *, num_slots: int,
+         interpret: bool = False) -> jax.Array:
+    """``y [num_slots + block_m, D]``: each slot's ``act`` row through its expert's down weights
+    ``w [E, N, D]``, scattered back to slot order (rows of dropped slots and the spare tail are
+    never written)."""
+    _, n_inter, d_model = w.shape
+    bm = cfg.block_m
+    block_n, block_k = _fit(cfg.down.block_n, d_model, "D"), _fit(cfg.down.block_k, n_inter, "N")
+    n_blocks, n_tiles = bmap.block_expert.shape[0], d_model // block_n
+    return pl.pallas_call(
+        functools.partial(_down_kernel, block_m=bm, min_m=min(cfg.min_block_m, bm), absorb_m=_absorb_m(cfg),
+                          block_n=block_n,
+                          block_k=block_k, n_tiles=n_tiles, precision=_precision(w.dtype)),
+        out_shape=jax.ShapeDtypeStruct((num_slots + bm, d_model), w.dtype),
+        grid=(n_blocks * n_tiles,),
         compiler_params=compiler_params(cfg.down.num_warps, cfg.down.num_stages),
         interpret=interpret,
         name="moe_down",
-    )(bmap.block_expert, bmap.row_slot, act, down)
+    )(_metadata(bmap), bmap.row_slot, act, w)
 
-    # Rows of filtered slots were never written: select, never multiply, so garbage cannot leak.
+
+def combine(y: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, num_experts: int) -> jax.Array:
+    """``[T, D]`` float32: each token's slots weighted and summed (one XLA fusion). Rows of
+    filtered slots were never written: select, never multiply, so garbage cannot leak."""
+    n_tokens, top_k = topk_ids.shape
     valid = (topk_ids >= 0) & (topk_ids < num_experts)
-    y = y[:num_slots].reshape(n_tokens, top_k, d_model).astype(jnp.float32)
+    y = y[:n_tokens * top_k].reshape(n_tokens, top_k, -1).astype(jnp.float32)
     weighted = jnp.where(valid[..., None], y * topk_weights.astype(jnp.float32)[..., None], 0.0)
-    return weighted.sum(axis=1).astype(x.dtype)
+    return weighted.sum(axis=1)

@@ -5,7 +5,8 @@ each expert's slots are cut into blocks of ``block_m`` rows; a block is the M ti
 program, so an expert's weights are streamed once per block (once in total while the expert has
 at most ``block_m`` slots). The grid of the kernels is static, so the map is sized for the worst
 case (:func:`max_blocks`) and unused blocks are marked idle (expert -1); their programs exit at
-once. Everything here is plain XLA (a sort, a few reductions and one scatter): Pallas-Triton
+once. Each block also carries its expert's span (first block, block count), so the kernels can
+number their programs expert by expert (see :func:`pallas_kernels.moe.kernel._block_and_tile`). Everything here is plain XLA (a sort, a few reductions and one scatter): Pallas-Triton
 kernels cannot sort.
 """
 
@@ -19,7 +20,10 @@ import jax.numpy as jnp
 
 class BlockMap(NamedTuple):
     block_expert: jax.Array  # [max_blocks] int32: expert of each block, -1 = idle block
+    block_rows: jax.Array  # [max_blocks] int32: filled rows (a prefix of the block), 0 = idle
     row_slot: jax.Array  # [max_blocks * block_m] int32: slot held by each block row, -1 = padding
+    span_start: jax.Array  # [max_blocks] int32: first block of this block's expert (idle: itself)
+    span_len: jax.Array  # [max_blocks] int32: blocks of this block's expert (idle: 1)
 
 
 def max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
@@ -46,7 +50,7 @@ def one_block_per_slot(topk_ids: jax.Array, num_experts: int, block_m: int) -> B
     slot = jnp.arange(num_slots, dtype=jnp.int32)
     first_row = jnp.arange(block_m, dtype=jnp.int32)[None, :] == 0
     row_slot = jnp.where(first_row & valid[:, None], slot[:, None], -1)
-    return BlockMap(block_expert, row_slot.reshape(-1))
+    return BlockMap(block_expert, valid.astype(jnp.int32), row_slot.reshape(-1), slot, jnp.ones_like(slot))
 
 
 def group_by_expert(topk_ids: jax.Array, num_experts: int, block_m: int) -> BlockMap:
@@ -58,7 +62,9 @@ def group_by_expert(topk_ids: jax.Array, num_experts: int, block_m: int) -> Bloc
     num_slots = ids.shape[0]
     n_blocks = max_blocks(num_slots, num_experts, block_m)
     key = jnp.where((ids >= 0) & (ids < num_experts), ids, num_experts)
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)  # sorted row -> slot
+    # 16-bit keys halve the radix sort's passes (E <= 32766 always holds for MoE routers).
+    narrow = key.astype(jnp.int16) if num_experts < 2**15 - 1 else key
+    order = jnp.argsort(narrow, stable=True).astype(jnp.int32)  # sorted row -> slot
     experts = jnp.arange(num_experts, dtype=jnp.int32)
     # group_end[e] = slots with key <= e (cumulative counts, no scatter-add needed)
     group_end = jnp.sum(key[None, :] <= experts[:, None], axis=1, dtype=jnp.int32)
@@ -77,5 +83,10 @@ def group_by_expert(topk_ids: jax.Array, num_experts: int, block_m: int) -> Bloc
     # block b belongs to expert #{e : block_end[e] <= b} (block_end is non-decreasing)
     b = jnp.arange(n_blocks, dtype=jnp.int32)
     block_expert = jnp.sum(block_end[None, :] <= b[:, None], axis=1, dtype=jnp.int32)
-    block_expert = jnp.where(block_expert < num_experts, block_expert, -1)
-    return BlockMap(block_expert, row_slot)
+    idle = block_expert >= num_experts
+    owner = jnp.minimum(block_expert, num_experts - 1)
+    filled = group_end[owner] - group_start[owner] - (b - block_start[owner]) * block_m
+    block_rows = jnp.where(idle, 0, jnp.minimum(filled, block_m))
+    span_start = jnp.where(idle, b, block_start[owner])
+    span_len = jnp.where(idle, 1, blocks[owner])
+    return BlockMap(jnp.where(idle, -1, block_expert), block_rows, row_slot, span_start, span_len)

@@ -7,18 +7,22 @@ from the mean number of slots per expert, ``S / E``, as the smallest power of tw
 at most 8 slots per expert on average) get 16-row blocks that almost always hold all of an
 expert's slots, so every touched expert is read once and the kernels are pure weight streams
 (the rare second block of an expert runs next to the first and reads the weights from L2).
-Larger batches grow the block up to the table's ``max_block_m``. On H100 128-row blocks won at
-T = 4096 (~128 slots per expert) despite more padding rows: 8169 vs 9871 us for 64-row blocks.
+Larger batches grow the block up to the table's ``max_block_m``. On H100 128-row blocks win at
+T = 4096 (~128 slots per expert): 7.3 vs 8.9 ms for 64-row blocks, whose extra programs re-read
+every weight tile. Partly filled blocks multiply only their rows (down to ``min_block_m``) and
+an expert's last block of at most ``absorb_m`` rows rides on the block before it
+(:mod:`.kernel`); on H200, where T = 4096 is bound by tensor work, shrinking alone gave
+7.0 vs 7.5 ms.
 
 Three tile sets per GPU, each a (gate|up, down) pair:
 
-* ``few``: fewer slots than experts (``S < E``; T <= 31 at top-8 of 256): few experts are touched and the
-  grid is small. H100 keeps the narrow ``64 x 128`` weight tiles here, the only tile measured at
-  T = 1 and 8 (a wide tile would also halve the programs of an already small grid);
+* ``few``: fewer slots than experts (``S < E``; T <= 31 at top-8 of 256): few experts are touched
+  and the grid is small. On H100 the wide ``128 x 64`` tiles beat ``64 x 128`` at T = 1 and 8
+  too (211 vs 217 us, 1488 vs 1528 us);
 * ``stream`` (``block_m <= 32``): weight bandwidth. On H100 wide ``128 x 64`` tiles (128
   contiguous output columns per weight row) beat ``64 x 128`` by 3.6-4.7 % at T = 32, 128 and 512;
-* ``compute`` (``block_m >= 64``): tensor-core tiles; the H100 winner at T = 4096 had 128 x 64
-  tiles with 8 warps and 3 stages in both kernels.
+* ``compute`` (``block_m >= 64``): tensor-core tiles; on H100 at T = 4096, 128 x 64 tiles with
+  8 warps, 4 stages for gate|up (3 for down, which keeps two programs per SM).
 
 sm_100 and the other parts keep their reasoned starting points (one tile set for ``few`` and
 ``stream``) until ``benchmarks/moe.py`` has been run on them. Every choice is then fitted to the
@@ -47,6 +51,8 @@ class MoeConfig:
     block_m: int  # token slots per block; every block belongs to one expert
     gate_up: Tile
     down: Tile
+    min_block_m: int = 16  # smallest row tile a partly filled block shrinks to (block_m: never)
+    absorb_m: int = 16  # an expert's last block with <= this many rows rides on the block before (0: never)
 
 
 Tiles = tuple[Tile, Tile]  # (gate|up, down)
@@ -61,10 +67,10 @@ class _Entry:
 
 
 # Tiles as Tile(block_n, block_k, num_warps, num_stages).
-_H100 = _Entry(  # measured: benchmarks/results/moe-h100.md
-    few=(Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
+_H100 = _Entry(  # measured: benchmarks/results/moe-h100*.md
+    few=(Tile(128, 64, 4, 4), Tile(128, 64, 4, 4)),
     stream=(Tile(128, 64, 4, 4), Tile(128, 64, 4, 4)),
-    compute=(Tile(128, 64, 8, 3), Tile(128, 64, 8, 3)),
+    compute=(Tile(128, 64, 8, 4), Tile(128, 64, 8, 3)),
     max_block_m=128,
 )
 _BIG_SMEM = _Entry(  # sm_100: ~227 KiB

@@ -81,15 +81,29 @@ def test_matches_reference(t, k, e, dtype, limit, skew):
     _check(x, ids, weights, experts, swiglu_limit=limit)
 
 
+@pytest.mark.parametrize("block_m,absorb_m", [(128, 32), (64, 16), (128, 0)])
+def test_tail_blocks(block_m, absorb_m):
+    """Every kind of last block: absorbed tails of 1..absorb_m rows (both extra tile sizes), tails
+    just too big to absorb, a lone small block, an empty expert, an expert of 3 blocks + tail."""
+    tails = [1, 5, 16, 17, 32, 33, 64]
+    counts = [block_m + t for t in tails] + [3, 0, 2 * block_m + 9, block_m]
+    rng = np.random.default_rng(block_m + absorb_m)
+    ids = rng.permutation(np.repeat(np.arange(len(counts)), counts))[:, None]
+    x, _, weights, experts = _inputs(5, ids.shape[0], 1, len(counts), 64, 32, jnp.float32, invalid=0.0)
+    cfg = MoeConfig(block_m, Tile(32, 32, 4, 2), Tile(32, 16, 4, 2), absorb_m=absorb_m)
+    _check(x, jnp.asarray(ids, jnp.int32), weights[:, :1], experts, config=cfg)
+
+
 def test_all_ids_out_of_range():
     x, ids, weights, experts = _inputs(7, 5, 4, 8, 64, 32, jnp.float32, invalid=1.0)
     _check(x, ids, weights, experts)
 
 
-@pytest.mark.parametrize("block_m", [16, 64])
-def test_block_size_override(block_m):
-    """Small blocks split big groups over several blocks; big blocks hold many padding rows."""
-    cfg = MoeConfig(block_m, Tile(32, 32, 4, 2), Tile(32, 16, 4, 2))
+@pytest.mark.parametrize("block_m,min_block_m", [(16, 16), (64, 16), (64, 64), (128, 32)])
+def test_block_size_override(block_m, min_block_m):
+    """Small blocks split big groups over several blocks; big blocks hold many padding rows, and
+    partly filled ones run at every row tile from ``block_m`` down to ``min_block_m``."""
+    cfg = MoeConfig(block_m, Tile(32, 32, 4, 2), Tile(32, 16, 4, 2), min_block_m=min_block_m)
     x, ids, weights, experts = _inputs(11, 100, 2, 8, 64, 32, jnp.float32, skew=1.0)
     _check(x, ids, weights, experts, config=cfg)
 
@@ -120,10 +134,19 @@ def test_block_map_invariants(t, k, e, bm):
         row_slot = np.asarray(bmap.row_slot).reshape(-1, bm)
         held = row_slot[row_slot >= 0]
         np.testing.assert_array_equal(np.sort(held), np.flatnonzero(valid))  # each valid slot once
-        for blk, slots in zip(block_expert, row_slot):
+        for blk, rows, slots in zip(block_expert, np.asarray(bmap.block_rows), row_slot):
+            assert (slots[:rows] >= 0).all() and (slots[rows:] < 0).all()  # filled rows: a prefix
             slots = slots[slots >= 0]
             assert (flat[slots] == blk).all() and (blk >= 0 or slots.size == 0)
-    grouped = np.asarray(_group_by_expert(ids, e, bm).block_expert)
+        start, length = np.asarray(bmap.span_start), np.asarray(bmap.span_len)
+        for b, (s, c) in enumerate(zip(start, length)):  # spans tile the blocks, one expert each
+            assert s <= b < s + c and (block_expert[s:s + c] == block_expert[b]).all()
+            assert (start[s:s + c] == s).all() and (length[s:s + c] == c).all()
+    grouped = _group_by_expert(ids, e, bm)
+    block_expert, start, length = (np.asarray(a) for a in (grouped.block_expert, grouped.span_start, grouped.span_len))
+    for b, (s, c) in enumerate(zip(start, length)):  # grouped: a span is all of its expert's blocks
+        assert (c == 1) if block_expert[b] < 0 else (block_expert == block_expert[b]).sum() == c
+    grouped = block_expert
     counts = np.bincount(flat[valid], minlength=e)
     np.testing.assert_array_equal(np.bincount(grouped[grouped >= 0], minlength=e), -(-counts // bm))
 
@@ -138,11 +161,12 @@ def test_max_blocks_is_tight():
 
 def test_sm90_table_matches_h100_sweep():
     """bf16 at GLM-5 shapes (E = 256, top-8) picks each T's fastest config in moe-h100.md."""
-    narrow, wide = Tile(64, 128, 4, 4), Tile(128, 64, 4, 4)
-    compute = Tile(128, 64, 8, 3)
-    want = {1: (16, narrow), 8: (16, narrow), 32: (16, wide), 128: (16, wide), 512: (32, wide), 4096: (128, compute)}
-    for t, (block_m, tile) in want.items():
-        assert tuning.choose(t * 8, 256, itemsize=2, cc=90) == MoeConfig(block_m, tile, tile), t
+    wide = Tile(128, 64, 4, 4)
+    compute = (Tile(128, 64, 8, 4), Tile(128, 64, 8, 3))
+    want = {1: (16, wide, wide), 8: (16, wide, wide), 32: (16, wide, wide), 128: (16, wide, wide),
+            512: (32, wide, wide), 4096: (128, *compute)}
+    for t, (block_m, gate_up, down) in want.items():
+        assert tuning.choose(t * 8, 256, itemsize=2, cc=90) == MoeConfig(block_m, gate_up, down), t
 
 
 def test_block_m_regimes():
