@@ -411,9 +411,9 @@ def _topk_check(x) -> Callable[[Any], tuple[float, str]]:
 
 
 def _topk(clock: _Clock, rate: dict) -> list[dict]:
-    table = ttuning.config_for()
     results = []
     for t, s in TOPK_SHAPES:
+        table = ttuning.config_for(rows=t, keys=s)
         keys = jax.random.split(jax.random.key(t + s), _n_sets(t * s * 4))
         sets = [(jax.random.normal(k, (t, s), jnp.float32),) for k in keys]
         check = _topk_check(sets[0][0])

@@ -121,8 +121,37 @@ def abstract_gpu(kind: str) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def verified_triton_modules() -> Iterator[None]:
+    """Run the MLIR verifier on every Triton module Pallas builds inside the block.
+
+    The lowering serializes its module unverified; on a GPU the Triton compiler then rejects an
+    invalid one ("Failed to parse Triton module"), so a CPU lowering alone would pass a kernel
+    that can never run (a ``scf.while`` whose carried value lowered to ``i1`` where it entered as
+    ``i32`` did). Relies on JAX internals; where they moved, the block runs unverified.
+    """
+    try:
+        from jax._src.pallas.triton import lowering  # pallas_call_registration calls it through the module
+    except ImportError:  # pragma: no cover - JAX reorganised the Triton lowering
+        yield
+        return
+    build = lowering.lower_jaxpr_to_triton_module
+
+    def checked(*args, **kwargs):
+        result = build(*args, **kwargs)
+        result.module.operation.verify()  # raises with the verifier's diagnostics
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = checked
+    try:
+        yield
+    finally:
+        lowering.lower_jaxpr_to_triton_module = build
+
+
 def lower_for_cuda(fn: Callable[..., Any], *shapes: Any, target: str = "sm_90", **static: Any) -> str:
-    """Run the real Pallas->Triton lowering on the CPU for ``target``; returns the StableHLO text."""
-    with abstract_gpu(LOWERING_TARGETS[target]):
+    """Run the real Pallas->Triton lowering on the CPU for ``target``, with every Triton module
+    verified (:func:`verified_triton_modules`); returns the StableHLO text."""
+    with abstract_gpu(LOWERING_TARGETS[target]), verified_triton_modules():
         lowered = jax.jit(lambda *a: fn(*a, **static)).trace(*shapes).lower(lowering_platforms=("cuda",))
     return lowered.as_text()

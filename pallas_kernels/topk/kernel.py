@@ -49,8 +49,8 @@ def topk_indices(
 
     See :func:`jaxdsa.ops.topk_indices`. ``config`` overrides the tuning table (benchmarks, tests).
     """
-    cfg = config or tuning.config_for()
     T, S = logits.shape
+    cfg = config or tuning.config_for(rows=T, keys=S)
     if S > cfg.chunk and k > cfg.chunk // 2:
         return ref.topk_indices(logits, k)
     keys, idx = logits.astype(jnp.float32), None
@@ -189,7 +189,7 @@ def _cutoff_secant(key: jax.Array, valid: jax.Array, kk) -> jax.Array:
         gap = c_lo - c_hi
         new_lo, new_c_lo = jnp.where(up, probe, lo), jnp.where(up, count, c_lo)
         new_hi, new_c_hi = jnp.where(up, hi, probe), jnp.where(up, c_hi, count)
-        new_side = jnp.where(up, 1, -1)
+        new_side = 2 * up.astype(i32) - 1  # +1: lo moved, -1: hi moved (a where of two literals lowers to i1)
         # Illinois: an end kept a second time in a row counts half, pulling the next probe towards it.
         w_hi = jnp.where(up, jnp.where(side == 1, w_hi * 0.5, 1.0), 1.0)
         w_lo = jnp.where(up, 1.0, jnp.where(side == -1, w_lo * 0.5, 1.0))

@@ -26,7 +26,7 @@ class TopkConfig:
     # normal rows of 8192) or "secant" (false position on the values, Illinois-weighted, with a
     # bisection step after two slow ones: 10.5 counts on normal rows, 25 mean and 80 worst on rows
     # of 50 distinct values; `python -m benchmarks.topk_probes`). Each count is a block reduction,
-    # the top-k kernel's bottleneck on H100. Untimed on a GPU so far, so the table keeps "bisect".
+    # the top-k kernel's bottleneck on H100.
     search: str = "bisect"
 
     def __post_init__(self) -> None:
@@ -38,18 +38,46 @@ class TopkConfig:
         return max(1, min(MAX_WARPS, chunk // (32 * self.elems_per_thread)))
 
 
-TABLE: dict[int, TopkConfig] = {
-    80: TopkConfig(chunk=8192, elems_per_thread=32),
-    86: TopkConfig(chunk=8192, elems_per_thread=32),
-    89: TopkConfig(chunk=8192, elems_per_thread=32),
-    90: TopkConfig(chunk=8192, elems_per_thread=32),
-    100: TopkConfig(chunk=8192, elems_per_thread=32),
-    120: TopkConfig(chunk=8192, elems_per_thread=32),
-    121: TopkConfig(chunk=8192, elems_per_thread=32),
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A part's configs: ``large`` unless its first stage would run fewer programs than the part
+    has SMs (``rows * ceil(keys / large.chunk) < sms``), where ``small`` keeps more of them busy;
+    ``single`` (if set) for rows that fit one of its chunks when there are at least ``sms`` rows."""
+
+    small: TopkConfig
+    large: TopkConfig
+    sms: int = 0
+    single: TopkConfig | None = None
+
+
+_BASE = TopkConfig(chunk=8192, elems_per_thread=32)
+TABLE: dict[int, Entry] = {
+    80: Entry(_BASE, _BASE),
+    86: Entry(_BASE, _BASE),
+    89: Entry(_BASE, _BASE),
+    # H100 (benchmarks/results/topk-sweep-h100.md): 16384-key chunks at 16 warps won every shape
+    # with at least 132 first-stage programs ([4096, 32768]: 1645 vs 2150 us; [32, 131072]: 79 vs
+    # 94 us); below that 8192-key chunks at 16 warps ([32, 32768]: 31.8 vs 35.0 us); one chunk per
+    # row with the secant search on many short rows ([4096, 8192]: 219 vs 266 us).
+    90: Entry(
+        small=TopkConfig(chunk=8192, elems_per_thread=16),
+        large=TopkConfig(chunk=16384, elems_per_thread=32),
+        sms=132,
+        single=TopkConfig(chunk=8192, elems_per_thread=32, search="secant"),
+    ),
+    100: Entry(_BASE, _BASE),
+    120: Entry(_BASE, _BASE),
+    121: Entry(_BASE, _BASE),
 }
-DEFAULT = TopkConfig()
+DEFAULT = Entry(TopkConfig(), TopkConfig())
 
 
-def config_for(cc: int | None = None) -> TopkConfig:
-    """The table entry for ``cc`` (default: the current target); unknown parts get ``DEFAULT``."""
-    return TABLE.get(compute_capability() if cc is None else cc, DEFAULT)
+def config_for(cc: int | None = None, *, rows: int | None = None, keys: int | None = None) -> TopkConfig:
+    """The table's config for ``cc`` (default: the current target) and a ``[rows, keys]`` input
+    (unknown shape: the ``large`` config); unknown parts get ``DEFAULT``."""
+    e = TABLE.get(compute_capability() if cc is None else cc, DEFAULT)
+    if rows is None or keys is None:
+        return e.large
+    if e.single is not None and keys <= e.single.chunk and rows >= e.sms:
+        return e.single
+    return e.large if rows * -(-keys // e.large.chunk) >= e.sms else e.small

@@ -14,7 +14,7 @@ import pytest
 
 from jaxdsa import ops
 from pallas_kernels._triton import lower_for_cuda
-from pallas_kernels.topk import kernel, ref
+from pallas_kernels.topk import kernel, ref, tuning
 from pallas_kernels.topk.tuning import TopkConfig
 
 SMALL = TopkConfig(chunk=256, elems_per_thread=4)
@@ -117,11 +117,12 @@ def test_large_k_on_long_rows_falls_back_to_lax_top_k():
 # --- CUDA lowering at production shapes (no GPU needed) ------------------------------------
 
 
-@pytest.mark.parametrize("search", ["bisect", "secant"])
+@pytest.mark.parametrize("search", ["bisect", "secant", "table"])
 @pytest.mark.parametrize("target", ["sm_80", "sm_90", "sm_120"])
 def test_lowers_for_cuda(target, search):
-    """Decode [32, 8192] (one stage) and prefill [4096, 131072] (candidate stages + final)."""
-    config = TopkConfig(search=search)
+    """Decode [32, 8192] (one stage) and prefill [4096, 131072] (candidate stages + final), each
+    Triton module through the MLIR verifier; "table": the target's own configs per shape."""
+    config = None if search == "table" else TopkConfig(search=search)
     for shape in ((32, 8192), (4096, 131072)):
         spec = jax.ShapeDtypeStruct(shape, jnp.float32)
         text = lower_for_cuda(kernel.topk_indices, spec, target=target, k=2048, config=config)
@@ -166,3 +167,15 @@ def test_secant_search_with_ties_and_signed_zeros():
     want = np.asarray(ref.topk_indices(jnp.asarray(x), 100))
     for row, values, w in zip(x, _check_valid(got, x, 100), want):
         np.testing.assert_array_equal(values, np.sort(row[w[w >= 0]]))
+
+
+def test_h100_table_follows_the_sweep():
+    """16384-key chunks once the first stage has a program per SM, 8192-key ones below, and the
+    secant search when each of many rows fits one chunk."""
+    small, large = TopkConfig(chunk=8192, elems_per_thread=16), TopkConfig(chunk=16384, elems_per_thread=32)
+    single = TopkConfig(chunk=8192, elems_per_thread=32, search="secant")
+    want = {(32, 8192): small, (32, 32768): small, (32, 131072): large, (32, 262144): large,
+            (4096, 8192): single, (4096, 32768): large, (4096, 131072): large}
+    for (rows, keys), config in want.items():
+        assert tuning.config_for(90, rows=rows, keys=keys) == config, (rows, keys)
+    assert tuning.config_for(80, rows=32, keys=8192) == tuning.config_for(80)
