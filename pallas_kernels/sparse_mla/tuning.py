@@ -81,16 +81,15 @@ DEFAULT = _Entry(num_sms=108, max_block_h=32, block_n=16, num_warps=8, num_stage
 
 PARTIAL_FLOOR_BYTES = 4 << 20
 
-# (compute capability, H, T) -> measured best config with bf16 operands (H100, kernels_mla-sweep-h100.md).
-# The first three are what the rule gives; (90, 128, 32) is the one shape where 64-row steps lost.
-# (Sweeps of 2026-11-21; timed with synchronous calls, see benchmarks/harness.py.)
+# (compute capability, H, T) -> measured best config with bf16 operands (H100, kernels_mla-sweep-h100*.md).
+# The first three are what the rule gives (kept as measured pins); the others beat the rule.
 TUNED: dict[tuple[int, int, int], MlaConfig] = {
     (90, 64, 32): MlaConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, splits=4),  # 129 vs 210 us
     (90, 128, 1024): MlaConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, splits=1),  # 2861 vs 3896 us
     (90, 64, 4096): MlaConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, splits=1),  # 5559 vs 7375 us
-    (90, 128, 32): MlaConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, splits=2),  # 240 vs 267 us (bn64)
     # 128 programs of 16 heads leave a wave of 132 SMs under-filled; two splits give 256
     (90, 16, 128): MlaConfig(block_h=16, block_n=32, num_warps=8, num_stages=2, splits=2),  # 239 vs 331 us
+    (90, 64, 1): MlaConfig(block_h=16, block_n=32, num_warps=8, num_stages=3, splits=32),  # 13.4 vs 21.6 us
 }
 
 # Shrink order when a tile does not fit: gather step, stages, head block.

@@ -86,12 +86,15 @@ def test_indexer_fits(target, dtype):
 
 
 def test_bf16_tables_are_not_shrunk(monkeypatch):
-    """Every table fits its part in bf16, so bf16 gets the table's tiles and stages as they are."""
+    """Every table fits its part in bf16, so bf16 gets the table's tiles and stages as they are
+    (measured TUNED entries, checked above, aside)."""
     for cc in SHARED_MEMORY:
         monkeypatch.setattr(mla_tuning, "compute_capability", lambda cc=cc: cc)
         e = mla_tuning.TABLE[cc]
         for h in MLA_HEADS:
             for t in TOKENS:
+                if (cc, h, t) in mla_tuning.TUNED:
+                    continue
                 cfg = mla_tuning.choose(t, h, 2048, d_v=512, d_r=64, itemsize=2)
                 assert cfg.num_stages == e.num_stages and cfg.block_n in (e.block_n, e.wide_block_n), (cc, h, t)
         table = indexer_tuning.config_for(cc)
