@@ -114,9 +114,9 @@ def _with_row_tiles(meta_ref, block, *, block_m: int, min_m: int, absorb_m: int,
     last = start + count - 1
     plain = rows > 0
     if absorb_m:
-        absorbed = (count >= 2) & (meta_ref[_ROWS, last] <= absorb_m)
-        plain &= ~absorbed | (block < last - 1)
         tail_rows = meta_ref[_ROWS, last]
+        absorbed = (count >= 2) & (tail_rows <= absorb_m)
+        plain &= ~absorbed | (block < last - 1)  # the last two blocks run as one (blocks before last are full)
         for extra, lower in _row_powers(absorb_m, 16):
             pl.when(absorbed & (block == last - 1) & (tail_rows > lower) & (tail_rows <= extra))(
                 functools.partial(body, block_m, extra))
