@@ -104,8 +104,11 @@ def create_app(ctx: ServingContext) -> FastAPI:
             raise ApiError(400, f"{logprobs_param} {logprobs} is above this server's --max-logprobs {ctx.max_logprobs}", param=logprobs_param)
         d = ctx.default_sampling
         top_k = body.top_k if body.top_k is not None else d.get("top_k", 0)
+        max_tokens = requested or min(remaining, default or remaining)
+        if body.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens {body.min_tokens} is above max_tokens {max_tokens}", param="min_tokens")
         return SamplingParams(
-            max_tokens=requested or min(remaining, default or remaining),
+            max_tokens=max_tokens,
             temperature=body.temperature if body.temperature is not None else d.get("temperature", 1.0),
             top_p=body.top_p if body.top_p is not None else d.get("top_p", 1.0),
             top_k=max(top_k, 0),
@@ -113,12 +116,13 @@ def create_app(ctx: ServingContext) -> FastAPI:
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            min_tokens=body.min_tokens,
         )
 
     def text_output(body: ChatCompletionRequest | CompletionRequest, sp: SamplingParams, keep: tuple[str, ...] = ()) -> TextOutput:
         hidden = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else ctx.eos_token_ids)
         skip = ctx.tokenizer.skip_ids(skip_special_tokens=body.skip_special_tokens, keep=keep)
-        return TextOutput(ctx.tokenizer, skip_ids=skip, stop=body.stop, hidden_ids=hidden)
+        return TextOutput(ctx.tokenizer, skip_ids=skip, stop=body.stop, hidden_ids=hidden, min_tokens=sp.min_tokens)
 
     def generation(request_id: str, prompt_ids: list[int], sp: SamplingParams, text: TextOutput) -> Generation:
         return Generation(ctx.generate, metrics, request_id, prompt_ids, sp, text)

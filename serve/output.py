@@ -17,9 +17,11 @@ from serve.tool_parsers import ToolCall, ToolParser
 
 
 class TextOutput:
-    def __init__(self, tokenizer: Tokenizer, *, skip_ids: frozenset[int], stop: list[str], hidden_ids: frozenset[int]):
+    def __init__(self, tokenizer: Tokenizer, *, skip_ids: frozenset[int], stop: list[str], hidden_ids: frozenset[int],
+                 min_tokens: int = 0):
         self._detok = IncrementalDetokenizer(tokenizer, skip_ids)
         self._stop = stop
+        self._min_tokens = min_tokens  # stop strings count only once this many tokens are out (vLLM)
         self._hold = max((len(s) for s in stop), default=1) - 1  # a stop string may still be forming
         self._hidden = hidden_ids
         self._text = ""
@@ -31,12 +33,13 @@ class TextOutput:
         ids = out.new_token_ids
         if out.finished and out.finish_reason is FinishReason.STOP and ids and ids[-1] in self._hidden:
             ids = ids[:-1]
-        return self._append(self._detok.push(ids, final=out.finished), final=out.finished)
+        text = self._detok.push(ids, final=out.finished)
+        return self._append(text, final=out.finished, search=out.num_output_tokens >= self._min_tokens)
 
-    def _append(self, text: str, final: bool) -> str:
+    def _append(self, text: str, final: bool, search: bool) -> str:
         search_from = max(0, len(self._text) - self._hold)
         self._text += text
-        hits = [i for i in (self._text.find(s, search_from) for s in self._stop) if i >= 0]
+        hits = [i for i in (self._text.find(s, search_from) for s in self._stop) if i >= 0] if search else []
         if hits:
             self._text, self.stopped, final = self._text[: min(hits)], True, True
         end = len(self._text) if final else max(self._sent, len(self._text) - self._hold)

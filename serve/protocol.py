@@ -19,7 +19,6 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1),
     "logit_bias": (None, {}),
-    "min_tokens": (None, 0),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "use_beam_search": (None, False),
@@ -47,13 +46,13 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=128)  # choices per prompt, each its own engine request (OpenAI's limit)
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)  # vLLM's: EOS, stop_token_ids and stop strings wait for this many tokens
     skip_special_tokens: bool = True
 
     presence_penalty: Any = None
     frequency_penalty: Any = None
     repetition_penalty: Any = None
     logit_bias: Any = None
-    min_tokens: Any = None
     best_of: Any = None
     suffix: Any = None
     use_beam_search: Any = None

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jaxdsa import sharding
 from jaxdsa.cache import cache_bytes_per_token, init_cache
 from jaxdsa.config import ModelConfig
-from jaxdsa.engine.request import FinishReason, Request, RequestOutput, SamplingParams, Status, TokenLogprobs
+from jaxdsa.engine.request import MAX_BANNED_TOKENS, FinishReason, Request, RequestOutput, SamplingParams, Status, TokenLogprobs
 from jaxdsa.engine.runner import ModelRunner, StepResult
 from jaxdsa.engine.sampling import Scored
 from jaxdsa.engine.scheduler import Scheduler, Segment
@@ -125,6 +125,8 @@ class Engine:
             n = getattr(sampling, name)
             if n is not None and n > self.config.max_logprobs:
                 raise ValueError(f"{name} {n} exceeds the server's max_logprobs {self.config.max_logprobs}")
+        if sampling.min_tokens and len(self._stop_ids(sampling)) > MAX_BANNED_TOKENS:
+            raise ValueError(f"min_tokens holds back at most {MAX_BANNED_TOKENS} EOS and stop token ids")
         if len(prompt) + sampling.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds max_model_len {self.max_model_len}"
@@ -165,13 +167,25 @@ class Engine:
         return self.scheduler.has_work()
 
     # -- stepping ------------------------------------------------------------------------------
+    def _stop_ids(self, sp: SamplingParams) -> frozenset[int]:
+        """Tokens that end a request: its stop_token_ids, and EOS unless it ignores EOS."""
+        return frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self.eos_token_ids)
+
     def _stop_reason(self, request: Request) -> FinishReason | None:
-        token, sp = request.output[-1], request.sampling
-        if (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+        sp = request.sampling
+        if len(request.output) >= sp.min_tokens and request.output[-1] in self._stop_ids(sp):
             return FinishReason.STOP
         if len(request.output) >= sp.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def _banned(self, segments: list[Segment]) -> dict[str, frozenset[int]]:
+        """Per sampling request still under its min_tokens: the stop tokens it must not sample."""
+        return {
+            s.request.request_id: self._stop_ids(s.request.sampling)
+            for s in segments
+            if s.samples and len(s.request.output) < s.request.sampling.min_tokens
+        }
 
     def step(self) -> list[RequestOutput]:
         segments = self.scheduler.schedule()
@@ -181,7 +195,8 @@ class Engine:
         with_logits = any(s.request.request_id in self._want_logits for s in sampling)
         with_logprobs = any(s.request.sampling.logprobs is not None for s in sampling)
         score = frozenset(s.request.request_id for s in segments if s.request.request_id in self._prompt_logprobs)
-        result = self.runner.run(segments, self._seeds, with_logits=with_logits, with_logprobs=with_logprobs, score=score)
+        result = self.runner.run(segments, self._seeds, with_logits=with_logits, with_logprobs=with_logprobs, score=score,
+                                 banned=self._banned(segments))
         for s, scored in zip(segments, result.scores or ()):
             if scored is not None:
                 self._record_prompt_logprobs(s, scored)

@@ -14,6 +14,11 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # cancelled by the caller
 
 
+# Tokens a step can keep a request from sampling (its EOS ids and stop_token_ids while under
+# min_tokens): a fixed width, so the step's shapes never depend on it.
+MAX_BANNED_TOKENS = 32
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
@@ -27,6 +32,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n >= 0: the sampled token's logprob and the n most likely
     prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled (nor end the request) before this many
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -41,6 +47,8 @@ class SamplingParams:
             raise ValueError("logprobs must be >= 0")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError("prompt_logprobs must be >= 0")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
 
 
 class Status(enum.Enum):

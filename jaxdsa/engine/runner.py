@@ -20,6 +20,7 @@ import numpy as np
 from jaxdsa import sharding
 from jaxdsa.cache import KVCache, StepMeta
 from jaxdsa.config import ModelConfig
+from jaxdsa.engine.request import MAX_BANNED_TOKENS
 from jaxdsa.engine.sampling import Sampled, Scored, sample, score
 from jaxdsa.engine.scheduler import Segment
 from jaxdsa.models.dsa import step
@@ -33,7 +34,7 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
-def _fused_step(params, tokens, positions, cache, meta, temperature, top_p, top_k, seeds, counters, *scoring, cfg, sparse, with_logits, num_logprobs):
+def _fused_step(params, tokens, positions, cache, meta, temperature, top_p, top_k, seeds, counters, banned, *scoring, cfg, sparse, with_logits, num_logprobs):
     """One step: the model, then sampling. With ``scoring`` = (targets [T], sample rows [R]) the
     model returned logits for every token (meta.logits_indices covers them all): each token is
     scored against its target (the prompt's next token) and the sample rows are picked after."""
@@ -43,7 +44,7 @@ def _fused_step(params, tokens, positions, cache, meta, temperature, top_p, top_
         targets, sample_rows = scoring
         scored = score(logits, targets, num_logprobs=num_logprobs)
         logits = logits[sample_rows]
-    sampled = sample(logits, temperature, top_p, top_k, seeds, counters, num_logprobs=num_logprobs)
+    sampled = sample(logits, temperature, top_p, top_k, seeds, counters, banned, num_logprobs=num_logprobs)
     return sampled, (logits if with_logits else jnp.zeros((logits.shape[0], 0), jnp.float32)), scored, cache
 
 
@@ -77,6 +78,7 @@ class _Group:
     seq_ids: list = dataclasses.field(default_factory=list)
     logits_at: list = dataclasses.field(default_factory=list)
     rows: list = dataclasses.field(default_factory=list)  # (temperature, top_p, top_k, seed, counter)
+    banned: list = dataclasses.field(default_factory=list)  # per row: token ids it must not sample
     targets: list = dataclasses.field(default_factory=list)  # next token of each scored token, else -1
 
 
@@ -136,6 +138,11 @@ class ModelRunner:
                 out[i, : len(g.rows)] = [r[col] for r in g.rows]
             return out.reshape(-1)
 
+        banned = np.full((len(groups), R, MAX_BANNED_TOKENS), self.cfg.vocab_size, np.int32)  # out of range: none
+        for i, g in enumerate(groups):
+            for j, ids in enumerate(g.banned):
+                banned[i, j, : len(ids)] = sorted(ids)
+
         table = self.page_table if sparse else self.page_table[:, : self.dense_pages]
         logits_at = np.tile(np.arange(T, dtype=np.int32), len(groups)) if scoring else flat("logits_at", R, 0)
         meta = StepMeta(flat("seq_ids", T, -1), np.array(table), logits_at)
@@ -148,6 +155,7 @@ class ModelRunner:
             sampling(2, 0, np.int32),
             sampling(3, 0, np.int32),
             sampling(4, 0, np.int32),
+            banned.reshape(-1, MAX_BANNED_TOKENS),
         ) + ((flat("targets", T, -1), flat("logits_at", R, 0)) if scoring else ())
         tokens, positions, meta, *rest = self._place(args)
         fn = _compiled(self.cfg, sparse, with_logits, self.max_logprobs, self.mesh)
@@ -166,9 +174,12 @@ class ModelRunner:
         with_logits: bool = False,
         with_logprobs: bool = False,
         score: frozenset[str] = frozenset(),
+        banned: dict[str, frozenset[int]] | None = None,
     ) -> StepResult:
         """Run one step; ``with_logits`` / ``with_logprobs`` fetch those rows as well. The tokens of
-        requests in ``score`` are scored against the token after each (prompt logprobs)."""
+        requests in ``score`` are scored against the token after each (prompt logprobs); requests
+        in ``banned`` cannot sample the tokens listed for them."""
+        banned = banned or {}
         groups = [_Group() for _ in range(self.groups)]
         where = []  # (group, row) of each sampling segment
         spans = []  # (group, first token) of each segment
@@ -189,6 +200,7 @@ class ModelRunner:
                 g.logits_at.append(len(g.tokens) - 1)
                 sp = r.sampling
                 g.rows.append((sp.temperature, sp.top_p, sp.top_k, seeds[r.request_id], len(r.output)))
+                g.banned.append(banned.get(r.request_id, ()))
                 where.append((gi, len(g.rows) - 1))
         sparse = max(p for g in groups for p in g.positions) + 1 > self.cfg.index_topk
         scoring = any(s.request.request_id in score for s in segments)

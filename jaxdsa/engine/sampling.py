@@ -24,17 +24,23 @@ class Sampled(NamedTuple):
     top_logprobs: jax.Array  # [R, L] float32
 
 
-def sample(logits, temperature, top_p, top_k, seeds, counters, *, num_logprobs: int = 0) -> Sampled:
-    """logits [R, V] float32; per-row temperature/top_p (f32), top_k/seeds/counters (i32).
+def sample(logits, temperature, top_p, top_k, seeds, counters, banned=None, *, num_logprobs: int = 0) -> Sampled:
+    """logits [R, V] float32; per-row temperature/top_p (f32), top_k/seeds/counters (i32);
+    ``banned`` [R, B] int32: token ids a row must not pick (ids >= V are padding).
 
     ``num_logprobs`` (static) is L, the number of top tokens reported per row (clamped to V).
+    Logprobs and top tokens are the model's own, banned tokens included (ties between a banned
+    and an unbanned token list the unbanned one first).
     """
     R, V = logits.shape
+    raw = logits
+    if banned is not None:
+        logits = logits.at[jnp.arange(R)[:, None], banned].set(-jnp.inf, mode="drop")
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     z = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    # Sorting the raw logits (stable: ties keep id order, as argmax does) orders z the same way.
+    # Sorting the logits (stable: ties keep id order, as argmax does) orders z the same way.
     vocab_ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (R, V))
-    neg_sorted, order = jax.lax.sort((-logits, vocab_ids), num_keys=1, is_stable=True)
+    _, order = jax.lax.sort((-logits, vocab_ids), num_keys=1, is_stable=True)
     ordered = jnp.take_along_axis(z, order, axis=-1)
     kth = jnp.take_along_axis(ordered, jnp.clip(top_k - 1, 0, V - 1)[:, None], axis=-1)
     z = jnp.where((top_k[:, None] > 0) & (z < kth), -jnp.inf, z)
@@ -47,13 +53,23 @@ def sample(logits, temperature, top_p, top_k, seeds, counters, *, num_logprobs: 
     drawn = jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
     ids = jnp.where(temperature > 0, drawn, greedy)
 
-    lse = jax.nn.logsumexp(logits, axis=-1)
+    lse = jax.nn.logsumexp(raw, axis=-1)
     L = min(num_logprobs, V)
+    top_ids = order[:, :L]
+    top_raw = jnp.take_along_axis(raw, top_ids, axis=-1)
+    if banned is not None and L:
+        # The sort ran without the banned tokens. The unbanned top L is in it, so the raw top L is
+        # among those L and the banned ones: a top-k over L + B candidates, not a second sort.
+        valid = banned < V
+        ids_b = jnp.where(valid, banned, 0)
+        vals_b = jnp.where(valid, jnp.take_along_axis(raw, ids_b, axis=-1), -jnp.inf)
+        top_raw, pick = jax.lax.top_k(jnp.concatenate([top_raw, vals_b], axis=-1), L)
+        top_ids = jnp.take_along_axis(jnp.concatenate([top_ids, ids_b], axis=-1), pick, axis=-1)
     return Sampled(
         ids,
-        jnp.take_along_axis(logits, ids[:, None], axis=-1)[:, 0] - lse,
-        order[:, :L],
-        -neg_sorted[:, :L] - lse[:, None],
+        jnp.take_along_axis(raw, ids[:, None], axis=-1)[:, 0] - lse,
+        top_ids,
+        top_raw - lse[:, None],
     )
 
 

@@ -12,13 +12,15 @@ V = 12
 DRAWS = 4000  # rows of one distribution, each with its own counter: frequencies within ~0.03
 
 
-def _rows(logits, *, temperature=1.0, top_p=1.0, top_k=0, seed=3, num_logprobs=0, n=DRAWS):
-    """``n`` rows of the same logits with counters 0..n-1 -> host arrays of the Sampled fields."""
+def _rows(logits, *, temperature=1.0, top_p=1.0, top_k=0, seed=3, num_logprobs=0, n=DRAWS, banned=None):
+    """``n`` rows of the same logits with counters 0..n-1 -> host arrays of the Sampled fields;
+    ``banned``: ids every row must not pick (padded with V, as the runner pads)."""
     logits = np.broadcast_to(np.asarray(logits, np.float32), (n, len(logits)))
     full = lambda v, dt: np.full(n, v, dt)  # noqa: E731
+    ban = None if banned is None else np.broadcast_to(np.array(list(banned) + [V, V + 3], np.int32), (n, len(banned) + 2))
     out = jax.jit(sample, static_argnames="num_logprobs")(
         logits, full(temperature, np.float32), full(top_p, np.float32), full(top_k, np.int32),
-        full(seed, np.int32), np.arange(n, dtype=np.int32), num_logprobs=num_logprobs,
+        full(seed, np.int32), np.arange(n, dtype=np.int32), ban, num_logprobs=num_logprobs,
     )  # fmt: skip
     return jax.tree.map(np.asarray, out)
 
@@ -104,3 +106,20 @@ def test_logprobs_count_is_clamped_to_the_vocabulary(logits):
     assert out.top_ids.shape == (2, V) and sorted(out.top_ids[0].tolist()) == list(range(V))
     np.testing.assert_allclose(np.exp(out.top_logprobs[0]).sum(), 1.0, rtol=1e-5)
     assert _rows(logits, n=2).top_ids.shape == (2, 0)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (1.0, 3, 1.0), (0.8, 0, 0.6)])
+def test_banned_tokens_are_never_picked_and_the_rest_renormalise(logits, temperature, top_k, top_p):
+    """min_tokens bans EOS / stop ids: the draws follow the distribution with those removed (then
+    the filters), while logprobs and top tokens stay the model's own."""
+    banned = [int(i) for i in np.argsort(-logits)[:2]]  # the two most likely tokens
+    got = _rows(logits, temperature=temperature, top_k=top_k, top_p=top_p, num_logprobs=4, banned=banned)
+    rest = logits.copy()
+    rest[banned] = -np.inf
+    want = _rows(rest, temperature=temperature, top_k=top_k, top_p=top_p, num_logprobs=4)
+    np.testing.assert_array_equal(got.ids, want.ids)  # same seeds: the same draws as the masked logits
+    assert not np.isin(got.ids, banned).any()
+    plain = _rows(logits, temperature=temperature, top_k=top_k, top_p=top_p, num_logprobs=4, n=8)
+    np.testing.assert_array_equal(got.top_ids[:8], plain.top_ids)  # the banned tokens lead the top 4
+    np.testing.assert_allclose(got.top_logprobs[:8], plain.top_logprobs, rtol=1e-6)
+    np.testing.assert_allclose(got.logprobs, _log_softmax(logits)[got.ids], rtol=1e-5, atol=1e-6)

@@ -69,3 +69,29 @@ def test_prompt_logprobs_over_chunked_prefill_are_the_full_forward(tiny_llms, fa
         top_ids, top_lps = zip(*e.top)
         assert list(top_ids) == np.argsort(-full[p - 1], kind="stable")[:3].tolist()
         np.testing.assert_allclose(top_lps, full[p - 1, list(top_ids)], atol=1e-4)
+
+
+def test_min_tokens_holds_back_stop_tokens(tiny_llms):
+    """A stop token that greedy decoding picks first cannot be sampled before min_tokens; after
+    that it ends the request. Its logprobs stay the model's own (it is still the top token)."""
+    llm = tiny_llms["glm5"]
+    prompt = np.random.default_rng(5).integers(0, llm.config.vocab_size, 12).tolist()
+    engine = Engine(llm.config, llm.params, dtype=llm.dtype, config=EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, max_logprobs=2))
+    engine.add_request("free", prompt, SamplingParams(max_tokens=1))
+    while engine.has_unfinished():
+        for o in engine.step():
+            stop = o.new_token_ids[0]  # the greedy first token
+    with pytest.raises(ValueError, match="min_tokens"):
+        engine.add_request("bad", prompt, SamplingParams(max_tokens=2, min_tokens=3))
+    engine.add_request("stopped", prompt, SamplingParams(max_tokens=4, stop_token_ids=(stop,)))
+    engine.add_request("held", prompt, SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=(stop,), logprobs=1))
+    outputs = {"stopped": [], "held": []}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outputs[o.request_id].append(o)
+    assert [o.new_token_ids[0] for o in outputs["stopped"]] == [stop]
+    held = [o.new_token_ids[0] for o in outputs["held"]]
+    assert stop not in held[:2] and len(held) >= 2
+    assert outputs["held"][0].logprobs[0].top[0][0] == stop  # still the model's most likely token
+    if stop in held:  # after min_tokens the stop token ends the request
+        assert held[-1] == stop and outputs["held"][-1].finish_reason.value == "stop"

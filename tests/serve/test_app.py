@@ -166,6 +166,14 @@ def test_stop_strings_cut_and_abort(stub):
         assert stub.engine.active == 0  # the engine request was closed (aborted) at the stop string
 
 
+def test_stop_strings_wait_for_min_tokens(stub):
+    """As in vLLM, a stop string counts only once min_tokens tokens are out; min_tokens reaches
+    the engine (which holds back EOS and stop ids)."""
+    stub.script("Hello world. Goodbye world.", stop_id=None)
+    r = stub.client.completions.create(model="stub", prompt="x", max_tokens=50, stop=["Goodbye"], extra_body={"min_tokens": 50})
+    assert r.choices[0].text == "Hello world. Goodbye world." and stub.engine.sampling[-1].min_tokens == 50
+
+
 def test_eos_is_hidden_and_defaults_apply(stub):
     stub.script("Done.", stop_id=492)
     r = stub.client.chat.completions.create(model="stub", messages=user("Hi"))
@@ -418,6 +426,8 @@ def test_engine_failure_is_503_or_an_error_event(stub):
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
         ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
         ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": -1}, "min_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ],
 )
 def test_invalid_requests_are_400_naming_the_field(stub, path, body, param):
