@@ -120,8 +120,8 @@ def create_app(ctx: ServingContext) -> FastAPI:
         )
 
     def text_output(body: ChatCompletionRequest | CompletionRequest, sp: SamplingParams, keep: tuple[str, ...] = ()) -> TextOutput:
-        hidden = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else ctx.eos_token_ids)
         skip = ctx.tokenizer.skip_ids(skip_special_tokens=body.skip_special_tokens, keep=keep)
+        hidden = sp.stop_ids(ctx.eos_token_ids)
         return TextOutput(ctx.tokenizer, skip_ids=skip, stop=body.stop, hidden_ids=hidden, min_tokens=sp.min_tokens)
 
     def generation(request_id: str, prompt_ids: list[int], sp: SamplingParams, text: TextOutput) -> Generation:

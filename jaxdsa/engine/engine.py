@@ -125,7 +125,7 @@ class Engine:
             n = getattr(sampling, name)
             if n is not None and n > self.config.max_logprobs:
                 raise ValueError(f"{name} {n} exceeds the server's max_logprobs {self.config.max_logprobs}")
-        if sampling.min_tokens and len(self._stop_ids(sampling)) > MAX_BANNED_TOKENS:
+        if sampling.min_tokens and len(sampling.stop_ids(self.eos_token_ids)) > MAX_BANNED_TOKENS:
             raise ValueError(f"min_tokens holds back at most {MAX_BANNED_TOKENS} EOS and stop token ids")
         if len(prompt) + sampling.max_tokens > self.max_model_len:
             raise ValueError(
@@ -167,13 +167,10 @@ class Engine:
         return self.scheduler.has_work()
 
     # -- stepping ------------------------------------------------------------------------------
-    def _stop_ids(self, sp: SamplingParams) -> frozenset[int]:
-        """Tokens that end a request: its stop_token_ids, and EOS unless it ignores EOS."""
-        return frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self.eos_token_ids)
-
     def _stop_reason(self, request: Request) -> FinishReason | None:
-        sp = request.sampling
-        if len(request.output) >= sp.min_tokens and request.output[-1] in self._stop_ids(sp):
+        token, sp = request.output[-1], request.sampling
+        stop = (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids  # no set per token
+        if stop and len(request.output) >= sp.min_tokens:
             return FinishReason.STOP
         if len(request.output) >= sp.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
@@ -182,7 +179,7 @@ class Engine:
     def _banned(self, segments: list[Segment]) -> dict[str, frozenset[int]]:
         """Per sampling request still under its min_tokens: the stop tokens it must not sample."""
         return {
-            s.request.request_id: self._stop_ids(s.request.sampling)
+            s.request.request_id: s.request.sampling.stop_ids(self.eos_token_ids)
             for s in segments
             if s.samples and len(s.request.output) < s.request.sampling.min_tokens
         }

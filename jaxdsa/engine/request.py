@@ -50,6 +50,10 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError("min_tokens must be in [0, max_tokens]")
 
+    def stop_ids(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
+        """Tokens that end the request: its stop_token_ids, and EOS unless it ignores EOS."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else eos_token_ids)
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
