@@ -19,7 +19,10 @@ it is timed; time = one jit over R distinct input sets / R, median of replays
 (or measured here); "% of 3006" is of the torch ``copy_`` ceiling in the anchors. R = 8 for
 T <= 128, 2 for T = 512, 1 for T = 4096. Pass 1 runs the table config and the baselines at
 every T; pass 2 sweeps the variants, largest T first, and starts none after ``BUDGET_S``
-seconds (skipped ones are listed), so one call stays within ~4 minutes of GPU time.
+seconds (skipped ones are listed), so one call stays within ~4 minutes of GPU time. With
+``MOE_ROUNDS=n`` pass 2 times the table config and every variant n times round-robin and reports
+medians: the variants then share the machine's drift, and differences of ~1 % can be told apart
+(one config's time varied 3-5 % between calls, 0.2-0.3 % between interleaved rounds).
 Writes ``benchmarks/results/moe-<gpu>.md`` (a summary per T, then every row).
 """
 
@@ -48,6 +51,7 @@ TORCH_GROUPED_US = {1: 302.2, 8: 1646.8, 32: 4534.4, 128: 6879.7, 512: 7427.5, 4
 EXPERT_BYTES = 3 * D * N * 2
 TOLERANCE = 1e-2
 BUDGET_S = float(os.environ.get("MOE_BUDGET_S", "180"))  # no new sweep variant starts after this many seconds
+ROUNDS = int(os.environ.get("MOE_ROUNDS", "1"))  # > 1: pass 2 re-times table and variants round-robin
 
 # Sweep variants per regime (block_m <= 32: weight streaming; 64+: tensor-core tiles). Sized for
 # the H100's 227 KiB of shared memory; a variant that fails to compile is reported, not fatal.
@@ -68,7 +72,9 @@ COMPUTE_VARIANTS = {
 }
 # Dropped after sweeps on H100 and H200 (moe-h100-sweep-*.md, moe-h200-sweep.md), slower at every
 # T they ran: long_k (32x256 / 64x256), 128-row K steps, 256-row blocks, 64-wide gate|up tiles,
-# 64-row blocks at two programs per SM (4 warps, 2-4 stages).
+# 64-row blocks at two programs per SM (4 warps, 2-4 stages); at T = 4096 down tiles 128x128/w8s2,
+# 128x32/w8s6, 64x64/w4s4, 256x32/w8s4 and gate|up 128x32/w8s8, 64x64/w4s4 (sweep 5, rounds).
+# 128x64/w4s3 down tiles tied the table there.
 
 
 def _describe(cfg: MoeConfig) -> str:
@@ -156,14 +162,15 @@ def _measure(name: str, fn: Callable, case: "_Case", *, replays: int) -> dict[st
     except Exception as exc:  # noqa: BLE001 - one failing variant must not end the batched run
         traceback.print_exc()
         return row | {"note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
-    us = sec * 1e6
+    print(f"moe T={case.t} {name}: {sec * 1e6:.1f} us, {case.mb * 1e-3 / sec:.0f} GB/s, rel {err:.1e}")
+    return row | {"rel_err": err} | _rates(case, sec)
+
+
+def _rates(case: "_Case", sec: float) -> dict[str, float]:
     gbs = case.mb * 1e6 / sec / 1e9
     tflops = case.gflop / sec / 1e3
-    print(f"moe T={case.t} {name}: {us:.1f} us, {gbs:.0f} GB/s, rel {err:.1e}")
-    return row | {
-        "rel_err": err, "us": us, "GB/s": gbs, "% copy": 100 * gbs / case.copy_gbs,
-        "% of 3006": 100 * gbs / TORCH_COPY_GBS, "TFLOP/s": tflops, "% mm": 100 * tflops / case.mm_tflops,
-    }
+    return {"us": sec * 1e6, "GB/s": gbs, "% copy": 100 * gbs / case.copy_gbs, "% of 3006": 100 * gbs / TORCH_COPY_GBS,
+            "TFLOP/s": tflops, "% mm": 100 * tflops / case.mm_tflops}
 
 
 @dataclasses.dataclass
@@ -202,9 +209,37 @@ def _case(t: int, experts: dict, copy_gbs: float, mm_tflops: float) -> _Case:
     return _Case(t, sets, rows, want, distinct, copy_gbs, mm_tflops)
 
 
+def _with_config(cfg: MoeConfig) -> Callable:
+    return lambda x, ids, w, ex: kernel.moe_experts(x, ids, w, ex, config=cfg)
+
+
 def _pallas(case: _Case, name: str, cfg: MoeConfig) -> dict[str, Any]:
-    fn = lambda x, ids, w, ex: kernel.moe_experts(x, ids, w, ex, config=cfg)  # noqa: E731
-    return _measure(f"pallas:{name}", fn, case, replays=20 if case.t <= 512 else 10) | {"config": _describe(cfg)}
+    return _measure(f"pallas:{name}", _with_config(cfg), case, replays=20 if case.t <= 512 else 10) | {"config": _describe(cfg)}
+
+
+def _sweep(case: _Case, start: float) -> list[dict[str, Any]]:
+    """Pass 2 for one T: every variant once, or with ``ROUNDS`` > 1 the table config (as
+    ``table@rounds``) and every variant ``ROUNDS`` times round-robin, each row the median."""
+    configs = _variants(case.t)
+    if ROUNDS > 1:
+        configs = {"table@rounds": tuning.choose(case.t * TOP_K, E, itemsize=2)} | configs
+    rows: dict[str, dict[str, Any]] = {}
+    times: dict[str, list[float]] = {}
+    for rnd in range(ROUNDS):
+        for name, cfg in configs.items():
+            if rnd == 0 and time.perf_counter() - start > BUDGET_S:
+                rows[name] = case.common | {"impl": f"pallas:{name}", "config": _describe(cfg), "note": harness.SKIPPED}
+            elif rnd == 0:
+                rows[name] = _pallas(case, name, cfg)
+                if "us" in rows[name]:
+                    times[name] = [rows[name]["us"] * 1e-6]
+            elif name in times:
+                times[name].append(harness.time_op(_with_config(cfg), case.sets, replays=10))
+    for name, secs in times.items():
+        if len(secs) > 1:
+            note = "rounds: " + " / ".join(f"{s * 1e6:.0f}" for s in secs)
+            rows[name] |= _rates(case, float(np.median(secs))) | {"note": note}
+    return list(rows.values())
 
 
 def _phases(case: _Case) -> list[dict[str, Any]]:
@@ -238,8 +273,7 @@ def _skewed(case: _Case, experts: dict) -> dict[str, Any]:
     skewed = dataclasses.replace(case, sets=[(x, ids, w, experts)], want=_f32_rows(x[case.rows], ids[case.rows], w[case.rows], experts),
                                  distinct=float((counts > 0).sum()))
     cfg = tuning.choose(case.t * TOP_K, E, itemsize=2)
-    fn = lambda x, ids, w, ex: kernel.moe_experts(x, ids, w, ex, config=cfg)  # noqa: E731
-    row = _measure("skewed routing: table", fn, skewed, replays=10) | {"config": _describe(cfg)}
+    row = _measure("skewed routing: table", _with_config(cfg), skewed, replays=10) | {"config": _describe(cfg)}
     return row | {"note": f"slots per expert {counts.min()}-{counts.max()}"}
 
 
@@ -273,12 +307,7 @@ def run(ceilings: Mapping[str, float] | None = None) -> list[dict]:
             except Exception:  # noqa: BLE001 - diagnostics must not end the batched run
                 traceback.print_exc()
     for case in reversed(cases):
-        for name, cfg in _variants(case.t).items():
-            if time.perf_counter() - start > BUDGET_S:
-                skipped = {"impl": f"pallas:{name}", "config": _describe(cfg), "note": harness.SKIPPED}
-                results.append(case.common | skipped)
-            else:
-                results.append(_pallas(case, name, cfg))
+        results += _sweep(case, start)
 
     for t in TOKENS:
         timed = [r for r in results if r["T"] == t and r["impl"].startswith("pallas") and "us" in r]
