@@ -117,6 +117,9 @@ def create_app(ctx: ServingContext) -> FastAPI:
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             min_tokens=body.min_tokens,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
         )
 
     def text_output(body: ChatCompletionRequest | CompletionRequest, sp: SamplingParams, keep: tuple[str, ...] = ()) -> TextOutput:

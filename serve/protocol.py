@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI endpoints (plus vLLM's sampling extensions), validated by pydantic.
 
 Unknown fields are ignored, as OpenAI-compatible servers do. Fields the engine cannot honour
-(penalties, beam search, ``best_of``, ...) are rejected with a 400 naming the
+(``logit_bias``, beam search, ``best_of``, ...) are rejected with a 400 naming the
 field rather than being silently ignored, because ignoring them would change what the client
 gets without telling it.
 """
@@ -15,9 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 # field -> the values that mean "off"; anything else is unsupported.
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
     "logit_bias": (None, {}),
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -49,9 +46,10 @@ class _GenerationRequest(BaseModel):
     min_tokens: int = Field(0, ge=0)  # vLLM's: EOS, stop_token_ids and stop strings wait for this many tokens
     skip_special_tokens: bool = True
 
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)  # vLLM's: > 1 discourages prompt and output tokens
+
     logit_bias: Any = None
     best_of: Any = None
     suffix: Any = None

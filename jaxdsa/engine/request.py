@@ -33,6 +33,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; n >= 0: the sampled token's logprob and the n most likely
     prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled (nor end the request) before this many
+    presence_penalty: float = 0.0  # subtracted from the logit of every token the output holds
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
+    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -49,6 +52,16 @@ class SamplingParams:
             raise ValueError("prompt_logprobs must be >= 0")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError("min_tokens must be in [0, max_tokens]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if not self.repetition_penalty > 0:
+            raise ValueError("repetition_penalty must be > 0")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on (such requests sample in the step variant that reads counts)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def stop_ids(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
         """Tokens that end the request: its stop_token_ids, and EOS unless it ignores EOS."""

@@ -6,6 +6,11 @@ to min(tokens, slots per group); the page table always has max_num_seqs rows. St
 contexts all fit in index_topk run the dense path over a page table narrowed to index_topk tokens.
 With dp groups each group's tokens form one block of the flat buffers and use group-local slot
 and page ids (the scheduler keeps every sequence inside one group).
+
+Penalties need each request's token counts, which live on the device, one row per slot
+(:class:`PenaltyState`, allocated when the first request with penalties samples): a step with
+penalized rows reads their rows and adds the sampled tokens; a request taking a slot fills its
+row from its prompt and output first. Steps without penalized rows do not touch them.
 """
 
 from __future__ import annotations
@@ -14,14 +19,15 @@ import contextlib
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxdsa import sharding
 from jaxdsa.cache import KVCache, StepMeta
 from jaxdsa.config import ModelConfig
-from jaxdsa.engine.request import MAX_BANNED_TOKENS
-from jaxdsa.engine.sampling import Sampled, Scored, sample, score
+from jaxdsa.engine.request import MAX_BANNED_TOKENS, Request
+from jaxdsa.engine.sampling import Penalties, Sampled, Scored, sample, score
 from jaxdsa.engine.scheduler import Segment
 from jaxdsa.models.dsa import step
 
@@ -34,24 +40,57 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
-def _fused_step(params, tokens, positions, cache, meta, temperature, top_p, top_k, seeds, counters, banned, *scoring, cfg, sparse, with_logits, num_logprobs):
+def _fused_step(params, tokens, positions, cache, penalty_state, meta, temperature, top_p, top_k, seeds, counters, banned,
+                penalty_rows, scoring, *, cfg, sparse, with_logits, num_logprobs):
     """One step: the model, then sampling. With ``scoring`` = (targets [T], sample rows [R]) the
     model returned logits for every token (meta.logits_indices covers them all): each token is
-    scored against its target (the prompt's next token) and the sample rows are picked after."""
+    scored against its target (the prompt's next token) and the sample rows are picked after.
+    With ``penalty_rows`` = (slot, presence, frequency, repetition, on) per row, rows sample
+    under penalties from ``penalty_state`` = (counts, in_prompt) [slots, V], and the rows that
+    are ``on`` add their sampled token to their slot's counts."""
     logits, cache = step(params, tokens, positions, cache, meta, cfg=cfg, sparse=sparse, absorbed=True)
     scored = None
     if scoring:
         targets, sample_rows = scoring
         scored = score(logits, targets, num_logprobs=num_logprobs)
         logits = logits[sample_rows]
-    sampled = sample(logits, temperature, top_p, top_k, seeds, counters, banned, num_logprobs=num_logprobs)
-    return sampled, (logits if with_logits else jnp.zeros((logits.shape[0], 0), jnp.float32)), scored, cache
+    penalties = None
+    if penalty_rows:
+        (counts, in_prompt), (slot, presence, frequency, repetition, on) = penalty_state, penalty_rows
+        penalties = Penalties(counts[slot], in_prompt[slot], presence, frequency, repetition)
+    sampled = sample(logits, temperature, top_p, top_k, seeds, counters, banned, penalties, num_logprobs=num_logprobs)
+    if penalty_rows:
+        penalty_state = (counts.at[slot, sampled.ids].add(on.astype(jnp.int32)), in_prompt)
+    return sampled, (logits if with_logits else jnp.zeros((logits.shape[0], 0), jnp.float32)), scored, cache, penalty_state
 
 
 @functools.cache
 def _compiled(cfg: ModelConfig, sparse: bool, with_logits: bool, num_logprobs: int, mesh):
     fn = functools.partial(_fused_step, cfg=cfg, sparse=sparse, with_logits=with_logits, num_logprobs=num_logprobs)
-    return sharding.jit_step(fn, mesh, donate_argnums=(3,))
+    return sharding.jit_step(fn, mesh, donate_argnums=(3, 4))
+
+
+def _fill_rows(params, counts, in_prompt, reset, slot, token, is_output):
+    """Penalty rows of newly seated requests: rows with ``reset`` cleared, then each (slot, token)
+    entry counted (an output token) or marked (a prompt token); out-of-range slots are padding."""
+    del params  # the dp wrapper's replicated argument; nothing to replicate here
+    counts = jnp.where(reset[:, None], 0, counts).at[slot, token].add(is_output.astype(jnp.int32), mode="drop")
+    in_prompt = jnp.where(reset[:, None], False, in_prompt).at[slot, token].max(~is_output, mode="drop")
+    return counts, in_prompt
+
+
+@functools.cache
+def _compiled_fill(mesh):
+    return sharding.jit_step(_fill_rows, mesh, donate_argnums=(1, 2))
+
+
+@dataclasses.dataclass
+class PenaltyState:
+    """Device rows of token counts for penalties, one per slot, and the request each row is for."""
+
+    counts: jax.Array  # [max_num_seqs, V] int32: output token counts
+    in_prompt: jax.Array  # [max_num_seqs, V] bool: prompt tokens
+    owners: list[Request | None]  # per slot: the request its row was filled for
 
 
 @dataclasses.dataclass
@@ -79,6 +118,7 @@ class _Group:
     logits_at: list = dataclasses.field(default_factory=list)
     rows: list = dataclasses.field(default_factory=list)  # (temperature, top_p, top_k, seed, counter)
     banned: list = dataclasses.field(default_factory=list)  # per row: token ids it must not sample
+    penalties: list = dataclasses.field(default_factory=list)  # per row: (slot, presence, frequency, repetition, on)
     targets: list = dataclasses.field(default_factory=list)  # next token of each scored token, else -1
 
 
@@ -107,6 +147,8 @@ class ModelRunner:
         self.dense_pages = min(self.page_table.shape[1], -(-cfg.index_topk // self.page_size))
         self.can_be_sparse = max_model_len > cfg.index_topk
         self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.penalty: PenaltyState | None = None
 
     def _place(self, tree):
         """A step's host inputs as the step takes them: numpy straight into jit on one device (its
@@ -119,7 +161,8 @@ class ModelRunner:
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _call(self, groups: list[_Group], *, sparse: bool, with_logits: bool, with_logprobs: bool = False, scoring: bool = False):
+    def _call(self, groups: list[_Group], *, sparse: bool, with_logits: bool, with_logprobs: bool = False, scoring: bool = False,
+              penalized: bool = False):
         """-> (Sampled [groups, R, ...], logits or None, Scored [groups, T, ...] or None) on the host;
         the logprob fields of Sampled are None unless asked for."""
         T = self._bucket(max(1, max(len(g.tokens) for g in groups)))
@@ -146,6 +189,15 @@ class ModelRunner:
         table = self.page_table if sparse else self.page_table[:, : self.dense_pages]
         logits_at = np.tile(np.arange(T, dtype=np.int32), len(groups)) if scoring else flat("logits_at", R, 0)
         meta = StepMeta(flat("seq_ids", T, -1), np.array(table), logits_at)
+        penalty_rows = ()
+        if penalized:  # neutral rows: slot 0, presence 0, frequency 0, repetition 1, off
+            columns = [np.zeros((len(groups), R), dt) for dt in (np.int32, np.float32, np.float32, np.float32, bool)]
+            columns[3][:] = 1
+            for i, g in enumerate(groups):
+                for j, row in enumerate(g.penalties):
+                    for column, value in zip(columns, row):
+                        column[i, j] = value
+            penalty_rows = tuple(c.reshape(-1) for c in columns)
         args = (
             flat("tokens", T, 0),
             flat("positions", T, 0),
@@ -156,11 +208,16 @@ class ModelRunner:
             sampling(3, 0, np.int32),
             sampling(4, 0, np.int32),
             banned.reshape(-1, MAX_BANNED_TOKENS),
-        ) + ((flat("targets", T, -1), flat("logits_at", R, 0)) if scoring else ())
+            penalty_rows,
+            (flat("targets", T, -1), flat("logits_at", R, 0)) if scoring else (),
+        )
         tokens, positions, meta, *rest = self._place(args)
+        state = (self.penalty.counts, self.penalty.in_prompt) if penalized else ()
         fn = _compiled(self.cfg, sparse, with_logits, self.max_logprobs, self.mesh)
         with self.precision() if self.precision else contextlib.nullcontext():
-            sampled, logits, scored, self.cache = fn(self.params, tokens, positions, self.cache, meta, *rest)
+            sampled, logits, scored, self.cache, state = fn(self.params, tokens, positions, self.cache, state, meta, *rest)
+        if penalized:
+            self.penalty.counts, self.penalty.in_prompt = state
         rows = lambda a, n=R: sharding.fetch(a).reshape(len(groups), n, *a.shape[1:])  # noqa: E731
         fetched = Sampled(rows(sampled.ids), *(map(rows, sampled[1:]) if with_logprobs else (None,) * 3))
         scored = Scored(*(rows(a, T) for a in scored)) if scoring else None
@@ -201,10 +258,16 @@ class ModelRunner:
                 sp = r.sampling
                 g.rows.append((sp.temperature, sp.top_p, sp.top_k, seeds[r.request_id], len(r.output)))
                 g.banned.append(banned.get(r.request_id, ()))
+                g.penalties.append((r.slot - gi * self.slots_per_group, sp.presence_penalty, sp.frequency_penalty,
+                                    sp.repetition_penalty, sp.penalized))
                 where.append((gi, len(g.rows) - 1))
         sparse = max(p for g in groups for p in g.positions) + 1 > self.cfg.index_topk
         scoring = any(s.request.request_id in score for s in segments)
-        sampled, logits, scored = self._call(groups, sparse=sparse, with_logits=with_logits, with_logprobs=with_logprobs, scoring=scoring)
+        penalized = [s.request for s in segments if s.samples and s.request.sampling.penalized]
+        if penalized:
+            self._seat_penalized(penalized)
+        sampled, logits, scored = self._call(groups, sparse=sparse, with_logits=with_logits, with_logprobs=with_logprobs,
+                                             scoring=scoring, penalized=bool(penalized))
         at = tuple(np.asarray(where, np.intp).reshape(-1, 2).T)  # (group, row) of each sampled segment
         pick = lambda a: None if a is None else a[at]  # noqa: E731
         result = StepResult(pick(sampled.ids), pick(logits), *map(pick, sampled[1:]))
@@ -214,6 +277,40 @@ class ModelRunner:
                 for s, (gi, start) in zip(segments, spans)
             ]
         return result
+
+    def _seat_penalized(self, requests: list[Request]) -> None:
+        """Fill the penalty rows of requests whose slot's row was filled for someone else (or never):
+        first seated, or back after a preemption that gave their slot away."""
+        if self.penalty is None:
+            V = self.cfg.vocab_size
+            state = (np.zeros((self.max_num_seqs, V), np.int32), np.zeros((self.max_num_seqs, V), bool))
+            state = self._place(state) if self.mesh is not None else tuple(map(jnp.asarray, state))
+            self.penalty = PenaltyState(*state, owners=[None] * self.max_num_seqs)
+        fresh = [r for r in requests if self.penalty.owners[r.slot] is not r]
+        if not fresh:
+            return
+        per_group = self.slots_per_group
+        reset = np.zeros((self.groups, per_group), bool)
+        entries = [[] for _ in range(self.groups)]  # (local slot, token, is output)
+        for r in fresh:
+            gi, local = divmod(r.slot, per_group)
+            reset[gi, local] = True
+            entries[gi] += [(local, t, False) for t in set(r.prompt)] + [(local, t, True) for t in r.output]
+            self.penalty.owners[r.slot] = r
+        n = self._bucket_pow2(max(len(e) for e in entries))
+        slot = np.full((self.groups, n), per_group, np.int32)  # out of range: dropped
+        token = np.zeros((self.groups, n), np.int32)
+        is_output = np.zeros((self.groups, n), bool)
+        for gi, group in enumerate(entries):
+            if group:
+                slot[gi, : len(group)], token[gi, : len(group)], is_output[gi, : len(group)] = zip(*group)
+        args = self._place(tuple(a.reshape(-1) for a in (reset, slot, token, is_output)))
+        self.penalty.counts, self.penalty.in_prompt = _compiled_fill(self.mesh)({}, self.penalty.counts, self.penalty.in_prompt, *args)
+
+    @staticmethod
+    def _bucket_pow2(n: int) -> int:
+        """Entries per group padded to a power of two (64 at least), so fills compile a few shapes."""
+        return max(64, 1 << (max(n, 1) - 1).bit_length())
 
     def warmup(self, report=None) -> None:
         """Compile every bucket (and the sparse path when contexts can outgrow index_topk)."""

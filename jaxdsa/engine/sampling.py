@@ -1,4 +1,5 @@
-"""On-device sampling: greedy, temperature, top-k and top-p, with per-request seeds; logprobs.
+"""On-device sampling: greedy, temperature, top-k and top-p, with per-request seeds; penalties;
+logprobs.
 
 Each request's key is fold_in(key(seed), n) where n counts its generated tokens, so a seeded
 request samples the same tokens whatever else shares its batch, and after a preemption.
@@ -7,6 +8,11 @@ Logprobs are those of the model's own distribution (log-softmax of the raw logit
 temperature and the top-k / top-p filters), as vLLM reports them by default. The top-k / top-p
 filters already sort every row; the sort carries the token ids along, so the most likely
 ``num_logprobs`` tokens come out of it without a second sort.
+
+Penalties follow vLLM: a repetition penalty divides positive logits (multiplies negative ones) of
+every token seen in the prompt or the output; frequency and presence penalties subtract
+``frequency * count + presence * (count > 0)`` over the output's token counts. They apply to the
+logits before the bans, temperature and filters; logprobs stay the model's own.
 """
 
 from __future__ import annotations
@@ -24,9 +30,27 @@ class Sampled(NamedTuple):
     top_logprobs: jax.Array  # [R, L] float32
 
 
-def sample(logits, temperature, top_p, top_k, seeds, counters, banned=None, *, num_logprobs: int = 0) -> Sampled:
+class Penalties(NamedTuple):
+    counts: jax.Array  # [R, V] int32: each token's count in the row's output so far
+    in_prompt: jax.Array  # [R, V] bool: tokens of the row's prompt
+    presence: jax.Array  # [R] float32 (0: off)
+    frequency: jax.Array  # [R] float32 (0: off)
+    repetition: jax.Array  # [R] float32 (1: off)
+
+
+def penalize(logits: jax.Array, p: Penalties) -> jax.Array:
+    """vLLM's penalties on logits [R, V]; a row with all three off comes back bit for bit."""
+    seen = p.in_prompt | (p.counts > 0)
+    rep = p.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - p.frequency[:, None] * p.counts - p.presence[:, None] * (p.counts > 0)
+
+
+def sample(logits, temperature, top_p, top_k, seeds, counters, banned=None, penalties: Penalties | None = None, *,
+           num_logprobs: int = 0) -> Sampled:
     """logits [R, V] float32; per-row temperature/top_p (f32), top_k/seeds/counters (i32);
-    ``banned`` [R, B] int32: token ids a row must not pick (ids >= V are padding).
+    ``banned`` [R, B] int32: token ids a row must not pick (ids >= V are padding); ``penalties``
+    change the logits a row samples from (not its logprobs).
 
     ``num_logprobs`` (static) is L, the number of top tokens reported per row (clamped to V).
     Logprobs and top tokens are the model's own, banned tokens included (ties between a banned
@@ -34,6 +58,8 @@ def sample(logits, temperature, top_p, top_k, seeds, counters, banned=None, *, n
     """
     R, V = logits.shape
     raw = logits
+    if penalties is not None:
+        logits = penalize(logits, penalties)
     if banned is not None:
         logits = logits.at[jnp.arange(R)[:, None], banned].set(-jnp.inf, mode="drop")
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -57,7 +83,9 @@ def sample(logits, temperature, top_p, top_k, seeds, counters, banned=None, *, n
     L = min(num_logprobs, V)
     top_ids = order[:, :L]
     top_raw = jnp.take_along_axis(raw, top_ids, axis=-1)
-    if banned is not None and L:
+    if penalties is not None and L:  # the sort ranked penalized logits: rank the raw ones afresh
+        top_raw, top_ids = jax.lax.top_k(raw, L)
+    elif banned is not None and L:
         # The sort ran without the banned tokens. The unbanned top L is in it, so the raw top L is
         # among those L and the banned ones: a top-k over L + B candidates, not a second sort.
         valid = banned < V

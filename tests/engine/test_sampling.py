@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxdsa.engine.sampling import sample
+from jaxdsa.engine.sampling import Penalties, penalize, sample
 
 V = 12
 DRAWS = 4000  # rows of one distribution, each with its own counter: frequencies within ~0.03
@@ -123,3 +123,44 @@ def test_banned_tokens_are_never_picked_and_the_rest_renormalise(logits, tempera
     np.testing.assert_array_equal(got.top_ids[:8], plain.top_ids)  # the banned tokens lead the top 4
     np.testing.assert_allclose(got.top_logprobs[:8], plain.top_logprobs, rtol=1e-6)
     np.testing.assert_allclose(got.logprobs, _log_softmax(logits)[got.ids], rtol=1e-5, atol=1e-6)
+
+
+def _vllm_penalties(logits, counts, in_prompt, presence, frequency, repetition):
+    """vLLM's apply_penalties for one row, in float64."""
+    x = np.asarray(logits, np.float64).copy()
+    seen = in_prompt | (counts > 0)
+    x[seen] = np.where(x[seen] > 0, x[seen] / repetition, x[seen] * repetition)
+    return x - frequency * counts - presence * (counts > 0)
+
+
+def test_penalties_follow_vllm_and_leave_logprobs_raw():
+    """Rows with penalties sample from vLLM's penalized logits (greedy and seeded draws), rows with
+    them off come back bit for bit, and logprobs / top tokens stay those of the raw logits."""
+    rng = np.random.default_rng(5)
+    n = 6
+    raw = rng.normal(0, 2, (n, V)).astype(np.float32)
+    counts = rng.integers(0, 3, (n, V)).astype(np.int32) * (rng.random((n, V)) < 0.4)
+    in_prompt = rng.random((n, V)) < 0.3
+    presence = np.array([0.0, 0.5, -0.3, 0.0, 1.5, 0.0], np.float32)
+    frequency = np.array([0.0, 0.2, 0.0, -0.4, 0.7, 0.0], np.float32)
+    repetition = np.array([1.0, 1.3, 0.8, 1.0, 2.0, 1.0], np.float32)
+    pen = Penalties(counts, in_prompt, presence, frequency, repetition)
+    want = np.stack([_vllm_penalties(raw[i], counts[i], in_prompt[i], presence[i], frequency[i], repetition[i]) for i in range(n)])
+    got = np.asarray(jax.jit(penalize)(raw, pen))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    off = [0, 5]
+    np.testing.assert_array_equal(got[off], raw[off])
+    assert (np.argmax(want, axis=1) != np.argmax(raw, axis=1)).any()  # the penalties change some pick
+
+    args = lambda t: (np.full(n, t, np.float32), np.ones(n, np.float32), np.zeros(n, np.int32),  # noqa: E731
+                      np.arange(n, dtype=np.int32), np.zeros(n, np.int32))
+    run = jax.jit(sample, static_argnames="num_logprobs")
+    for temperature in (0.0, 0.7):
+        out = run(raw, *args(temperature), None, pen, num_logprobs=3)
+        ref = run(want.astype(np.float32), *args(temperature), num_logprobs=3)
+        np.testing.assert_array_equal(out.ids, ref.ids)  # the same draws as from the penalized logits
+        plain = run(raw, *args(temperature), num_logprobs=3)
+        np.testing.assert_array_equal(out.top_ids, plain.top_ids)  # the model's own top tokens
+        np.testing.assert_allclose(out.top_logprobs, plain.top_logprobs, rtol=1e-6)
+        lp = np.stack([_log_softmax(r) for r in raw])
+        np.testing.assert_allclose(out.logprobs, lp[np.arange(n), out.ids], rtol=1e-5, atol=1e-6)

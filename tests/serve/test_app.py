@@ -174,6 +174,17 @@ def test_stop_strings_wait_for_min_tokens(stub):
     assert r.choices[0].text == "Hello world. Goodbye world." and stub.engine.sampling[-1].min_tokens == 50
 
 
+def test_penalties_reach_the_engine(stub):
+    stub.script("Hello.", stop_id=None)
+    stub.client.completions.create(model="stub", prompt="x", max_tokens=5, presence_penalty=0.5, frequency_penalty=-1.0,
+                                   extra_body={"repetition_penalty": 1.2})
+    sp = stub.engine.sampling[-1]
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1.0, 1.2)
+    stub.script("Hello.", stop_id=None)
+    stub.client.chat.completions.create(model="stub", messages=user("x"), presence_penalty=0, frequency_penalty=0)
+    assert not stub.engine.sampling[-1].penalized  # the OpenAI SDKs' zeros mean off
+
+
 def test_eos_is_hidden_and_defaults_apply(stub):
     stub.script("Done.", stop_id=492)
     r = stub.client.chat.completions.create(model="stub", messages=user("Hi"))
@@ -407,7 +418,9 @@ def test_engine_failure_is_503_or_an_error_event(stub):
         ("/v1/chat/completions", {"messages": user("x"), "top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": user("x"), "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": user("x"), "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
-        ("/v1/chat/completions", {"messages": user("x"), "presence_penalty": 0.5}, "presence_penalty"),
+        ("/v1/chat/completions", {"messages": user("x"), "presence_penalty": 2.5}, "presence_penalty"),
+        ("/v1/chat/completions", {"messages": user("x"), "repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/chat/completions", {"messages": user("x"), "logit_bias": {"5": 10}}, "logit_bias"),
         ("/v1/chat/completions", {"messages": user("x"), "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/chat/completions", {"messages": user("x"), "tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
         ("/v1/chat/completions", {"messages": user("x"), "response_format": {"type": "json_object"}}, "response_format"),
@@ -422,7 +435,7 @@ def test_engine_failure_is_503_or_an_error_event(stub):
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
         ("/v1/completions", {}, "prompt"),
-        ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+        ("/v1/completions", {"prompt": "x", "frequency_penalty": -2.1}, "frequency_penalty"),
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
         ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
         ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),

@@ -11,6 +11,7 @@ import pytest
 import jaxdsa
 from jaxdsa.engine import SamplingParams
 from tests.conftest import FIXTURES
+from tests.models.test_penalties import PENALIZED, penalized_logits
 
 # (tp, ep, dp, dp_attention); with dp_attention the dp groups share the experts (ep counts all shards).
 LAYOUTS = [(2, 1, 1, False), (4, 2, 1, False), (2, 4, 1, False), (8, 8, 1, False), (2, 2, 2, False), (2, 4, 2, True), (4, 4, 2, True), (1, 8, 8, True)]
@@ -102,3 +103,23 @@ def test_prompt_logprobs_on_dp_groups_match_hf(case):
         assert got[0] is None and len(got) == n
         np.testing.assert_allclose([e.logprob for e in got[1:]], hf[np.arange(n - 1), prompt[1:n]], atol=1e-4)
     assert entries["r0"] is None and entries["r2"] is None
+
+
+def test_penalties_on_dp_groups(case):
+    """Penalty rows live with their dp group's slots: each group's requests follow vLLM's
+    penalties over their own tokens (dp = 8: one layout per family)."""
+    llm, (_, _, dp, _), golden = case
+    if dp < 8:
+        pytest.skip("one dp layout is enough")
+    engine, prompt = llm.engine, golden["prompt_long"].tolist()
+    params = {f"p{i}": sp for i, sp in enumerate(PENALIZED.values())} | {"plain": SamplingParams(max_tokens=14)}
+    for i, (rid, sp) in enumerate(params.items()):
+        engine.add_request(rid, prompt[: 12 + i], sp, return_logits=True)
+    outputs = {rid: [] for rid in params}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outputs[o.request_id].append(o)
+    for i, (rid, sp) in enumerate(params.items()):
+        tokens = [o.new_token_ids[0] for o in outputs[rid]]
+        for pos, o in enumerate(outputs[rid]):
+            assert tokens[pos] == int(np.argmax(penalized_logits(o.logits, prompt[: 12 + i], tokens[:pos], sp))), (rid, pos)
