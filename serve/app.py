@@ -55,6 +55,7 @@ class ServingContext:
     default_sampling: dict[str, Any] = dataclasses.field(default_factory=dict)  # from generation_config.json
     api_key: str | None = None
     max_logprobs: int = 20  # the engine's limit on top logprobs per token
+    vocab_size: int | None = None  # the model's, for logit_bias token ids
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -107,6 +108,9 @@ def create_app(ctx: ServingContext) -> FastAPI:
         max_tokens = requested or min(remaining, default or remaining)
         if body.min_tokens > max_tokens:
             raise ApiError(400, f"min_tokens {body.min_tokens} is above max_tokens {max_tokens}", param="min_tokens")
+        bias = body.logit_bias or {}
+        if ctx.vocab_size is not None and any(t >= ctx.vocab_size for t in bias):
+            raise ApiError(400, f"logit_bias token ids must be below the vocabulary size {ctx.vocab_size}", param="logit_bias")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=body.temperature if body.temperature is not None else d.get("temperature", 1.0),
@@ -120,6 +124,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty,
+            logit_bias=tuple(sorted(bias.items())),
         )
 
     def text_output(body: ChatCompletionRequest | CompletionRequest, sp: SamplingParams, keep: tuple[str, ...] = ()) -> TextOutput:

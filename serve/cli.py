@@ -182,6 +182,7 @@ def build(args: argparse.Namespace) -> Server:
         default_sampling=defaults,
         api_key=args.api_key,
         max_logprobs=args.max_logprobs,
+        vocab_size=llm.config.vocab_size,
     )
     return Server(create_app(context), aengine, context)
 

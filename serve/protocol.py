@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI endpoints (plus vLLM's sampling extensions), validated by pydantic.
 
 Unknown fields are ignored, as OpenAI-compatible servers do. Fields the engine cannot honour
-(``logit_bias``, beam search, ``best_of``, ...) are rejected with a 400 naming the
+(beam search, ``best_of``, ...) are rejected with a 400 naming the
 field rather than being silently ignored, because ignoring them would change what the client
 gets without telling it.
 """
@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 # field -> the values that mean "off"; anything else is unsupported.
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
-    "logit_bias": (None, {}),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "use_beam_search": (None, False),
@@ -49,8 +48,8 @@ class _GenerationRequest(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0)  # vLLM's: > 1 discourages prompt and output tokens
+    logit_bias: dict[int, float] | None = None  # token id (a JSON string key) -> bias in [-100, 100]
 
-    logit_bias: Any = None
     best_of: Any = None
     suffix: Any = None
     use_beam_search: Any = None
@@ -78,6 +77,15 @@ class _GenerationRequest(BaseModel):
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
         return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if value and any(not -100 <= bias <= 100 for bias in value.values()):
+            raise ValueError("biases must be in [-100, 100]")
+        if value and any(token < 0 for token in value):
+            raise ValueError("token ids must be >= 0")
+        return value
 
     @field_validator("stream_options")
     @classmethod

@@ -121,6 +121,8 @@ class Engine:
             raise ValueError("the prompt is empty")
         if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+        if any(not 0 <= t < self.cfg.vocab_size for t, _ in sampling.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {self.cfg.vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(sampling, name)
             if n is not None and n > self.config.max_logprobs:

@@ -36,6 +36,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from the logit of every token the output holds
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -57,11 +58,15 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2]")
         if not self.repetition_penalty > 0:
             raise ValueError("repetition_penalty must be > 0")
+        if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
 
     @property
     def penalized(self) -> bool:
-        """Whether any penalty is on (such requests sample in the step variant that reads counts)."""
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        """Whether a penalty or a logit bias is on (such requests sample in the step variant that
+        reads per-slot token state)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or bool(self.logit_bias))
 
     def stop_ids(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
         """Tokens that end the request: its stop_token_ids, and EOS unless it ignores EOS."""

@@ -7,10 +7,11 @@ contexts all fit in index_topk run the dense path over a page table narrowed to 
 With dp groups each group's tokens form one block of the flat buffers and use group-local slot
 and page ids (the scheduler keeps every sequence inside one group).
 
-Penalties need each request's token counts, which live on the device, one row per slot
-(:class:`PenaltyState`, allocated when the first request with penalties samples): a step with
-penalized rows reads their rows and adds the sampled tokens; a request taking a slot fills its
-row from its prompt and output first. Steps without penalized rows do not touch them.
+Penalties and logit biases need per-request rows over the vocabulary, which live on the device,
+one per slot (:class:`PenaltyState`, allocated when the first such request samples): a step with
+penalized rows reads their rows and adds the sampled tokens to the counts; a request taking a
+slot fills its rows from its prompt, output and bias first. Steps without penalized rows do not
+touch them.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def _fused_step(params, tokens, positions, cache, penalty_state, meta, temperatu
     model returned logits for every token (meta.logits_indices covers them all): each token is
     scored against its target (the prompt's next token) and the sample rows are picked after.
     With ``penalty_rows`` = (slot, presence, frequency, repetition, on) per row, rows sample
-    under penalties from ``penalty_state`` = (counts, in_prompt) [slots, V], and the rows that
-    are ``on`` add their sampled token to their slot's counts."""
+    under penalties from ``penalty_state`` = (counts, in_prompt, bias) [slots, V], and the rows
+    that are ``on`` add their sampled token to their slot's counts."""
     logits, cache = step(params, tokens, positions, cache, meta, cfg=cfg, sparse=sparse, absorbed=True)
     scored = None
     if scoring:
@@ -56,11 +57,11 @@ def _fused_step(params, tokens, positions, cache, penalty_state, meta, temperatu
         logits = logits[sample_rows]
     penalties = None
     if penalty_rows:
-        (counts, in_prompt), (slot, presence, frequency, repetition, on) = penalty_state, penalty_rows
-        penalties = Penalties(counts[slot], in_prompt[slot], presence, frequency, repetition)
+        (counts, in_prompt, bias), (slot, presence, frequency, repetition, on) = penalty_state, penalty_rows
+        penalties = Penalties(counts[slot], in_prompt[slot], presence, frequency, repetition, bias[slot])
     sampled = sample(logits, temperature, top_p, top_k, seeds, counters, banned, penalties, num_logprobs=num_logprobs)
     if penalty_rows:
-        penalty_state = (counts.at[slot, sampled.ids].add(on.astype(jnp.int32)), in_prompt)
+        penalty_state = (counts.at[slot, sampled.ids].add(on.astype(jnp.int32)), in_prompt, bias)
     return sampled, (logits if with_logits else jnp.zeros((logits.shape[0], 0), jnp.float32)), scored, cache, penalty_state
 
 
@@ -70,26 +71,34 @@ def _compiled(cfg: ModelConfig, sparse: bool, with_logits: bool, num_logprobs: i
     return sharding.jit_step(fn, mesh, donate_argnums=(3, 4))
 
 
-def _fill_rows(params, counts, in_prompt, reset, slot, token, is_output):
+_PROMPT, _OUTPUT, _BIAS = range(3)  # kinds of the entries that fill a slot's penalty rows
+
+
+def _fill_rows(params, counts, in_prompt, bias, reset, slot, token, kind, value):
     """Penalty rows of newly seated requests: rows with ``reset`` cleared, then each (slot, token)
-    entry counted (an output token) or marked (a prompt token); out-of-range slots are padding."""
+    entry marked (a prompt token), counted (an output token) or given its bias ``value``;
+    out-of-range slots are padding."""
     del params  # the dp wrapper's replicated argument; nothing to replicate here
-    counts = jnp.where(reset[:, None], 0, counts).at[slot, token].add(is_output.astype(jnp.int32), mode="drop")
-    in_prompt = jnp.where(reset[:, None], False, in_prompt).at[slot, token].max(~is_output, mode="drop")
-    return counts, in_prompt
+    clear = reset[:, None]
+    counts = jnp.where(clear, 0, counts).at[slot, token].add((kind == _OUTPUT).astype(jnp.int32), mode="drop")
+    in_prompt = jnp.where(clear, False, in_prompt).at[slot, token].max(kind == _PROMPT, mode="drop")
+    biased = jnp.where(kind == _BIAS, slot, counts.shape[0])  # other kinds: dropped
+    bias = jnp.where(clear, 0.0, bias).at[biased, token].set(value, mode="drop")
+    return counts, in_prompt, bias
 
 
 @functools.cache
 def _compiled_fill(mesh):
-    return sharding.jit_step(_fill_rows, mesh, donate_argnums=(1, 2))
+    return sharding.jit_step(_fill_rows, mesh, donate_argnums=(1, 2, 3))
 
 
 @dataclasses.dataclass
 class PenaltyState:
-    """Device rows of token counts for penalties, one per slot, and the request each row is for."""
+    """Device rows for penalties and logit biases, one per slot, and the request each is for."""
 
     counts: jax.Array  # [max_num_seqs, V] int32: output token counts
     in_prompt: jax.Array  # [max_num_seqs, V] bool: prompt tokens
+    bias: jax.Array  # [max_num_seqs, V] float32: logit bias
     owners: list[Request | None]  # per slot: the request its row was filled for
 
 
@@ -212,12 +221,12 @@ class ModelRunner:
             (flat("targets", T, -1), flat("logits_at", R, 0)) if scoring else (),
         )
         tokens, positions, meta, *rest = self._place(args)
-        state = (self.penalty.counts, self.penalty.in_prompt) if penalized else ()
+        state = (self.penalty.counts, self.penalty.in_prompt, self.penalty.bias) if penalized else ()
         fn = _compiled(self.cfg, sparse, with_logits, self.max_logprobs, self.mesh)
         with self.precision() if self.precision else contextlib.nullcontext():
             sampled, logits, scored, self.cache, state = fn(self.params, tokens, positions, self.cache, state, meta, *rest)
         if penalized:
-            self.penalty.counts, self.penalty.in_prompt = state
+            self.penalty.counts, self.penalty.in_prompt, self.penalty.bias = state
         rows = lambda a, n=R: sharding.fetch(a).reshape(len(groups), n, *a.shape[1:])  # noqa: E731
         fetched = Sampled(rows(sampled.ids), *(map(rows, sampled[1:]) if with_logprobs else (None,) * 3))
         scored = Scored(*(rows(a, T) for a in scored)) if scoring else None
@@ -279,33 +288,34 @@ class ModelRunner:
         return result
 
     def _seat_penalized(self, requests: list[Request]) -> None:
-        """Fill the penalty rows of requests whose slot's row was filled for someone else (or never):
-        first seated, or back after a preemption that gave their slot away."""
+        """Fill the penalty rows of requests whose slot's rows were filled for someone else (or
+        never): first seated, or back after a preemption that gave their slot away."""
         if self.penalty is None:
-            V = self.cfg.vocab_size
-            state = (np.zeros((self.max_num_seqs, V), np.int32), np.zeros((self.max_num_seqs, V), bool))
+            V, S = self.cfg.vocab_size, self.max_num_seqs
+            state = (np.zeros((S, V), np.int32), np.zeros((S, V), bool), np.zeros((S, V), np.float32))
             state = self._place(state) if self.mesh is not None else tuple(map(jnp.asarray, state))
-            self.penalty = PenaltyState(*state, owners=[None] * self.max_num_seqs)
+            self.penalty = PenaltyState(*state, owners=[None] * S)
         fresh = [r for r in requests if self.penalty.owners[r.slot] is not r]
         if not fresh:
             return
         per_group = self.slots_per_group
         reset = np.zeros((self.groups, per_group), bool)
-        entries = [[] for _ in range(self.groups)]  # (local slot, token, is output)
+        entries = [[] for _ in range(self.groups)]  # (local slot, token, kind, bias)
         for r in fresh:
             gi, local = divmod(r.slot, per_group)
             reset[gi, local] = True
-            entries[gi] += [(local, t, False) for t in set(r.prompt)] + [(local, t, True) for t in r.output]
+            entries[gi] += [(local, t, _PROMPT, 0.0) for t in set(r.prompt)] + [(local, t, _OUTPUT, 0.0) for t in r.output]
+            entries[gi] += [(local, t, _BIAS, b) for t, b in r.sampling.logit_bias]
             self.penalty.owners[r.slot] = r
         n = self._bucket_pow2(max(len(e) for e in entries))
-        slot = np.full((self.groups, n), per_group, np.int32)  # out of range: dropped
-        token = np.zeros((self.groups, n), np.int32)
-        is_output = np.zeros((self.groups, n), bool)
+        columns = [np.full((self.groups, n), per_group, np.int32), np.zeros((self.groups, n), np.int32),
+                   np.zeros((self.groups, n), np.int32), np.zeros((self.groups, n), np.float32)]  # padding: slot out of range
         for gi, group in enumerate(entries):
-            if group:
-                slot[gi, : len(group)], token[gi, : len(group)], is_output[gi, : len(group)] = zip(*group)
-        args = self._place(tuple(a.reshape(-1) for a in (reset, slot, token, is_output)))
-        self.penalty.counts, self.penalty.in_prompt = _compiled_fill(self.mesh)({}, self.penalty.counts, self.penalty.in_prompt, *args)
+            for column, values in zip(columns, zip(*group)):
+                column[gi, : len(values)] = values
+        args = self._place(tuple(a.reshape(-1) for a in (reset, *columns)))
+        p = self.penalty
+        p.counts, p.in_prompt, p.bias = _compiled_fill(self.mesh)({}, p.counts, p.in_prompt, p.bias, *args)
 
     @staticmethod
     def _bucket_pow2(n: int) -> int:

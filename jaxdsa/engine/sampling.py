@@ -9,10 +9,11 @@ temperature and the top-k / top-p filters), as vLLM reports them by default. The
 filters already sort every row; the sort carries the token ids along, so the most likely
 ``num_logprobs`` tokens come out of it without a second sort.
 
-Penalties follow vLLM: a repetition penalty divides positive logits (multiplies negative ones) of
-every token seen in the prompt or the output; frequency and presence penalties subtract
-``frequency * count + presence * (count > 0)`` over the output's token counts. They apply to the
-logits before the bans, temperature and filters; logprobs stay the model's own.
+Penalties follow vLLM: a request's logit bias is added first; then a repetition penalty divides
+positive logits (multiplies negative ones) of every token seen in the prompt or the output, and
+frequency and presence penalties subtract ``frequency * count + presence * (count > 0)`` over the
+output's token counts. They apply to the logits before the bans, temperature and filters;
+logprobs stay the model's own.
 """
 
 from __future__ import annotations
@@ -36,10 +37,13 @@ class Penalties(NamedTuple):
     presence: jax.Array  # [R] float32 (0: off)
     frequency: jax.Array  # [R] float32 (0: off)
     repetition: jax.Array  # [R] float32 (1: off)
+    bias: jax.Array  # [R, V] float32: the row's logit bias (0: none)
 
 
 def penalize(logits: jax.Array, p: Penalties) -> jax.Array:
-    """vLLM's penalties on logits [R, V]; a row with all three off comes back bit for bit."""
+    """vLLM's logit bias and penalties on logits [R, V]; a row with all of them off comes back
+    bit for bit."""
+    logits = logits + p.bias
     seen = p.in_prompt | (p.counts > 0)
     rep = p.repetition[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)

@@ -125,16 +125,16 @@ def test_banned_tokens_are_never_picked_and_the_rest_renormalise(logits, tempera
     np.testing.assert_allclose(got.logprobs, _log_softmax(logits)[got.ids], rtol=1e-5, atol=1e-6)
 
 
-def _vllm_penalties(logits, counts, in_prompt, presence, frequency, repetition):
-    """vLLM's apply_penalties for one row, in float64."""
-    x = np.asarray(logits, np.float64).copy()
+def _vllm_penalties(logits, counts, in_prompt, presence, frequency, repetition, bias):
+    """vLLM's logit bias, then its apply_penalties, for one row in float64."""
+    x = np.asarray(logits, np.float64) + bias
     seen = in_prompt | (counts > 0)
     x[seen] = np.where(x[seen] > 0, x[seen] / repetition, x[seen] * repetition)
     return x - frequency * counts - presence * (counts > 0)
 
 
 def test_penalties_follow_vllm_and_leave_logprobs_raw():
-    """Rows with penalties sample from vLLM's penalized logits (greedy and seeded draws), rows with
+    """Rows with penalties and logit biases sample from vLLM's penalized logits (greedy and seeded draws), rows with
     them off come back bit for bit, and logprobs / top tokens stay those of the raw logits."""
     rng = np.random.default_rng(5)
     n = 6
@@ -144,8 +144,12 @@ def test_penalties_follow_vllm_and_leave_logprobs_raw():
     presence = np.array([0.0, 0.5, -0.3, 0.0, 1.5, 0.0], np.float32)
     frequency = np.array([0.0, 0.2, 0.0, -0.4, 0.7, 0.0], np.float32)
     repetition = np.array([1.0, 1.3, 0.8, 1.0, 2.0, 1.0], np.float32)
-    pen = Penalties(counts, in_prompt, presence, frequency, repetition)
-    want = np.stack([_vllm_penalties(raw[i], counts[i], in_prompt[i], presence[i], frequency[i], repetition[i]) for i in range(n)])
+    bias = np.zeros((n, V), np.float32)
+    bias[3, [1, 4]] = [-100.0, 7.5]  # a row with only a bias
+    bias[4, 2] = 3.0
+    pen = Penalties(counts, in_prompt, presence, frequency, repetition, bias)
+    want = np.stack([_vllm_penalties(raw[i], counts[i], in_prompt[i], presence[i], frequency[i], repetition[i], bias[i])
+                     for i in range(n)])
     got = np.asarray(jax.jit(penalize)(raw, pen))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     off = [0, 5]

@@ -1,5 +1,6 @@
-"""Penalties in the engine on the real model: each token is the argmax of vLLM's penalized logits
-over the request's own prompt and output, across shared steps, preemption and refilled rows."""
+"""Penalties and logit biases in the engine on the real model: each token is the argmax of vLLM's
+penalized logits over the request's own prompt and output, across shared steps, preemption and
+refilled rows."""
 
 import numpy as np
 import pytest
@@ -11,12 +12,15 @@ from jaxdsa.engine import Engine, EngineConfig, SamplingParams
 PENALIZED = {
     "rep": SamplingParams(max_tokens=14, repetition_penalty=0.5),
     "freq": SamplingParams(max_tokens=14, frequency_penalty=-2.0, presence_penalty=0.5),
-    "all": SamplingParams(max_tokens=14, frequency_penalty=0.7, presence_penalty=-2.0, repetition_penalty=1.3),
+    "all": SamplingParams(max_tokens=14, frequency_penalty=0.7, presence_penalty=-2.0, repetition_penalty=1.3,
+                          logit_bias=((104, -100.0), (7, 6.0), (200, 4.0))),
 }
 
 
 def penalized_logits(logits, prompt, output, sp):
     x = np.asarray(logits, np.float64).copy()
+    for token, bias in sp.logit_bias:
+        x[token] += bias
     counts = np.bincount(np.asarray(output, np.int64), minlength=len(x)).astype(np.float64)
     seen = counts > 0
     seen[list(set(prompt))] = True

@@ -64,6 +64,7 @@ def make_context(model_dir: str, engine: ScriptedEngine, **overrides) -> Serving
         tool_parser="glm47",
         enable_auto_tool_choice=True,
         default_sampling={"temperature": 0.6},
+        vocab_size=1000,
     )
     return ServingContext(**(settings | overrides))
 
@@ -174,12 +175,13 @@ def test_stop_strings_wait_for_min_tokens(stub):
     assert r.choices[0].text == "Hello world. Goodbye world." and stub.engine.sampling[-1].min_tokens == 50
 
 
-def test_penalties_reach_the_engine(stub):
+def test_penalties_and_logit_bias_reach_the_engine(stub):
     stub.script("Hello.", stop_id=None)
     stub.client.completions.create(model="stub", prompt="x", max_tokens=5, presence_penalty=0.5, frequency_penalty=-1.0,
-                                   extra_body={"repetition_penalty": 1.2})
+                                   logit_bias={"7": -100, "3": 2.5}, extra_body={"repetition_penalty": 1.2})
     sp = stub.engine.sampling[-1]
     assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert sp.logit_bias == ((3, 2.5), (7, -100.0))
     stub.script("Hello.", stop_id=None)
     stub.client.chat.completions.create(model="stub", messages=user("x"), presence_penalty=0, frequency_penalty=0)
     assert not stub.engine.sampling[-1].penalized  # the OpenAI SDKs' zeros mean off
@@ -420,7 +422,9 @@ def test_engine_failure_is_503_or_an_error_event(stub):
         ("/v1/chat/completions", {"messages": user("x"), "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": user("x"), "presence_penalty": 2.5}, "presence_penalty"),
         ("/v1/chat/completions", {"messages": user("x"), "repetition_penalty": 0}, "repetition_penalty"),
-        ("/v1/chat/completions", {"messages": user("x"), "logit_bias": {"5": 10}}, "logit_bias"),
+        ("/v1/chat/completions", {"messages": user("x"), "logit_bias": {"5": 101}}, "logit_bias"),
+        ("/v1/chat/completions", {"messages": user("x"), "logit_bias": {"x": 1}}, "logit_bias.x.[key]"),
+        ("/v1/chat/completions", {"messages": user("x"), "logit_bias": {"1000": 1}}, "logit_bias"),
         ("/v1/chat/completions", {"messages": user("x"), "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/chat/completions", {"messages": user("x"), "tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
         ("/v1/chat/completions", {"messages": user("x"), "response_format": {"type": "json_object"}}, "response_format"),
