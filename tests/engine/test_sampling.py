@@ -12,15 +12,15 @@ V = 12
 DRAWS = 4000  # rows of one distribution, each with its own counter: frequencies within ~0.03
 
 
-def _rows(logits, *, temperature=1.0, top_p=1.0, top_k=0, seed=3, num_logprobs=0, n=DRAWS, banned=None):
+def _rows(logits, *, temperature=1.0, top_p=1.0, top_k=0, seed=3, num_logprobs=0, n=DRAWS, banned=None, candidates=1024):
     """``n`` rows of the same logits with counters 0..n-1 -> host arrays of the Sampled fields;
     ``banned``: ids every row must not pick (padded with V, as the runner pads)."""
     logits = np.broadcast_to(np.asarray(logits, np.float32), (n, len(logits)))
     full = lambda v, dt: np.full(n, v, dt)  # noqa: E731
     ban = None if banned is None else np.broadcast_to(np.array(list(banned) + [V, V + 3], np.int32), (n, len(banned) + 2))
-    out = jax.jit(sample, static_argnames="num_logprobs")(
+    out = jax.jit(sample, static_argnames=("num_logprobs", "candidates"))(
         logits, full(temperature, np.float32), full(top_p, np.float32), full(top_k, np.int32),
-        full(seed, np.int32), np.arange(n, dtype=np.int32), ban, num_logprobs=num_logprobs,
+        full(seed, np.int32), np.arange(n, dtype=np.int32), ban, num_logprobs=num_logprobs, candidates=candidates,
     )  # fmt: skip
     return jax.tree.map(np.asarray, out)
 
@@ -168,3 +168,19 @@ def test_penalties_follow_vllm_and_leave_logprobs_raw():
         np.testing.assert_allclose(out.top_logprobs, plain.top_logprobs, rtol=1e-6)
         lp = np.stack([_log_softmax(r) for r in raw])
         np.testing.assert_allclose(out.logprobs, lp[np.arange(n), out.ids], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.5), (3, 1.0), (3, 0.7), (0, 0.97), (8, 1.0), (0, 1.0)])
+def test_candidate_filters_equal_full_sort_filters(logits, top_k, top_p):
+    """With 4 candidates of 12 tokens the filters keep exactly the tokens a full sort keeps, so the
+    seeded draws are the same: inside the candidates (top-k 3, top-p 0.5 or 0.7) and through the
+    whole-row fallback (top-k 8 > 4, top-p 0.97 beyond the candidates' mass)."""
+    mass = np.sort(np.exp(_log_softmax(logits)))[::-1]
+    assert mass[:3].sum() < 0.97  # the 0.97 case needs the fallback
+    for banned in (None, [int(np.argmax(logits))]):
+        full = _rows(logits, top_k=top_k, top_p=top_p, banned=banned, num_logprobs=3, candidates=12)
+        few = _rows(logits, top_k=top_k, top_p=top_p, banned=banned, num_logprobs=3, candidates=4)
+        np.testing.assert_array_equal(few.ids, full.ids)
+        np.testing.assert_array_equal(few.top_ids, full.top_ids)
+        if top_k or top_p < 1:
+            assert len(np.unique(full.ids)) < V  # the filter removed some tokens
