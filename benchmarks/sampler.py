@@ -59,8 +59,9 @@ def _inputs(r: int, kind: str, temperature: float, top_p: float, top_k: int, pen
     penalties = None
     if penalized:
         counts = jnp.asarray(rng.integers(0, 2, (r, V)) * (rng.random((r, V)) < 0.002), jnp.int32)
-        penalties = Penalties(counts, jnp.asarray(rng.random((r, V)) < 0.01), jnp.full(r, 0.5), jnp.full(r, 0.3),
-                              jnp.full(r, 1.1), jnp.zeros((r, V), jnp.float32))
+        penalties = Penalties(counts, jnp.asarray(rng.random((r, V)) < 0.01), jnp.zeros((r, V), jnp.float32),
+                              jnp.arange(r, dtype=jnp.int32), jnp.full(r, 0.5), jnp.full(r, 0.3), jnp.full(r, 1.1),
+                              jnp.ones(r, bool))
     return logits, rows, penalties
 
 

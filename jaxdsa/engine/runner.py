@@ -8,10 +8,10 @@ With dp groups each group's tokens form one block of the flat buffers and use gr
 and page ids (the scheduler keeps every sequence inside one group).
 
 Penalties and logit biases need per-request rows over the vocabulary, which live on the device,
-one per slot (:class:`PenaltyState`, allocated when the first such request samples): a step with
-penalized rows reads their rows and adds the sampled tokens to the counts; a request taking a
-slot fills its rows from its prompt, output and bias first. Steps without penalized rows do not
-touch them.
+one per slot (:class:`PenaltyState`): every step adds the tokens its penalized rows sample to
+their counts and, when it has such rows, samples them from the penalized logits (a ``lax.cond``,
+so the same compiled step serves requests with and without penalties: no compile mid-serving). A
+request taking a slot fills its rows from its prompt, output and bias first.
 """
 
 from __future__ import annotations
@@ -46,23 +46,20 @@ def _fused_step(params, tokens, positions, cache, penalty_state, meta, temperatu
     """One step: the model, then sampling. With ``scoring`` = (targets [T], sample rows [R]) the
     model returned logits for every token (meta.logits_indices covers them all): each token is
     scored against its target (the prompt's next token) and the sample rows are picked after.
-    With ``penalty_rows`` = (slot, presence, frequency, repetition, on) per row, rows sample
-    under penalties from ``penalty_state`` = (counts, in_prompt, bias) [slots, V], and the rows
-    that are ``on`` add their sampled token to their slot's counts."""
+    ``penalty_rows`` = (slot, presence, frequency, repetition, on) per row and ``penalty_state``
+    = (counts, in_prompt, bias) [slots, V]: the ``on`` rows sample under their penalties and add
+    the token to their slot's counts."""
     logits, cache = step(params, tokens, positions, cache, meta, cfg=cfg, sparse=sparse, absorbed=True)
     scored = None
     if scoring:
         targets, sample_rows = scoring
         scored = score(logits, targets, num_logprobs=num_logprobs)
         logits = logits[sample_rows]
-    penalties = None
-    if penalty_rows:
-        (counts, in_prompt, bias), (slot, presence, frequency, repetition, on) = penalty_state, penalty_rows
-        penalties = Penalties(counts[slot], in_prompt[slot], presence, frequency, repetition, bias[slot])
+    penalties = Penalties(*penalty_state, *penalty_rows)
     sampled = sample(logits, temperature, top_p, top_k, seeds, counters, banned, penalties, num_logprobs=num_logprobs)
-    if penalty_rows:
-        penalty_state = (counts.at[slot, sampled.ids].add(on.astype(jnp.int32)), in_prompt, bias)
-    return sampled, (logits if with_logits else jnp.zeros((logits.shape[0], 0), jnp.float32)), scored, cache, penalty_state
+    counts = penalties.counts.at[penalties.slot, sampled.ids].add(penalties.on.astype(jnp.int32))
+    logits = logits if with_logits else jnp.zeros((logits.shape[0], 0), jnp.float32)
+    return sampled, logits, scored, cache, (counts, penalties.in_prompt, penalties.bias)
 
 
 @functools.cache
@@ -157,7 +154,7 @@ class ModelRunner:
         self.can_be_sparse = max_model_len > cfg.index_topk
         self.cache = cache
         self.max_num_seqs = max_num_seqs
-        self.penalty: PenaltyState | None = None
+        self.penalty = self._penalty_state()
 
     def _place(self, tree):
         """A step's host inputs as the step takes them: numpy straight into jit on one device (its
@@ -170,8 +167,7 @@ class ModelRunner:
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _call(self, groups: list[_Group], *, sparse: bool, with_logits: bool, with_logprobs: bool = False, scoring: bool = False,
-              penalized: bool = False):
+    def _call(self, groups: list[_Group], *, sparse: bool, with_logits: bool, with_logprobs: bool = False, scoring: bool = False):
         """-> (Sampled [groups, R, ...], logits or None, Scored [groups, T, ...] or None) on the host;
         the logprob fields of Sampled are None unless asked for."""
         T = self._bucket(max(1, max(len(g.tokens) for g in groups)))
@@ -198,15 +194,13 @@ class ModelRunner:
         table = self.page_table if sparse else self.page_table[:, : self.dense_pages]
         logits_at = np.tile(np.arange(T, dtype=np.int32), len(groups)) if scoring else flat("logits_at", R, 0)
         meta = StepMeta(flat("seq_ids", T, -1), np.array(table), logits_at)
-        penalty_rows = ()
-        if penalized:  # neutral rows: slot 0, presence 0, frequency 0, repetition 1, off
-            columns = [np.zeros((len(groups), R), dt) for dt in (np.int32, np.float32, np.float32, np.float32, bool)]
-            columns[3][:] = 1
-            for i, g in enumerate(groups):
-                for j, row in enumerate(g.penalties):
-                    for column, value in zip(columns, row):
-                        column[i, j] = value
-            penalty_rows = tuple(c.reshape(-1) for c in columns)
+        # (slot, presence, frequency, repetition, on); padding rows neutral: slot 0, 0, 0, 1, off
+        penalty_rows = [np.zeros((len(groups), R), dt) for dt in (np.int32, np.float32, np.float32, np.float32, bool)]
+        penalty_rows[3][:] = 1
+        for i, g in enumerate(groups):
+            for j, row in enumerate(g.penalties):
+                for column, value in zip(penalty_rows, row):
+                    column[i, j] = value
         args = (
             flat("tokens", T, 0),
             flat("positions", T, 0),
@@ -217,16 +211,15 @@ class ModelRunner:
             sampling(3, 0, np.int32),
             sampling(4, 0, np.int32),
             banned.reshape(-1, MAX_BANNED_TOKENS),
-            penalty_rows,
+            tuple(c.reshape(-1) for c in penalty_rows),
             (flat("targets", T, -1), flat("logits_at", R, 0)) if scoring else (),
         )
         tokens, positions, meta, *rest = self._place(args)
-        state = (self.penalty.counts, self.penalty.in_prompt, self.penalty.bias) if penalized else ()
+        p = self.penalty
         fn = _compiled(self.cfg, sparse, with_logits, self.max_logprobs, self.mesh)
         with self.precision() if self.precision else contextlib.nullcontext():
-            sampled, logits, scored, self.cache, state = fn(self.params, tokens, positions, self.cache, state, meta, *rest)
-        if penalized:
-            self.penalty.counts, self.penalty.in_prompt, self.penalty.bias = state
+            sampled, logits, scored, self.cache, (p.counts, p.in_prompt, p.bias) = fn(
+                self.params, tokens, positions, self.cache, (p.counts, p.in_prompt, p.bias), meta, *rest)
         rows = lambda a, n=R: sharding.fetch(a).reshape(len(groups), n, *a.shape[1:])  # noqa: E731
         fetched = Sampled(rows(sampled.ids), *(map(rows, sampled[1:]) if with_logprobs else (None,) * 3))
         scored = Scored(*(rows(a, T) for a in scored)) if scoring else None
@@ -276,7 +269,7 @@ class ModelRunner:
         if penalized:
             self._seat_penalized(penalized)
         sampled, logits, scored = self._call(groups, sparse=sparse, with_logits=with_logits, with_logprobs=with_logprobs,
-                                             scoring=scoring, penalized=bool(penalized))
+                                             scoring=scoring)
         at = tuple(np.asarray(where, np.intp).reshape(-1, 2).T)  # (group, row) of each sampled segment
         pick = lambda a: None if a is None else a[at]  # noqa: E731
         result = StepResult(pick(sampled.ids), pick(logits), *map(pick, sampled[1:]))
@@ -290,11 +283,6 @@ class ModelRunner:
     def _seat_penalized(self, requests: list[Request]) -> None:
         """Fill the penalty rows of requests whose slot's rows were filled for someone else (or
         never): first seated, or back after a preemption that gave their slot away."""
-        if self.penalty is None:
-            V, S = self.cfg.vocab_size, self.max_num_seqs
-            state = (np.zeros((S, V), np.int32), np.zeros((S, V), bool), np.zeros((S, V), np.float32))
-            state = self._place(state) if self.mesh is not None else tuple(map(jnp.asarray, state))
-            self.penalty = PenaltyState(*state, owners=[None] * S)
         fresh = [r for r in requests if self.penalty.owners[r.slot] is not r]
         if not fresh:
             return
@@ -316,6 +304,14 @@ class ModelRunner:
         args = self._place(tuple(a.reshape(-1) for a in (reset, *columns)))
         p = self.penalty
         p.counts, p.in_prompt, p.bias = _compiled_fill(self.mesh)({}, p.counts, p.in_prompt, p.bias, *args)
+
+    def _penalty_state(self) -> PenaltyState:
+        """Zeroed penalty rows for every slot (9 bytes per slot and vocabulary entry), on the
+        device, split over the dp groups like the cache."""
+        V, S = self.cfg.vocab_size, self.max_num_seqs
+        state = (np.zeros((S, V), np.int32), np.zeros((S, V), bool), np.zeros((S, V), np.float32))
+        state = self._place(state) if self.mesh is not None else tuple(map(jnp.asarray, state))
+        return PenaltyState(*state, owners=[None] * S)
 
     @staticmethod
     def _bucket_pow2(n: int) -> int:

@@ -34,22 +34,27 @@ class Sampled(NamedTuple):
 
 
 class Penalties(NamedTuple):
-    counts: jax.Array  # [R, V] int32: each token's count in the row's output so far
-    in_prompt: jax.Array  # [R, V] bool: tokens of the row's prompt
+    """Per-slot token state and each row's penalties. Rows that are not ``on`` have neutral values."""
+
+    counts: jax.Array  # [S, V] int32: each token's count in the slot's output so far
+    in_prompt: jax.Array  # [S, V] bool: tokens of the slot's prompt
+    bias: jax.Array  # [S, V] float32: the slot's logit bias (0: none)
+    slot: jax.Array  # [R] int32: each row's slot
     presence: jax.Array  # [R] float32 (0: off)
     frequency: jax.Array  # [R] float32 (0: off)
     repetition: jax.Array  # [R] float32 (1: off)
-    bias: jax.Array  # [R, V] float32: the row's logit bias (0: none)
+    on: jax.Array  # [R] bool: the row has a penalty or a bias
 
 
 def penalize(logits: jax.Array, p: Penalties) -> jax.Array:
     """vLLM's logit bias and penalties on logits [R, V]; a row with all of them off comes back
     bit for bit."""
-    logits = logits + p.bias
-    seen = p.in_prompt | (p.counts > 0)
+    counts = p.counts[p.slot]
+    logits = logits + p.bias[p.slot]
+    seen = p.in_prompt[p.slot] | (counts > 0)
     rep = p.repetition[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    return logits - p.frequency[:, None] * p.counts - p.presence[:, None] * (p.counts > 0)
+    return logits - p.frequency[:, None] * counts - p.presence[:, None] * (counts > 0)
 
 
 CANDIDATES = 1024  # a row's filters work on its top C logits unless top-k or top-p needs more
@@ -59,7 +64,8 @@ def sample(logits, temperature, top_p, top_k, seeds, counters, banned=None, pena
            num_logprobs: int = 0, candidates: int = CANDIDATES) -> Sampled:
     """logits [R, V] float32; per-row temperature/top_p (f32), top_k/seeds/counters (i32);
     ``banned`` [R, B] int32: token ids a row must not pick (ids >= V are padding); ``penalties``
-    change the logits a row samples from (not its logprobs).
+    change the logits the ``on`` rows sample from (not their logprobs); a step without such rows
+    skips them at run time (``lax.cond``), so one compiled step serves both.
 
     ``num_logprobs`` (static) is L, the number of top tokens reported per row (clamped to V).
     Logprobs and top tokens are the model's own, banned tokens included (ties between a banned
@@ -74,7 +80,7 @@ def sample(logits, temperature, top_p, top_k, seeds, counters, banned=None, pena
     R, V = logits.shape
     raw = logits
     if penalties is not None:
-        logits = penalize(logits, penalties)
+        logits = jax.lax.cond(penalties.on.any(), lambda: penalize(logits, penalties), lambda: logits)
     if banned is not None:
         logits = logits.at[jnp.arange(R)[:, None], banned].set(-jnp.inf, mode="drop")
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -97,19 +103,18 @@ def sample(logits, temperature, top_p, top_k, seeds, counters, banned=None, pena
 
     lse = jax.nn.logsumexp(raw, axis=-1)
     L = min(num_logprobs, V)
-    top_ids = jnp.maximum(ranked[:, :L], 0)  # ranks the processed logits (the raw ones without penalties)
-    top_raw = jnp.take_along_axis(raw, top_ids, axis=-1)
-    if penalties is not None and L:  # the penalties reorder: rank the raw logits afresh
-        top_ids = _ranked(raw, ops.topk_indices(raw, L))
-        top_raw = jnp.take_along_axis(raw, top_ids, axis=-1)
-    elif banned is not None and L:
+    top_ids = jnp.maximum(ranked[:, :L], 0)  # ranks the processed logits
+    if banned is not None and L:
         # The ranking ran without the banned tokens. The unbanned top L is in it, so the raw top L
         # is among those L and the banned ones: a top-k over L + B candidates, not a second sort.
         valid = banned < V
         ids_b = jnp.where(valid, banned, 0)
-        vals_b = jnp.where(valid, jnp.take_along_axis(raw, ids_b, axis=-1), -jnp.inf)
-        top_raw, pick = jax.lax.top_k(jnp.concatenate([top_raw, vals_b], axis=-1), L)
-        top_ids = jnp.take_along_axis(jnp.concatenate([top_ids, ids_b], axis=-1), pick, axis=-1)
+        vals = jnp.concatenate([jnp.take_along_axis(raw, top_ids, axis=-1),
+                                jnp.where(valid, jnp.take_along_axis(raw, ids_b, axis=-1), -jnp.inf)], axis=-1)
+        top_ids = jnp.take_along_axis(jnp.concatenate([top_ids, ids_b], axis=-1), jax.lax.top_k(vals, L)[1], axis=-1)
+    if penalties is not None and L:  # penalties reorder: rank the raw logits afresh (when any are on)
+        top_ids = jax.lax.cond(penalties.on.any(), lambda: _ranked(raw, ops.topk_indices(raw, L)), lambda: top_ids)
+    top_raw = jnp.take_along_axis(raw, top_ids, axis=-1)
     return Sampled(
         ids,
         jnp.take_along_axis(raw, ids[:, None], axis=-1)[:, 0] - lse,

@@ -147,7 +147,8 @@ def test_penalties_follow_vllm_and_leave_logprobs_raw():
     bias = np.zeros((n, V), np.float32)
     bias[3, [1, 4]] = [-100.0, 7.5]  # a row with only a bias
     bias[4, 2] = 3.0
-    pen = Penalties(counts, in_prompt, presence, frequency, repetition, bias)
+    on = np.array([False, True, True, True, True, False])
+    pen = Penalties(counts, in_prompt, bias, np.arange(n, dtype=np.int32), presence, frequency, repetition, on)
     want = np.stack([_vllm_penalties(raw[i], counts[i], in_prompt[i], presence[i], frequency[i], repetition[i], bias[i])
                      for i in range(n)])
     got = np.asarray(jax.jit(penalize)(raw, pen))
@@ -159,6 +160,8 @@ def test_penalties_follow_vllm_and_leave_logprobs_raw():
     args = lambda t: (np.full(n, t, np.float32), np.ones(n, np.float32), np.zeros(n, np.int32),  # noqa: E731
                       np.arange(n, dtype=np.int32), np.zeros(n, np.int32))
     run = jax.jit(sample, static_argnames="num_logprobs")
+    none_on = Penalties(*pen[:7], np.zeros(n, bool))  # the cond's other branch: the logits untouched
+    np.testing.assert_array_equal(run(raw, *args(0.7), None, none_on, num_logprobs=3).ids, run(raw, *args(0.7), num_logprobs=3).ids)
     for temperature in (0.0, 0.7):
         out = run(raw, *args(temperature), None, pen, num_logprobs=3)
         ref = run(want.astype(np.float32), *args(temperature), num_logprobs=3)
