@@ -8,10 +8,10 @@ With dp groups each group's tokens form one block of the flat buffers and use gr
 and page ids (the scheduler keeps every sequence inside one group).
 
 Penalties and logit biases need per-request rows over the vocabulary, which live on the device,
-one per slot (:class:`PenaltyState`): every step adds the tokens its penalized rows sample to
-their counts and, when it has such rows, samples them from the penalized logits (a ``lax.cond``,
-so the same compiled step serves requests with and without penalties: no compile mid-serving). A
-request taking a slot fills its rows from its prompt, output and bias first.
+one per slot (:class:`PenaltyState`): every step samples its rows from the penalized logits
+(neutral for rows without penalties) and adds the tokens its penalized rows sample to their
+counts, so requests with and without penalties share one compiled step (no compile
+mid-serving). A request taking a slot fills its rows from its prompt, output and bias first.
 """
 
 from __future__ import annotations

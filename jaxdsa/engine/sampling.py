@@ -34,7 +34,8 @@ class Sampled(NamedTuple):
 
 
 class Penalties(NamedTuple):
-    """Per-slot token state and each row's penalties. Rows that are not ``on`` have neutral values."""
+    """Per-slot token state and each row's penalties. Rows that are not ``on`` carry neutral
+    penalties; their slot's rows may hold an earlier request's state, which must not leak."""
 
     counts: jax.Array  # [S, V] int32: each token's count in the slot's output so far
     in_prompt: jax.Array  # [S, V] bool: tokens of the slot's prompt
@@ -50,7 +51,7 @@ def penalize(logits: jax.Array, p: Penalties) -> jax.Array:
     """vLLM's logit bias and penalties on logits [R, V]; a row with all of them off comes back
     bit for bit."""
     counts = p.counts[p.slot]
-    logits = logits + p.bias[p.slot]
+    logits = logits + jnp.where(p.on[:, None], p.bias[p.slot], 0.0)  # a slot's rows may be stale: gate the bias
     seen = p.in_prompt[p.slot] | (counts > 0)
     rep = p.repetition[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
@@ -64,8 +65,11 @@ def sample(logits, temperature, top_p, top_k, seeds, counters, banned=None, pena
            num_logprobs: int = 0, candidates: int = CANDIDATES) -> Sampled:
     """logits [R, V] float32; per-row temperature/top_p (f32), top_k/seeds/counters (i32);
     ``banned`` [R, B] int32: token ids a row must not pick (ids >= V are padding); ``penalties``
-    change the logits the ``on`` rows sample from (not their logprobs); a step without such rows
-    skips them at run time (``lax.cond``), so one compiled step serves both.
+    change the logits the ``on`` rows sample from (not their logprobs); rows that are not on are
+    left bit for bit, so one compiled step serves both. They run unconditionally: with a
+    ``lax.cond`` on "any row on" (which XLA's GPU backend decides on the host), H100 serving
+    decode was 4-6 % slower at concurrency 1, 8 and 16 in one same-call comparison; the gathers
+    and the second ranking cost about 50 µs at 32 rows.
 
     ``num_logprobs`` (static) is L, the number of top tokens reported per row (clamped to V).
     Logprobs and top tokens are the model's own, banned tokens included (ties between a banned
@@ -80,7 +84,7 @@ def sample(logits, temperature, top_p, top_k, seeds, counters, banned=None, pena
     R, V = logits.shape
     raw = logits
     if penalties is not None:
-        logits = jax.lax.cond(penalties.on.any(), lambda: penalize(logits, penalties), lambda: logits)
+        logits = penalize(logits, penalties)
     if banned is not None:
         logits = logits.at[jnp.arange(R)[:, None], banned].set(-jnp.inf, mode="drop")
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -112,8 +116,8 @@ def sample(logits, temperature, top_p, top_k, seeds, counters, banned=None, pena
         vals = jnp.concatenate([jnp.take_along_axis(raw, top_ids, axis=-1),
                                 jnp.where(valid, jnp.take_along_axis(raw, ids_b, axis=-1), -jnp.inf)], axis=-1)
         top_ids = jnp.take_along_axis(jnp.concatenate([top_ids, ids_b], axis=-1), jax.lax.top_k(vals, L)[1], axis=-1)
-    if penalties is not None and L:  # penalties reorder: rank the raw logits afresh (when any are on)
-        top_ids = jax.lax.cond(penalties.on.any(), lambda: _ranked(raw, ops.topk_indices(raw, L)), lambda: top_ids)
+    if penalties is not None and L:  # penalties reorder: rank the raw logits afresh
+        top_ids = _ranked(raw, ops.topk_indices(raw, L))
     top_raw = jnp.take_along_axis(raw, top_ids, axis=-1)
     return Sampled(
         ids,

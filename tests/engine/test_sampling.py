@@ -160,8 +160,14 @@ def test_penalties_follow_vllm_and_leave_logprobs_raw():
     args = lambda t: (np.full(n, t, np.float32), np.ones(n, np.float32), np.zeros(n, np.int32),  # noqa: E731
                       np.arange(n, dtype=np.int32), np.zeros(n, np.int32))
     run = jax.jit(sample, static_argnames="num_logprobs")
-    none_on = Penalties(*pen[:7], np.zeros(n, bool))  # the cond's other branch: the logits untouched
-    np.testing.assert_array_equal(run(raw, *args(0.7), None, none_on, num_logprobs=3).ids, run(raw, *args(0.7), num_logprobs=3).ids)
+    # Rows without penalties (neutral values, not on) whose slots hold an earlier request's
+    # counts, prompt flags and bias sample exactly as without any penalties.
+    stale = Penalties(counts, in_prompt, bias + 5.0, np.arange(n, dtype=np.int32), np.zeros(n, np.float32),
+                      np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, bool))
+    for temperature in (0.0, 0.7):
+        with_stale, without = (run(raw, *args(temperature), None, p, num_logprobs=3) for p in (stale, None))
+        np.testing.assert_array_equal(with_stale.ids, without.ids)
+        np.testing.assert_array_equal(with_stale.top_ids, without.top_ids)
     for temperature in (0.0, 0.7):
         out = run(raw, *args(temperature), None, pen, num_logprobs=3)
         ref = run(want.astype(np.float32), *args(temperature), num_logprobs=3)
