@@ -85,8 +85,13 @@ def _describe(cfg: MoeConfig) -> str:
     return f"bm{cfg.block_m} gu {t(cfg.gate_up)} dn {t(cfg.down)}{shrink}{absorb}"
 
 
+def _table(t: int) -> MoeConfig:
+    """The tuning table's config for T tokens (bf16)."""
+    return tuning.choose(t * TOP_K, E, itemsize=2)
+
+
 def _variants(t: int) -> dict[str, MoeConfig]:
-    base = tuning.choose(t * TOP_K, E, itemsize=2)
+    base = _table(t)
     out: dict[str, MoeConfig] = {}
     if base.block_m <= 32:
         out |= {name: MoeConfig(base.block_m, gu, dn) for name, (gu, dn) in STREAM_VARIANTS.items()}
@@ -222,7 +227,7 @@ def _sweep(case: _Case, start: float) -> list[dict[str, Any]]:
     ``table@rounds``) and every variant ``ROUNDS`` times round-robin, each row the median."""
     configs = _variants(case.t)
     if ROUNDS > 1:
-        configs = {"table@rounds": tuning.choose(case.t * TOP_K, E, itemsize=2)} | configs
+        configs = {"table@rounds": _table(case.t)} | configs
     rows: dict[str, dict[str, Any]] = {}
     times: dict[str, list[float]] = {}
     for rnd in range(ROUNDS):
@@ -245,7 +250,7 @@ def _sweep(case: _Case, start: float) -> list[dict[str, Any]]:
 def _phases(case: _Case) -> list[dict[str, Any]]:
     """Where the table config's time goes: routing alone, then routing + gate|up; the rest of
     ``pallas:table`` is down + combine."""
-    cfg = tuning.choose(case.t * TOP_K, E, itemsize=2)
+    cfg = _table(case.t)
 
     def routed(x, ids, w, ex):
         return kernel.route(ids, E, cfg.block_m)
@@ -272,7 +277,7 @@ def _skewed(case: _Case, experts: dict) -> dict[str, Any]:
     counts = np.bincount(np.asarray(ids).reshape(-1), minlength=E)
     skewed = dataclasses.replace(case, sets=[(x, ids, w, experts)], want=_f32_rows(x[case.rows], ids[case.rows], w[case.rows], experts),
                                  distinct=float((counts > 0).sum()))
-    cfg = tuning.choose(case.t * TOP_K, E, itemsize=2)
+    cfg = _table(case.t)
     row = _measure("skewed routing: table", _with_config(cfg), skewed, replays=10) | {"config": _describe(cfg)}
     return row | {"note": f"slots per expert {counts.min()}-{counts.max()}"}
 
@@ -293,7 +298,7 @@ def run(ceilings: Mapping[str, float] | None = None) -> list[dict]:
     cases = [_case(t, experts, copy_gbs, mm_tflops) for t in TOKENS]
     results: list[dict] = []
     for case in cases:
-        results.append(_pallas(case, "table", tuning.choose(case.t * TOP_K, E, itemsize=2)))
+        results.append(_pallas(case, "table", _table(case.t)))
         if case.t <= 128:
             results.append(_measure("ragged_dot", ref.moe_experts, case, replays=10))
         else:

@@ -63,8 +63,8 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether a penalty or a logit bias is on (such requests sample in the step variant that
-        reads per-slot token state)."""
+        """Whether a penalty or a logit bias is on (such requests need their slot's token state
+        filled, and their sampled tokens counted)."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
                 or bool(self.logit_bias))
 

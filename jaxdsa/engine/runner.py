@@ -180,10 +180,11 @@ class ModelRunner:
                 out[i, : len(values)] = values
             return out.reshape(-1)
 
-        def sampling(col, fill, dtype):
+        def per_row(field, col, fill, dtype):  # column ``col`` of each group's per-row tuples
             out = np.full((len(groups), R), fill, dtype)
             for i, g in enumerate(groups):
-                out[i, : len(g.rows)] = [r[col] for r in g.rows]
+                values = getattr(g, field)
+                out[i, : len(values)] = [r[col] for r in values]
             return out.reshape(-1)
 
         banned = np.full((len(groups), R, MAX_BANNED_TOKENS), self.cfg.vocab_size, np.int32)  # out of range: none
@@ -195,23 +196,19 @@ class ModelRunner:
         logits_at = np.tile(np.arange(T, dtype=np.int32), len(groups)) if scoring else flat("logits_at", R, 0)
         meta = StepMeta(flat("seq_ids", T, -1), np.array(table), logits_at)
         # (slot, presence, frequency, repetition, on); padding rows neutral: slot 0, 0, 0, 1, off
-        penalty_rows = [np.zeros((len(groups), R), dt) for dt in (np.int32, np.float32, np.float32, np.float32, bool)]
-        penalty_rows[3][:] = 1
-        for i, g in enumerate(groups):
-            for j, row in enumerate(g.penalties):
-                for column, value in zip(penalty_rows, row):
-                    column[i, j] = value
+        neutral = ((0, np.int32), (0, np.float32), (0, np.float32), (1, np.float32), (False, bool))
+        penalty_rows = tuple(per_row("penalties", c, fill, dt) for c, (fill, dt) in enumerate(neutral))
         args = (
             flat("tokens", T, 0),
             flat("positions", T, 0),
             meta,
-            sampling(0, 0, np.float32),
-            sampling(1, 1, np.float32),
-            sampling(2, 0, np.int32),
-            sampling(3, 0, np.int32),
-            sampling(4, 0, np.int32),
+            per_row("rows", 0, 0, np.float32),
+            per_row("rows", 1, 1, np.float32),
+            per_row("rows", 2, 0, np.int32),
+            per_row("rows", 3, 0, np.int32),
+            per_row("rows", 4, 0, np.int32),
             banned.reshape(-1, MAX_BANNED_TOKENS),
-            tuple(c.reshape(-1) for c in penalty_rows),
+            penalty_rows,
             (flat("targets", T, -1), flat("logits_at", R, 0)) if scoring else (),
         )
         tokens, positions, meta, *rest = self._place(args)

@@ -72,8 +72,9 @@ def sample(logits, temperature, top_p, top_k, seeds, counters, banned=None, pena
     and the second ranking cost about 50 µs at 32 rows.
 
     ``num_logprobs`` (static) is L, the number of top tokens reported per row (clamped to V).
-    Logprobs and top tokens are the model's own, banned tokens included (ties between a banned
-    and an unbanned token list the unbanned one first).
+    Logprobs and top tokens are the model's own, banned tokens included (without ``penalties``,
+    ties between a banned and an unbanned token list the unbanned one first; with them, the raw
+    logits are ranked afresh and ties list the lower id first).
 
     Top-k and top-p need the logits in order, but only as far as their cutoffs: the filters rank
     each row's top ``candidates`` logits (:func:`jaxdsa.ops.topk_indices`, then a sort of those)
@@ -108,7 +109,9 @@ def sample(logits, temperature, top_p, top_k, seeds, counters, banned=None, pena
     lse = jax.nn.logsumexp(raw, axis=-1)
     L = min(num_logprobs, V)
     top_ids = jnp.maximum(ranked[:, :L], 0)  # ranks the processed logits
-    if banned is not None and L:
+    if penalties is not None and L:  # penalties reorder: rank the raw logits afresh (bans included)
+        top_ids = _ranked(raw, ops.topk_indices(raw, L))
+    elif banned is not None and L:
         # The ranking ran without the banned tokens. The unbanned top L is in it, so the raw top L
         # is among those L and the banned ones: a top-k over L + B candidates, not a second sort.
         valid = banned < V
@@ -116,8 +119,6 @@ def sample(logits, temperature, top_p, top_k, seeds, counters, banned=None, pena
         vals = jnp.concatenate([jnp.take_along_axis(raw, top_ids, axis=-1),
                                 jnp.where(valid, jnp.take_along_axis(raw, ids_b, axis=-1), -jnp.inf)], axis=-1)
         top_ids = jnp.take_along_axis(jnp.concatenate([top_ids, ids_b], axis=-1), jax.lax.top_k(vals, L)[1], axis=-1)
-    if penalties is not None and L:  # penalties reorder: rank the raw logits afresh
-        top_ids = _ranked(raw, ops.topk_indices(raw, L))
     top_raw = jnp.take_along_axis(raw, top_ids, axis=-1)
     return Sampled(
         ids,

@@ -6,8 +6,9 @@ program, so an expert's weights are streamed once per block (once in total while
 at most ``block_m`` slots). The grid of the kernels is static, so the map is sized for the worst
 case (:func:`max_blocks`) and unused blocks are marked idle (expert -1); their programs exit at
 once. Each block also carries its expert's span (first block, block count), so the kernels can
-number their programs expert by expert (see :func:`pallas_kernels.moe.kernel._block_and_tile`). Everything here is plain XLA (a sort, a few reductions and one scatter): Pallas-Triton
-kernels cannot sort.
+number their programs expert by expert (see :func:`pallas_kernels.moe.kernel._block_and_tile`).
+Everything here is plain XLA (a sort, a few reductions and one scatter): Pallas-Triton kernels
+cannot sort.
 """
 
 from __future__ import annotations
