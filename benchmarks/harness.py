@@ -17,14 +17,17 @@ import pathlib
 import platform
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
-def time_op(fn: Callable[..., Any], input_sets: Sequence[tuple], *, replays: int = 20, warmup: int = 2) -> float:
+def time_op(
+    fn: Callable[..., Any], input_sets: Sequence[tuple], *, replays: int = 20, warmup: int = 2
+) -> float:
     """Median seconds per call of ``fn(*inputs)``, the R input sets run back to back in one jit."""
 
     @jax.jit

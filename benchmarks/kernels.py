@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from benchmarks import harness, kernels_indexer, kernels_mla
 
+
 def main() -> None:
     ceilings = {"copy_gbs": harness.copy_ceiling_gbs(), "matmul_tflops": harness.matmul_ceiling_tflops()}
     print(f"kernels: copy {ceilings['copy_gbs']:.0f} GB/s, matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")

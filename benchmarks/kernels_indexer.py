@@ -34,7 +34,8 @@ import math
 import os
 import time
 import traceback
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +54,15 @@ D, PAGE, BATCH, T_PREFILL, TOPK = 128, 64, 32, 4096, 2048
 HEADS = (32, 64)
 SEQ = (8192, 32768, 131072)
 # Sweep order: the shapes behind the torch.topk anchor first (the time budget cuts the tail).
-TOPK_SHAPES = ((4096, 32768), (4096, 131072), (4096, 8192), (32, 8192), (32, 32768), (32, 131072), (32, 262144))
+TOPK_SHAPES = (
+    (4096, 32768),
+    (4096, 131072),
+    (4096, 8192),
+    (32, 8192),
+    (32, 32768),
+    (32, 131072),
+    (32, 262144),
+)
 TORCH_COPY_GBS, TORCH_MM_TFLOPS = 3006.0, 789.0
 TOLERANCE = 1e-2
 CHECK_ROWS = 64
@@ -182,7 +191,11 @@ def _rates(row: dict, *, mb: float = 0.0, gflop: float = 0.0, copy_gbs: float, m
         row |= {"GB/s": gbs, "% copy": 100 * gbs / copy_gbs, "% of 3006": 100 * gbs / TORCH_COPY_GBS}
     if gflop:
         tflops = gflop / sec / 1e3
-        row |= {"TFLOP/s": tflops, "% mm": 100 * tflops / mm_tflops, "% of 789": 100 * tflops / TORCH_MM_TFLOPS}
+        row |= {
+            "TFLOP/s": tflops,
+            "% mm": 100 * tflops / mm_tflops,
+            "% of 789": 100 * tflops / TORCH_MM_TFLOPS,
+        }
     if "anchor us" in row:
         row["vs anchor"] = row["anchor us"] / row["us"]
     return row
@@ -292,7 +305,9 @@ def _decode(clock: _Clock, rate: dict) -> list[dict]:
                 cfg = dataclasses.replace(table, row=row_cfg)
                 return lambda *a: ikernel.indexer_logits_paged(*a, config=cfg)
 
-            rows = _sweep(common, table.row, ROW_VARIANTS, make, sets, check, clock, describe=_describe_row, replays=20)
+            rows = _sweep(
+                common, table.row, ROW_VARIANTS, make, sets, check, clock, describe=_describe_row, replays=20
+            )
             rows.append(common | _measure("jax ref", iref.indexer_logits_paged, sets, check, replays=10))
             results += [_rates(r, mb=r["MB"], **rate) for r in rows]
     return results
@@ -345,7 +360,9 @@ def _prefill_rows(clock: _Clock, rate: dict, *, paged: bool) -> list[dict]:
             if paged:
                 sets = [_paged_inputs(key, heads=heads, s=s, batch=1, t=T_PREFILL, fp8=False)]
                 q, w, kp, pt, seq, pos = sets[0]
-                want = iref.indexer_logits_paged(q[rows_idx], w[rows_idx], kp, pt, seq[rows_idx], pos[rows_idx])
+                want = iref.indexer_logits_paged(
+                    q[rows_idx], w[rows_idx], kp, pt, seq[rows_idx], pos[rows_idx]
+                )
 
                 def make(tile_cfg):
                     cfg = dataclasses.replace(table, tile=tile_cfg)
@@ -418,17 +435,27 @@ def _topk(clock: _Clock, rate: dict) -> list[dict]:
         sets = [(jax.random.normal(k, (t, s), jnp.float32),) for k in keys]
         check = _topk_check(sets[0][0])
 
-        common = {"kind": f"top-k {TOPK}", "T": t, "S": s, "MB": t * s * 4 / 1e6, **_anchor(ANCHOR_TOPK_US.get((t, s)))}
+        common = {
+            "kind": f"top-k {TOPK}",
+            "T": t,
+            "S": s,
+            "MB": t * s * 4 / 1e6,
+            **_anchor(ANCHOR_TOPK_US.get((t, s))),
+        }
         print(f"top-k [{t}, {s}] ({len(sets)} sets) at {clock.elapsed():.0f}s")
         replays = 5 if t * s >= 4096 * 131072 else 20
 
         def make(cfg):
             return lambda x: tkernel.topk_indices(x, TOPK, config=cfg)
 
-        rows = _sweep(common, table, TOPK_VARIANTS, make, sets, check, clock, describe=_describe_topk, replays=replays)
+        rows = _sweep(
+            common, table, TOPK_VARIANTS, make, sets, check, clock, describe=_describe_topk, replays=replays
+        )
         rows.append(
             common
-            | _measure("jax lax.top_k", lambda x: tref.topk_indices(x, TOPK), sets, check, replays=replays, warmup=1)
+            | _measure(
+                "jax lax.top_k", lambda x: tref.topk_indices(x, TOPK), sets, check, replays=replays, warmup=1
+            )
         )
         for r in rows:
             if "rel_err" in r:
@@ -487,10 +514,15 @@ COLUMNS = (
 )
 
 
-def _write_report(results: list[dict], copy_gbs: float, mm_tflops: float, elapsed: float, pending: Sequence[str]) -> None:
+def _write_report(
+    results: list[dict], copy_gbs: float, mm_tflops: float, elapsed: float, pending: Sequence[str]
+) -> None:
     table = harness.markdown_table(results, COLUMNS)
     lines = [
-        *harness.report_header(f"Indexer logits and top-k kernels on {harness.device_header()['device']}", harness.ceiling_rows(copy_gbs, mm_tflops, elapsed)),
+        *harness.report_header(
+            f"Indexer logits and top-k kernels on {harness.device_header()['device']}",
+            harness.ceiling_rows(copy_gbs, mm_tflops, elapsed),
+        ),
         "Method: see the docstring of `benchmarks/kernels_indexer.py`. `vs anchor` = anchor us / us",
         "(> 1: faster than the anchors' best peer). `(best)` marks the fastest Pallas config per shape.",
         *([f"Sections still to run when this was written: {', '.join(pending)}."] if pending else []),
@@ -506,7 +538,9 @@ def _write_report(results: list[dict], copy_gbs: float, mm_tflops: float, elapse
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    parser.add_argument(
+        "--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}"
+    )
     args = parser.parse_args()
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(sections) - set(SECTIONS)

@@ -34,7 +34,8 @@ import math
 import os
 import time
 import traceback
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -161,7 +162,9 @@ def _expected(shape: Shape, q, idx, kv):
     return jax.block_until_ready(fn(q[:n].astype(jnp.float32), kv, idx[:n]))
 
 
-def _compile_and_check(fn: Callable, sets: list, want, n_check: int) -> tuple[dict, Callable[[int], float] | None]:
+def _compile_and_check(
+    fn: Callable, sets: list, want, n_check: int
+) -> tuple[dict, Callable[[int], float] | None]:
     """Compile ``fn`` over all sets in one jit, check set 0 against ``want``.
 
     Returns the check's row fields and, when it passed, ``timer(replays) -> us per call`` that
@@ -227,7 +230,9 @@ def run(ceilings: Mapping[str, float] | None = None) -> list[dict]:
         n: jax.block_until_ready(jax.random.normal(jax.random.key(n), (n, D), jnp.bfloat16))
         for n in (DECODE_POOL, PREFILL_POOL)
     }
-    print(f"kernels_mla: cc {cc}, copy {copy_gbs:.0f} GB/s, mm {mm_tflops:.0f} TFLOP/s, ready at {clock():.0f}s")
+    print(
+        f"kernels_mla: cc {cc}, copy {copy_gbs:.0f} GB/s, mm {mm_tflops:.0f} TFLOP/s, ready at {clock():.0f}s"
+    )
 
     rows: dict[Shape, list[dict]] = {}
     wants: dict[Shape, Any] = {}
@@ -250,7 +255,9 @@ def run(ceilings: Mapping[str, float] | None = None) -> list[dict]:
         print(f"{shape.label}: table {table.get('us', table.get('note'))} us [{clock():.0f}s]")
 
     # The required rows reach the results file before the sweep, so a run cut short keeps them.
-    _write_report([r for shape in shapes for r in rows[shape]], [], copy_gbs, mm_tflops, clock(), sweep_done=False)
+    _write_report(
+        [r for shape in shapes for r in rows[shape]], [], copy_gbs, mm_tflops, clock(), sweep_done=False
+    )
     tuned = []
     for i, shape in enumerate(shapes):  # phase 2: the sweep, with what is left of the budget
         share = (BUDGET_S - clock()) / (len(shapes) - i)
@@ -285,16 +292,38 @@ def run(ceilings: Mapping[str, float] | None = None) -> list[dict]:
     return results
 
 
-COLUMNS = ("shape", "MB", "impl", "config", "sets", "us", "GB/s", "% copy", "% of 3006", "TFLOP/s", "% mm",
-           "rel_err", "lse_err", "note")
+COLUMNS = (
+    "shape",
+    "MB",
+    "impl",
+    "config",
+    "sets",
+    "us",
+    "GB/s",
+    "% copy",
+    "% of 3006",
+    "TFLOP/s",
+    "% mm",
+    "rel_err",
+    "lse_err",
+    "note",
+)
 
 
 def _write_report(
-    results: list[dict], tuned: list[str], copy_gbs: float, mm_tflops: float, elapsed: float, sweep_done: bool = True
+    results: list[dict],
+    tuned: list[str],
+    copy_gbs: float,
+    mm_tflops: float,
+    elapsed: float,
+    sweep_done: bool = True,
 ) -> None:
     table = harness.markdown_table(results, COLUMNS)
     lines = [
-        *harness.report_header(f"Sparse MLA (576/512, top-{TOPK}, bf16) on {harness.device_header()['device']}", harness.ceiling_rows(copy_gbs, mm_tflops, elapsed)),
+        *harness.report_header(
+            f"Sparse MLA (576/512, top-{TOPK}, bf16) on {harness.device_header()['device']}",
+            harness.ceiling_rows(copy_gbs, mm_tflops, elapsed),
+        ),
         "Method: see the docstring of `benchmarks/kernels_mla.py`. `(best)` marks the fastest Pallas",
         "config per shape (re-timed with 20 replays when it is a sweep variant).",
         "",

@@ -33,12 +33,16 @@ def main() -> int:
         llm = jaxdsa.LLM(FIXTURES / name, dtype="float32", page_size=8, progress=False, max_model_len=64)
         short = rel_l2(llm.score(golden["prompt_short"].tolist()), golden["logits_short"])
         long = rel_l2(llm.score(golden["prompt_long"].tolist()), golden["logits_long"])
-        tokens, logits = llm.generate([golden["greedy_prompt"].tolist()], max_new_tokens=16, return_logits=True)
+        tokens, logits = llm.generate(
+            [golden["greedy_prompt"].tolist()], max_new_tokens=16, return_logits=True
+        )
         same = tokens[0] == golden["greedy_tokens"].tolist()
         decode = rel_l2(logits[0], golden["greedy_logits"])
         ok = max(short, long, decode) <= 1e-4 and same
         failures += not ok
-        print(f"{name:11s} prefill-short {short:.2e}  prefill-long {long:.2e}  decode {decode:.2e}  greedy-equal {same}  {'OK' if ok else 'FAIL'}  ({time.perf_counter() - start:.1f}s)")
+        print(
+            f"{name:11s} prefill-short {short:.2e}  prefill-long {long:.2e}  decode {decode:.2e}  greedy-equal {same}  {'OK' if ok else 'FAIL'}  ({time.perf_counter() - start:.1f}s)"
+        )
     return 1 if failures else 0
 
 

@@ -32,7 +32,8 @@ import dataclasses
 import os
 import time
 import traceback
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,9 @@ from pallas_kernels.moe.tuning import MoeConfig, Tile
 E, TOP_K, D, N = 256, 8, 6144, 2048
 ALL_TOKENS = (1, 8, 32, 128, 512, 4096)
 # MOE_TOKENS=4096,512 runs only those T (a sweep, written to moe-<gpu>-sweep.md).
-TOKENS = tuple(int(t) for t in os.environ["MOE_TOKENS"].split(",")) if os.environ.get("MOE_TOKENS") else ALL_TOKENS
+TOKENS = (
+    tuple(int(t) for t in os.environ["MOE_TOKENS"].split(",")) if os.environ.get("MOE_TOKENS") else ALL_TOKENS
+)
 TORCH_COPY_GBS = 3006.0  # anchors: torch dst.copy_(src), 1 GiB, H100
 TORCH_GROUPED_US = {1: 302.2, 8: 1646.8, 32: 4534.4, 128: 6879.7, 512: 7427.5, 4096: 13435.5}  # anchors
 EXPERT_BYTES = 3 * D * N * 2
@@ -148,13 +151,17 @@ def _gather_moe(x, ids, w, experts):
     t = x.shape[0]
     flat = ids.reshape(-1)
     xs = jnp.repeat(x, TOP_K, axis=0)
-    h = jnp.einsum("sd,sdn->sn", xs, jnp.take(experts["gate_up"], flat, axis=0), preferred_element_type=jnp.float32)
+    h = jnp.einsum(
+        "sd,sdn->sn", xs, jnp.take(experts["gate_up"], flat, axis=0), preferred_element_type=jnp.float32
+    )
     act = (jax.nn.silu(h[:, :N]) * h[:, N:]).astype(x.dtype)
-    y = jnp.einsum("sn,snd->sd", act, jnp.take(experts["down"], flat, axis=0), preferred_element_type=jnp.float32)
+    y = jnp.einsum(
+        "sn,snd->sd", act, jnp.take(experts["down"], flat, axis=0), preferred_element_type=jnp.float32
+    )
     return (y.reshape(t, TOP_K, D) * w[..., None]).sum(1).astype(x.dtype)
 
 
-def _measure(name: str, fn: Callable, case: "_Case", *, replays: int) -> dict[str, Any]:
+def _measure(name: str, fn: Callable, case: _Case, *, replays: int) -> dict[str, Any]:
     """Check fn on set 0 (sampled rows vs the f32 reference, all-finite), then time it."""
     row = case.common | {"impl": name}
     try:
@@ -171,11 +178,17 @@ def _measure(name: str, fn: Callable, case: "_Case", *, replays: int) -> dict[st
     return row | {"rel_err": err} | _rates(case, sec)
 
 
-def _rates(case: "_Case", sec: float) -> dict[str, float]:
+def _rates(case: _Case, sec: float) -> dict[str, float]:
     gbs = case.mb * 1e6 / sec / 1e9
     tflops = case.gflop / sec / 1e3
-    return {"us": sec * 1e6, "GB/s": gbs, "% copy": 100 * gbs / case.copy_gbs, "% of 3006": 100 * gbs / TORCH_COPY_GBS,
-            "TFLOP/s": tflops, "% mm": 100 * tflops / case.mm_tflops}
+    return {
+        "us": sec * 1e6,
+        "GB/s": gbs,
+        "% copy": 100 * gbs / case.copy_gbs,
+        "% of 3006": 100 * gbs / TORCH_COPY_GBS,
+        "TFLOP/s": tflops,
+        "% mm": 100 * tflops / case.mm_tflops,
+    }
 
 
 @dataclasses.dataclass
@@ -219,7 +232,9 @@ def _with_config(cfg: MoeConfig) -> Callable:
 
 
 def _pallas(case: _Case, name: str, cfg: MoeConfig) -> dict[str, Any]:
-    return _measure(f"pallas:{name}", _with_config(cfg), case, replays=20 if case.t <= 512 else 10) | {"config": _describe(cfg)}
+    return _measure(f"pallas:{name}", _with_config(cfg), case, replays=20 if case.t <= 512 else 10) | {
+        "config": _describe(cfg)
+    }
 
 
 def _sweep(case: _Case, start: float) -> list[dict[str, Any]]:
@@ -233,7 +248,11 @@ def _sweep(case: _Case, start: float) -> list[dict[str, Any]]:
     for rnd in range(ROUNDS):
         for name, cfg in configs.items():
             if rnd == 0 and time.perf_counter() - start > BUDGET_S:
-                rows[name] = case.common | {"impl": f"pallas:{name}", "config": _describe(cfg), "note": harness.SKIPPED}
+                rows[name] = case.common | {
+                    "impl": f"pallas:{name}",
+                    "config": _describe(cfg),
+                    "note": harness.SKIPPED,
+                }
             elif rnd == 0:
                 rows[name] = _pallas(case, name, cfg)
                 if "us" in rows[name]:
@@ -275,10 +294,16 @@ def _skewed(case: _Case, experts: dict) -> dict[str, Any]:
     ids = jax.lax.top_k(scores, TOP_K)[1].astype(jnp.int32)
     w = jax.nn.softmax(jax.random.normal(kx, (case.t, TOP_K)), axis=-1)
     counts = np.bincount(np.asarray(ids).reshape(-1), minlength=E)
-    skewed = dataclasses.replace(case, sets=[(x, ids, w, experts)], want=_f32_rows(x[case.rows], ids[case.rows], w[case.rows], experts),
-                                 distinct=float((counts > 0).sum()))
+    skewed = dataclasses.replace(
+        case,
+        sets=[(x, ids, w, experts)],
+        want=_f32_rows(x[case.rows], ids[case.rows], w[case.rows], experts),
+        distinct=float((counts > 0).sum()),
+    )
     cfg = _table(case.t)
-    row = _measure("skewed routing: table", _with_config(cfg), skewed, replays=10) | {"config": _describe(cfg)}
+    row = _measure("skewed routing: table", _with_config(cfg), skewed, replays=10) | {
+        "config": _describe(cfg)
+    }
     return row | {"note": f"slots per expert {counts.min()}-{counts.max()}"}
 
 
@@ -293,7 +318,9 @@ def run(ceilings: Mapping[str, float] | None = None) -> list[dict]:
     copy_gbs = ceilings.get("copy_gbs") or harness.copy_ceiling_gbs()
     mm_tflops = ceilings.get("matmul_tflops") or harness.matmul_ceiling_tflops()
     experts = jax.block_until_ready(_make_weights(jax.random.key(0)))
-    print(f"moe: weights at {time.perf_counter() - start:.0f}s; copy {copy_gbs:.0f} GB/s, mm {mm_tflops:.0f} TFLOP/s")
+    print(
+        f"moe: weights at {time.perf_counter() - start:.0f}s; copy {copy_gbs:.0f} GB/s, mm {mm_tflops:.0f} TFLOP/s"
+    )
 
     cases = [_case(t, experts, copy_gbs, mm_tflops) for t in TOKENS]
     results: list[dict] = []
@@ -333,25 +360,59 @@ def _summary(results: list[dict]) -> list[dict]:
         by_impl = {r["impl"].removesuffix(" (best)"): r for r in mine}
         best = next((r for r in mine if r["impl"].endswith("(best)")), {})
         us = lambda name: by_impl.get(name, {}).get("us", "")  # noqa: E731
-        out.append({
-            "T": t, "floor us": mine[0]["floor us"], "pallas best us": best.get("us", ""),
-            "config": best.get("config", ""), "% of 3006": best.get("% of 3006", ""),
-            "TFLOP/s": best.get("TFLOP/s", ""), "pallas table us": us("pallas:table"),
-            "ragged_dot us": us("ragged_dot"), "gather us": us("gather"),
-            "torch _grouped_mm us (anchor)": TORCH_GROUPED_US[t],
-        })
+        out.append(
+            {
+                "T": t,
+                "floor us": mine[0]["floor us"],
+                "pallas best us": best.get("us", ""),
+                "config": best.get("config", ""),
+                "% of 3006": best.get("% of 3006", ""),
+                "TFLOP/s": best.get("TFLOP/s", ""),
+                "pallas table us": us("pallas:table"),
+                "ragged_dot us": us("ragged_dot"),
+                "gather us": us("gather"),
+                "torch _grouped_mm us (anchor)": TORCH_GROUPED_US[t],
+            }
+        )
     return out
 
 
-SUMMARY_COLUMNS = ("T", "floor us", "pallas best us", "config", "% of 3006", "TFLOP/s", "pallas table us",
-                   "ragged_dot us", "gather us", "torch _grouped_mm us (anchor)")
-COLUMNS = ("T", "distinct experts", "MB", "floor us", "impl", "config", "us", "GB/s", "% copy",
-           "% of 3006", "TFLOP/s", "% mm", "rel_err", "note")
+SUMMARY_COLUMNS = (
+    "T",
+    "floor us",
+    "pallas best us",
+    "config",
+    "% of 3006",
+    "TFLOP/s",
+    "pallas table us",
+    "ragged_dot us",
+    "gather us",
+    "torch _grouped_mm us (anchor)",
+)
+COLUMNS = (
+    "T",
+    "distinct experts",
+    "MB",
+    "floor us",
+    "impl",
+    "config",
+    "us",
+    "GB/s",
+    "% copy",
+    "% of 3006",
+    "TFLOP/s",
+    "% mm",
+    "rel_err",
+    "note",
+)
 
 
 def _write_report(results: list[dict], copy_gbs: float, mm_tflops: float, elapsed: float) -> None:
     lines = [
-        *harness.report_header(f"MoE experts at GLM-5 shapes (E={E}, top-{TOP_K}, D={D}, N={N}, bf16) on {harness.device_header()['device']}", harness.ceiling_rows(copy_gbs, mm_tflops, elapsed)),
+        *harness.report_header(
+            f"MoE experts at GLM-5 shapes (E={E}, top-{TOP_K}, D={D}, N={N}, bf16) on {harness.device_header()['device']}",
+            harness.ceiling_rows(copy_gbs, mm_tflops, elapsed),
+        ),
         "Method: see the docstring of `benchmarks/moe.py`. `% copy` is of the copy ceiling above,",
         "`% of 3006` of the anchors' torch copy_ ceiling, `% mm` of the matmul ceiling above;",
         "`floor us` = touched bytes at the copy ceiling. `(best)` marks the fastest Pallas config per T.",

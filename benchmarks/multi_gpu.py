@@ -37,9 +37,23 @@ TOLERANCE = 1e-3  # float32 with HIGHEST matmul precision; only reduction orders
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     n = len(jax.devices())
-    default = ["1,1"] + [f"{t},{e}" for t, e in ((2, 1), (2, 2), (4, 1), (4, 4)) if t <= n] + [f"1,{g},{g},attn" for g in (2, 4) if g <= n]
-    p.add_argument("--layouts", nargs="+", default=default, help="tp,ep[,dp[,attn]]: attn = dp attention (the dp groups share the experts)")
-    p.add_argument("--layers", type=int, default=4, help="bf16 model layers (4 = the float32 model, giving the noise floor)")
+    default = (
+        ["1,1"]
+        + [f"{t},{e}" for t, e in ((2, 1), (2, 2), (4, 1), (4, 4)) if t <= n]
+        + [f"1,{g},{g},attn" for g in (2, 4) if g <= n]
+    )
+    p.add_argument(
+        "--layouts",
+        nargs="+",
+        default=default,
+        help="tp,ep[,dp[,attn]]: attn = dp attention (the dp groups share the experts)",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=4,
+        help="bf16 model layers (4 = the float32 model, giving the noise floor)",
+    )
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--batches", default="1,16")
     p.add_argument("--new-tokens", type=int, default=32)
@@ -53,20 +67,36 @@ def main(argv=None) -> int:
     rows, base = [], {}
 
     def load(directory, dtype, par):
-        return jaxdsa.LLM(directory, dtype, **par, load_format="dummy", max_model_len=512,
-                          max_num_seqs=max(batches), max_num_batched_tokens=256, progress=False)
+        return jaxdsa.LLM(
+            directory,
+            dtype,
+            **par,
+            load_format="dummy",
+            max_model_len=512,
+            max_num_seqs=max(batches),
+            max_num_batched_tokens=256,
+            progress=False,
+        )
 
     for layout in args.layouts:
         fields = layout.split(",")
-        par = {"tp": int(fields[0]), "ep": int(fields[1]), "dp": int(fields[2]) if len(fields) > 2 else 1,
-               "dp_attention": fields[3:] == ["attn"]}
+        par = {
+            "tp": int(fields[0]),
+            "ep": int(fields[1]),
+            "dp": int(fields[2]) if len(fields) > 2 else 1,
+            "dp_attention": fields[3:] == ["attn"],
+        }
         start = time.perf_counter()
         llm = load(f32_dir, "float32", par)
         logits, tokens = llm.score(prompt), llm.generate([prompt], max_new_tokens=8)[0]
         del llm
         gc.collect()
         base.setdefault("f32", (logits, tokens))
-        row = {**par, "f32 max rel-L2 vs 1 GPU": rel(logits, base["f32"][0]), "f32 greedy equal": tokens == base["f32"][1]}
+        row = {
+            **par,
+            "f32 max rel-L2 vs 1 GPU": rel(logits, base["f32"][0]),
+            "f32 greedy equal": tokens == base["f32"][1],
+        }
         row["ok"] = row["f32 max rel-L2 vs 1 GPU"] <= TOLERANCE and row["f32 greedy equal"]
         llm = load(bf16_dir, "bfloat16", par)
         logits = llm.score(prompt)
@@ -92,12 +122,15 @@ def _write(rows, args, noise: float, n: int) -> None:
     """Rewritten after every layout, so a run cut short still leaves its finished rows."""
     header = harness.device_header()
     lines = [
-        *harness.report_header(f"Tensor / expert / data parallelism of a GLM-5-shaped model on {n} x {header['device']}", {
-            "model": f"GLM-5 widths, random weights identical across layouts: float32 check with 3 dense + 1 MoE layers, bf16 throughput with 3 dense + {args.layers - 3} MoE",
-            "check": f"float32 prefill logits of a {args.prompt_len}-token prompt vs the single-GPU run (rel-L2 <= {TOLERANCE}, HIGHEST precision), 8 greedy tokens",
-            "bf16 noise floor": f"single GPU, bf16 vs float32 logits of the same model: {noise:.3g} (only when --layers 4)",
-            "throughput": f"LLM.generate: B copies of the prompt, {args.new_tokens} new tokens each, after a compile run; tok/s = B x new tokens / wall time (includes the prefill)",
-        }),
+        *harness.report_header(
+            f"Tensor / expert / data parallelism of a GLM-5-shaped model on {n} x {header['device']}",
+            {
+                "model": f"GLM-5 widths, random weights identical across layouts: float32 check with 3 dense + 1 MoE layers, bf16 throughput with 3 dense + {args.layers - 3} MoE",
+                "check": f"float32 prefill logits of a {args.prompt_len}-token prompt vs the single-GPU run (rel-L2 <= {TOLERANCE}, HIGHEST precision), 8 greedy tokens",
+                "bf16 noise floor": f"single GPU, bf16 vs float32 logits of the same model: {noise:.3g} (only when --layers 4)",
+                "throughput": f"LLM.generate: B copies of the prompt, {args.new_tokens} new tokens each, after a compile run; tok/s = B x new tokens / wall time (includes the prefill)",
+            },
+        ),
         harness.markdown_table(rows, list(rows[0])),
         "",
     ]

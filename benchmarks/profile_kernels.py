@@ -21,7 +21,7 @@ import ctypes
 import functools
 import pathlib
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +53,14 @@ def _topk(t: int, s: int) -> Callable[[], tuple[Callable, tuple]]:
 
 def _indexer_decode(heads: int, s: int) -> Callable[[], tuple[Callable, tuple]]:
     def build():
-        args = kernels_indexer._paged_inputs(jax.random.key(3), heads=heads, s=s, batch=kernels_indexer.BATCH, t=kernels_indexer.BATCH, fp8=False)
+        args = kernels_indexer._paged_inputs(
+            jax.random.key(3),
+            heads=heads,
+            s=s,
+            batch=kernels_indexer.BATCH,
+            t=kernels_indexer.BATCH,
+            fp8=False,
+        )
         return ikernel.indexer_logits_paged, args
 
     return build
@@ -123,21 +130,31 @@ def summarize(log: str) -> list[dict]:
     for line in lines:
         if m := _KERNEL.match(line):
             name = re.sub(r"^void |<.*$|\(.*$", "", m.group(1))  # C++ kernels: drop templates and arguments
-            rows.append({"case": case_of[len(rows)] if len(rows) < len(case_of) else "?", "kernel": name,
-                         "grid": m.group(2).replace(" ", ""), "threads": int(m.group(3))})
+            rows.append(
+                {
+                    "case": case_of[len(rows)] if len(rows) < len(case_of) else "?",
+                    "kernel": name,
+                    "grid": m.group(2).replace(" ", ""),
+                    "threads": int(m.group(3)),
+                }
+            )
         elif rows and (m := _METRIC.match(line)) and m.group(1) in _METRICS:
             unit, value = m.group(2) or "", m.group(3).replace(",", "")
             key = _METRICS[m.group(1)]
             if key in rows[-1]:
                 continue  # the same metric printed by two sections
-            rows[-1][key] = f"{value} {unit}".strip() if unit and unit not in ("%", "register/thread", "cycle") else value
+            rows[-1][key] = (
+                f"{value} {unit}".strip() if unit and unit not in ("%", "register/thread", "cycle") else value
+            )
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("cases", nargs="*", choices=sorted(CASES))
-    p.add_argument("--summarize", metavar="NCU_LOG", help="print a markdown summary of a saved ncu log and exit")
+    p.add_argument(
+        "--summarize", metavar="NCU_LOG", help="print a markdown summary of a saved ncu log and exit"
+    )
     args = p.parse_args(argv)
     if args.summarize:
         rows = summarize(pathlib.Path(args.summarize).read_text())

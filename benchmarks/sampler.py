@@ -54,14 +54,26 @@ def _logits(rng: np.random.Generator, r: int, kind: str) -> np.ndarray:
 def _inputs(r: int, kind: str, temperature: float, top_p: float, top_k: int, penalized: bool):
     rng = np.random.default_rng(r)
     logits = jnp.asarray(_logits(rng, r, kind), jnp.float32)
-    rows = (jnp.full(r, temperature), jnp.full(r, top_p), jnp.full(r, top_k, jnp.int32),
-            jnp.arange(r, dtype=jnp.int32), jnp.zeros(r, jnp.int32))
+    rows = (
+        jnp.full(r, temperature),
+        jnp.full(r, top_p),
+        jnp.full(r, top_k, jnp.int32),
+        jnp.arange(r, dtype=jnp.int32),
+        jnp.zeros(r, jnp.int32),
+    )
     penalties = None
     if penalized:
         counts = jnp.asarray(rng.integers(0, 2, (r, V)) * (rng.random((r, V)) < 0.002), jnp.int32)
-        penalties = Penalties(counts, jnp.asarray(rng.random((r, V)) < 0.01), jnp.zeros((r, V), jnp.float32),
-                              jnp.arange(r, dtype=jnp.int32), jnp.full(r, 0.5), jnp.full(r, 0.3), jnp.full(r, 1.1),
-                              jnp.ones(r, bool))
+        penalties = Penalties(
+            counts,
+            jnp.asarray(rng.random((r, V)) < 0.01),
+            jnp.zeros((r, V), jnp.float32),
+            jnp.arange(r, dtype=jnp.int32),
+            jnp.full(r, 0.5),
+            jnp.full(r, 0.3),
+            jnp.full(r, 1.1),
+            jnp.ones(r, bool),
+        )
     return logits, rows, penalties
 
 
@@ -75,7 +87,10 @@ def run() -> list[dict]:
             row = {"case": name, "R": r}
             ids = {}
             for label, candidates in (("candidates", 1024), ("full sort", V)):
-                def fn(x, rows, p, candidates=candidates):  # rows as arguments: no constant folding of the filters
+
+                def fn(
+                    x, rows, p, candidates=candidates
+                ):  # rows as arguments: no constant folding of the filters
                     return sample(x, *rows, None, p, num_logprobs=logprobs, candidates=candidates).ids
 
                 ids[label] = np.asarray(jax.jit(fn)(logits, rows, penalties))
@@ -90,11 +105,15 @@ def run() -> list[dict]:
 
 def _write(results: list[dict], elapsed: float) -> None:
     lines = [
-        *harness.report_header(f"Sampler at V = {V} on {harness.device_header()['device']}",
-                               {"benchmark wall time": f"{elapsed:.0f} s"}),
+        *harness.report_header(
+            f"Sampler at V = {V} on {harness.device_header()['device']}",
+            {"benchmark wall time": f"{elapsed:.0f} s"},
+        ),
         "Method: see the docstring of `benchmarks/sampler.py`.",
         "",
-        harness.markdown_table(results, ("case", "R", "candidates us", "full sort us", "speed-up", "same ids")),
+        harness.markdown_table(
+            results, ("case", "R", "candidates us", "full sort us", "speed-up", "same ids")
+        ),
         "",
     ]
     print(f"sampler: wrote {harness.write_result('sampler', chr(10).join(lines))}")

@@ -28,7 +28,6 @@ from benchmarks import harness
 from checkpoints.tokenizer_assets import write_tokenizer
 from jaxdsa.config import config_from_dict
 
-
 GLM5 = {
     "architectures": ["GlmMoeDsaForCausalLM"],
     "model_type": "glm_moe_dsa",
@@ -99,7 +98,9 @@ def decode_step_bytes(raw: dict, context: int, batch: int = 1) -> float:
     D, H, bf16 = c.hidden_size, c.num_attention_heads, 2
     attn = D * c.q_lora_rank + c.q_lora_rank * H * c.qk_head_dim + D * c.latent_dim
     attn += H * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank + H * c.v_head_dim * D
-    indexer = c.q_lora_rank * c.index_n_heads * c.index_head_dim + D * c.index_head_dim + 2 * D * c.index_n_heads  # weights_proj is fp32
+    indexer = (
+        c.q_lora_rank * c.index_n_heads * c.index_head_dim + D * c.index_head_dim + 2 * D * c.index_n_heads
+    )  # weights_proj is fp32
     dense = 3 * D * c.intermediate_size
     expert = 3 * D * c.moe_intermediate_size
     total = 0.0
@@ -141,7 +142,9 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--concurrency", default="1,4,8,16,32")
     p.add_argument("--port", type=int, default=8123)
-    p.add_argument("--overrides", default="{}", help="JSON config overrides (CPU smoke tests use small widths)")
+    p.add_argument(
+        "--overrides", default="{}", help="JSON config overrides (CPU smoke tests use small widths)"
+    )
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     args = p.parse_args(argv)
@@ -150,17 +153,49 @@ def main(argv=None) -> int:
     raw = write_model_dir(work, args.layers, json.loads(args.overrides))
     url = f"http://127.0.0.1:{args.port}"
     levels = [int(c) for c in args.concurrency.split(",")]
-    cmd = [sys.executable, "-m", "serve", work, "--load-format", "dummy", "--port", str(args.port), "--host", "127.0.0.1",
-           "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(max(levels)), "--max-num-batched-tokens",
-           str(args.max_num_batched_tokens), "--served-model-name", "glm5-shaped"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "serve",
+        work,
+        "--load-format",
+        "dummy",
+        "--port",
+        str(args.port),
+        "--host",
+        "127.0.0.1",
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        str(max(levels)),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--served-model-name",
+        "glm5-shaped",
+    ]
     start = time.time()
     server = subprocess.Popen(cmd)
     try:
         _wait_health(url, server, timeout=600)
         startup = time.time() - start
         out_json = os.path.join(work, "bench.json")
-        bench = [sys.executable, "-m", "serve.bench", "--url", url, "--concurrency", args.concurrency, "--input-len", str(args.input_len),
-                 "--output-len", str(args.output_len), "--num-prompts", str(args.num_prompts), "--json", out_json]
+        bench = [
+            sys.executable,
+            "-m",
+            "serve.bench",
+            "--url",
+            url,
+            "--concurrency",
+            args.concurrency,
+            "--input-len",
+            str(args.input_len),
+            "--output-len",
+            str(args.output_len),
+            "--num-prompts",
+            str(args.num_prompts),
+            "--json",
+            out_json,
+        ]
         subprocess.run(bench, check=True)
     finally:
         server.terminate()
@@ -197,13 +232,16 @@ def _report(rows, raw, args, copy_gbs: float, startup: float) -> None:
     cols = list(table[0])
     moe_layers = raw["num_hidden_layers"] - raw["first_k_dense_replace"]
     lines = [
-        *harness.report_header(f"Serving a GLM-5-shaped model on {header['device']}", {
-            "model": f"GLM-5 widths, {raw['num_hidden_layers']} layers ({raw['first_k_dense_replace']} dense + {moe_layers} MoE), random bf16 weights (--load-format dummy)",
-            "workload": f"serve.bench: {args.num_prompts} prompts/level, {args.input_len} tokens in, {args.output_len} out, ignore_eos, streaming",
-            "server": f"python -m serve --max-num-seqs {max(r['concurrency'] for r in rows)} --max-num-batched-tokens {args.max_num_batched_tokens} --max-model-len {args.max_model_len} (buckets compiled at start-up)",
-            "copy ceiling (jax x+1, 1 GiB)": f"{copy_gbs:.0f} GB/s",
-            "server start to /health": f"{startup:.0f} s",
-        }),
+        *harness.report_header(
+            f"Serving a GLM-5-shaped model on {header['device']}",
+            {
+                "model": f"GLM-5 widths, {raw['num_hidden_layers']} layers ({raw['first_k_dense_replace']} dense + {moe_layers} MoE), random bf16 weights (--load-format dummy)",
+                "workload": f"serve.bench: {args.num_prompts} prompts/level, {args.input_len} tokens in, {args.output_len} out, ignore_eos, streaming",
+                "server": f"python -m serve --max-num-seqs {max(r['concurrency'] for r in rows)} --max-num-batched-tokens {args.max_num_batched_tokens} --max-model-len {args.max_model_len} (buckets compiled at start-up)",
+                "copy ceiling (jax x+1, 1 GiB)": f"{copy_gbs:.0f} GB/s",
+                "server start to /health": f"{startup:.0f} s",
+            },
+        ),
         "Per-stream decode tok/s = 1 / mean inter-token latency; aggregate = per-stream x concurrency.",
         "Roofline = bytes one decode step must read (weights touched + latent cache of a",
         f"{context:.0f}-token context per sequence; experts: min(256, 8 x batch) + shared) / copy ceiling;",

@@ -39,7 +39,10 @@ class _Random:
         dtype = jnp.float32 if spec.keep_fp32 else self.dtype
 
         def make():
-            w = jax.random.normal(_key(self.seed, spec.name), (spec.out, spec.inp), jnp.float32) * spec.inp**-0.5
+            w = (
+                jax.random.normal(_key(self.seed, spec.name), (spec.out, spec.inp), jnp.float32)
+                * spec.inp**-0.5
+            )
             return spec.post(w).astype(dtype)
 
         return self._place(make, path, len(jax.eval_shape(make).shape))
@@ -47,10 +50,14 @@ class _Random:
     def tensor(self, spec: names.Tensor, path: tuple):
         dtype = jnp.float32 if spec.keep_fp32 else self.dtype
         # Norm weights near 1, biases (router correction, LayerNorm) small, embeddings N(0, 1).
-        base, scale = (1.0, 0.1) if spec.name.endswith("norm.weight") or "layernorm" in spec.name else (0.0, 1.0)
+        base, scale = (
+            (1.0, 0.1) if spec.name.endswith("norm.weight") or "layernorm" in spec.name else (0.0, 1.0)
+        )
         if spec.name.endswith("bias"):
             scale = 0.1
-        make = lambda: (base + scale * jax.random.normal(_key(self.seed, spec.name), spec.shape, jnp.float32)).astype(dtype)  # noqa: E731
+        make = lambda: (
+            base + scale * jax.random.normal(_key(self.seed, spec.name), spec.shape, jnp.float32)
+        ).astype(dtype)  # noqa: E731
         return self._place(make, path, len(spec.shape))
 
     def experts(self, spec: names.Experts, path: tuple):
@@ -58,16 +65,28 @@ class _Random:
         tpi = 1 if self.mesh is None else self.mesh.shape["tpi"]
 
         def draw(which, shape, fan_in):
-            return (jax.random.normal(_key(self.seed, f"{spec.prefix}.{which}"), shape, jnp.float32) * fan_in**-0.5).astype(self.dtype)
+            return (
+                jax.random.normal(_key(self.seed, f"{spec.prefix}.{which}"), shape, jnp.float32)
+                * fan_in**-0.5
+            ).astype(self.dtype)
 
         def make():
-            gate, up, down = draw("gate_proj", (E, N, D), D), draw("up_proj", (E, N, D), D), draw("down_proj", (E, D, N), N)
+            gate, up, down = (
+                draw("gate_proj", (E, N, D), D),
+                draw("up_proj", (E, N, D), D),
+                draw("down_proj", (E, D, N), N),
+            )
             return ops.pack_experts(*sharding.expert_tp_order(gate, up, tpi), down)
 
         if self.mesh is None:
             return jax.jit(make)()
         shapes = jax.eval_shape(make)
-        out = {k: jax.sharding.NamedSharding(self.mesh, sharding.spec(sharding.leaf_axes(path + (k,), len(v.shape)))) for k, v in shapes.items()}
+        out = {
+            k: jax.sharding.NamedSharding(
+                self.mesh, sharding.spec(sharding.leaf_axes(path + (k,), len(v.shape)))
+            )
+            for k, v in shapes.items()
+        }
         return jax.jit(make, out_shardings=out)()
 
     def load(self, tree: Any, path: tuple = ()) -> Any:
@@ -80,10 +99,15 @@ class _Random:
         return self.experts(tree, path)
 
 
-def random_params(cfg: ModelConfig, *, dtype=jnp.bfloat16, mesh=None, seed: int = 0, mtp: bool = False) -> dict:
+def random_params(
+    cfg: ModelConfig, *, dtype=jnp.bfloat16, mesh=None, seed: int = 0, mtp: bool = False
+) -> dict:
     """A params pytree of ``cfg``'s shapes with random weights, placed (and sharded) on device."""
     if mesh is not None:
-        for what, size, n in (("attention heads", cfg.num_attention_heads, "heads"), ("indexer heads", cfg.index_n_heads, "index_heads")):
+        for what, size, n in (
+            ("attention heads", cfg.num_attention_heads, "heads"),
+            ("indexer heads", cfg.index_n_heads, "index_heads"),
+        ):
             shards = math.prod(mesh.shape[a] for a in sharding.RULES[n])
             if size % shards:
                 raise ValueError(f"random weights: {what} ({size}) must split evenly over {shards} devices")
@@ -91,7 +115,12 @@ def random_params(cfg: ModelConfig, *, dtype=jnp.bfloat16, mesh=None, seed: int 
     params = gen.load(names.model_map(cfg))
     if cfg.tie_word_embeddings:
         params["lm_head"] = params["embed"].T
-    params["layers"] = [gen.load(names.layer_map(cfg, i), ("layers", i)) for i in range(cfg.num_hidden_layers)]
+    params["layers"] = [
+        gen.load(names.layer_map(cfg, i), ("layers", i)) for i in range(cfg.num_hidden_layers)
+    ]
     if mtp:
-        params["mtp"] = [gen.load(names.mtp_map(cfg, cfg.num_hidden_layers + i), ("mtp", i)) for i in range(cfg.num_nextn_predict_layers)]
+        params["mtp"] = [
+            gen.load(names.mtp_map(cfg, cfg.num_hidden_layers + i), ("mtp", i))
+            for i in range(cfg.num_nextn_predict_layers)
+        ]
     return params

@@ -49,7 +49,9 @@ class _Loader:
         quant = self.cfg.quantization
         if weight not in self.reader and packed in self.reader:
             if quant is None or quant.method != "compressed-tensors":
-                raise self._fail(packed, "INT4-packed weight but config.json has no compressed-tensors quantization_config")
+                raise self._fail(
+                    packed, "INT4-packed weight but config.json has no compressed-tensors quantization_config"
+                )
             return self._int4(spec, quant.group_size)
         if weight not in self.reader:
             raise CheckpointError(self.reader.directory, weight, "missing from the checkpoint")
@@ -58,7 +60,9 @@ class _Loader:
                 raise self._fail(weight, "float8 weight but config.json has no fp8 quantization_config")
             scale_name = spec.name + ".weight_scale_inv"
             if scale_name not in self.reader:
-                raise CheckpointError(self.reader.directory, scale_name, f"missing: needed to dequantize {weight}")
+                raise CheckpointError(
+                    self.reader.directory, scale_name, f"missing: needed to dequantize {weight}"
+                )
             w = self.reader.get(weight)
             if w.shape != (spec.out, spec.inp):
                 raise self._fail(weight, f"shape {list(w.shape)} != expected {[spec.out, spec.inp]}")
@@ -113,7 +117,11 @@ class _Loader:
         stack = lambda proj, out, inp: np.stack(  # noqa: E731
             [self.linear(names.Linear(f"{spec.prefix}.{e}.{proj}", out, inp)) for e in range(first, last)]
         )
-        return stack("gate_proj", spec.inter, spec.hidden), stack("up_proj", spec.inter, spec.hidden), stack("down_proj", spec.hidden, spec.inter)
+        return (
+            stack("gate_proj", spec.inter, spec.hidden),
+            stack("up_proj", spec.inter, spec.hidden),
+            stack("down_proj", spec.hidden, spec.inter),
+        )
 
     def experts(self, spec: names.Experts, path: tuple) -> Any:
         if self.mesh is None:
@@ -124,7 +132,11 @@ class _Loader:
         shards = int(np.prod([self.mesh.shape[a] for a in sharding.EXPERT_AXES]))
         tpi = self.mesh.shape["tpi"]
         if spec.num % shards or spec.inter % tpi:
-            raise CheckpointError(self.reader.directory, spec.prefix, f"{spec.num} experts x {spec.inter} do not split over {shards} x {tpi} devices")
+            raise CheckpointError(
+                self.reader.directory,
+                spec.prefix,
+                f"{spec.num} experts x {spec.inter} do not split over {shards} x {tpi} devices",
+            )
         per = spec.num // shards
         packed_parts: dict[int, dict] = {}
 
@@ -133,16 +145,29 @@ class _Loader:
             if first not in packed_parts:
                 g, u, d = self._expert_matrices(spec, first, first + per)
                 g, u = sharding.expert_tp_order(g, u, tpi)
-                packed_parts[first] = {k: np.asarray(v) for k, v in ops.pack_experts(*map(jnp.asarray, (g, u, d))).items()}
+                packed_parts[first] = {
+                    k: np.asarray(v) for k, v in ops.pack_experts(*map(jnp.asarray, (g, u, d))).items()
+                }
                 del g, u, d
             part = packed_parts[first][key]
             return np.asarray(part[(slice(None),) + tuple(index[1:])], self.dtype)
 
-        shapes = jax.eval_shape(ops.pack_experts, *(jax.ShapeDtypeStruct(s, self.dtype) for s in (
-            (spec.num, spec.inter, spec.hidden), (spec.num, spec.inter, spec.hidden), (spec.num, spec.hidden, spec.inter))))
+        shapes = jax.eval_shape(
+            ops.pack_experts,
+            *(
+                jax.ShapeDtypeStruct(s, self.dtype)
+                for s in (
+                    (spec.num, spec.inter, spec.hidden),
+                    (spec.num, spec.inter, spec.hidden),
+                    (spec.num, spec.hidden, spec.inter),
+                )
+            ),
+        )
         out = {}
         for key, shape in shapes.items():
-            target = jax.sharding.NamedSharding(self.mesh, sharding.spec(sharding.leaf_axes(path + (key,), len(shape.shape))))
+            target = jax.sharding.NamedSharding(
+                self.mesh, sharding.spec(sharding.leaf_axes(path + (key,), len(shape.shape)))
+            )
             out[key] = jax.make_array_from_callback(shape.shape, target, functools.partial(packed, key=key))
         return out
 
@@ -152,7 +177,9 @@ class _Loader:
         if isinstance(tree, names.Linear):
             return self.to_device(tree.post(self.linear(tree)), tree.keep_fp32, path)
         if isinstance(tree, names.Tensor):
-            return self.to_device(np.asarray(self._plain(tree.name, tree.shape), np.float32), tree.keep_fp32, path)
+            return self.to_device(
+                np.asarray(self._plain(tree.name, tree.shape), np.float32), tree.keep_fp32, path
+            )
         if isinstance(tree, names.Experts):
             return self.experts(tree, path)
         raise TypeError(f"unknown spec {tree!r}")
@@ -161,7 +188,12 @@ class _Loader:
 def _progress(done: int, total: int, start: float, enabled: bool) -> None:
     if enabled:
         end = "\n" if done == total else ""
-        print(f"\rloading weights: {done}/{total} layers ({time.perf_counter() - start:.1f}s)", end=end, file=sys.stderr, flush=True)
+        print(
+            f"\rloading weights: {done}/{total} layers ({time.perf_counter() - start:.1f}s)",
+            end=end,
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def load_params(
@@ -191,7 +223,9 @@ def load_params(
     start = time.perf_counter()
     params = loader.load(names.model_map(cfg))
     if cfg.tie_word_embeddings:
-        params["lm_head"] = loader.to_device(np.asarray(reader.get("model.embed_tokens.weight"), np.float32).T, False, ("lm_head",))
+        params["lm_head"] = loader.to_device(
+            np.asarray(reader.get("model.embed_tokens.weight"), np.float32).T, False, ("lm_head",)
+        )
     params["layers"] = []
     for i in range(cfg.num_hidden_layers):
         params["layers"].append(loader.load(names.layer_map(cfg, i), ("layers", i)))

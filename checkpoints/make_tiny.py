@@ -40,7 +40,9 @@ DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 Spec = tuple[tuple[int, ...], str]
 
 
-def _layer_tensors(cfg: dict[str, Any], layer: int, *, indexer: bool, moe: bool, mtp: bool) -> dict[str, Spec]:
+def _layer_tensors(
+    cfg: dict[str, Any], layer: int, *, indexer: bool, moe: bool, mtp: bool
+) -> dict[str, Spec]:
     d, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     q_lora, kv_lora = cfg["q_lora_rank"], cfg["kv_lora_rank"]
     nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
@@ -201,7 +203,9 @@ def make_tiny(
     _write_json(os.path.join(out_dir, "generation_config.json"), generation)
 
     tensors = {
-        name: random_tensor(name, shape, kind, seed).astype(np.float32 if kind == "router_bias" else DTYPES[dtype])
+        name: random_tensor(name, shape, kind, seed).astype(
+            np.float32 if kind == "router_bias" else DTYPES[dtype]
+        )
         for name, (shape, kind) in tensor_specs(cfg).items()
     }
     write_weights(tensors, out_dir, shards)
@@ -217,7 +221,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--shards", type=int, default=1)
     args = parser.parse_args(argv)
-    print(make_tiny(args.family, args.out, seed=args.seed, preset=args.preset, dtype=args.dtype, shards=args.shards))
+    print(
+        make_tiny(
+            args.family, args.out, seed=args.seed, preset=args.preset, dtype=args.dtype, shards=args.shards
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ tree; nothing else in the project knows HF names.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

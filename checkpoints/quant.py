@@ -17,7 +17,9 @@ def dequantize_fp8_block(weight: np.ndarray, scale: np.ndarray, block: tuple[int
     b0, b1 = block
     expected = (-(-out // b0), -(-inp // b1))
     if scale.shape != expected:
-        raise ValueError(f"scale shape {scale.shape} != {expected} for a {weight.shape} weight in {b0}x{b1} blocks")
+        raise ValueError(
+            f"scale shape {scale.shape} != {expected} for a {weight.shape} weight in {b0}x{b1} blocks"
+        )
     full = np.repeat(np.repeat(scale.astype(np.float32), b0, axis=0)[:out], b1, axis=1)[:, :inp]
     return weight.astype(np.float32) * full
 
@@ -48,7 +50,9 @@ def dequantize_int4_packed(
     if packed.shape != (out, -(-inp // 8)):
         raise ValueError(f"weight_packed shape {packed.shape} != {(out, -(-inp // 8))} for shape {shape}")
     if scale.shape != (out, groups):
-        raise ValueError(f"weight_scale shape {scale.shape} != {(out, groups)} for shape {shape}, group {group_size}")
+        raise ValueError(
+            f"weight_scale shape {scale.shape} != {(out, groups)} for shape {shape}, group {group_size}"
+        )
     q = unpack_int4(packed, inp, axis=1)
     zp = np.zeros((out, groups), np.int32)
     if zero_point is not None:

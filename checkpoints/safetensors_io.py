@@ -49,7 +49,11 @@ class SafetensorsFile:
                 raise CheckpointError(path, "<header>", "file too short to hold a safetensors header")
             (header_len,) = struct.unpack("<Q", raw)
             if header_len > size - 8:
-                raise CheckpointError(path, "<header>", f"header of {header_len} bytes exceeds the file ({size} bytes): truncated?")
+                raise CheckpointError(
+                    path,
+                    "<header>",
+                    f"header of {header_len} bytes exceeds the file ({size} bytes): truncated?",
+                )
             try:
                 header = json.loads(fh.read(header_len))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -63,9 +67,15 @@ class SafetensorsFile:
             begin, end = entry["data_offsets"]
             expected = int(np.prod(entry["shape"], dtype=np.int64)) * DTYPES[entry["dtype"]].itemsize
             if end - begin != expected:
-                raise CheckpointError(path, name, f"holds {end - begin} bytes, shape {entry['shape']} needs {expected}")
+                raise CheckpointError(
+                    path, name, f"holds {end - begin} bytes, shape {entry['shape']} needs {expected}"
+                )
             if self._data_start + end > size:
-                raise CheckpointError(path, name, f"ends at byte {self._data_start + end} but the file has {size} bytes: truncated")
+                raise CheckpointError(
+                    path,
+                    name,
+                    f"ends at byte {self._data_start + end} but the file has {size} bytes: truncated",
+                )
 
     def keys(self) -> list[str]:
         return list(self._entries)
@@ -104,7 +114,9 @@ class CheckpointReader:
         else:
             files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
             if not files:
-                raise CheckpointError(directory, "*", "no .safetensors files and no model.safetensors.index.json")
+                raise CheckpointError(
+                    directory, "*", "no .safetensors files and no model.safetensors.index.json"
+                )
             weight_map = None
         self._files = {}
         for f in files:
@@ -119,7 +131,9 @@ class CheckpointReader:
         if weight_map is not None:
             for name, f in weight_map.items():
                 if self._where.get(name) is not self._files[f]:
-                    raise CheckpointError(os.path.join(directory, f), name, f"listed in {INDEX_FILE} but not in that file")
+                    raise CheckpointError(
+                        os.path.join(directory, f), name, f"listed in {INDEX_FILE} but not in that file"
+                    )
 
     def __contains__(self, name: str) -> bool:
         return name in self._where

@@ -32,7 +32,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -351,8 +352,12 @@ def write_tokenizer(family: str, out_dir: str, model_max_length: int) -> TokenId
     return token_ids(family, tok)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise_exception(message: str) -> None:
@@ -378,6 +383,8 @@ def render_chat_template(
     **kwargs: Any,
 ) -> str:
     """Render a chat template as HF ``apply_chat_template(..., tokenize=False)`` would."""
-    return _environment().from_string(template).render(
-        messages=list(messages), tools=tools, add_generation_prompt=add_generation_prompt, **kwargs
+    return (
+        _environment()
+        .from_string(template)
+        .render(messages=list(messages), tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
     )

@@ -54,12 +54,17 @@ def init_cache(
 
     With ``sharding`` (e.g. pages split over dp) the zeros are made in place on every device.
     """
-    layers = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers) if mtp else range(cfg.num_hidden_layers)
+    layers = (
+        range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+        if mtp
+        else range(cfg.num_hidden_layers)
+    )
 
     def make() -> KVCache:
         latent = tuple(jnp.zeros((num_pages, page_size, cfg.latent_dim), dtype) for _ in layers)
         index = tuple(
-            jnp.zeros((num_pages, page_size, cfg.index_head_dim), dtype) if cfg.has_indexer(i) else None for i in layers
+            jnp.zeros((num_pages, page_size, cfg.index_head_dim), dtype) if cfg.has_indexer(i) else None
+            for i in layers
         )
         return KVCache(latent=latent, index_keys=index)
 

@@ -12,7 +12,8 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
 
@@ -128,7 +129,7 @@ class ModelConfig:
     def indexer_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_hidden_layers) if self.has_indexer(i))
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -258,14 +259,20 @@ def _parse_quantization(f: _Fields) -> QuantConfig | None:
             raise f.error("quantization_config.format", f"only 'pack-quantized' is supported, got {fmt!r}")
         groups = q.get("config_groups") or {}
         if len(groups) != 1:
-            raise f.error("quantization_config.config_groups", f"expected exactly one group, got {len(groups)}")
+            raise f.error(
+                "quantization_config.config_groups", f"expected exactly one group, got {len(groups)}"
+            )
         (group,) = groups.values()
         weights = group.get("weights") or {}
         bits, strategy = weights.get("num_bits"), weights.get("strategy", "group")
         if bits != 4 or weights.get("type", "int") != "int":
-            raise f.error("quantization_config.config_groups.weights", f"only 4-bit int weights, got {weights}")
+            raise f.error(
+                "quantization_config.config_groups.weights", f"only 4-bit int weights, got {weights}"
+            )
         if strategy != "group" or not weights.get("group_size"):
-            raise f.error("quantization_config.config_groups.weights.group_size", "group strategy with a size")
+            raise f.error(
+                "quantization_config.config_groups.weights.group_size", "group strategy with a size"
+            )
         return QuantConfig(
             method="compressed-tensors",
             num_bits=4,
@@ -291,7 +298,9 @@ def config_from_dict(raw: Mapping[str, Any], source: str = "<dict>") -> ModelCon
     f = _Fields(raw, source)
     model_type = f.get("model_type", str)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise f.error("model_type", f"unsupported {model_type!r}; jaxdsa runs {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise f.error(
+            "model_type", f"unsupported {model_type!r}; jaxdsa runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     glm = model_type == "glm_moe_dsa"
     g = lambda name, kind=int, default=dataclasses.MISSING, positive=True: f.get(  # noqa: E731
         name, kind, default, positive=positive
@@ -369,7 +378,9 @@ def _check_consistency(c: ModelConfig, f: _Fields) -> None:
     for name in ("mlp_layer_types",):
         types = f.raw.get(name)
         if types is not None:
-            expected = ["dense"] * c.first_k_dense_replace + ["sparse"] * (c.num_hidden_layers - c.first_k_dense_replace)
+            expected = ["dense"] * c.first_k_dense_replace + ["sparse"] * (
+                c.num_hidden_layers - c.first_k_dense_replace
+            )
             if list(types)[: c.num_hidden_layers] != expected:
                 raise f.error(name, "contradicts first_k_dense_replace (dense layers must come first)")
     nkv = f.raw.get("num_key_value_heads")

@@ -14,12 +14,16 @@ import os
 import jax
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None) -> None:
+def initialize(
+    coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> None:
     env = os.environ.get
     coordinator_address = coordinator_address or env("JAXDSA_COORDINATOR_ADDRESS")
     num_processes = num_processes if num_processes is not None else _int(env("JAXDSA_NUM_PROCESSES"))
     process_id = process_id if process_id is not None else _int(env("JAXDSA_PROCESS_ID"))
-    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id)
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+    )
 
 
 def _int(value: str | None) -> int | None:

@@ -11,7 +11,7 @@ import contextlib
 import itertools
 import json
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -108,7 +108,9 @@ class LLM:
 
     def _precision(self):
         # float32 means float32: no TF32 matmuls on GPUs.
-        return jax.default_matmul_precision("highest") if self.dtype == jnp.float32 else contextlib.nullcontext()
+        return (
+            jax.default_matmul_precision("highest") if self.dtype == jnp.float32 else contextlib.nullcontext()
+        )
 
     @property
     def engine(self) -> Engine:
@@ -134,7 +136,9 @@ class LLM:
             raise ValueError("token_ids is empty")
         dp = self.parallelism.dp
         T, pages = bucket(len(ids)), bucket(-(-len(ids) // self.page_size))
-        group = lambda first, fill: np.asarray(list(first) + [fill] * (T - len(ids)) + [fill] * (T * (dp - 1)), np.int32)  # noqa: E731
+        group = lambda first, fill: np.asarray(
+            list(first) + [fill] * (T - len(ids)) + [fill] * (T * (dp - 1)), np.int32
+        )  # noqa: E731
         placed = None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, sharding.batch_spec())
         cache = init_cache(self.config, pages * dp, self.page_size, self.dtype, sharding=placed)
         meta = StepMeta(

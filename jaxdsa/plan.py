@@ -17,7 +17,7 @@ import argparse
 import dataclasses
 import math
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -90,14 +90,18 @@ def cache_bytes_per_token(cfg: ModelConfig) -> int:
     return 2 * (cfg.num_hidden_layers * cfg.latent_dim + len(cfg.indexer_layers) * cfg.index_head_dim)
 
 
-def decode_step(cfg: ModelConfig, par: Parallelism, weights: str, batch: int, context: int) -> dict[str, float]:
+def decode_step(
+    cfg: ModelConfig, par: Parallelism, weights: str, batch: int, context: int
+) -> dict[str, float]:
     """Per-device bytes read and collective bytes of one decode step of ``batch`` sequences per dp group."""
     read = 0.0
     sizes = par.axis_sizes
     edp = sizes["edp"]  # dp-attention groups whose tokens meet at every expert
     E_local = cfg.n_routed_experts / math.prod(sizes[a] for a in EXPERT_AXES)
     moe_tokens = batch * edp
-    touched = E_local * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** moe_tokens)  # expected distinct local experts
+    touched = E_local * (
+        1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** moe_tokens
+    )  # expected distinct local experts
     for leaf in parameter_leaves(cfg):
         width = leaf.bytes_per_element
         if width < 0:
@@ -128,8 +132,18 @@ def decode_step(cfg: ModelConfig, par: Parallelism, weights: str, batch: int, co
     return {"bytes_read": read, "collective_bytes": collective}
 
 
-def plan(cfg: ModelConfig, par: Parallelism, *, hbm_gib: float, weights: str, max_model_len: int, batch: int,
-         hbm_gbs: float, link_gbs: float, reserve_gib: float) -> dict[str, float]:
+def plan(
+    cfg: ModelConfig,
+    par: Parallelism,
+    *,
+    hbm_gib: float,
+    weights: str,
+    max_model_len: int,
+    batch: int,
+    hbm_gbs: float,
+    link_gbs: float,
+    reserve_gib: float,
+) -> dict[str, float]:
     weight_bytes = device_weight_bytes(cfg, par, weights)
     free = hbm_gib * GiB - weight_bytes - reserve_gib * GiB
     per_token = cache_bytes_per_token(cfg)
@@ -157,11 +171,15 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
-    p.add_argument("--dp-attention", action="store_true", help="the dp groups share the experts (ep counts all shards)")
+    p.add_argument(
+        "--dp-attention", action="store_true", help="the dp groups share the experts (ep counts all shards)"
+    )
     p.add_argument("--hbm-gib", type=float, default=80)
     p.add_argument("--weights", choices=sorted(WEIGHT_BYTES), default="bf16")
     p.add_argument("--max-model-len", type=int, default=32768)
-    p.add_argument("--batch", type=int, default=32, help="decode sequences per dp group for the step estimate")
+    p.add_argument(
+        "--batch", type=int, default=32, help="decode sequences per dp group for the step estimate"
+    )
     p.add_argument("--hbm-gbs", type=float, default=3000, help="achievable HBM bandwidth (H100 copy: ~3000)")
     p.add_argument("--link-gbs", type=float, default=350, help="achievable all-reduce bus bandwidth per GPU")
     p.add_argument("--reserve-gib", type=float, default=4, help="kept free for activations and the runtime")
@@ -172,14 +190,28 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"plan: {e}", file=sys.stderr)
         return 2
-    result = plan(cfg, par, hbm_gib=args.hbm_gib, weights=args.weights, max_model_len=args.max_model_len, batch=args.batch,
-                  hbm_gbs=args.hbm_gbs, link_gbs=args.link_gbs, reserve_gib=args.reserve_gib)
+    result = plan(
+        cfg,
+        par,
+        hbm_gib=args.hbm_gib,
+        weights=args.weights,
+        max_model_len=args.max_model_len,
+        batch=args.batch,
+        hbm_gbs=args.hbm_gbs,
+        link_gbs=args.link_gbs,
+        reserve_gib=args.reserve_gib,
+    )
     dp_attention = " (dp attention)" if par.dp_attention else ""
-    print(f"{cfg.model_type}: {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts; tp={par.tp} ep={par.ep} dp={par.dp}{dp_attention}, weights {args.weights}")
+    print(
+        f"{cfg.model_type}: {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts; tp={par.tp} ep={par.ep} dp={par.dp}{dp_attention}, weights {args.weights}"
+    )
     for key, value in result.items():
         print(f"  {key:38s} {value:,.2f}" if isinstance(value, float) else f"  {key:38s} {value:,}")
     if result["cache_tokens_per_dp_group"] < args.max_model_len:
-        print(f"  WARNING: one {args.max_model_len}-token sequence does not fit next to the weights", file=sys.stderr)
+        print(
+            f"  WARNING: one {args.max_model_len}-token sequence does not fit next to the weights",
+            file=sys.stderr,
+        )
     return 0
 
 

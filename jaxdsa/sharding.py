@@ -32,12 +32,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("dp", "edp", "rep", "tpe", "tpi")
 DP_AXES = ("dp", "edp")  # the step is manual over these (data_parallel)
@@ -69,7 +71,9 @@ class Parallelism:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.dp_attention and self.ep % self.dp:
-            raise ValueError(f"with dp_attention, ep ({self.ep}) counts the expert shards of all {self.dp} dp groups: it must be a multiple of dp")
+            raise ValueError(
+                f"with dp_attention, ep ({self.ep}) counts the expert shards of all {self.dp} dp groups: it must be a multiple of dp"
+            )
         ep = self.group_ep
         if self.tp % ep and ep % self.tp:
             within = " per dp group" if self.dp_attention else ""
@@ -97,7 +101,9 @@ def make_mesh(par: Parallelism, devices=None) -> Mesh:
     """The one place meshes are built (all axes Auto: XLA propagates shardings between ops)."""
     devices = jax.devices() if devices is None else devices
     if len(devices) < par.num_devices:
-        raise ValueError(f"tp={par.tp} ep={par.ep} dp={par.dp} needs {par.num_devices} devices, found {len(devices)}")
+        raise ValueError(
+            f"tp={par.tp} ep={par.ep} dp={par.dp} needs {par.num_devices} devices, found {len(devices)}"
+        )
     sizes = par.axis_sizes
     grid = np.asarray(devices[: par.num_devices]).reshape([sizes[a] for a in MESH_AXES])
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
@@ -176,7 +182,9 @@ def expert_tp_order(gate, up, tpi: int):
     Works on NumPy and JAX arrays; the identity when ``tpi`` is 1."""
     xp = jnp if isinstance(gate, jax.Array) else np
     E, N, D = gate.shape
-    both = xp.concatenate([gate.reshape(E, tpi, N // tpi, D), up.reshape(E, tpi, N // tpi, D)], axis=2).reshape(E, 2 * N, D)
+    both = xp.concatenate(
+        [gate.reshape(E, tpi, N // tpi, D), up.reshape(E, tpi, N // tpi, D)], axis=2
+    ).reshape(E, 2 * N, D)
     return both[:, :N], both[:, N:]
 
 
@@ -233,7 +241,14 @@ class _Axes:
         return jax.lax.psum(x, axes) if axes else x
 
     def smap(self, f, in_specs, out_specs):
-        return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(self.live), check_vma=False)
+        return jax.shard_map(
+            f,
+            mesh=self.mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names=set(self.live),
+            check_vma=False,
+        )
 
     def expert_spec(self, logical):
         return spec(logical, exclude=tuple(a for a in MESH_AXES if a not in self.live))
@@ -296,7 +311,9 @@ def _moe_over_edp(call, x, ids, weights, experts, **kwargs):
     local_ids = gather(ids) - jax.lax.axis_index("edp") * local_experts
     out = call(gather(x), local_ids, gather(weights), experts, **kwargs)
     # float32 collective: XLA:CPU has no bf16 reduce-scatter, and the sum is exact in f32 anyway
-    return jax.lax.psum_scatter(out.astype(jnp.float32), "edp", scatter_dimension=0, tiled=True).astype(x.dtype)
+    return jax.lax.psum_scatter(out.astype(jnp.float32), "edp", scatter_dimension=0, tiled=True).astype(
+        x.dtype
+    )
 
 
 # Ops whose operands differ per dp-attention group and must meet across the groups (the step is
@@ -333,7 +350,9 @@ def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
 # ---- the step over data-parallel groups --------------------------------------------------------
 
 
-def jit_step(fn: Callable[..., Any], mesh: Mesh | None, donate_argnums: tuple[int, ...]) -> Callable[..., Any]:
+def jit_step(
+    fn: Callable[..., Any], mesh: Mesh | None, donate_argnums: tuple[int, ...]
+) -> Callable[..., Any]:
     """jit a step; on a mesh, as data-parallel groups and traced with the mesh set (so the
     shard_map wrappers of jaxdsa.ops see it)."""
     if mesh is None:
@@ -356,9 +375,15 @@ def data_parallel(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
     within_group = tuple(a for a in MESH_AXES if a not in manual)
 
     def run(params, *batch):
-        param_specs = jax.tree.map(lambda a: spec(a, exclude=within_group), param_axes(params), is_leaf=lambda x: isinstance(x, tuple))
+        param_specs = jax.tree.map(
+            lambda a: spec(a, exclude=within_group),
+            param_axes(params),
+            is_leaf=lambda x: isinstance(x, tuple),
+        )
         in_specs = (param_specs,) + (batch_spec(),) * len(batch)
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=batch_spec(), axis_names=manual, check_vma=False)(params, *batch)
+        return jax.shard_map(
+            fn, mesh=mesh, in_specs=in_specs, out_specs=batch_spec(), axis_names=manual, check_vma=False
+        )(params, *batch)
 
     return run
 

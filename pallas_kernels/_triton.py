@@ -11,12 +11,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 from jax.experimental import pallas as pl  # noqa: F401  (re-exported for kernels)
 
-warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
+warnings.filterwarnings(
+    "ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning
+)
 
 try:
     from jax.experimental.pallas import triton as pltriton
@@ -90,7 +93,9 @@ def shrink_to_fit[C](cfg: C, nbytes: Callable[[C], int], budget: int, knobs: Seq
             value = getattr(cfg, field)
             cfg = dataclasses.replace(cfg, **{field: value - 1 if field == "num_stages" else value // 2})
     if nbytes(cfg) > budget:
-        raise ValueError(f"{cfg} needs {nbytes(cfg)} bytes of shared memory, more than the {budget} available")
+        raise ValueError(
+            f"{cfg} needs {nbytes(cfg)} bytes of shared memory, more than the {budget} available"
+        )
     return cfg
 
 

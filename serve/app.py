@@ -14,7 +14,8 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import Depends, FastAPI, Request
@@ -27,7 +28,13 @@ from serve.generation import ClientDisconnected, GenerateFn, Generation, unless_
 from serve.logprobs import LogprobsFormatter
 from serve.metrics import CONTENT_TYPE, Metrics
 from serve.output import ReplyDelta, ReplyParser, TextOutput
-from serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice, TokenizeRequest
+from serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    NamedToolChoice,
+    TokenizeRequest,
+)
 from serve.reasoning import REASONING_PARSERS, ReasoningSplitter
 from serve.tokenizer import Tokenizer
 from serve.tool_parsers import TOOL_PARSERS
@@ -73,17 +80,35 @@ def create_app(ctx: ServingContext) -> FastAPI:
 
     async def authorized(request: Request) -> None:
         if ctx.api_key and request.headers.get("authorization") != f"Bearer {ctx.api_key}":
-            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+            raise ApiError(
+                401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key"
+            )
 
     def model_name(requested: str | None) -> str:
         if requested is not None and requested not in ctx.model_names:
-            raise ApiError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+            raise ApiError(
+                404, f"The model `{requested}` does not exist.", param="model", code="model_not_found"
+            )
         return requested or ctx.model_names[0]
 
     def model_card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": started, "owned_by": "jaxdsa", "root": ctx.model_path, "parent": None, "max_model_len": ctx.max_model_len}
+        return {
+            "id": name,
+            "object": "model",
+            "created": started,
+            "owned_by": "jaxdsa",
+            "root": ctx.model_path,
+            "parent": None,
+            "max_model_len": ctx.max_model_len,
+        }
 
-    def sampling(body: ChatCompletionRequest | CompletionRequest, prompt_len: int, requested: int | None, default: int | None, param: str) -> SamplingParams:
+    def sampling(
+        body: ChatCompletionRequest | CompletionRequest,
+        prompt_len: int,
+        requested: int | None,
+        default: int | None,
+        param: str,
+    ) -> SamplingParams:
         remaining = ctx.max_model_len - prompt_len
         if remaining < 1:
             raise ApiError(
@@ -102,15 +127,25 @@ def create_app(ctx: ServingContext) -> FastAPI:
             )
         logprobs, logprobs_param = body.logprobs_request()
         if logprobs is not None and logprobs > ctx.max_logprobs:
-            raise ApiError(400, f"{logprobs_param} {logprobs} is above this server's --max-logprobs {ctx.max_logprobs}", param=logprobs_param)
+            raise ApiError(
+                400,
+                f"{logprobs_param} {logprobs} is above this server's --max-logprobs {ctx.max_logprobs}",
+                param=logprobs_param,
+            )
         d = ctx.default_sampling
         top_k = body.top_k if body.top_k is not None else d.get("top_k", 0)
         max_tokens = requested or min(remaining, default or remaining)
         if body.min_tokens > max_tokens:
-            raise ApiError(400, f"min_tokens {body.min_tokens} is above max_tokens {max_tokens}", param="min_tokens")
+            raise ApiError(
+                400, f"min_tokens {body.min_tokens} is above max_tokens {max_tokens}", param="min_tokens"
+            )
         bias = body.logit_bias or {}
         if ctx.vocab_size is not None and any(t >= ctx.vocab_size for t in bias):
-            raise ApiError(400, f"logit_bias token ids must be below the vocabulary size {ctx.vocab_size}", param="logit_bias")
+            raise ApiError(
+                400,
+                f"logit_bias token ids must be below the vocabulary size {ctx.vocab_size}",
+                param="logit_bias",
+            )
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=body.temperature if body.temperature is not None else d.get("temperature", 1.0),
@@ -127,12 +162,18 @@ def create_app(ctx: ServingContext) -> FastAPI:
             logit_bias=tuple(sorted(bias.items())),
         )
 
-    def text_output(body: ChatCompletionRequest | CompletionRequest, sp: SamplingParams, keep: tuple[str, ...] = ()) -> TextOutput:
+    def text_output(
+        body: ChatCompletionRequest | CompletionRequest, sp: SamplingParams, keep: tuple[str, ...] = ()
+    ) -> TextOutput:
         skip = ctx.tokenizer.skip_ids(skip_special_tokens=body.skip_special_tokens, keep=keep)
         hidden = sp.stop_ids(ctx.eos_token_ids)
-        return TextOutput(ctx.tokenizer, skip_ids=skip, stop=body.stop, hidden_ids=hidden, min_tokens=sp.min_tokens)
+        return TextOutput(
+            ctx.tokenizer, skip_ids=skip, stop=body.stop, hidden_ids=hidden, min_tokens=sp.min_tokens
+        )
 
-    def generation(request_id: str, prompt_ids: list[int], sp: SamplingParams, text: TextOutput) -> Generation:
+    def generation(
+        request_id: str, prompt_ids: list[int], sp: SamplingParams, text: TextOutput
+    ) -> Generation:
         return Generation(ctx.generate, metrics, request_id, prompt_ids, sp, text)
 
     # -- plain endpoints --------------------------------------------------------------------------
@@ -169,7 +210,9 @@ def create_app(ctx: ServingContext) -> FastAPI:
         model_name(body.model)
         return {"prompt": ctx.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
-    def render_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> ChatPrompt:
+    def render_chat(
+        messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
+    ) -> ChatPrompt:
         if ctx.chat_format is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
         try:
@@ -184,11 +227,21 @@ def create_app(ctx: ServingContext) -> FastAPI:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         gens, echoes = [], []  # prompt-major: choice index = prompt index * n + j
         for prompt in body.prompts():
-            ids = ctx.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+            ids = (
+                ctx.tokenizer.encode(prompt, add_special_tokens=True)
+                if isinstance(prompt, str)
+                else list(prompt)
+            )
             sp = sampling(body, len(ids), body.requested_max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
             if body.echo:  # the prompt's logprobs come back too
                 sp = dataclasses.replace(sp, prompt_logprobs=sp.logprobs)
-            echo = "" if not body.echo else prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens)
+            echo = (
+                ""
+                if not body.echo
+                else prompt
+                if isinstance(prompt, str)
+                else ctx.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens)
+            )
             for spj in _choice_sampling(sp, body.n):
                 gens.append(generation(f"{request_id}-{len(gens)}", ids, spj, text_output(body, spj)))
                 echoes.append(echo)
@@ -197,29 +250,66 @@ def create_app(ctx: ServingContext) -> FastAPI:
             choices = []
             for i, (g, echo, text) in enumerate(zip(gens, echoes, texts)):
                 logprobs = _completion_logprobs(g, LogprobsFormatter(ctx.tokenizer), echo=body.echo)
-                choices.append({"index": i, "text": echo + text, "finish_reason": g.finish_reason, "logprobs": logprobs})
+                choices.append(
+                    {"index": i, "text": echo + text, "finish_reason": g.finish_reason, "logprobs": logprobs}
+                )
             usage = _usage(gens, body.n)
-            return JSONResponse({"id": request_id, "object": "text_completion", "created": created, "model": name, "choices": choices, "usage": usage})
+            return JSONResponse(
+                {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": name,
+                    "choices": choices,
+                    "usage": usage,
+                }
+            )
 
         stream = lambda: _completion_stream(gens, echoes, body, request_id, name, created)  # noqa: E731
         return await _respond(request, body, gens, stream, lambda: _collect_all(gens), reply)
 
     async def _completion_stream(
-        gens: list[Generation], echoes: list[str], body: CompletionRequest, request_id: str, name: str, created: int
+        gens: list[Generation],
+        echoes: list[str],
+        body: CompletionRequest,
+        request_id: str,
+        name: str,
+        created: int,
     ) -> AsyncIterator[str]:
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             usage = {"usage": None} if body.include_usage else {}
-            return _sse({"id": request_id, "object": "text_completion", "created": created, "model": name, "choices": choices, **usage, **extra})
+            return _sse(
+                {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": name,
+                    "choices": choices,
+                    **usage,
+                    **extra,
+                }
+            )
 
         formatters = [LogprobsFormatter(ctx.tokenizer) for _ in gens]
         if body.echo:  # the prompts (and their logprobs) first
             for i, (g, echo) in enumerate(zip(gens, echoes)):
-                yield chunk([{"index": i, "text": echo, "finish_reason": None, "logprobs": _completion_logprobs(g, formatters[i], echo=True)}])
+                yield chunk(
+                    [
+                        {
+                            "index": i,
+                            "text": echo,
+                            "finish_reason": None,
+                            "logprobs": _completion_logprobs(g, formatters[i], echo=True),
+                        }
+                    ]
+                )
         async for i, text in _interleave([g.deltas() for g in gens]):
             g = gens[i]
             logprobs = _completion_logprobs(g, formatters[i])
             if text is None:
-                yield chunk([{"index": i, "text": "", "finish_reason": g.finish_reason, "logprobs": logprobs}])
+                yield chunk(
+                    [{"index": i, "text": "", "finish_reason": g.finish_reason, "logprobs": logprobs}]
+                )
             else:
                 yield chunk([{"index": i, "text": text, "finish_reason": None, "logprobs": logprobs}])
         if body.include_usage:
@@ -234,7 +324,9 @@ def create_app(ctx: ServingContext) -> FastAPI:
         prompt = render_chat(body.template_messages(), tools, body.template_kwargs())
         ids = ctx.tokenizer.encode(prompt.text)
         sp = sampling(body, len(ids), body.requested_max_tokens, None, "messages")
-        keep = (REASONING_PARSERS[ctx.reasoning_parser] if ctx.reasoning_parser else ()) + (TOOL_PARSERS[ctx.tool_parser].markers if parse_tools else ())
+        keep = (REASONING_PARSERS[ctx.reasoning_parser] if ctx.reasoning_parser else ()) + (
+            TOOL_PARSERS[ctx.tool_parser].markers if parse_tools else ()
+        )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
         def choice(j: int, spj: SamplingParams) -> _ChatChoice:
@@ -243,7 +335,9 @@ def create_app(ctx: ServingContext) -> FastAPI:
                 TOOL_PARSERS[ctx.tool_parser](tools) if parse_tools else None,
             )
             formatter = LogprobsFormatter(ctx.tokenizer) if spj.logprobs is not None else None
-            return _ChatChoice(generation(f"{request_id}-{j}", ids, spj, text_output(body, spj, keep)), parser, formatter)
+            return _ChatChoice(
+                generation(f"{request_id}-{j}", ids, spj, text_output(body, spj, keep)), parser, formatter
+            )
 
         choices = [choice(j, spj) for j, spj in enumerate(_choice_sampling(sp, body.n))]
         gens = [c.gen for c in choices]
@@ -251,16 +345,37 @@ def create_app(ctx: ServingContext) -> FastAPI:
         def reply(replies: list[ReplyDelta]) -> Response:
             out = [_chat_message(i, c, r) for i, (c, r) in enumerate(zip(choices, replies))]
             usage = _usage(gens, body.n)
-            return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": name, "choices": out, "usage": usage})
+            return JSONResponse(
+                {
+                    "id": request_id,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": name,
+                    "choices": out,
+                    "usage": usage,
+                }
+            )
 
         stream = lambda: _chat_stream(choices, body, request_id, name, created)  # noqa: E731
         collect = lambda: asyncio.gather(*(_collect_reply(c.gen, c.parser) for c in choices))  # noqa: E731
         return await _respond(request, body, gens, stream, collect, reply)
 
-    async def _chat_stream(choices: list[_ChatChoice], body: ChatCompletionRequest, request_id: str, name: str, created: int) -> AsyncIterator[str]:
+    async def _chat_stream(
+        choices: list[_ChatChoice], body: ChatCompletionRequest, request_id: str, name: str, created: int
+    ) -> AsyncIterator[str]:
         def chunk(choice_list: list[dict[str, Any]], **extra: Any) -> str:
             usage = {"usage": None} if body.include_usage else {}
-            return _sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": name, "choices": choice_list, **usage, **extra})
+            return _sse(
+                {
+                    "id": request_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": name,
+                    "choices": choice_list,
+                    **usage,
+                    **extra,
+                }
+            )
 
         def delta_chunk(i: int, delta: dict[str, Any], finish_reason: str | None = None) -> str:
             # Each content chunk carries the logprobs of the tokens read since the previous one.
@@ -277,7 +392,16 @@ def create_app(ctx: ServingContext) -> FastAPI:
                 out.append(delta_chunk(i, {"content": d.content}))
             if d.tool_calls:
                 first = choices[i].parser.num_tool_calls - len(d.tool_calls)
-                out.append(delta_chunk(i, {"tool_calls": [{"index": first + k, **c.to_openai()} for k, c in enumerate(d.tool_calls)]}))
+                out.append(
+                    delta_chunk(
+                        i,
+                        {
+                            "tool_calls": [
+                                {"index": first + k, **c.to_openai()} for k, c in enumerate(d.tool_calls)
+                            ]
+                        },
+                    )
+                )
             return out
 
         for i in range(len(choices)):
@@ -318,16 +442,29 @@ def _chat_message(index: int, c: _ChatChoice, reply: ReplyDelta) -> dict[str, An
         message["tool_calls"] = [t.to_openai() for t in reply.tool_calls]
         message["content"] = reply.content or None
     logprobs = c.formatter.chat(c.gen.take_logprobs()) if c.formatter else None
-    return {"index": index, "message": message, "finish_reason": _chat_finish_reason(c.gen, c.parser), "logprobs": logprobs}
+    return {
+        "index": index,
+        "message": message,
+        "finish_reason": _chat_finish_reason(c.gen, c.parser),
+        "logprobs": logprobs,
+    }
 
 
 def _tool_choice(body: ChatCompletionRequest, ctx: ServingContext) -> str:
     """The effective tool_choice, "none" or "auto" (OpenAI's default with tools); 400 for choices that need guided decoding."""
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
     if choice == "required" or isinstance(choice, NamedToolChoice):
-        raise ApiError(400, "tool_choice 'required' and named functions need guided decoding, which this server does not do; use 'auto'", param="tool_choice")
+        raise ApiError(
+            400,
+            "tool_choice 'required' and named functions need guided decoding, which this server does not do; use 'auto'",
+            param="tool_choice",
+        )
     if choice == "auto" and body.tools and not (ctx.enable_auto_tool_choice and ctx.tool_parser):
-        raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set', param="tool_choice")
+        raise ApiError(
+            400,
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+            param="tool_choice",
+        )
     return choice
 
 
@@ -335,12 +472,16 @@ def _chat_finish_reason(gen: Generation, parser: ReplyParser) -> str | None:
     return "tool_calls" if parser.num_tool_calls and gen.finish_reason == "stop" else gen.finish_reason
 
 
-def _completion_logprobs(gen: Generation, formatter: LogprobsFormatter, *, echo: bool = False) -> dict[str, Any] | None:
+def _completion_logprobs(
+    gen: Generation, formatter: LogprobsFormatter, *, echo: bool = False
+) -> dict[str, Any] | None:
     """The legacy logprobs of the tokens read since the last call, led by the prompt's with
     ``echo``; None when not asked for."""
     if gen.sampling.logprobs is None:
         return None
-    return formatter.completion([*(gen.prompt_logprobs if echo else ()), *gen.take_logprobs()], gen.prompt_ids)
+    return formatter.completion(
+        [*(gen.prompt_logprobs if echo else ()), *gen.take_logprobs()], gen.prompt_ids
+    )
 
 
 def _usage(gens: list[Generation], n: int) -> dict[str, int]:
@@ -390,7 +531,9 @@ async def _sse_events(gens: list[Generation], events: AsyncIterator[str]) -> Asy
 
 
 def _sse_response(body: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 async def _start_all(gens: list[Generation]) -> None:

@@ -19,7 +19,8 @@ import json
 import random
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -56,11 +57,15 @@ async def _model_info(client: httpx.AsyncClient, url: str, model: str | None) ->
     cards = r.json()["data"]
     card = next((c for c in cards if c["id"] == model), None) if model else cards[0]
     if card is None:
-        raise SystemExit(f"bench: model {model!r} is not served at {url} (it serves {[c['id'] for c in cards]})")
+        raise SystemExit(
+            f"bench: model {model!r} is not served at {url} (it serves {[c['id'] for c in cards]})"
+        )
     return card["id"], card.get("max_model_len")
 
 
-async def _prompts(client: httpx.AsyncClient, url: str, model: str, n: int, input_len: int, seed: int) -> list[list[int]]:
+async def _prompts(
+    client: httpx.AsyncClient, url: str, model: str, n: int, input_len: int, seed: int
+) -> list[list[int]]:
     """n random-word prompts of exactly input_len tokens each."""
     rng = random.Random(seed)
     prompts = []
@@ -68,16 +73,22 @@ async def _prompts(client: httpx.AsyncClient, url: str, model: str, n: int, inpu
         ids: list[int] = []
         while len(ids) < input_len:
             text = " ".join(rng.choice(_WORDS) for _ in range(2 * input_len))
-            r = await client.post(f"{url}/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False})
+            r = await client.post(
+                f"{url}/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False}
+            )
             if r.status_code == 404:
-                raise SystemExit(f"bench: {url} has no /tokenize endpoint, which the benchmark needs to build exact-length prompts")
+                raise SystemExit(
+                    f"bench: {url} has no /tokenize endpoint, which the benchmark needs to build exact-length prompts"
+                )
             r.raise_for_status()
             ids = r.json()["tokens"]
         prompts.append(ids[:input_len])
     return prompts
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int) -> RequestResult:
+async def _one(
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int
+) -> RequestResult:
     body = {
         "model": model,
         "prompt": prompt,
@@ -92,7 +103,9 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
             if r.status_code != 200:
-                return RequestResult(ok=False, error=f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
+                return RequestResult(
+                    ok=False, error=f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+                )
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -122,7 +135,14 @@ def _stats_ms(values: Sequence[float]) -> dict[str, float]:
     return {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99))}
 
 
-async def _level(client: httpx.AsyncClient, url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int) -> dict[str, Any]:
+async def _level(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    output_len: int,
+    concurrency: int,
+) -> dict[str, Any]:
     gate = asyncio.Semaphore(concurrency)
 
     async def run(prompt: list[int]) -> RequestResult:
@@ -150,11 +170,35 @@ async def _level(client: httpx.AsyncClient, url: str, model: str, prompts: list[
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    cols = ["conc", "reqs", "fail", "out tok/s", "total tok/s", "TTFT mean", "TTFT med", "TTFT p99", "ITL mean", "ITL med", "ITL p99"]
+    cols = [
+        "conc",
+        "reqs",
+        "fail",
+        "out tok/s",
+        "total tok/s",
+        "TTFT mean",
+        "TTFT med",
+        "TTFT p99",
+        "ITL mean",
+        "ITL med",
+        "ITL p99",
+    ]
     lines = ["  ".join(f"{c:>11}" for c in cols) + "   (latencies in ms)"]
     for r in rows:
         t, i = r["ttft_ms"], r["itl_ms"]
-        values = [r["concurrency"], r["requests"], r["failed"], r["output_throughput"], r["total_throughput"], t["mean"], t["median"], t["p99"], i["mean"], i["median"], i["p99"]]
+        values = [
+            r["concurrency"],
+            r["requests"],
+            r["failed"],
+            r["output_throughput"],
+            r["total_throughput"],
+            t["mean"],
+            t["median"],
+            t["p99"],
+            i["mean"],
+            i["median"],
+            i["p99"],
+        ]
         lines.append("  ".join(f"{v:>11}" if isinstance(v, int) else f"{v:>11.1f}" for v in values))
     return "\n".join(lines)
 
@@ -189,31 +233,44 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> bool:
 async def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
     url = args.url.rstrip("/")
     levels = [int(c) for c in args.concurrency.split(",")]
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), headers=_headers(args.api_key)) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=30.0), headers=_headers(args.api_key)
+    ) as client:
         model, max_model_len = await _model_info(client, url, args.model)
         if max_model_len and args.input_len + args.output_len > max_model_len:
-            raise SystemExit(f"bench: --input-len + --output-len = {args.input_len + args.output_len} exceeds the server's max_model_len {max_model_len}")
+            raise SystemExit(
+                f"bench: --input-len + --output-len = {args.input_len + args.output_len} exceeds the server's max_model_len {max_model_len}"
+            )
         num = args.num_prompts or 4 * max(levels)
         prompts = await _prompts(client, url, model, num, args.input_len, args.seed)
-        print(f"bench: {model} at {url}: {num} prompts x {args.input_len} in / {args.output_len} out per level", file=sys.stderr)
+        print(
+            f"bench: {model} at {url}: {num} prompts x {args.input_len} in / {args.output_len} out per level",
+            file=sys.stderr,
+        )
         warm = await _one(client, url, model, prompts[0], min(args.output_len, 4))
         if not warm.ok:
             raise SystemExit(f"bench: warm-up request failed: {warm.error}")
         rows = []
         for c in levels:
             rows.append(await _level(client, url, model, prompts, args.output_len, c))
-            print(f"bench: concurrency {c}: {rows[-1]['output_throughput']:.1f} output tok/s", file=sys.stderr)
+            print(
+                f"bench: concurrency {c}: {rows[-1]['output_throughput']:.1f} output tok/s", file=sys.stderr
+            )
     return rows
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m serve.bench", description="Throughput and latency of an OpenAI-compatible server.")
+    p = argparse.ArgumentParser(
+        prog="python -m serve.bench", description="Throughput and latency of an OpenAI-compatible server."
+    )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
     p.add_argument("--model", help="model name (default: the server's first)")
     p.add_argument("--concurrency", default="1,4,8,16,32", help="comma-separated concurrency levels")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--num-prompts", type=int, help="requests per level (default: 4 x the largest concurrency)")
+    p.add_argument(
+        "--num-prompts", type=int, help="requests per level (default: 4 x the largest concurrency)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key")
     p.add_argument("--json", help="write the results here")
@@ -230,7 +287,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(format_table(rows))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump({"url": args.url, "input_len": args.input_len, "output_len": args.output_len, "results": rows}, fh, indent=2)
+            json.dump(
+                {
+                    "url": args.url,
+                    "input_len": args.input_len,
+                    "output_len": args.output_len,
+                    "results": rows,
+                },
+                fh,
+                indent=2,
+            )
     if args.plot:
         plot(rows, args.plot, f"{args.input_len} in / {args.output_len} out")
 

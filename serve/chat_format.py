@@ -13,7 +13,8 @@ import dataclasses
 import datetime
 import json
 import os
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -46,8 +47,16 @@ class _GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators=None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise_exception(message: str) -> None:
@@ -127,7 +136,9 @@ def _template_text(model_dir: str, tokenizer_config: Mapping[str, Any]) -> str |
     return template
 
 
-def load_chat_format(model_dir: str, model_type: str, tokenizer_config: Mapping[str, Any], special_tokens: Mapping[str, Any]) -> ChatFormat | None:
+def load_chat_format(
+    model_dir: str, model_type: str, tokenizer_config: Mapping[str, Any], special_tokens: Mapping[str, Any]
+) -> ChatFormat | None:
     """The family's chat format; None when the checkpoint has no template (chat requests get a 400)."""
     if model_type == "deepseek_v32":
         return DeepSeekChatFormat()

@@ -15,7 +15,8 @@ import os
 import socket
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -35,38 +36,100 @@ class StartupError(Exception):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m serve", description="OpenAI-compatible server for GLM-5.x / DeepSeek-V3.2 on jaxdsa.")
-    p.add_argument("model", nargs="?", help="checkpoint directory or Hub id in the local HF cache (default: the bundled tiny GLM-5)")
+    p = argparse.ArgumentParser(
+        prog="python -m serve", description="OpenAI-compatible server for GLM-5.x / DeepSeek-V3.2 on jaxdsa."
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        help="checkpoint directory or Hub id in the local HF cache (default: the bundled tiny GLM-5)",
+    )
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", nargs="+", help="name(s) clients use in 'model' (default: MODEL as given)")
+    p.add_argument(
+        "--served-model-name", nargs="+", help="name(s) clients use in 'model' (default: MODEL as given)"
+    )
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the API routes")
     g = p.add_argument_group("engine")
-    g.add_argument("--max-model-len", type=int, help="prompt + output tokens per request (default: min(max_position_embeddings, 8192))")
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        help="prompt + output tokens per request (default: min(max_position_embeddings, 8192))",
+    )
     g.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step (prefill chunk budget)")
-    g.add_argument("--page-size", "--block-size", dest="page_size", type=int, default=64, help="cache page size in tokens")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="tokens per engine step (prefill chunk budget)",
+    )
+    g.add_argument(
+        "--page-size",
+        "--block-size",
+        dest="page_size",
+        type=int,
+        default=64,
+        help="cache page size in tokens",
+    )
     g.add_argument("--num-pages", type=int, help="cache pages (default: from device memory)")
-    g.add_argument("--max-queue-len", type=int, default=256, help="requests waiting beyond --max-num-seqs before new ones get HTTP 429")
-    g.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto", help="auto: float32 checkpoints in float32, else bfloat16")
-    g.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs a request may ask for per token")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the cache pages of token prefixes computed before (chat history, system prompts)")
-    g.add_argument("--seed", type=int, default=0, help="seed for requests that give none (and for --load-format dummy)")
-    g.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors", help="dummy: random weights of the config's shapes, made on the device (benchmarks)")
-    g.add_argument("--no-warmup", action="store_true", help="compile step shapes on first use instead of at startup")
+    g.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=256,
+        help="requests waiting beyond --max-num-seqs before new ones get HTTP 429",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help="auto: float32 checkpoints in float32, else bfloat16",
+    )
+    g.add_argument(
+        "--max-logprobs", type=int, default=20, help="most top logprobs a request may ask for per token"
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the cache pages of token prefixes computed before (chat history, system prompts)",
+    )
+    g.add_argument(
+        "--seed", type=int, default=0, help="seed for requests that give none (and for --load-format dummy)"
+    )
+    g.add_argument(
+        "--load-format",
+        choices=["safetensors", "dummy"],
+        default="safetensors",
+        help="dummy: random weights of the config's shapes, made on the device (benchmarks)",
+    )
+    g.add_argument(
+        "--no-warmup", action="store_true", help="compile step shapes on first use instead of at startup"
+    )
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-    g.add_argument("--enable-dp-attention", action="store_true",
-                   help="the data-parallel groups share the routed experts (split over all of them; "
-                   "--expert-parallel-size counts every shard), as in SGLang")
-    g.add_argument("--trust-remote-code", action="store_true", help="accepted for vLLM compatibility; jaxdsa never runs checkpoint code")
+    g.add_argument(
+        "--enable-dp-attention",
+        action="store_true",
+        help="the data-parallel groups share the routed experts (split over all of them; "
+        "--expert-parallel-size counts every shard), as in SGLang",
+    )
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for vLLM compatibility; jaxdsa never runs checkpoint code",
+    )
     g = p.add_argument_group("chat")
     g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS))
     g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS))
-    g.add_argument("--enable-auto-tool-choice", action="store_true", help='parse tool calls when tool_choice is "auto"')
-    g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument(
+        "--enable-auto-tool-choice", action="store_true", help='parse tool calls when tool_choice is "auto"'
+    )
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
     return p.parse_args(argv)
 
 
@@ -78,7 +141,9 @@ def resolve_model_dir(model: str) -> str:
     """A local directory, or the snapshot of a Hub id in the Hugging Face cache (no downloads)."""
     if os.path.isdir(model):
         return model
-    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub")
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub"
+    )
     repo = os.path.join(hub, "models--" + model.replace("/", "--"))
     try:
         with open(os.path.join(repo, "refs", "main"), encoding="utf-8") as fh:
@@ -87,7 +152,9 @@ def resolve_model_dir(model: str) -> str:
         snapshot = ""
     if os.path.isdir(snapshot):
         return snapshot
-    raise StartupError(f"model {model!r} is neither a directory nor in the Hugging Face cache at {hub} (jaxdsa does not download; fetch it first)")
+    raise StartupError(
+        f"model {model!r} is neither a directory nor in the Hugging Face cache at {hub} (jaxdsa does not download; fetch it first)"
+    )
 
 
 def _checkpoint_json(model_dir: str, name: str) -> dict[str, Any]:
@@ -115,8 +182,12 @@ def _check_flags(args: argparse.Namespace) -> dict[str, int | bool]:
         raise StartupError("--max-queue-len must be >= 0")
     if args.max_logprobs < 0:
         raise StartupError("--max-logprobs must be >= 0")
-    return {"tp": args.tensor_parallel_size, "ep": args.expert_parallel_size, "dp": args.data_parallel_size,
-            "dp_attention": args.enable_dp_attention}
+    return {
+        "tp": args.tensor_parallel_size,
+        "ep": args.expert_parallel_size,
+        "dp": args.data_parallel_size,
+        "dp_attention": args.enable_dp_attention,
+    }
 
 
 @dataclasses.dataclass
@@ -132,8 +203,13 @@ def build(args: argparse.Namespace) -> Server:
     if args.model:
         model_dir, names = resolve_model_dir(args.model), args.served_model_name or [args.model]
     else:
-        _log(f"no model given: serving the bundled tiny GLM-5 model (random weights) from {default_model.cache_root()}")
-        model_dir, names = default_model.ensure_default_model(), args.served_model_name or [default_model.NAME]
+        _log(
+            f"no model given: serving the bundled tiny GLM-5 model (random weights) from {default_model.cache_root()}"
+        )
+        model_dir, names = (
+            default_model.ensure_default_model(),
+            args.served_model_name or [default_model.NAME],
+        )
     try:
         model_type = jaxdsa.load_config(model_dir).model_type
         tokenizer = Tokenizer(model_dir)
@@ -158,7 +234,9 @@ def build(args: argparse.Namespace) -> Server:
         engine = llm.engine
     except (ValueError, OSError) as e:  # ConfigError / CheckpointError are ValueErrors
         raise StartupError(str(e)) from e
-    _log(f"loaded in {time.perf_counter() - start:.1f}s; max_model_len {engine.max_model_len}, cache {engine.stats()['cache_pages_total']} pages of {args.page_size}")
+    _log(
+        f"loaded in {time.perf_counter() - start:.1f}s; max_model_len {engine.max_model_len}, cache {engine.stats()['cache_pages_total']} pages of {args.page_size}"
+    )
     if not args.no_warmup:
         engine.warmup(progress=True)
     generation_config = _checkpoint_json(model_dir, "generation_config.json")

@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -122,7 +123,9 @@ def _render_message(messages: Sequence[Mapping[str, Any]], index: int, thinking:
         reasoning = ""
         if thinking and index > last_user:
             if not (msg.get("reasoning_content") or msg.get("tool_calls")):
-                raise ValueError(f"message {index}: thinking mode needs reasoning_content after the last user turn")
+                raise ValueError(
+                    f"message {index}: thinking mode needs reasoning_content after the last user turn"
+                )
             reasoning = (msg.get("reasoning_content") or "") + THINK_END
         calls = render_tool_calls(msg["tool_calls"]) if msg.get("tool_calls") else ""
         return f"{reasoning}{content}{calls}{EOS}"
@@ -130,7 +133,9 @@ def _render_message(messages: Sequence[Mapping[str, Any]], index: int, thinking:
         position, calls = _preceding_tool_calls(messages, index)
         text = ("\n\n<function_results>" if position == 0 else "") + f"\n<result>{content}</result>"
         if position == len(calls) - 1:  # the last result reopens the assistant's turn
-            text += "\n</function_results>\n\n" + (THINK_START if thinking and index > last_user else THINK_END)
+            text += "\n</function_results>\n\n" + (
+                THINK_START if thinking and index > last_user else THINK_END
+            )
         return text
     raise ValueError(f"message {index}: unknown role {role!r}")
 
@@ -168,7 +173,9 @@ class ParsedCompletion:
 
 
 _INVOKE = re.compile(rf'<{DSML}invoke name="(.*?)">\n(.*?)</{DSML}invoke>', re.DOTALL)
-_PARAM = re.compile(rf'<{DSML}parameter name="(.*?)" string="(true|false)">(.*?)</{DSML}parameter>', re.DOTALL)
+_PARAM = re.compile(
+    rf'<{DSML}parameter name="(.*?)" string="(true|false)">(.*?)</{DSML}parameter>', re.DOTALL
+)
 
 
 def _param_value(raw: str, is_string: str) -> Any:

@@ -15,7 +15,13 @@ import tempfile
 from checkpoints.make_tiny import make_tiny
 
 NAME = "jaxdsa-tiny-glm5"
-_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors")
+_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "model.safetensors",
+)
 
 
 def cache_root() -> str:

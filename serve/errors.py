@@ -33,7 +33,14 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "error"), "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": _TYPES.get(self.status, "error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         headers = {"Retry-After": "1"} if self.status == 429 else None
@@ -52,7 +59,9 @@ def _param(loc: tuple) -> str | None:
 def validation_error(exc: RequestValidationError) -> ApiError:
     error = exc.errors()[0]
     if error.get("type") == "json_invalid":
-        return ApiError(400, f"invalid JSON body: {error.get('ctx', {}).get('error', error['msg'])}", code="invalid_json")
+        return ApiError(
+            400, f"invalid JSON body: {error.get('ctx', {}).get('error', error['msg'])}", code="invalid_json"
+        )
     param = _param(tuple(error.get("loc", ())))
     message = error["msg"].removeprefix("Value error, ")
     if error.get("type") == "missing" and param:

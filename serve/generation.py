@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import AsyncIterator, Awaitable, Callable, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from fastapi import Request
 
@@ -46,7 +47,9 @@ class Generation:
     _stream: AsyncIterator[RequestOutput] | None = dataclasses.field(default=None, init=False, repr=False)
     _first: RequestOutput | None = dataclasses.field(default=None, init=False, repr=False)
     _logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list, init=False, repr=False)
-    prompt_logprobs: list[TokenLogprobs | None] | None = dataclasses.field(default=None, init=False)  # when asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = dataclasses.field(
+        default=None, init=False
+    )  # when asked
 
     async def start(self) -> None:
         self._stream = self.generate(self.request_id, self.prompt_ids, self.sampling)

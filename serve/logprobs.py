@@ -11,7 +11,8 @@ vLLM.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from jaxdsa.engine import TokenLogprobs
 from serve.tokenizer import Tokenizer
@@ -32,16 +33,25 @@ class LogprobsFormatter:
         self._offset = 0
 
     def _chat_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        return {"token": self._tok.token_text(token_id), "logprob": _lp(logprob), "bytes": list(self._tok.token_bytes(token_id))}
+        return {
+            "token": self._tok.token_text(token_id),
+            "logprob": _lp(logprob),
+            "bytes": list(self._tok.token_bytes(token_id)),
+        }
 
     def chat(self, entries: Iterable[TokenLogprobs]) -> dict[str, Any]:
         content = [
-            {**self._chat_entry(e.token_id, e.logprob), "top_logprobs": [self._chat_entry(i, lp) for i, lp in e.top]}
+            {
+                **self._chat_entry(e.token_id, e.logprob),
+                "top_logprobs": [self._chat_entry(i, lp) for i, lp in e.top],
+            }
             for e in entries
         ]
         return {"content": content}
 
-    def completion(self, entries: Iterable[TokenLogprobs | None], prompt_ids: list[int] | None = None) -> dict[str, Any]:
+    def completion(
+        self, entries: Iterable[TokenLogprobs | None], prompt_ids: list[int] | None = None
+    ) -> dict[str, Any]:
         """Entries in order; an echoed prompt leads them, and its first token has none: that
         position gets ``prompt_ids[0]``'s text and ``None`` logprob and top (OpenAI's and vLLM's echo)."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}

@@ -17,8 +17,15 @@ from serve.tool_parsers import ToolCall, ToolParser
 
 
 class TextOutput:
-    def __init__(self, tokenizer: Tokenizer, *, skip_ids: frozenset[int], stop: list[str], hidden_ids: frozenset[int],
-                 min_tokens: int = 0):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        skip_ids: frozenset[int],
+        stop: list[str],
+        hidden_ids: frozenset[int],
+        min_tokens: int = 0,
+    ):
         self._detok = IncrementalDetokenizer(tokenizer, skip_ids)
         self._stop = stop
         self._min_tokens = min_tokens  # stop strings count only once this many tokens are out (vLLM)

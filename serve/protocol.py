@@ -113,11 +113,18 @@ class CompletionRequest(_GenerationRequest):
             and (
                 all(isinstance(p, str) for p in value)
                 or all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-                or all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in value)
+                or all(
+                    isinstance(p, list)
+                    and p
+                    and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                    for p in value
+                )
             )
         )
         if not ok:
-            raise ValueError("must be a string, a non-empty list of strings, a list of token ids or a list of token-id lists")
+            raise ValueError(
+                "must be a string, a non-empty list of strings, a list of token ids or a list of token-id lists"
+            )
         return value
 
     def prompts(self) -> list[str | list[int]]:

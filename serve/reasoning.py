@@ -47,7 +47,10 @@ class ReasoningSplitter:
             index = self._buffer.find(self._end)
             if index < 0:
                 keep = held_suffix(self._buffer, self._end)
-                reasoning, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep :]
+                reasoning, self._buffer = (
+                    self._buffer[: len(self._buffer) - keep],
+                    self._buffer[len(self._buffer) - keep :],
+                )
                 return reasoning, ""
             reasoning, self._buffer = self._buffer[:index], self._buffer[index + len(self._end) :]
             self._state = "content"

@@ -10,13 +10,22 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders
 
 # The special-token attributes HF passes to chat templates (``special_tokens_map``).
-_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 def _token_text(value: Any) -> str | None:
@@ -44,7 +53,9 @@ class Tokenizer:
             with open(config_path, encoding="utf-8") as fh:
                 self.config = json.load(fh)
         self.special_tokens_map: dict[str, Any] = {
-            key: text for key in _SPECIAL_TOKEN_KEYS if (text := _token_text(self.config.get(key))) is not None
+            key: text
+            for key in _SPECIAL_TOKEN_KEYS
+            if (text := _token_text(self.config.get(key))) is not None
         }
         extra = [t for t in map(_token_text, self.config.get("additional_special_tokens") or []) if t]
         self.special_tokens_map["additional_special_tokens"] = extra
@@ -98,7 +109,11 @@ class Tokenizer:
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte -> printable character map, inverted: printable Latin-1 bytes stand for
     themselves, the other 68 bytes for the characters from U+0100 on, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), ord("\xff") + 1),
+    ]
     others = [b for b in range(256) if b not in printable]
     return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
 

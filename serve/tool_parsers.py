@@ -18,7 +18,8 @@ import dataclasses
 import json
 import re
 import uuid
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from serve import deepseek_encoding
 from serve.reasoning import held_suffix
@@ -31,7 +32,11 @@ class ToolCall:
     id: str = dataclasses.field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
     def to_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 class ToolParser:
@@ -41,7 +46,11 @@ class ToolParser:
     markers: tuple[str, ...]  # tokens that must survive skip_special_tokens for this parser
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] | None = None):
-        self._tools = {t["function"]["name"]: t["function"] for t in tools or () if t.get("type", "function") == "function"}
+        self._tools = {
+            t["function"]["name"]: t["function"]
+            for t in tools or ()
+            if t.get("type", "function") == "function"
+        }
         self._content = ""  # content held back (a partial start marker)
         self._region: str | None = None  # text from the first start marker on
         self._emitted = 0
@@ -64,7 +73,10 @@ class ToolParser:
             content, self._region, self._content = self._content[:index], self._content[index:], ""
             return content, self._new_calls()
         keep = held_suffix(self._content, self.start)
-        content, self._content = self._content[: len(self._content) - keep], self._content[len(self._content) - keep :]
+        content, self._content = (
+            self._content[: len(self._content) - keep],
+            self._content[len(self._content) - keep :],
+        )
         return content, []
 
     def finish(self) -> tuple[str, list[ToolCall]]:
@@ -121,4 +133,3 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "glm45": Glm47ToolParser,
     "deepseek_v32": DeepSeekV32ToolParser,
 }
-

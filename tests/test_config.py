@@ -5,7 +5,14 @@ import math
 
 import pytest
 
-from jaxdsa.config import TINY_PRESETS, ConfigError, config_from_dict, load_config, tiny_config, yarn_attention_factor
+from jaxdsa.config import (
+    TINY_PRESETS,
+    ConfigError,
+    config_from_dict,
+    load_config,
+    tiny_config,
+    yarn_attention_factor,
+)
 
 
 def test_presets_parse():
@@ -28,7 +35,15 @@ def test_real_glm5_and_dsv32_scales():
         index_head_dim=128,
         rope_parameters=None,
         rope_theta=10000,
-        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        rope_scaling={
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
     )
     cfg = config_from_dict(ds)
     assert cfg.rope.type == "yarn" and cfg.rope.factor == 40
@@ -100,13 +115,34 @@ def test_unreadable_config(tmp_path):
 
 
 def test_quantization_configs():
-    fp8 = config_from_dict(dict(TINY_PRESETS["glm5"], quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}))
+    fp8 = config_from_dict(
+        dict(
+            TINY_PRESETS["glm5"],
+            quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+        )
+    )
     assert fp8.quantization.method == "fp8" and fp8.quantization.weight_block_size == (128, 128)
     ct = {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
-        "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}, "targets": ["Linear"]}},
+        "config_groups": {
+            "group_0": {
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": False,
+                    "strategy": "group",
+                    "group_size": 32,
+                },
+                "targets": ["Linear"],
+            }
+        },
         "ignore": ["lm_head"],
     }
     int4 = config_from_dict(dict(TINY_PRESETS["glm5"], quantization_config=ct)).quantization
-    assert (int4.method, int4.group_size, int4.symmetric, int4.ignore) == ("compressed-tensors", 32, False, ("lm_head",))
+    assert (int4.method, int4.group_size, int4.symmetric, int4.ignore) == (
+        "compressed-tensors",
+        32,
+        False,
+        ("lm_head",),
+    )

@@ -4,4 +4,14 @@ from jaxdsa.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullEr
 from jaxdsa.engine.engine import Engine, EngineConfig
 from jaxdsa.engine.request import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
 
-__all__ = ["AsyncEngine", "Engine", "EngineConfig", "EngineDeadError", "FinishReason", "QueueFullError", "RequestOutput", "SamplingParams", "TokenLogprobs"]
+__all__ = [
+    "AsyncEngine",
+    "Engine",
+    "EngineConfig",
+    "EngineDeadError",
+    "FinishReason",
+    "QueueFullError",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprobs",
+]

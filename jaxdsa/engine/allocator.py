@@ -12,9 +12,11 @@ those lie beyond its cached prefix.
 from __future__ import annotations
 
 import collections
-from typing import Sequence
+from collections.abc import Sequence
 
-BlockKey = tuple[int, tuple[int, ...]]  # (block id of the page before, or -1 for the first; the page's tokens)
+BlockKey = tuple[
+    int, tuple[int, ...]
+]  # (block id of the page before, or -1 for the first; the page's tokens)
 
 
 class PageAllocator:
@@ -24,7 +26,9 @@ class PageAllocator:
         self._refs = [0] * num_pages
         self._blocks: dict[BlockKey, tuple[int, int]] = {}  # key -> (block id, page)
         self._key_of: dict[int, BlockKey] = {}  # page -> its key, for cached pages
-        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, unreferenced; LRU first
+        self._evictable: collections.OrderedDict[int, None] = (
+            collections.OrderedDict()
+        )  # cached, unreferenced; LRU first
         self._next_block_id = 0
 
     @property
@@ -67,7 +71,9 @@ class PageAllocator:
         takes nothing."""
         hits: list[tuple[int, int]] = []
         for i in range(max_pages):
-            hit = self._blocks.get((hits[-1][0] if hits else -1, tuple(tokens[i * page_size : (i + 1) * page_size])))
+            hit = self._blocks.get(
+                (hits[-1][0] if hits else -1, tuple(tokens[i * page_size : (i + 1) * page_size]))
+            )
             if hit is None:
                 break
             hits.append(hit)

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from jaxdsa.engine.engine import Engine
 from jaxdsa.engine.request import RequestOutput, SamplingParams
@@ -92,7 +92,9 @@ class AsyncEngine:
                 self._deliver(out.request_id, out)
 
     # -- caller side -------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt: list[int], sampling: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
         """Yield one RequestOutput per generated token until the request finishes.
 
         Raises ValueError (bad request), QueueFullError (overloaded) before the first output.

@@ -21,7 +21,15 @@ from jax.sharding import NamedSharding
 from jaxdsa import sharding
 from jaxdsa.cache import cache_bytes_per_token, init_cache
 from jaxdsa.config import ModelConfig
-from jaxdsa.engine.request import MAX_BANNED_TOKENS, FinishReason, Request, RequestOutput, SamplingParams, Status, TokenLogprobs
+from jaxdsa.engine.request import (
+    MAX_BANNED_TOKENS,
+    FinishReason,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    Status,
+    TokenLogprobs,
+)
 from jaxdsa.engine.runner import ModelRunner, StepResult
 from jaxdsa.engine.sampling import Scored
 from jaxdsa.engine.scheduler import Scheduler, Segment
@@ -44,7 +52,9 @@ def enable_compilation_cache() -> None:
     """JAX's persistent compilation cache, on unless JAXDSA_COMPILATION_CACHE=0, so restarts are fast."""
     if os.environ.get("JAXDSA_COMPILATION_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
         return
-    directory = os.environ.get("JAXDSA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jaxdsa", "xla"))
+    directory = os.environ.get(
+        "JAXDSA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jaxdsa", "xla")
+    )
     os.makedirs(directory, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -61,7 +71,9 @@ def _default_num_pages(cfg: ModelConfig, ec: EngineConfig, max_model_len: int, d
     free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.memory_fraction
     per_device = int(free // (cache_bytes_per_token(cfg, dtype) * ec.page_size))
     if per_device < per_seq:
-        raise ValueError(f"device memory holds {per_device} cache pages; one {max_model_len}-token sequence needs {per_seq}")
+        raise ValueError(
+            f"device memory holds {per_device} cache pages; one {max_model_len}-token sequence needs {per_seq}"
+        )
     return min(per_device * groups, enough)
 
 
@@ -81,13 +93,17 @@ class Engine:
         self.cfg, self.config = cfg, config
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
         if self.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} > max_position_embeddings {cfg.max_position_embeddings}")
+            raise ValueError(
+                f"max_model_len {self.max_model_len} > max_position_embeddings {cfg.max_position_embeddings}"
+            )
         self.eos_token_ids = frozenset(eos_token_ids)
         groups = sharding.dp_groups(mesh)
         num_pages = config.num_pages or _default_num_pages(cfg, config, self.max_model_len, dtype, groups)
         num_pages -= num_pages % groups
         if num_pages // groups * config.page_size < self.max_model_len:
-            raise ValueError(f"{num_pages} pages of {config.page_size} in {groups} group(s) cannot hold one {self.max_model_len}-token sequence")
+            raise ValueError(
+                f"{num_pages} pages of {config.page_size} in {groups} group(s) cannot hold one {self.max_model_len}-token sequence"
+            )
         self.scheduler = Scheduler(
             num_pages=num_pages,
             page_size=config.page_size,
@@ -99,7 +115,13 @@ class Engine:
         self.runner = ModelRunner(
             cfg,
             params,
-            init_cache(cfg, num_pages, config.page_size, dtype, sharding=None if mesh is None else NamedSharding(mesh, sharding.batch_spec())),
+            init_cache(
+                cfg,
+                num_pages,
+                config.page_size,
+                dtype,
+                sharding=None if mesh is None else NamedSharding(mesh, sharding.batch_spec()),
+            ),
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -134,7 +156,9 @@ class Engine:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds max_model_len {self.max_model_len}"
             )
 
-    def add_request(self, request_id: str, prompt: list[int], sampling: SamplingParams, *, return_logits: bool = False) -> None:
+    def add_request(
+        self, request_id: str, prompt: list[int], sampling: SamplingParams, *, return_logits: bool = False
+    ) -> None:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.check(prompt, sampling)
@@ -171,7 +195,9 @@ class Engine:
     # -- stepping ------------------------------------------------------------------------------
     def _stop_reason(self, request: Request) -> FinishReason | None:
         token, sp = request.output[-1], request.sampling
-        stop = (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids  # no set per token
+        stop = (
+            token in self.eos_token_ids and not sp.ignore_eos
+        ) or token in sp.stop_token_ids  # no set per token
         if stop and len(request.output) >= sp.min_tokens:
             return FinishReason.STOP
         if len(request.output) >= sp.max_tokens or request.num_tokens >= self.max_model_len:
@@ -193,9 +219,17 @@ class Engine:
         sampling = [s for s in segments if s.samples]
         with_logits = any(s.request.request_id in self._want_logits for s in sampling)
         with_logprobs = any(s.request.sampling.logprobs is not None for s in sampling)
-        score = frozenset(s.request.request_id for s in segments if s.request.request_id in self._prompt_logprobs)
-        result = self.runner.run(segments, self._seeds, with_logits=with_logits, with_logprobs=with_logprobs, score=score,
-                                 banned=self._banned(segments))
+        score = frozenset(
+            s.request.request_id for s in segments if s.request.request_id in self._prompt_logprobs
+        )
+        result = self.runner.run(
+            segments,
+            self._seeds,
+            with_logits=with_logits,
+            with_logprobs=with_logprobs,
+            score=score,
+            banned=self._banned(segments),
+        )
         for s, scored in zip(segments, result.scores or ()):
             if scored is not None:
                 self._record_prompt_logprobs(s, scored)
@@ -206,7 +240,9 @@ class Engine:
             request.output.append(token)
             self.num_generated_tokens += 1
             wants_logits = request.request_id in self._want_logits
-            prompt_logprobs = self._prompt_logprobs.pop(request.request_id, None)  # complete at the first sample
+            prompt_logprobs = self._prompt_logprobs.pop(
+                request.request_id, None
+            )  # complete at the first sample
             reason = self._stop_reason(request)
             if reason is not None:
                 self.scheduler.finish(request, reason)
@@ -233,7 +269,9 @@ class Engine:
         for k in range(segment.length):
             p = segment.start + k + 1
             if p < len(request.prompt):
-                entries[p] = _entry(request.prompt[p], scored.logprobs[k], scored.top_ids[k], scored.top_logprobs[k], n)
+                entries[p] = _entry(
+                    request.prompt[p], scored.logprobs[k], scored.top_ids[k], scored.top_logprobs[k], n
+                )
 
     def warmup(self, progress: bool = True) -> float:
         """Compile every step shape now (with a progress line); returns seconds taken."""
@@ -242,7 +280,12 @@ class Engine:
         def report(done, total):
             if progress:
                 end = "\n" if done == total else ""
-                print(f"\rcompiling step buckets: {done}/{total} ({time.perf_counter() - start:.1f}s)", end=end, file=sys.stderr, flush=True)
+                print(
+                    f"\rcompiling step buckets: {done}/{total} ({time.perf_counter() - start:.1f}s)",
+                    end=end,
+                    file=sys.stderr,
+                    flush=True,
+                )
 
         self.runner.warmup(report)
         return time.perf_counter() - start
@@ -264,9 +307,13 @@ class Engine:
 def _token_logprobs(result: StepResult, row: int, n: int | None) -> list[TokenLogprobs] | None:
     if n is None:
         return None
-    return [_entry(int(result.ids[row]), result.logprobs[row], result.top_ids[row], result.top_logprobs[row], n)]
+    return [
+        _entry(int(result.ids[row]), result.logprobs[row], result.top_ids[row], result.top_logprobs[row], n)
+    ]
 
 
 def _entry(token_id: int, logprob, top_ids, top_logprobs, n: int) -> TokenLogprobs:
     """A token's entry from one row of the step's logprob arrays, with its ``n`` top tokens."""
-    return TokenLogprobs(token_id, float(logprob), tuple(zip(top_ids[:n].tolist(), top_logprobs[:n].tolist())))
+    return TokenLogprobs(
+        token_id, float(logprob), tuple(zip(top_ids[:n].tolist(), top_logprobs[:n].tolist()))
+    )

@@ -35,7 +35,9 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled (nor end the request) before this many
     presence_penalty: float = 0.0  # subtracted from the logit of every token the output holds
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
-    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
+    repetition_penalty: float = (
+        1.0  # divides positive (multiplies negative) logits of prompt and output tokens
+    )
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
 
     def __post_init__(self):
@@ -65,8 +67,12 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether a penalty or a logit bias is on (such requests need their slot's token state
         filled, and their sampled tokens counted)."""
-        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or bool(self.logit_bias))
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+            or bool(self.logit_bias)
+        )
 
     def stop_ids(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
         """Tokens that end the request: its stop_token_ids, and EOS unless it ignores EOS."""
@@ -87,7 +93,9 @@ class Request:
     arrival: float = dataclasses.field(default_factory=time.monotonic)
     output: list[int] = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)
-    block_ids: list[int] = dataclasses.field(default_factory=list)  # prefix-cache ids of its full computed pages
+    block_ids: list[int] = dataclasses.field(
+        default_factory=list
+    )  # prefix-cache ids of its full computed pages
     num_computed: int = 0  # tokens whose latent rows are in the cache
     slot: int | None = None  # page-table row while running
     status: Status = Status.WAITING
@@ -129,4 +137,6 @@ class RequestOutput:
     num_output_tokens: int
     logits: Any = None  # float32 [vocab] the token was sampled from, when the request asked for it
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for them
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token, when asked: one per prompt token
+    prompt_logprobs: list[TokenLogprobs | None] | None = (
+        None  # with the first token, when asked: one per prompt token
+    )

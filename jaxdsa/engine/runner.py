@@ -41,8 +41,27 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
-def _fused_step(params, tokens, positions, cache, penalty_state, meta, temperature, top_p, top_k, seeds, counters, banned,
-                penalty_rows, scoring, *, cfg, sparse, with_logits, num_logprobs):
+def _fused_step(
+    params,
+    tokens,
+    positions,
+    cache,
+    penalty_state,
+    meta,
+    temperature,
+    top_p,
+    top_k,
+    seeds,
+    counters,
+    banned,
+    penalty_rows,
+    scoring,
+    *,
+    cfg,
+    sparse,
+    with_logits,
+    num_logprobs,
+):
     """One step: the model, then sampling. With ``scoring`` = (targets [T], sample rows [R]) the
     model returned logits for every token (meta.logits_indices covers them all): each token is
     scored against its target (the prompt's next token) and the sample rows are picked after.
@@ -56,7 +75,9 @@ def _fused_step(params, tokens, positions, cache, penalty_state, meta, temperatu
         scored = score(logits, targets, num_logprobs=num_logprobs)
         logits = logits[sample_rows]
     penalties = Penalties(*penalty_state, *penalty_rows)
-    sampled = sample(logits, temperature, top_p, top_k, seeds, counters, banned, penalties, num_logprobs=num_logprobs)
+    sampled = sample(
+        logits, temperature, top_p, top_k, seeds, counters, banned, penalties, num_logprobs=num_logprobs
+    )
     counts = penalties.counts.at[penalties.slot, sampled.ids].add(penalties.on.astype(jnp.int32))
     logits = logits if with_logits else jnp.zeros((logits.shape[0], 0), jnp.float32)
     return sampled, logits, scored, cache, (counts, penalties.in_prompt, penalties.bias)
@@ -64,7 +85,9 @@ def _fused_step(params, tokens, positions, cache, penalty_state, meta, temperatu
 
 @functools.cache
 def _compiled(cfg: ModelConfig, sparse: bool, with_logits: bool, num_logprobs: int, mesh):
-    fn = functools.partial(_fused_step, cfg=cfg, sparse=sparse, with_logits=with_logits, num_logprobs=num_logprobs)
+    fn = functools.partial(
+        _fused_step, cfg=cfg, sparse=sparse, with_logits=with_logits, num_logprobs=num_logprobs
+    )
     return sharding.jit_step(fn, mesh, donate_argnums=(3, 4))
 
 
@@ -124,7 +147,9 @@ class _Group:
     logits_at: list = dataclasses.field(default_factory=list)
     rows: list = dataclasses.field(default_factory=list)  # (temperature, top_p, top_k, seed, counter)
     banned: list = dataclasses.field(default_factory=list)  # per row: token ids it must not sample
-    penalties: list = dataclasses.field(default_factory=list)  # per row: (slot, presence, frequency, repetition, on)
+    penalties: list = dataclasses.field(
+        default_factory=list
+    )  # per row: (slot, presence, frequency, repetition, on)
     targets: list = dataclasses.field(default_factory=list)  # next token of each scored token, else -1
 
 
@@ -167,7 +192,15 @@ class ModelRunner:
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _call(self, groups: list[_Group], *, sparse: bool, with_logits: bool, with_logprobs: bool = False, scoring: bool = False):
+    def _call(
+        self,
+        groups: list[_Group],
+        *,
+        sparse: bool,
+        with_logits: bool,
+        with_logprobs: bool = False,
+        scoring: bool = False,
+    ):
         """-> (Sampled [groups, R, ...], logits or None, Scored [groups, T, ...] or None) on the host;
         the logprob fields of Sampled are None unless asked for."""
         T = self._bucket(max(1, max(len(g.tokens) for g in groups)))
@@ -187,7 +220,9 @@ class ModelRunner:
                 out[i, : len(values)] = [r[col] for r in values]
             return out.reshape(-1)
 
-        banned = np.full((len(groups), R, MAX_BANNED_TOKENS), self.cfg.vocab_size, np.int32)  # out of range: none
+        banned = np.full(
+            (len(groups), R, MAX_BANNED_TOKENS), self.cfg.vocab_size, np.int32
+        )  # out of range: none
         for i, g in enumerate(groups):
             for j, ids in enumerate(g.banned):
                 banned[i, j, : len(ids)] = sorted(ids)
@@ -216,7 +251,8 @@ class ModelRunner:
         fn = _compiled(self.cfg, sparse, with_logits, self.max_logprobs, self.mesh)
         with self.precision() if self.precision else contextlib.nullcontext():
             sampled, logits, scored, self.cache, (p.counts, p.in_prompt, p.bias) = fn(
-                self.params, tokens, positions, self.cache, (p.counts, p.in_prompt, p.bias), meta, *rest)
+                self.params, tokens, positions, self.cache, (p.counts, p.in_prompt, p.bias), meta, *rest
+            )
         rows = lambda a, n=R: sharding.fetch(a).reshape(len(groups), n, *a.shape[1:])  # noqa: E731
         fetched = Sampled(rows(sampled.ids), *(map(rows, sampled[1:]) if with_logprobs else (None,) * 3))
         scored = Scored(*(rows(a, T) for a in scored)) if scoring else None
@@ -248,7 +284,10 @@ class ModelRunner:
             tokens = r.tokens
             if score:  # the next token of each scored one, else -1 (decode steps skip this)
                 scored = r.request_id in score
-                g.targets += [tokens[p + 1] if scored and p + 1 < len(tokens) else -1 for p in range(s.start, s.start + s.length)]
+                g.targets += [
+                    tokens[p + 1] if scored and p + 1 < len(tokens) else -1
+                    for p in range(s.start, s.start + s.length)
+                ]
             g.tokens += tokens[s.start : s.start + s.length]
             g.positions += range(s.start, s.start + s.length)
             g.seq_ids += [r.slot - gi * self.slots_per_group] * s.length
@@ -257,22 +296,32 @@ class ModelRunner:
                 sp = r.sampling
                 g.rows.append((sp.temperature, sp.top_p, sp.top_k, seeds[r.request_id], len(r.output)))
                 g.banned.append(banned.get(r.request_id, ()))
-                g.penalties.append((r.slot - gi * self.slots_per_group, sp.presence_penalty, sp.frequency_penalty,
-                                    sp.repetition_penalty, sp.penalized))
+                g.penalties.append(
+                    (
+                        r.slot - gi * self.slots_per_group,
+                        sp.presence_penalty,
+                        sp.frequency_penalty,
+                        sp.repetition_penalty,
+                        sp.penalized,
+                    )
+                )
                 where.append((gi, len(g.rows) - 1))
         sparse = max(p for g in groups for p in g.positions) + 1 > self.cfg.index_topk
         scoring = any(s.request.request_id in score for s in segments)
         penalized = [s.request for s in segments if s.samples and s.request.sampling.penalized]
         if penalized:
             self._seat_penalized(penalized)
-        sampled, logits, scored = self._call(groups, sparse=sparse, with_logits=with_logits, with_logprobs=with_logprobs,
-                                             scoring=scoring)
+        sampled, logits, scored = self._call(
+            groups, sparse=sparse, with_logits=with_logits, with_logprobs=with_logprobs, scoring=scoring
+        )
         at = tuple(np.asarray(where, np.intp).reshape(-1, 2).T)  # (group, row) of each sampled segment
         pick = lambda a: None if a is None else a[at]  # noqa: E731
         result = StepResult(pick(sampled.ids), pick(logits), *map(pick, sampled[1:]))
         if scoring:
             result.scores = [
-                Scored(*(a[gi, start : start + s.length] for a in scored)) if s.request.request_id in score else None
+                Scored(*(a[gi, start : start + s.length] for a in scored))
+                if s.request.request_id in score
+                else None
                 for s, (gi, start) in zip(segments, spans)
             ]
         return result
@@ -289,12 +338,18 @@ class ModelRunner:
         for r in fresh:
             gi, local = divmod(r.slot, per_group)
             reset[gi, local] = True
-            entries[gi] += [(local, t, _PROMPT, 0.0) for t in set(r.prompt)] + [(local, t, _OUTPUT, 0.0) for t in r.output]
+            entries[gi] += [(local, t, _PROMPT, 0.0) for t in set(r.prompt)] + [
+                (local, t, _OUTPUT, 0.0) for t in r.output
+            ]
             entries[gi] += [(local, t, _BIAS, b) for t, b in r.sampling.logit_bias]
             self.penalty.owners[r.slot] = r
         n = self._bucket_pow2(max(len(e) for e in entries))
-        columns = [np.full((self.groups, n), per_group, np.int32), np.zeros((self.groups, n), np.int32),
-                   np.zeros((self.groups, n), np.int32), np.zeros((self.groups, n), np.float32)]  # padding: slot out of range
+        columns = [
+            np.full((self.groups, n), per_group, np.int32),
+            np.zeros((self.groups, n), np.int32),
+            np.zeros((self.groups, n), np.int32),
+            np.zeros((self.groups, n), np.float32),
+        ]  # padding: slot out of range
         for gi, group in enumerate(entries):
             for column, values in zip(columns, zip(*group)):
                 column[gi, : len(values)] = values
@@ -317,7 +372,9 @@ class ModelRunner:
 
     def warmup(self, report=None) -> None:
         """Compile every bucket (and the sparse path when contexts can outgrow index_topk)."""
-        variants = [(b, sparse) for sparse in ([False, True] if self.can_be_sparse else [False]) for b in self.buckets]
+        variants = [
+            (b, sparse) for sparse in ([False, True] if self.can_be_sparse else [False]) for b in self.buckets
+        ]
         for i, (b, sparse) in enumerate(variants):
             # All-padding inputs: nothing is written to the cache (slot -1 writes are dropped).
             groups = [_Group(tokens=[0] * b, positions=[0] * b, seq_ids=[-1] * b) for _ in range(self.groups)]

@@ -51,7 +51,9 @@ def penalize(logits: jax.Array, p: Penalties) -> jax.Array:
     """vLLM's logit bias and penalties on logits [R, V]; a row with all of them off comes back
     bit for bit."""
     counts = p.counts[p.slot]
-    logits = logits + jnp.where(p.on[:, None], p.bias[p.slot], 0.0)  # a slot's rows may be stale: gate the bias
+    logits = logits + jnp.where(
+        p.on[:, None], p.bias[p.slot], 0.0
+    )  # a slot's rows may be stale: gate the bias
     seen = p.in_prompt[p.slot] | (counts > 0)
     rep = p.repetition[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
@@ -61,8 +63,19 @@ def penalize(logits: jax.Array, p: Penalties) -> jax.Array:
 CANDIDATES = 1024  # a row's filters work on its top C logits unless top-k or top-p needs more
 
 
-def sample(logits, temperature, top_p, top_k, seeds, counters, banned=None, penalties: Penalties | None = None, *,
-           num_logprobs: int = 0, candidates: int = CANDIDATES) -> Sampled:
+def sample(
+    logits,
+    temperature,
+    top_p,
+    top_k,
+    seeds,
+    counters,
+    banned=None,
+    penalties: Penalties | None = None,
+    *,
+    num_logprobs: int = 0,
+    candidates: int = CANDIDATES,
+) -> Sampled:
     """logits [R, V] float32; per-row temperature/top_p (f32), top_k/seeds/counters (i32);
     ``banned`` [R, B] int32: token ids a row must not pick (ids >= V are padding); ``penalties``
     change the logits the ``on`` rows sample from (not their logprobs); rows that are not on are
@@ -96,8 +109,11 @@ def sample(logits, temperature, top_p, top_k, seeds, counters, banned=None, pena
     if C < V:
         ranked = _ranked(logits, ops.topk_indices(logits, C))
         kth, cutoff, covered = _cutoffs(z, ranked, top_k, top_p, complete=False)
-        kth, cutoff = jax.lax.cond(covered.all(), lambda: (kth, cutoff),
-                                   lambda: _cutoffs(z, _ranked(logits), top_k, top_p, complete=True)[:2])
+        kth, cutoff = jax.lax.cond(
+            covered.all(),
+            lambda: (kth, cutoff),
+            lambda: _cutoffs(z, _ranked(logits), top_k, top_p, complete=True)[:2],
+        )
     else:
         ranked = _ranked(logits)
         kth, cutoff, _ = _cutoffs(z, ranked, top_k, top_p, complete=True)
@@ -116,9 +132,16 @@ def sample(logits, temperature, top_p, top_k, seeds, counters, banned=None, pena
         # is among those L and the banned ones: a top-k over L + B candidates, not a second sort.
         valid = banned < V
         ids_b = jnp.where(valid, banned, 0)
-        vals = jnp.concatenate([jnp.take_along_axis(raw, top_ids, axis=-1),
-                                jnp.where(valid, jnp.take_along_axis(raw, ids_b, axis=-1), -jnp.inf)], axis=-1)
-        top_ids = jnp.take_along_axis(jnp.concatenate([top_ids, ids_b], axis=-1), jax.lax.top_k(vals, L)[1], axis=-1)
+        vals = jnp.concatenate(
+            [
+                jnp.take_along_axis(raw, top_ids, axis=-1),
+                jnp.where(valid, jnp.take_along_axis(raw, ids_b, axis=-1), -jnp.inf),
+            ],
+            axis=-1,
+        )
+        top_ids = jnp.take_along_axis(
+            jnp.concatenate([top_ids, ids_b], axis=-1), jax.lax.top_k(vals, L)[1], axis=-1
+        )
     top_raw = jnp.take_along_axis(raw, top_ids, axis=-1)
     return Sampled(
         ids,
@@ -176,6 +199,8 @@ def score(logits, targets, *, num_logprobs: int) -> Scored:
     target = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0] - lse
     L = min(num_logprobs, logits.shape[-1])
     if L == 0:
-        return Scored(target, jnp.zeros((logits.shape[0], 0), jnp.int32), jnp.zeros((logits.shape[0], 0), jnp.float32))
+        return Scored(
+            target, jnp.zeros((logits.shape[0], 0), jnp.int32), jnp.zeros((logits.shape[0], 0), jnp.float32)
+        )
     values, ids = jax.lax.top_k(logits, L)  # ties: lower id first, as the sampler's stable sort
     return Scored(target, ids.astype(jnp.int32), values - lse[:, None])

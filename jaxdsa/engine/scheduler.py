@@ -41,10 +41,19 @@ class Segment:
 
 class Scheduler:
     def __init__(
-        self, *, num_pages: int, page_size: int, max_num_seqs: int, max_num_batched_tokens: int, groups: int = 1, prefix_caching: bool = False
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        groups: int = 1,
+        prefix_caching: bool = False,
     ):
         if max_num_seqs % groups or num_pages % groups:
-            raise ValueError(f"max_num_seqs ({max_num_seqs}) and num_pages ({num_pages}) must split into {groups} groups")
+            raise ValueError(
+                f"max_num_seqs ({max_num_seqs}) and num_pages ({num_pages}) must split into {groups} groups"
+            )
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -56,7 +65,10 @@ class Scheduler:
         self.allocators = [PageAllocator(num_pages // groups) for _ in range(groups)]
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self._free_slots = [list(range((g + 1) * self.slots_per_group - 1, g * self.slots_per_group - 1, -1)) for g in range(groups)]
+        self._free_slots = [
+            list(range((g + 1) * self.slots_per_group - 1, g * self.slots_per_group - 1, -1))
+            for g in range(groups)
+        ]
 
     @property
     def allocator(self) -> PageAllocator:
@@ -119,7 +131,10 @@ class Scheduler:
         # Prompt logprobs need every prompt token computed, as in vLLM: no cache hits for those.
         lookup = self.prefix_caching and request.sampling.prompt_logprobs is None
         max_pages = (request.num_tokens - 1) // self.page_size if lookup else 0
-        hits = {g: self.allocators[g].cached_prefix(request.tokens, self.page_size, max_pages) for g in open_groups}
+        hits = {
+            g: self.allocators[g].cached_prefix(request.tokens, self.page_size, max_pages)
+            for g in open_groups
+        }
         g = max(open_groups, key=lambda g: (len(hits[g]), self.allocators[g].num_free))
         start = len(hits[g]) * self.page_size
         n = min(request.num_tokens - start, budget)
@@ -150,7 +165,12 @@ class Scheduler:
             group = self.group_of(request)
             while not self._grow(request, request.num_computed + n, group):
                 victim = next(
-                    (r for r in reversed(self.running) if id(r) not in scheduled and self.group_of(r) == group), None
+                    (
+                        r
+                        for r in reversed(self.running)
+                        if id(r) not in scheduled and self.group_of(r) == group
+                    ),
+                    None,
                 )
                 if victim is None:
                     break
@@ -196,4 +216,6 @@ class Scheduler:
         allocator, tokens = self.allocators[self.group_of(request)], request.tokens
         for i in range(len(request.block_ids), request.num_computed // size):
             parent = request.block_ids[-1] if request.block_ids else -1
-            request.block_ids.append(allocator.register(parent, tokens[i * size : (i + 1) * size], request.pages[i]))
+            request.block_ids.append(
+                allocator.register(parent, tokens[i * size : (i + 1) * size], request.pages[i])
+            )

@@ -43,16 +43,22 @@ def naive_attention(p: dict, q_nope, q_pe, keys: jax.Array, mask: jax.Array, cfg
     latent, k_pe = keys[:, :r], keys[:, r:]
     k_nope = jnp.einsum("sc,hnc->shn", latent, p["w_uk"])
     v = jnp.einsum("sc,hvc->shv", latent, p["w_uv"])
-    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, None, :], k_nope.shape[:2] + k_pe.shape[-1:])], axis=-1)
+    k = jnp.concatenate(
+        [k_nope, jnp.broadcast_to(k_pe[:, None, :], k_nope.shape[:2] + k_pe.shape[-1:])], axis=-1
+    )
     q = jnp.concatenate([q_nope, q_pe], axis=-1)
     # jax.nn.dot_product_attention needs equal q/k and v widths: zero-pad the narrower side.
     width = max(q.shape[-1], v.shape[-1])
     pad = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, width - a.shape[-1])))  # noqa: E731
-    o = jax.nn.dot_product_attention(pad(q)[None], pad(k)[None], pad(v)[None], mask=mask[None, None], scale=cfg.softmax_scale)
+    o = jax.nn.dot_product_attention(
+        pad(q)[None], pad(k)[None], pad(v)[None], mask=mask[None, None], scale=cfg.softmax_scale
+    )
     return o[0, ..., : v.shape[-1]]
 
 
-def absorbed_attention(p: dict, q_nope, q_pe, kv_rows: jax.Array, indices: jax.Array, cfg: ModelConfig) -> jax.Array:
+def absorbed_attention(
+    p: dict, q_nope, q_pe, kv_rows: jax.Array, indices: jax.Array, cfg: ModelConfig
+) -> jax.Array:
     """Latent-space attention over cache slots. kv_rows [N, R+P], indices [T, K] (-1 skip) -> o [T,H,V]."""
     q_abs = jnp.einsum("thn,hnc->thc", q_nope, p["w_uk"])
     q = jnp.concatenate([q_abs, q_pe.astype(q_abs.dtype)], axis=-1)

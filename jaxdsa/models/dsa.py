@@ -86,16 +86,32 @@ def attention(
         key_slots = slots_for(meta.page_table, jnp.zeros_like(keys), keys, page_size)
         mask = (keys[None, :] <= positions[:, None]) & (meta.seq_ids[:, None] >= 0)
         if sparse:
-            selected = jnp.zeros(mask.shape, bool).at[jnp.arange(mask.shape[0])[:, None], topk].set(True, mode="drop")
+            selected = (
+                jnp.zeros(mask.shape, bool)
+                .at[jnp.arange(mask.shape[0])[:, None], topk]
+                .set(True, mode="drop")
+            )
             mask &= selected
         o = mla.naive_attention(p, q_nope, q_pe, rows[key_slots], mask, cfg)
     return mla.output(p, o), latent_pages, index_pages, topk
 
 
-def decoder_layer(lp: dict, h, positions, rope, latent_pages, index_pages, meta, prev_topk, *, cfg, sparse, absorbed):
+def decoder_layer(
+    lp: dict, h, positions, rope, latent_pages, index_pages, meta, prev_topk, *, cfg, sparse, absorbed
+):
     x = rms_norm(h, lp["input_norm"], cfg.rms_norm_eps)
     a, latent_pages, index_pages, topk = attention(
-        lp["attn"], x, positions, rope, latent_pages, index_pages, meta, prev_topk, cfg=cfg, sparse=sparse, absorbed=absorbed
+        lp["attn"],
+        x,
+        positions,
+        rope,
+        latent_pages,
+        index_pages,
+        meta,
+        prev_topk,
+        cfg=cfg,
+        sparse=sparse,
+        absorbed=absorbed,
     )
     h = h + a
     x = rms_norm(h, lp["post_attn_norm"], cfg.rms_norm_eps)
@@ -103,7 +119,17 @@ def decoder_layer(lp: dict, h, positions, rope, latent_pages, index_pages, meta,
     return sharding.constrain(h, ("batch", "embed")), latent_pages, index_pages, topk
 
 
-def forward(params: dict, tokens, positions, cache: KVCache, meta: StepMeta, *, cfg: ModelConfig, sparse: bool, absorbed: bool):
+def forward(
+    params: dict,
+    tokens,
+    positions,
+    cache: KVCache,
+    meta: StepMeta,
+    *,
+    cfg: ModelConfig,
+    sparse: bool,
+    absorbed: bool,
+):
     """Run all decoder layers. -> (final-normed hidden [R, D] at meta.logits_indices, new cache)."""
     rope = cos_sin(positions, cfg.rope, cfg.qk_rope_head_dim)
     h = sharding.embed_lookup(params["embed"], tokens)
@@ -121,13 +147,25 @@ def lm_head(params: dict, hidden: jax.Array) -> jax.Array:
     return jnp.matmul(hidden, params["lm_head"], preferred_element_type=jnp.float32)
 
 
-def step(params: dict, tokens, positions, cache: KVCache, meta: StepMeta, *, cfg: ModelConfig, sparse: bool, absorbed: bool):
+def step(
+    params: dict,
+    tokens,
+    positions,
+    cache: KVCache,
+    meta: StepMeta,
+    *,
+    cfg: ModelConfig,
+    sparse: bool,
+    absorbed: bool,
+):
     """The model step: logits [R, vocab] float32 at ``meta.logits_indices`` and the updated cache."""
     hidden, cache = forward(params, tokens, positions, cache, meta, cfg=cfg, sparse=sparse, absorbed=absorbed)
     return lm_head(params, hidden), cache
 
 
-def mtp_step(params: dict, hidden, next_tokens, positions, cache: KVCache, meta: StepMeta, *, cfg, sparse, absorbed):
+def mtp_step(
+    params: dict, hidden, next_tokens, positions, cache: KVCache, meta: StepMeta, *, cfg, sparse, absorbed
+):
     """The next-n (MTP) layer: predict token t+2 from the main model's final hidden at t and token t+1.
 
     e = enorm(E[x_{t+1}]), g = hnorm(h_t), u = eh_proj [e ; g] (embedding first, as vLLM), one full
@@ -140,7 +178,17 @@ def mtp_step(params: dict, hidden, next_tokens, positions, cache: KVCache, meta:
     g = rms_norm(hidden.astype(e.dtype), mp["hnorm"], cfg.rms_norm_eps)
     u = jnp.concatenate([e, g], axis=-1) @ mp["eh_proj"]
     u, latent, index, _ = decoder_layer(
-        mp, u, positions, rope, cache.latent[0], cache.index_keys[0], meta, None, cfg=cfg, sparse=sparse, absorbed=absorbed
+        mp,
+        u,
+        positions,
+        rope,
+        cache.latent[0],
+        cache.index_keys[0],
+        meta,
+        None,
+        cfg=cfg,
+        sparse=sparse,
+        absorbed=absorbed,
     )
     out = rms_norm(u[meta.logits_indices], mp["shared_head_norm"], cfg.rms_norm_eps)
     return lm_head(params, out), KVCache(latent=(latent,), index_keys=(index,))
@@ -153,4 +201,6 @@ def jitted_step(cfg: ModelConfig, sparse: bool, absorbed: bool, mesh=None):
     On a mesh the step runs per data-parallel group (:func:`jaxdsa.sharding.data_parallel`):
     tokens, positions, cache pages and metadata are split over ``dp`` with group-local indices.
     """
-    return sharding.jit_step(functools.partial(step, cfg=cfg, sparse=sparse, absorbed=absorbed), mesh, donate_argnums=(3,))
+    return sharding.jit_step(
+        functools.partial(step, cfg=cfg, sparse=sparse, absorbed=absorbed), mesh, donate_argnums=(3,)
+    )

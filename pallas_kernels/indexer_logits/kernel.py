@@ -102,7 +102,16 @@ def indexer_logits_paged(
     tuning table.
     """
     return _logits_paged(
-        q, w, k_pages, page_table, seq_ids, q_pos, k_scale, interpret=interpret, native_fp8=native_fp8, config=config
+        q,
+        w,
+        k_pages,
+        page_table,
+        seq_ids,
+        q_pos,
+        k_scale,
+        interpret=interpret,
+        native_fp8=native_fp8,
+        config=config,
     )
 
 
@@ -204,7 +213,9 @@ def _e4m3_bits_to_f16(u8: jax.Array) -> jax.Array:
 def _gather_keys(refs: _Refs, spec: _Spec, seq, s, valid):
     """Keys ``[n, D]`` (dot dtype) at logical positions ``s [n]`` of sequence ``seq``, and the per-key
     logit factor ``[n]`` (None for plain keys). Rows where ``valid`` is False read nothing."""
-    page_ids = pltriton.load(refs.page_table.at[seq, jnp.where(valid, s // spec.page, 0)], mask=valid, other=0)
+    page_ids = pltriton.load(
+        refs.page_table.at[seq, jnp.where(valid, s // spec.page, 0)], mask=valid, other=0
+    )
     rows = jnp.where(valid, page_ids * spec.page + s % spec.page, 0)
     cols = jnp.arange(refs.k.shape[1], dtype=jnp.int32)
     raw = pltriton.load(refs.k.at[rows[:, None], cols[None, :]], mask=valid[:, None], other=0)

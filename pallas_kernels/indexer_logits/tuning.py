@@ -18,7 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels._triton import compute_capability, pl, shared_memory_budget, shared_memory_bytes, shrink_to_fit
+from pallas_kernels._triton import (
+    compute_capability,
+    pl,
+    shared_memory_budget,
+    shared_memory_bytes,
+    shrink_to_fit,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,7 +103,9 @@ def _merge_kernel(*refs, n_parts, n_rows, d, n_heads, has_sink, cfg):
         den = den + jnp.exp(sink - m)
     safe = jnp.where(den > 0, den, 1.0)
     out_mask = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok
-    pltriton.store(o_ref.at[rows[:, None], cols[None, :]], (acc / safe[:, None]).astype(o_ref.dtype), mask=out_mask)
+    pltriton.store(
+        o_ref.at[rows[:, None], cols[None, :]], (acc / safe[:, None]).astype(o_ref.dtype), mask=out_mask
+    )
     lse = jnp.where(den > 0, m + jnp.log(safe), -jnp.inf)
     pltriton.store(lse_o_ref.at[rows], lse, mask=row_ok & (pl.program_id(1) == 0))
 
@@ -136,7 +138,9 @@ def merge_states(
     args = [lses.astype(jnp.float32).reshape(n, rows), outs.reshape(n, rows, d)]
     if sink is not None:
         args.append(sink.astype(jnp.float32))
-    kernel = functools.partial(_merge_kernel, n_parts=n, n_rows=rows, d=d, n_heads=h, has_sink=sink is not None, cfg=cfg)
+    kernel = functools.partial(
+        _merge_kernel, n_parts=n, n_rows=rows, d=d, n_heads=h, has_sink=sink is not None, cfg=cfg
+    )
     out, lse = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((rows, d), out_dtype), jax.ShapeDtypeStruct((rows,), jnp.float32)),

@@ -116,10 +116,13 @@ def _with_row_tiles(meta_ref, block, *, block_m: int, min_m: int, absorb_m: int,
     if absorb_m:
         tail_rows = meta_ref[_ROWS, last]
         absorbed = (count >= 2) & (tail_rows <= absorb_m)
-        plain &= ~absorbed | (block < last - 1)  # the last two blocks run as one (blocks before last are full)
+        plain &= ~absorbed | (
+            block < last - 1
+        )  # the last two blocks run as one (blocks before last are full)
         for extra, lower in _row_powers(absorb_m, 16):
             pl.when(absorbed & (block == last - 1) & (tail_rows > lower) & (tail_rows <= extra))(
-                functools.partial(body, block_m, extra))
+                functools.partial(body, block_m, extra)
+            )
     for m, lower in _row_powers(block_m, min_m):
         pl.when(plain & (rows > lower) & (rows <= m))(functools.partial(body, m, 0))
 
@@ -133,9 +136,23 @@ def _row_groups(block, block_m: int, m: int, extra: int) -> list[tuple[pl.Slice,
     return groups
 
 
-def _gate_up_kernel(meta_ref, row_slot_ref, x_ref, w_ref, act_ref, *, top_k: int, block_m: int,
-                    min_m: int, absorb_m: int, block_n: int, block_k: int, n_tiles: int,
-                    swiglu_limit: float | None, precision):
+def _gate_up_kernel(
+    meta_ref,
+    row_slot_ref,
+    x_ref,
+    w_ref,
+    act_ref,
+    *,
+    top_k: int,
+    block_m: int,
+    min_m: int,
+    absorb_m: int,
+    block_n: int,
+    block_k: int,
+    n_tiles: int,
+    swiglu_limit: float | None,
+    precision,
+):
     block, tile = _block_and_tile(meta_ref, n_tiles)
     n0 = pl.multiple_of(tile * block_n, block_n)
     expert = meta_ref[_EXPERT, block]
@@ -173,8 +190,21 @@ def _gate_up_kernel(meta_ref, row_slot_ref, x_ref, w_ref, act_ref, *, top_k: int
     _with_row_tiles(meta_ref, block, block_m=block_m, min_m=min_m, absorb_m=absorb_m, body=run)
 
 
-def _down_kernel(meta_ref, row_slot_ref, act_ref, w_ref, y_ref, *, block_m: int, min_m: int,
-                 absorb_m: int, block_n: int, block_k: int, n_tiles: int, precision):
+def _down_kernel(
+    meta_ref,
+    row_slot_ref,
+    act_ref,
+    w_ref,
+    y_ref,
+    *,
+    block_m: int,
+    min_m: int,
+    absorb_m: int,
+    block_n: int,
+    block_k: int,
+    n_tiles: int,
+    precision,
+):
     block, tile = _block_and_tile(meta_ref, n_tiles)
     d0 = pl.multiple_of(tile * block_n, block_n)
     expert = meta_ref[_EXPERT, block]
@@ -186,8 +216,16 @@ def _down_kernel(meta_ref, row_slot_ref, act_ref, w_ref, y_ref, *, block_m: int,
         def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
             w = _weight_tile(w_ref, expert, k0, d0, block_k, block_n)
-            return tuple(a + jnp.dot(act_ref[rows, pl.ds(k0, block_k)], w, preferred_element_type=jnp.float32,
-                                     precision=precision) for a, (rows, _) in zip(acc, groups))
+            return tuple(
+                a
+                + jnp.dot(
+                    act_ref[rows, pl.ds(k0, block_k)],
+                    w,
+                    preferred_element_type=jnp.float32,
+                    precision=precision,
+                )
+                for a, (rows, _) in zip(acc, groups)
+            )
 
         zeros = tuple(jnp.zeros((n, block_n), jnp.float32) for _, n in groups)
         acc = jax.lax.fori_loop(0, n_inter // block_k, step, zeros)
@@ -204,9 +242,16 @@ def _down_kernel(meta_ref, row_slot_ref, act_ref, w_ref, y_ref, *, block_m: int,
     _with_row_tiles(meta_ref, block, block_m=block_m, min_m=min_m, absorb_m=absorb_m, body=run)
 
 
-def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, experts: dict, *,
-                swiglu_limit: float | None = None, interpret: bool = False,
-                config: tuning.MoeConfig | None = None) -> jax.Array:
+def moe_experts(
+    x: jax.Array,
+    topk_ids: jax.Array,
+    topk_weights: jax.Array,
+    experts: dict,
+    *,
+    swiglu_limit: float | None = None,
+    interpret: bool = False,
+    config: tuning.MoeConfig | None = None,
+) -> jax.Array:
     """out[t] = sum_j w[t,j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t,j].
 
     x [T, D]; topk_ids [T, k] int32 (ids outside [0, E) contribute nothing); topk_weights [T, k];
@@ -217,8 +262,15 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, expe
     num_experts = experts["gate_up"].shape[0]
     cfg = config or tuning.choose(topk_ids.size, num_experts, itemsize=experts["gate_up"].dtype.itemsize)
     bmap = route(topk_ids, num_experts, cfg.block_m)
-    act = gate_up(x, bmap, experts["gate_up"], cfg, top_k=topk_ids.shape[1], swiglu_limit=swiglu_limit,
-                  interpret=interpret)
+    act = gate_up(
+        x,
+        bmap,
+        experts["gate_up"],
+        cfg,
+        top_k=topk_ids.shape[1],
+        swiglu_limit=swiglu_limit,
+        interpret=interpret,
+    )
     y = down(act, bmap, experts["down"], cfg, num_slots=topk_ids.size, interpret=interpret)
     return combine(y, topk_ids, topk_weights, num_experts).astype(x.dtype)
 
@@ -245,8 +297,16 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def gate_up(x: jax.Array, bmap: routing.BlockMap, w: jax.Array, cfg: tuning.MoeConfig, *, top_k: int,
-            swiglu_limit: float | None = None, interpret: bool = False) -> jax.Array:
+def gate_up(
+    x: jax.Array,
+    bmap: routing.BlockMap,
+    w: jax.Array,
+    cfg: tuning.MoeConfig,
+    *,
+    top_k: int,
+    swiglu_limit: float | None = None,
+    interpret: bool = False,
+) -> jax.Array:
     """``act [blocks * block_m, N]``: SwiGLU of the gathered token rows through their expert's
     gate|up weights ``w [E, D, 2N]``, in block-padded row order."""
     _, d_model, two_n = w.shape
@@ -254,10 +314,18 @@ def gate_up(x: jax.Array, bmap: routing.BlockMap, w: jax.Array, cfg: tuning.MoeC
     block_n, block_k = _fit(cfg.gate_up.block_n, n_inter, "N"), _fit(cfg.gate_up.block_k, d_model, "D")
     n_blocks, n_tiles = bmap.block_expert.shape[0], n_inter // block_n
     return pl.pallas_call(
-        functools.partial(_gate_up_kernel, top_k=top_k, block_m=bm, min_m=min(cfg.min_block_m, bm),
-                          absorb_m=_absorb_m(cfg),
-                          block_n=block_n, block_k=block_k, n_tiles=n_tiles, swiglu_limit=swiglu_limit,
-                          precision=_precision(w.dtype)),
+        functools.partial(
+            _gate_up_kernel,
+            top_k=top_k,
+            block_m=bm,
+            min_m=min(cfg.min_block_m, bm),
+            absorb_m=_absorb_m(cfg),
+            block_n=block_n,
+            block_k=block_k,
+            n_tiles=n_tiles,
+            swiglu_limit=swiglu_limit,
+            precision=_precision(w.dtype),
+        ),
         out_shape=jax.ShapeDtypeStruct((n_blocks * bm, n_inter), w.dtype),
         grid=(n_blocks * n_tiles,),
         compiler_params=compiler_params(cfg.gate_up.num_warps, cfg.gate_up.num_stages),
@@ -266,8 +334,15 @@ def gate_up(x: jax.Array, bmap: routing.BlockMap, w: jax.Array, cfg: tuning.MoeC
     )(_metadata(bmap), bmap.row_slot, x.astype(w.dtype), w)
 
 
-def down(act: jax.Array, bmap: routing.BlockMap, w: jax.Array, cfg: tuning.MoeConfig, *, num_slots: int,
-         interpret: bool = False) -> jax.Array:
+def down(
+    act: jax.Array,
+    bmap: routing.BlockMap,
+    w: jax.Array,
+    cfg: tuning.MoeConfig,
+    *,
+    num_slots: int,
+    interpret: bool = False,
+) -> jax.Array:
     """``y [num_slots + block_m, D]``: each slot's ``act`` row through its expert's down weights
     ``w [E, N, D]``, scattered back to slot order (rows of dropped slots and the spare tail are
     never written)."""
@@ -276,9 +351,16 @@ def down(act: jax.Array, bmap: routing.BlockMap, w: jax.Array, cfg: tuning.MoeCo
     block_n, block_k = _fit(cfg.down.block_n, d_model, "D"), _fit(cfg.down.block_k, n_inter, "N")
     n_blocks, n_tiles = bmap.block_expert.shape[0], d_model // block_n
     return pl.pallas_call(
-        functools.partial(_down_kernel, block_m=bm, min_m=min(cfg.min_block_m, bm), absorb_m=_absorb_m(cfg),
-                          block_n=block_n,
-                          block_k=block_k, n_tiles=n_tiles, precision=_precision(w.dtype)),
+        functools.partial(
+            _down_kernel,
+            block_m=bm,
+            min_m=min(cfg.min_block_m, bm),
+            absorb_m=_absorb_m(cfg),
+            block_n=block_n,
+            block_k=block_k,
+            n_tiles=n_tiles,
+            precision=_precision(w.dtype),
+        ),
         out_shape=jax.ShapeDtypeStruct((num_slots + bm, d_model), w.dtype),
         grid=(n_blocks * n_tiles,),
         compiler_params=compiler_params(cfg.down.num_warps, cfg.down.num_stages),
@@ -292,6 +374,6 @@ def combine(y: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, num_expe
     filtered slots were never written: select, never multiply, so garbage cannot leak."""
     n_tokens, top_k = topk_ids.shape
     valid = (topk_ids >= 0) & (topk_ids < num_experts)
-    y = y[:n_tokens * top_k].reshape(n_tokens, top_k, -1).astype(jnp.float32)
+    y = y[: n_tokens * top_k].reshape(n_tokens, top_k, -1).astype(jnp.float32)
     weighted = jnp.where(valid[..., None], y * topk_weights.astype(jnp.float32)[..., None], 0.0)
     return weighted.sum(axis=1)

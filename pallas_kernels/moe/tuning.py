@@ -35,7 +35,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels._triton import compute_capability, shared_memory_budget, shared_memory_bytes, shrink_to_fit
+from pallas_kernels._triton import (
+    compute_capability,
+    shared_memory_budget,
+    shared_memory_bytes,
+    shrink_to_fit,
+)
 
 
 @dataclasses.dataclass(frozen=True)

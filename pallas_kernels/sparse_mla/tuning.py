@@ -42,7 +42,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels._triton import compute_capability, shared_memory_budget, shared_memory_bytes, shrink_to_fit
+from pallas_kernels._triton import (
+    compute_capability,
+    shared_memory_budget,
+    shared_memory_bytes,
+    shrink_to_fit,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +57,9 @@ class MlaConfig:
     num_warps: int
     num_stages: int
     splits: int  # K splits per query (1 = no merge)
-    prefetch: bool = False  # carry the next step's indices through the loop (A/B in benchmarks/kernels_mla.py)
+    prefetch: bool = (
+        False  # carry the next step's indices through the loop (A/B in benchmarks/kernels_mla.py)
+    )
     narrow_partials: bool = False  # K-split partial outputs in the query dtype, not float32 (A/B as above)
 
 
@@ -85,7 +92,9 @@ PARTIAL_FLOOR_BYTES = 4 << 20
 # The first three are what the rule gives (kept as measured pins); the others beat the rule.
 TUNED: dict[tuple[int, int, int], MlaConfig] = {
     (90, 64, 32): MlaConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, splits=4),  # 129 vs 210 us
-    (90, 128, 1024): MlaConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, splits=1),  # 2861 vs 3896 us
+    (90, 128, 1024): MlaConfig(
+        block_h=64, block_n=64, num_warps=8, num_stages=2, splits=1
+    ),  # 2861 vs 3896 us
     (90, 64, 4096): MlaConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, splits=1),  # 5559 vs 7375 us
     # 128 programs of 16 heads leave a wave of 132 SMs under-filled; two splits give 256
     (90, 16, 128): MlaConfig(block_h=16, block_n=32, num_warps=8, num_stages=2, splits=2),  # 239 vs 331 us

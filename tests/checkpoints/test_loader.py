@@ -154,7 +154,18 @@ def test_int4_pack_quantized_checkpoint(tiny, tmp_path):
     cfg["quantization_config"] = {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
-        "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": group}, "targets": ["Linear"]}},
+        "config_groups": {
+            "group_0": {
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": False,
+                    "strategy": "group",
+                    "group_size": group,
+                },
+                "targets": ["Linear"],
+            }
+        },
         "ignore": ["lm_head"],
     }
     (quant / "config.json").write_text(json.dumps(cfg))

@@ -12,12 +12,27 @@ V = 12
 DRAWS = 4000  # rows of one distribution, each with its own counter: frequencies within ~0.03
 
 
-def _rows(logits, *, temperature=1.0, top_p=1.0, top_k=0, seed=3, num_logprobs=0, n=DRAWS, banned=None, candidates=1024):
+def _rows(
+    logits,
+    *,
+    temperature=1.0,
+    top_p=1.0,
+    top_k=0,
+    seed=3,
+    num_logprobs=0,
+    n=DRAWS,
+    banned=None,
+    candidates=1024,
+):
     """``n`` rows of the same logits with counters 0..n-1 -> host arrays of the Sampled fields;
     ``banned``: ids every row must not pick (padded with V, as the runner pads)."""
     logits = np.broadcast_to(np.asarray(logits, np.float32), (n, len(logits)))
     full = lambda v, dt: np.full(n, v, dt)  # noqa: E731
-    ban = None if banned is None else np.broadcast_to(np.array(list(banned) + [V, V + 3], np.int32), (n, len(banned) + 2))
+    ban = (
+        None
+        if banned is None
+        else np.broadcast_to(np.array(list(banned) + [V, V + 3], np.int32), (n, len(banned) + 2))
+    )
     out = jax.jit(sample, static_argnames=("num_logprobs", "candidates"))(
         logits, full(temperature, np.float32), full(top_p, np.float32), full(top_k, np.int32),
         full(seed, np.int32), np.arange(n, dtype=np.int32), ban, num_logprobs=num_logprobs, candidates=candidates,
@@ -108,7 +123,9 @@ def test_logprobs_count_is_clamped_to_the_vocabulary(logits):
     assert _rows(logits, n=2).top_ids.shape == (2, 0)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (1.0, 3, 1.0), (0.8, 0, 0.6)])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (1.0, 3, 1.0), (0.8, 0, 0.6)]
+)
 def test_banned_tokens_are_never_picked_and_the_rest_renormalise(logits, temperature, top_k, top_p):
     """min_tokens bans EOS / stop ids: the draws follow the distribution with those removed (then
     the filters), while logprobs and top tokens stay the model's own."""
@@ -148,22 +165,43 @@ def test_penalties_follow_vllm_and_leave_logprobs_raw():
     bias[3, [1, 4]] = [-100.0, 7.5]  # a row with only a bias
     bias[4, 2] = 3.0
     on = np.array([False, True, True, True, True, False])
-    pen = Penalties(counts, in_prompt, bias, np.arange(n, dtype=np.int32), presence, frequency, repetition, on)
-    want = np.stack([_vllm_penalties(raw[i], counts[i], in_prompt[i], presence[i], frequency[i], repetition[i], bias[i])
-                     for i in range(n)])
+    pen = Penalties(
+        counts, in_prompt, bias, np.arange(n, dtype=np.int32), presence, frequency, repetition, on
+    )
+    want = np.stack(
+        [
+            _vllm_penalties(
+                raw[i], counts[i], in_prompt[i], presence[i], frequency[i], repetition[i], bias[i]
+            )
+            for i in range(n)
+        ]
+    )
     got = np.asarray(jax.jit(penalize)(raw, pen))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     off = [0, 5]
     np.testing.assert_array_equal(got[off], raw[off])
     assert (np.argmax(want, axis=1) != np.argmax(raw, axis=1)).any()  # the penalties change some pick
 
-    args = lambda t: (np.full(n, t, np.float32), np.ones(n, np.float32), np.zeros(n, np.int32),  # noqa: E731
-                      np.arange(n, dtype=np.int32), np.zeros(n, np.int32))
+    args = lambda t: (
+        np.full(n, t, np.float32),
+        np.ones(n, np.float32),
+        np.zeros(n, np.int32),  # noqa: E731
+        np.arange(n, dtype=np.int32),
+        np.zeros(n, np.int32),
+    )
     run = jax.jit(sample, static_argnames="num_logprobs")
     # Rows without penalties (neutral values, not on) whose slots hold an earlier request's
     # counts, prompt flags and bias sample exactly as without any penalties.
-    stale = Penalties(counts, in_prompt, bias + 5.0, np.arange(n, dtype=np.int32), np.zeros(n, np.float32),
-                      np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, bool))
+    stale = Penalties(
+        counts,
+        in_prompt,
+        bias + 5.0,
+        np.arange(n, dtype=np.int32),
+        np.zeros(n, np.float32),
+        np.zeros(n, np.float32),
+        np.ones(n, np.float32),
+        np.zeros(n, bool),
+    )
     for temperature in (0.0, 0.7):
         with_stale, without = (run(raw, *args(temperature), None, p, num_logprobs=3) for p in (stale, None))
         np.testing.assert_array_equal(with_stale.ids, without.ids)

@@ -9,7 +9,6 @@ from jaxdsa.engine.allocator import PageAllocator
 from jaxdsa.engine.request import FinishReason, Request, SamplingParams, Status
 from jaxdsa.engine.scheduler import Scheduler
 
-
 _ids = itertools.count()
 
 
@@ -55,7 +54,11 @@ def test_chunked_prefill_then_decode():
     sched = Scheduler(num_pages=16, page_size=4, max_num_seqs=4, max_num_batched_tokens=8)
     r = make(20, 3)
     sched.add(r)
-    lengths = [s.length for s in run_step(sched)] + [s.length for s in run_step(sched)] + [s.length for s in run_step(sched)]
+    lengths = (
+        [s.length for s in run_step(sched)]
+        + [s.length for s in run_step(sched)]
+        + [s.length for s in run_step(sched)]
+    )
     assert lengths == [8, 8, 4]  # 20 prompt tokens in chunks under the 8-token budget
     assert r.output == [7]  # sampled after the last chunk only
     assert [s.length for s in run_step(sched)] == [1]  # then one token per decode step
@@ -71,7 +74,10 @@ def test_decodes_and_prefill_chunks_share_a_step():
     run_step(sched)  # a prefilled and sampled
     sched.add(b)
     segs = run_step(sched)
-    assert [(s.request, s.length) for s in segs] == [(a, 1), (b, 5)]  # a's decode first, b's chunk fills the budget
+    assert [(s.request, s.length) for s in segs] == [
+        (a, 1),
+        (b, 5),
+    ]  # a's decode first, b's chunk fills the budget
 
 
 def test_slots_limit_and_fcfs():
@@ -130,7 +136,11 @@ def test_abort_frees_pages_and_slot_at_once():
     run_step(sched)
     assert sched.allocator.num_used == 3
     sched.finish(a, FinishReason.ABORT)
-    assert sched.allocator.num_used == 0 and a.status is Status.FINISHED and a.finish_reason is FinishReason.ABORT
+    assert (
+        sched.allocator.num_used == 0
+        and a.status is Status.FINISHED
+        and a.finish_reason is FinishReason.ABORT
+    )
     sched.add(w)
     sched.finish(w, FinishReason.ABORT)  # still waiting: simply leaves the queue
     assert not sched.has_work()
@@ -158,7 +168,14 @@ def test_random_load_completes(seed):
 
 
 def cached(n_pages=16, page_size=4, seqs=4, budget=64, groups=1):
-    return Scheduler(num_pages=n_pages, page_size=page_size, max_num_seqs=seqs, max_num_batched_tokens=budget, groups=groups, prefix_caching=True)
+    return Scheduler(
+        num_pages=n_pages,
+        page_size=page_size,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=budget,
+        groups=groups,
+        prefix_caching=True,
+    )
 
 
 def request(tokens, max_tokens=1, name=None):
@@ -214,7 +231,12 @@ def test_an_identical_prompt_recomputes_its_last_page_only():
 
 
 def first_pages_of(sched, tokens):
-    return [page for _, page in sched.allocator.cached_prefix(list(tokens), sched.page_size, len(tokens) // sched.page_size)]
+    return [
+        page
+        for _, page in sched.allocator.cached_prefix(
+            list(tokens), sched.page_size, len(tokens) // sched.page_size
+        )
+    ]
 
 
 def test_requests_running_together_share_pages_once_computed():

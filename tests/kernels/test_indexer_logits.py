@@ -35,7 +35,9 @@ def _pool(rng, batch, pages_per_seq, page, *, spare=3):
     """Random key pages and a page table that scatters each sequence's pages over the pool."""
     n_pages = batch * pages_per_seq + spare
     k_pages = jnp.asarray(rng.standard_normal((n_pages, page, D)), jnp.bfloat16)
-    table = jnp.asarray(rng.permutation(n_pages)[: batch * pages_per_seq].reshape(batch, pages_per_seq), jnp.int32)
+    table = jnp.asarray(
+        rng.permutation(n_pages)[: batch * pages_per_seq].reshape(batch, pages_per_seq), jnp.int32
+    )
     return k_pages, table
 
 
@@ -93,7 +95,9 @@ def test_paged_decode_ragged_lengths_and_padding():
     seq_ids = jnp.asarray([3, 1, -1, 0, 4, 2], jnp.int32)
     q_pos = jnp.asarray([95, 40, 50, 0, 63, 17], jnp.int32)
     q, w = _qw(rng, 6, 32)
-    got = ops._resolve("indexer_logits_paged", "interpret")(q, w, k_pages, table, seq_ids, q_pos, k_scale=None)
+    got = ops._resolve("indexer_logits_paged", "interpret")(
+        q, w, k_pages, table, seq_ids, q_pos, k_scale=None
+    )
     _assert_close(got, ref.indexer_logits_paged(q, w, k_pages, table, seq_ids, q_pos))
     assert np.isneginf(np.asarray(got[2])).all()  # padding query
 

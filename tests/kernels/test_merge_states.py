@@ -78,10 +78,17 @@ _TARGET_CC = {"sm_80": 80, "sm_90": 90, "sm_120": 120}
 def test_lowers_for_cuda(target, monkeypatch):
     monkeypatch.setattr(tuning, "compute_capability", lambda: _TARGET_CC[target])
     # B = 1 splits, B = 128 two splits, tiny-model width (column masks), more parts than one tile.
-    shapes = [(16, 1, 128, 512, True), (2, 128, 128, 512, False), (3, 4096, 4, 136, True), (80, 1, 4, 32, False)]
+    shapes = [
+        (16, 1, 128, 512, True),
+        (2, 128, 128, 512, False),
+        (3, 4096, 4, 136, True),
+        (80, 1, 4, 32, False),
+    ]
     for n, t, h, d, with_sink in shapes:
         args = [jax.ShapeDtypeStruct((n, t, h, d), jnp.float32), jax.ShapeDtypeStruct((n, t, h), jnp.float32)]
         if with_sink:
             args.append(jax.ShapeDtypeStruct((h,), jnp.float32))
-        text = lower_for_cuda(functools.partial(kernel.merge_states, out_dtype=jnp.bfloat16), *args, target=target)
+        text = lower_for_cuda(
+            functools.partial(kernel.merge_states, out_dtype=jnp.bfloat16), *args, target=target
+        )
         assert "__gpu$xla.gpu.triton" in text, (n, t, h, d)

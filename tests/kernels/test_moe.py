@@ -26,7 +26,9 @@ _ref = jax.jit(ref.moe_experts, static_argnames=("swiglu_limit",))
 
 @functools.partial(jax.jit, static_argnames=("swiglu_limit", "config"))
 def _kernel(x, ids, weights, experts, *, swiglu_limit, config):
-    return kernel.moe_experts(x, ids, weights, experts, swiglu_limit=swiglu_limit, interpret=True, config=config)
+    return kernel.moe_experts(
+        x, ids, weights, experts, swiglu_limit=swiglu_limit, interpret=True, config=config
+    )
 
 
 def _routing(rng, t, k, e, *, skew, invalid):
@@ -140,10 +142,12 @@ def test_block_map_invariants(t, k, e, bm):
             assert (flat[slots] == blk).all() and (blk >= 0 or slots.size == 0)
         start, length = np.asarray(bmap.span_start), np.asarray(bmap.span_len)
         for b, (s, c) in enumerate(zip(start, length)):  # spans tile the blocks, one expert each
-            assert s <= b < s + c and (block_expert[s:s + c] == block_expert[b]).all()
-            assert (start[s:s + c] == s).all() and (length[s:s + c] == c).all()
+            assert s <= b < s + c and (block_expert[s : s + c] == block_expert[b]).all()
+            assert (start[s : s + c] == s).all() and (length[s : s + c] == c).all()
     grouped = _group_by_expert(ids, e, bm)
-    block_expert, start, length = (np.asarray(a) for a in (grouped.block_expert, grouped.span_start, grouped.span_len))
+    block_expert, start, length = (
+        np.asarray(a) for a in (grouped.block_expert, grouped.span_start, grouped.span_len)
+    )
     for b, (s, c) in enumerate(zip(start, length)):  # grouped: a span is all of its expert's blocks
         assert (c == 1) if block_expert[b] < 0 else (block_expert == block_expert[b]).sum() == c
     grouped = block_expert
@@ -163,8 +167,14 @@ def test_sm90_table_matches_h100_sweep():
     """bf16 at GLM-5 shapes (E = 256, top-8) picks each T's fastest config in moe-h100.md."""
     wide = Tile(128, 64, 4, 4)
     compute = (Tile(128, 64, 8, 4), Tile(128, 64, 8, 3))
-    want = {1: (16, wide, wide), 8: (16, wide, wide), 32: (16, wide, wide), 128: (16, wide, wide),
-            512: (32, wide, wide), 4096: (128, *compute)}
+    want = {
+        1: (16, wide, wide),
+        8: (16, wide, wide),
+        32: (16, wide, wide),
+        128: (16, wide, wide),
+        512: (32, wide, wide),
+        4096: (128, *compute),
+    }
     for t, (block_m, gate_up, down) in want.items():
         assert tuning.choose(t * 8, 256, itemsize=2, cc=90) == MoeConfig(block_m, gate_up, down), t
 

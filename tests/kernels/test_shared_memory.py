@@ -70,7 +70,9 @@ def test_moe_fits(target, dtype):
         for t in TOKENS:
             cfg = moe_tuning.choose(t * 8, e, itemsize=itemsize, cc=cc)
             for tile, weight_tiles in ((cfg.gate_up, 2), (cfg.down, 1)):
-                nbytes = moe_tuning.smem_bytes(tile, block_m=cfg.block_m, weight_tiles=weight_tiles, itemsize=itemsize)
+                nbytes = moe_tuning.smem_bytes(
+                    tile, block_m=cfg.block_m, weight_tiles=weight_tiles, itemsize=itemsize
+                )
                 assert nbytes <= budget, (e, t, cfg)
 
 
@@ -96,7 +98,11 @@ def test_bf16_tables_are_not_shrunk(monkeypatch):
                 if (cc, h, t) in mla_tuning.TUNED:
                     continue
                 cfg = mla_tuning.choose(t, h, 2048, d_v=512, d_r=64, itemsize=2)
-                assert cfg.num_stages == e.num_stages and cfg.block_n in (e.block_n, e.wide_block_n), (cc, h, t)
+                assert cfg.num_stages == e.num_stages and cfg.block_n in (e.block_n, e.wide_block_n), (
+                    cc,
+                    h,
+                    t,
+                )
         table = indexer_tuning.config_for(cc)
         for hi in INDEXER_HEADS:
             assert indexer_tuning.choose(num_heads=hi, head_dim=128, itemsize=2, cc=cc) == table

@@ -21,7 +21,9 @@ from pallas_kernels.sparse_mla.tuning import MlaConfig
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "v_dim", "config"))
 def _kernel(q, kv, indices, sink, *, sm_scale, v_dim, config):
-    return kernel.sparse_mla(q, kv, indices, sm_scale=sm_scale, sink=sink, v_dim=v_dim, interpret=True, config=config)
+    return kernel.sparse_mla(
+        q, kv, indices, sm_scale=sm_scale, sink=sink, v_dim=v_dim, interpret=True, config=config
+    )
 
 
 _reference = jax.jit(ref.sparse_mla, static_argnames=("sm_scale", "v_dim"))
@@ -76,9 +78,29 @@ CASES = {
     "h128_bf16_sink": (2, 128, 256, 72, 576, 512, jnp.bfloat16, True, MlaConfig(64, 32, 8, 2, 1)),
     "h128_bf16_split": (2, 128, 256, 72, 576, 512, jnp.bfloat16, False, MlaConfig(128, 16, 8, 2, 4)),
     # the next step's indices carried through the loop: ragged last step, splits, a sink.
-    "prefetch_split_sink": (3, 16, 300, 100, 576, 512, jnp.float32, True, MlaConfig(16, 16, 4, 2, 3, prefetch=True)),
+    "prefetch_split_sink": (
+        3,
+        16,
+        300,
+        100,
+        576,
+        512,
+        jnp.float32,
+        True,
+        MlaConfig(16, 16, 4, 2, 3, prefetch=True),
+    ),
     # bf16 partial outputs between the split kernel and the merge.
-    "narrow_partials_split_sink": (2, 16, 300, 100, 576, 512, jnp.bfloat16, True, MlaConfig(16, 16, 4, 2, 3, narrow_partials=True)),
+    "narrow_partials_split_sink": (
+        2,
+        16,
+        300,
+        100,
+        576,
+        512,
+        jnp.bfloat16,
+        True,
+        MlaConfig(16, 16, 4, 2, 3, narrow_partials=True),
+    ),
     # the tiny test models: 4 heads (padded to 16), 136 = 128 + 8 columns (padded to 128 + 16).
     "tiny_model_f32_sink": (5, 4, 64, 8, 136, 128, jnp.float32, True, None),
     # the whole row is the value (DeepSeek-V4 style): no rope part.

@@ -137,7 +137,9 @@ SECANT = TopkConfig(chunk=256, elems_per_thread=4, search="secant")
     [
         lambda rng: _random_rows(rng, 5, 2000),  # distinct values, ragged -inf tails, an empty row
         lambda rng: rng.standard_exponential((4, 1500)).astype(np.float32) ** 4,  # heavy tail
-        lambda rng: np.concatenate([rng.standard_normal((3, 900)), np.full((3, 100), 3e38)], 1).astype(np.float32),
+        lambda rng: np.concatenate([rng.standard_normal((3, 900)), np.full((3, 100), 3e38)], 1).astype(
+            np.float32
+        ),
     ],
     ids=["normal_ragged", "heavy_tail", "near_float_max"],
 )
@@ -174,8 +176,15 @@ def test_h100_table_follows_the_sweep():
     secant search when each of many rows fits one chunk."""
     small, large = TopkConfig(chunk=8192, elems_per_thread=16), TopkConfig(chunk=16384, elems_per_thread=32)
     single = TopkConfig(chunk=8192, elems_per_thread=32, search="secant")
-    want = {(32, 8192): small, (32, 32768): small, (32, 131072): large, (32, 262144): large,
-            (4096, 8192): single, (4096, 32768): large, (4096, 131072): large}
+    want = {
+        (32, 8192): small,
+        (32, 32768): small,
+        (32, 131072): large,
+        (32, 262144): large,
+        (4096, 8192): single,
+        (4096, 32768): large,
+        (4096, 131072): large,
+    }
     for (rows, keys), config in want.items():
         assert tuning.config_for(90, rows=rows, keys=keys) == config, (rows, keys)
     assert tuning.config_for(80, rows=32, keys=8192) == tuning.config_for(80)

@@ -31,8 +31,10 @@ def _kernel(x_ref, o_ref, *, literal_flag: bool):
 
 
 def _lower(literal_flag: bool) -> str:
-    call = pl.pallas_call(functools.partial(_kernel, literal_flag=literal_flag),
-                          out_shape=jax.ShapeDtypeStruct((16,), jnp.float32))
+    call = pl.pallas_call(
+        functools.partial(_kernel, literal_flag=literal_flag),
+        out_shape=jax.ShapeDtypeStruct((16,), jnp.float32),
+    )
     return lower_for_cuda(call, jax.ShapeDtypeStruct((16,), jnp.float32))
 
 

@@ -3,7 +3,11 @@ import pytest
 import jaxdsa
 from checkpoints.make_tiny import make_tiny
 
-FAMILIES = {"glm5": ("glm_moe_dsa", "glm5"), "dsv32": ("deepseek_v32", "dsv32"), "glm52": ("glm_moe_dsa", "glm52")}
+FAMILIES = {
+    "glm5": ("glm_moe_dsa", "glm5"),
+    "dsv32": ("deepseek_v32", "dsv32"),
+    "glm52": ("glm_moe_dsa", "glm52"),
+}
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,11 @@ def rel_l2(got, want):
     return np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
 
 
-@pytest.fixture(scope="module", params=[(name, backend) for backend in ("reference", "interpret") for name in FIXTURE_NAMES], ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(
+    scope="module",
+    params=[(name, backend) for backend in ("reference", "interpret") for name in FIXTURE_NAMES],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
 def case(request):
     name, backend = request.param
     previous = ops.get_kernels()

@@ -16,11 +16,18 @@ def log_softmax(x):
 def test_logprobs_are_the_full_forward_log_softmax(tiny_llms, family):
     llm = tiny_llms[family]
     prompt = np.random.default_rng(3).integers(0, llm.config.vocab_size, 20).tolist()
-    engine = Engine(llm.config, llm.params, dtype=llm.dtype, config=EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, max_logprobs=5))
+    engine = Engine(
+        llm.config,
+        llm.params,
+        dtype=llm.dtype,
+        config=EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, max_logprobs=5),
+    )
     with pytest.raises(ValueError, match="max_logprobs"):
         engine.add_request("too-many", prompt, SamplingParams(logprobs=6))
     # A sampled request with logprobs shares its steps with one without (whose rows are not fetched).
-    engine.add_request("a", prompt, SamplingParams(max_tokens=6, temperature=0.9, seed=3, logprobs=5), return_logits=True)
+    engine.add_request(
+        "a", prompt, SamplingParams(max_tokens=6, temperature=0.9, seed=3, logprobs=5), return_logits=True
+    )
     engine.add_request("b", prompt[:7], SamplingParams(max_tokens=6))
     outputs = {"a": [], "b": []}
     while engine.has_unfinished():
@@ -46,12 +53,16 @@ def test_prompt_logprobs_over_chunked_prefill_are_the_full_forward(tiny_llms, fa
     prompt = np.random.default_rng(4).integers(0, llm.config.vocab_size, 30).tolist()
     # A 12-token budget runs the prompt in chunks (crossing index_topk = 8) beside another request,
     # and all of it although an earlier request left its pages in the prefix cache.
-    config = EngineConfig(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=12, page_size=8, max_logprobs=4)
+    config = EngineConfig(
+        max_num_seqs=2, max_model_len=64, max_num_batched_tokens=12, page_size=8, max_logprobs=4
+    )
     engine = Engine(llm.config, llm.params, dtype=llm.dtype, config=config)
     engine.add_request("earlier", prompt, SamplingParams(max_tokens=1))  # caches the prompt's pages
     while engine.has_unfinished():
         engine.step()
-    engine.add_request("scored", prompt, SamplingParams(max_tokens=1, prompt_logprobs=3))  # ends at its first token
+    engine.add_request(
+        "scored", prompt, SamplingParams(max_tokens=1, prompt_logprobs=3)
+    )  # ends at its first token
     engine.add_request("other", prompt[:9], SamplingParams(max_tokens=4))
     outputs = {"scored": [], "other": []}
     while engine.has_unfinished():
@@ -76,7 +87,12 @@ def test_min_tokens_holds_back_stop_tokens(tiny_llms):
     that it ends the request. Its logprobs stay the model's own (it is still the top token)."""
     llm = tiny_llms["glm5"]
     prompt = np.random.default_rng(5).integers(0, llm.config.vocab_size, 12).tolist()
-    engine = Engine(llm.config, llm.params, dtype=llm.dtype, config=EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, max_logprobs=2))
+    engine = Engine(
+        llm.config,
+        llm.params,
+        dtype=llm.dtype,
+        config=EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, max_logprobs=2),
+    )
     engine.add_request("free", prompt, SamplingParams(max_tokens=1))
     while engine.has_unfinished():
         for o in engine.step():
@@ -84,7 +100,9 @@ def test_min_tokens_holds_back_stop_tokens(tiny_llms):
     with pytest.raises(ValueError, match="min_tokens"):
         engine.add_request("bad", prompt, SamplingParams(max_tokens=2, min_tokens=3))
     engine.add_request("stopped", prompt, SamplingParams(max_tokens=4, stop_token_ids=(stop,)))
-    engine.add_request("held", prompt, SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=(stop,), logprobs=1))
+    engine.add_request(
+        "held", prompt, SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=(stop,), logprobs=1)
+    )
     outputs = {"stopped": [], "held": []}
     while engine.has_unfinished():
         for o in engine.step():

@@ -41,7 +41,10 @@ def test_sparse_equals_dense_when_everything_is_selected(tiny_llms):
     """With kv_len <= index_topk the indexer selects every key: the dense path is exact."""
     llm = tiny_llms["glm5"]
     ids = np.random.default_rng(4).integers(0, llm.config.vocab_size, llm.config.index_topk)
-    assert rel_l2(_run(llm, ids, sparse=True, absorbed=True), _run(llm, ids, sparse=False, absorbed=True)).max() < 1e-5
+    assert (
+        rel_l2(_run(llm, ids, sparse=True, absorbed=True), _run(llm, ids, sparse=False, absorbed=True)).max()
+        < 1e-5
+    )
 
 
 @pytest.mark.parametrize("family", ["glm5", "dsv32", "glm52"])
@@ -49,7 +52,12 @@ def test_chunked_prefill_and_decode_match_full_forward(tiny_llms, family):
     llm = tiny_llms[family]
     prompt = np.random.default_rng(5).integers(0, llm.config.vocab_size, 30).tolist()
     # A 10-token budget prefills the prompt in three chunks, crossing index_topk = 8.
-    engine = Engine(llm.config, llm.params, dtype=llm.dtype, config=EngineConfig(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=10, page_size=8))
+    engine = Engine(
+        llm.config,
+        llm.params,
+        dtype=llm.dtype,
+        config=EngineConfig(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=10, page_size=8),
+    )
     engine.add_request("r", prompt, SamplingParams(max_tokens=8), return_logits=True)
     outputs = []
     while engine.has_unfinished():
@@ -68,10 +76,21 @@ def test_prefix_cache_hits_give_the_logits_of_a_full_computation(tiny_llms, fami
     llm = tiny_llms[family]
     rng = np.random.default_rng(9)
     base = rng.integers(0, llm.config.vocab_size, 21).tolist()
-    prompts = [base, base + [5, 6, 7], base[:13] + [1, 2, 3], list(base)]  # longer, diverging mid-page, identical
+    prompts = [
+        base,
+        base + [5, 6, 7],
+        base[:13] + [1, 2, 3],
+        list(base),
+    ]  # longer, diverging mid-page, identical
 
     def serve(prefix_caching):
-        config = EngineConfig(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16, page_size=8, enable_prefix_caching=prefix_caching)
+        config = EngineConfig(
+            max_num_seqs=2,
+            max_model_len=64,
+            max_num_batched_tokens=16,
+            page_size=8,
+            enable_prefix_caching=prefix_caching,
+        )
         engine = Engine(llm.config, llm.params, dtype=llm.dtype, config=config)
         out = {}
         for i, prompt in enumerate(prompts):  # two at a time: later ones find earlier ones' pages
@@ -80,11 +99,16 @@ def test_prefix_cache_hits_give_the_logits_of_a_full_computation(tiny_llms, fami
                 while engine.has_unfinished():
                     for o in engine.step():
                         out.setdefault(o.request_id, []).append(o)
-        return engine, {k: (sum((o.new_token_ids for o in v), []), np.stack([o.logits for o in v])) for k, v in out.items()}
+        return engine, {
+            k: (sum((o.new_token_ids for o in v), []), np.stack([o.logits for o in v]))
+            for k, v in out.items()
+        }
 
     engine, cached = serve(True)
     _, plain = serve(False)
-    assert engine.scheduler.prefix_hit >= 16 + 8 + 16  # pages of 8: 2 of request 1, 1 of request 2, 2 of request 3
+    assert (
+        engine.scheduler.prefix_hit >= 16 + 8 + 16
+    )  # pages of 8: 2 of request 1, 1 of request 2, 2 of request 3
     for k in plain:
         assert cached[k][0] == plain[k][0]
         assert rel_l2(cached[k][1], plain[k][1]).max() < 1e-5

@@ -26,19 +26,42 @@ def _rms(x, w, eps):
 def test_mtp_step_follows_the_formula(name):
     llm = jaxdsa.LLM(FIXTURES / name, dtype="float32", page_size=8, progress=False)
     cfg, params = llm.config, llm.params
-    assert len(params["mtp"]) == 1 and "indexer" in params["mtp"][0]["attn"]  # the MTP layer has its own indexer
+    assert (
+        len(params["mtp"]) == 1 and "indexer" in params["mtp"][0]["attn"]
+    )  # the MTP layer has its own indexer
     ids = np.load(FIXTURES / name / "golden.npz")["prompt_long"].astype(np.int32)
     T, page = len(ids), 8
     pages = -(-T // page)
-    meta = StepMeta(jnp.zeros(T, jnp.int32), jnp.arange(pages, dtype=jnp.int32)[None], jnp.arange(T, dtype=jnp.int32))
+    meta = StepMeta(
+        jnp.zeros(T, jnp.int32), jnp.arange(pages, dtype=jnp.int32)[None], jnp.arange(T, dtype=jnp.int32)
+    )
     pos = jnp.arange(T, dtype=jnp.int32)
-    hidden, _ = forward(params, jnp.asarray(ids), pos, init_cache(cfg, pages, page, jnp.float32), meta, cfg=cfg, sparse=True, absorbed=True)
+    hidden, _ = forward(
+        params,
+        jnp.asarray(ids),
+        pos,
+        init_cache(cfg, pages, page, jnp.float32),
+        meta,
+        cfg=cfg,
+        sparse=True,
+        absorbed=True,
+    )
 
     # Predict token t+2 at every position t < T-1: main hidden at t, token t+1.
     mtp_cache = init_cache(cfg, pages, page, jnp.float32, mtp=True)
     n = T - 1
     meta_n = StepMeta(jnp.zeros(n, jnp.int32), meta.page_table, jnp.arange(n, dtype=jnp.int32))
-    got, _ = mtp_step(params, hidden[:n], jnp.asarray(ids[1:]), pos[:n], mtp_cache, meta_n, cfg=cfg, sparse=True, absorbed=True)
+    got, _ = mtp_step(
+        params,
+        hidden[:n],
+        jnp.asarray(ids[1:]),
+        pos[:n],
+        mtp_cache,
+        meta_n,
+        cfg=cfg,
+        sparse=True,
+        absorbed=True,
+    )
 
     reader = CheckpointReader(str(FIXTURES / name))
     layer = f"model.layers.{cfg.num_hidden_layers}."
@@ -48,14 +71,23 @@ def test_mtp_step_follows_the_formula(name):
     g = _rms(np.asarray(hidden[:n]), raw(layer + "hnorm.weight"), eps)
     u = np.concatenate([e, g], axis=-1) @ raw(layer + "eh_proj.weight").T
     block, *_ = decoder_layer(
-        params["mtp"][0], jnp.asarray(u), pos[:n], cos_sin(pos[:n], cfg.rope, cfg.qk_rope_head_dim),
+        params["mtp"][0],
+        jnp.asarray(u),
+        pos[:n],
+        cos_sin(pos[:n], cfg.rope, cfg.qk_rope_head_dim),
         init_cache(cfg, pages, page, jnp.float32, mtp=True).latent[0],
         init_cache(cfg, pages, page, jnp.float32, mtp=True).index_keys[0],
-        meta_n, None, cfg=cfg, sparse=True, absorbed=True,
+        meta_n,
+        None,
+        cfg=cfg,
+        sparse=True,
+        absorbed=True,
     )
     want = _rms(np.asarray(block), raw(layer + "shared_head.norm.weight"), eps) @ raw("lm_head.weight").T
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    np.testing.assert_array_equal(np.asarray(params["mtp"][0]["attn"]["q_a"]), raw(layer + "self_attn.q_a_proj.weight").T)
+    np.testing.assert_array_equal(
+        np.asarray(params["mtp"][0]["attn"]["q_a"]), raw(layer + "self_attn.q_a_proj.weight").T
+    )
 
 
 def test_checkpoint_without_mtp_weights_loads_without_them():

@@ -12,8 +12,13 @@ from jaxdsa.engine import Engine, EngineConfig, SamplingParams
 PENALIZED = {
     "rep": SamplingParams(max_tokens=14, repetition_penalty=0.5),
     "freq": SamplingParams(max_tokens=14, frequency_penalty=-2.0, presence_penalty=0.5),
-    "all": SamplingParams(max_tokens=14, frequency_penalty=0.7, presence_penalty=-2.0, repetition_penalty=1.3,
-                          logit_bias=((104, -100.0), (7, 6.0), (200, 4.0))),
+    "all": SamplingParams(
+        max_tokens=14,
+        frequency_penalty=0.7,
+        presence_penalty=-2.0,
+        repetition_penalty=1.3,
+        logit_bias=((104, -100.0), (7, 6.0), (200, 4.0)),
+    ),
 }
 
 
@@ -51,9 +56,15 @@ def test_penalized_greedy_tokens_follow_vllm(tiny_llms, num_pages, forget):
     base = rng.integers(0, V, 6).tolist()
     prompts = {rid: (base * 4)[: 18 + i] for i, rid in enumerate([*PENALIZED, "plain"])}  # repetitive prompts
     params = PENALIZED | {"plain": SamplingParams(max_tokens=14)}
-    config = EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, num_pages=num_pages, enable_prefix_caching=False)
-    requests, outputs = _run(Engine(llm.config, llm.params, dtype=llm.dtype, config=config), prompts, params,
-                             forget_rows_every=forget)
+    config = EngineConfig(
+        max_num_seqs=2, max_model_len=64, page_size=8, num_pages=num_pages, enable_prefix_caching=False
+    )
+    requests, outputs = _run(
+        Engine(llm.config, llm.params, dtype=llm.dtype, config=config),
+        prompts,
+        params,
+        forget_rows_every=forget,
+    )
     if num_pages:
         assert sum(r.num_preemptions for r in requests.values()) > 0
     changed = 0
@@ -66,7 +77,11 @@ def test_penalized_greedy_tokens_follow_vllm(tiny_llms, num_pages, forget):
             changed += tokens[pos] != int(np.argmax(o.logits))
     assert changed > 0  # the penalties decided some tokens
 
-    solo = Engine(llm.config, llm.params, dtype=llm.dtype, config=EngineConfig(max_num_seqs=1, max_model_len=64, page_size=8))
+    solo = Engine(
+        llm.config,
+        llm.params,
+        dtype=llm.dtype,
+        config=EngineConfig(max_num_seqs=1, max_model_len=64, page_size=8),
+    )
     _, alone = _run(solo, {"plain": prompts["plain"]}, params)
     assert [o.new_token_ids for o in outputs["plain"]] == [o.new_token_ids for o in alone["plain"]]
-

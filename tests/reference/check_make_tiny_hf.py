@@ -51,7 +51,11 @@ TOOLS = [
         "function": {
             "name": "get_weather",
             "description": "Weather for a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
         },
     }
 ]
@@ -74,7 +78,10 @@ GLM_CHATS = [  # (messages, tools, kwargs)
                 "content": "Let me check.",
                 "reasoning_content": "Need the tool.",
                 "tool_calls": [
-                    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}
+                    {
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}},
+                    }
                 ],
             },
             {"role": "tool", "content": "sunny"},
@@ -118,7 +125,9 @@ def expected_param(name: str, files: dict[str, torch.Tensor]) -> torch.Tensor | 
     if name in files:
         return files[name]
     prefix, _, leaf = name.rpartition("experts.")
-    experts = sorted({int(k[len(prefix) + 8 :].split(".")[0]) for k in files if k.startswith(prefix + "experts.")})
+    experts = sorted(
+        {int(k[len(prefix) + 8 :].split(".")[0]) for k in files if k.startswith(prefix + "experts.")}
+    )
     if not experts:
         return None
     per = lambda e, proj: files[f"{prefix}experts.{e}.{proj}.weight"]  # noqa: E731
@@ -137,15 +146,27 @@ def check_model(ckpt: pathlib.Path, dtype: str, failures: list[str]) -> None:
     check(not info["missing_keys"], f"no missing keys {sorted(info['missing_keys'])[:5]}", failures)
     check(not info["mismatched_keys"], f"no mismatched keys {sorted(info['mismatched_keys'])[:5]}", failures)
     unexpected = sorted(k for k in info["unexpected_keys"] if not k.startswith(mtp))
-    check(not unexpected, f"unexpected keys only in the MTP layer ({len(info['unexpected_keys'])} there)", failures)
+    check(
+        not unexpected,
+        f"unexpected keys only in the MTP layer ({len(info['unexpected_keys'])} there)",
+        failures,
+    )
     check(not info.get("error_msgs"), f"no load errors {info.get('error_msgs')}", failures)
 
     files = file_tensors(ckpt)
     state = model.state_dict()
-    bad = [n for n, p in state.items() if (e := expected_param(n, files)) is None or not torch.equal(p, e.to(p.dtype))]
+    bad = [
+        n
+        for n, p in state.items()
+        if (e := expected_param(n, files)) is None or not torch.equal(p, e.to(p.dtype))
+    ]
     check(not bad, f"all {len(state)} HF parameters equal their file tensors {bad[:5]}", failures)
     generation = json.loads((ckpt / "generation_config.json").read_text())
-    check(model.generation_config.eos_token_id == generation["eos_token_id"], "generation_config eos ids", failures)
+    check(
+        model.generation_config.eos_token_id == generation["eos_token_id"],
+        "generation_config eos ids",
+        failures,
+    )
     want = torch.float32 if dtype == "float32" else torch.bfloat16
     check(model.model.embed_tokens.weight.dtype == want, f"loaded dtype {want}", failures)
 
@@ -161,7 +182,9 @@ def check_model(ckpt: pathlib.Path, dtype: str, failures: list[str]) -> None:
     std = logits.std().item()
     sane = bool(torch.isfinite(logits).all()) and 0.1 < std < 10
     check(sane, f"forward on {ids.shape[1]} tokens: logits std {std:.3f}", failures)
-    check(out.shape[1] == ids.shape[1] + 8, f"greedy generate: {tok.decode(out[0, ids.shape[1]:])!r}", failures)
+    check(
+        out.shape[1] == ids.shape[1] + 8, f"greedy generate: {tok.decode(out[0, ids.shape[1] :])!r}", failures
+    )
 
 
 def check_tokenizer(ckpt: pathlib.Path, family: str, failures: list[str]) -> None:
@@ -171,7 +194,11 @@ def check_tokenizer(ckpt: pathlib.Path, family: str, failures: list[str]) -> Non
     specials = list(spec.leading) + [content for content, _ in spec.added]
     single = {s: tok.encode(s, add_special_tokens=False) for s in specials}
     check(all(len(v) == 1 for v in single.values()), f"special tokens are single ids: {single}", failures)
-    check(tok.decode(tok.encode(MIXED_TEXT, add_special_tokens=False)) == MIXED_TEXT, "mixed text round trip", failures)
+    check(
+        tok.decode(tok.encode(MIXED_TEXT, add_special_tokens=False)) == MIXED_TEXT,
+        "mixed text round trip",
+        failures,
+    )
     plain = tok.encode("Hi", add_special_tokens=True) == tok.encode("Hi", add_special_tokens=False)
     check(plain, "the tokenizer adds no BOS/EOS itself", failures)
 
@@ -179,18 +206,32 @@ def check_tokenizer(ckpt: pathlib.Path, family: str, failures: list[str]) -> Non
     if family == "glm_moe_dsa":
         for messages, tools, kwargs in GLM_CHATS:
             for gen in (False, True):
-                hf = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen, **kwargs)
+                hf = tok.apply_chat_template(
+                    messages, tools=tools, tokenize=False, add_generation_prompt=gen, **kwargs
+                )
                 ours = tokenizer_assets.render_chat_template(
                     template, messages, tools=tools, add_generation_prompt=gen, **kwargs
                 )
-                check(hf == ours, f"GLM apply_chat_template == our renderer (tools={bool(tools)}, gen={gen})", failures)
-        hf = tok.apply_chat_template(GLM_CHATS[0][0], tokenize=False, add_generation_prompt=True, enable_thinking=False)
+                check(
+                    hf == ours,
+                    f"GLM apply_chat_template == our renderer (tools={bool(tools)}, gen={gen})",
+                    failures,
+                )
+        hf = tok.apply_chat_template(
+            GLM_CHATS[0][0], tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
         check(hf == EXPECTED["glm"], f"models.md §6.1 example: {hf!r}", failures)
     else:
         for mode in ("chat", "thinking"):
-            hf = tok.apply_chat_template(DS_CHAT, tokenize=False, add_generation_prompt=True, thinking_mode=mode)
+            hf = tok.apply_chat_template(
+                DS_CHAT, tokenize=False, add_generation_prompt=True, thinking_mode=mode
+            )
             check(hf == EXPECTED[mode], f"models.md §6.3 {mode} example: {hf!r}", failures)
-            check(hf == deepseek_encoding.encode_messages(DS_CHAT, mode), f"{mode}: template == encoder", failures)
+            check(
+                hf == deepseek_encoding.encode_messages(DS_CHAT, mode),
+                f"{mode}: template == encoder",
+                failures,
+            )
 
 
 def main() -> int:
@@ -205,7 +246,9 @@ def main() -> int:
             ckpt = pathlib.Path(tmp) / f"{preset}-{dtype}-{shards}"
             cmd = [args.maker_python, "-m", "checkpoints.make_tiny", "--family", family, "--out", str(ckpt)]
             cmd += ["--preset", preset, "--dtype", dtype, "--shards", str(shards), "--seed", "0"]
-            subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+            subprocess.run(
+                cmd, cwd=REPO, check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}
+            )
             print(f"{family} {preset} {dtype} shards={shards}")
             check_model(ckpt, dtype, failures)
             check_tokenizer(ckpt, family, failures)

@@ -218,7 +218,11 @@ def is_fp8_quantized(hub_name: str) -> bool:
     if hub_name.endswith(FP8_QUANTIZED_SUFFIXES):
         return True
     parts = hub_name.split(".")
-    return ".mlp.experts." in hub_name and parts[-1] == "weight" and parts[-2] in ("gate_proj", "up_proj", "down_proj")
+    return (
+        ".mlp.experts." in hub_name
+        and parts[-1] == "weight"
+        and parts[-2] in ("gate_proj", "up_proj", "down_proj")
+    )
 
 
 def vary_blocks(w: torch.Tensor, block: tuple[int, int], g: torch.Generator) -> torch.Tensor:
@@ -295,7 +299,12 @@ class Probes:
         names = ("hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids")
         a = dict(zip(names, args))
         a.update({k: v for k, v in kwargs.items() if k in names})
-        hs, q_resid, (cos, sin), mask = a["hidden_states"], a["q_resid"], a["position_embeddings"], a["attention_mask"]
+        hs, q_resid, (cos, sin), mask = (
+            a["hidden_states"],
+            a["q_resid"],
+            a["position_embeddings"],
+            a["attention_mask"],
+        )
         pkv = kwargs.get("past_key_values")
         bsz, seq, _ = hs.shape
         r = module.qk_rope_head_dim
@@ -309,7 +318,9 @@ class Probes:
         k = torch.cat([k_rot, k_pass], -1).squeeze(2)
         if pkv is not None:  # the hook runs after the cache update: the layer holds all keys
             k = pkv.layers[module.layer_idx].indexer_keys
-        scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * module.softmax_scale)
+        scores = F.relu(
+            torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * module.softmax_scale
+        )
         w = module.weights_proj(hs.to(module.weights_proj.weight.dtype)).float() * module.n_heads**-0.5
         idx = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2).double()  # [B, S, T]
         valid = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
@@ -329,7 +340,9 @@ class Probes:
                 keys = torch.nonzero(valid[b, s]).squeeze(-1)
                 mine = set(keys[order[: self.k]].tolist())
                 if mine != set(chosen[b, s].tolist()):
-                    raise AssertionError(f"indexer probe disagrees with HF at layer {module.layer_idx} row {s}")
+                    raise AssertionError(
+                        f"indexer probe disagrees with HF at layer {module.layer_idx} row {s}"
+                    )
 
     @torch.no_grad()
     def _router_hook(self, module, args, output):
@@ -470,7 +483,14 @@ def mtp_tensors(main: dict[str, torch.Tensor], cfg, g: torch.Generator) -> dict[
     if not any(k.startswith("mlp.experts.") for k in names):
         raise AssertionError("the last main layer must be an MoE layer")
     d = cfg.hidden_size
-    names.update({"enorm.weight": (d,), "hnorm.weight": (d,), "eh_proj.weight": (d, 2 * d), "shared_head.norm.weight": (d,)})
+    names.update(
+        {
+            "enorm.weight": (d,),
+            "hnorm.weight": (d,),
+            "eh_proj.weight": (d, 2 * d),
+            "shared_head.norm.weight": (d,),
+        }
+    )
     out = {}
     for suffix in sorted(names):
         full = f"model.layers.{n}.{suffix}"
@@ -505,7 +525,9 @@ def read_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def write_checkpoint(model, directory: Path, spec, cfg, extra: dict[str, torch.Tensor], fp8: dict | None) -> None:
+def write_checkpoint(
+    model, directory: Path, spec, cfg, extra: dict[str, torch.Tensor], fp8: dict | None
+) -> None:
     """save_pretrained (Hub layout), then add MTP tensors / FP8 tensors, then generation_config."""
     if directory.exists():
         shutil.rmtree(directory)
@@ -578,8 +600,14 @@ def write_checkpoint(model, directory: Path, spec, cfg, extra: dict[str, torch.T
 def attempt(spec, presets, seed: int) -> dict[str, Any]:
     cfg, raw = hf_config(spec, presets)
     model = build_model(cfg, seed)
-    model.generation_config = GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=None, do_sample=False)
-    fp8 = fp8_replace_weights(model, FP8_BLOCK, torch.Generator().manual_seed(30_000 + seed)) if spec.get("fp8") else None
+    model.generation_config = GenerationConfig(
+        bos_token_id=cfg.bos_token_id, eos_token_id=None, do_sample=False
+    )
+    fp8 = (
+        fp8_replace_weights(model, FP8_BLOCK, torch.Generator().manual_seed(30_000 + seed))
+        if spec.get("fp8")
+        else None
+    )
     prompts = make_prompts(seed, cfg.vocab_size)
 
     probes = Probes(model, cfg.model_type, cfg.index_topk)
@@ -596,7 +624,9 @@ def attempt(spec, presets, seed: int) -> dict[str, Any]:
     checks["greedy_min_margin_abs"] = float(np.min(np.diff(np.sort(glog, -1)[:, -2:], axis=-1)))
     checks["long_argmax_min_margin"] = float(greedy_margins(res["logits_long"]).min())
     checks["logit_std_long"] = float(res["logits_long"].std(-1).mean())
-    checks["logit_max_abs"] = float(max(np.abs(res[k]).max() for k in ("logits_short", "logits_long", "greedy_logits")))
+    checks["logit_max_abs"] = float(
+        max(np.abs(res[k]).max() for k in ("logits_short", "logits_long", "greedy_logits"))
+    )
 
     # The uncached forward over prompt + generated tokens gives the same per-step logits (§8.7).
     seq = np.concatenate([prompts["greedy_prompt"], tokens[:-1]])
@@ -605,8 +635,12 @@ def attempt(spec, presets, seed: int) -> dict[str, Any]:
     # float64 run of the same HF model (router / indexer scores stay fp32 inside HF)
     m64 = copy.deepcopy(model).to(torch.float64)
     m64.set_experts_implementation("eager")  # the default grouped_mm kernel has no float64 CPU path
-    checks["fp64_rel_long"] = float(rel_l2_rows(res["logits_long"], full_logits(m64, prompts["prompt_long"])).max())
-    checks["fp64_rel_short"] = float(rel_l2_rows(res["logits_short"], full_logits(m64, prompts["prompt_short"])).max())
+    checks["fp64_rel_long"] = float(
+        rel_l2_rows(res["logits_long"], full_logits(m64, prompts["prompt_long"])).max()
+    )
+    checks["fp64_rel_short"] = float(
+        rel_l2_rows(res["logits_short"], full_logits(m64, prompts["prompt_short"])).max()
+    )
     tok64, glog64 = greedy(m64, prompts["greedy_prompt"])
     checks["fp64_greedy_same"] = bool(np.array_equal(tok64, tokens))
     checks["fp64_rel_greedy"] = float(rel_l2_rows(glog, glog64).max())
@@ -629,7 +663,15 @@ def attempt(spec, presets, seed: int) -> dict[str, Any]:
         problems.append(f"fp64 greedy {checks['fp64_greedy_same']} {checks['fp64_rel_greedy']:.3g}")
     if checks["indexer_rows"] == 0 or checks["router_rows"] == 0:
         problems.append("probes saw nothing")
-    return {"model": model, "cfg": cfg, "raw": raw, "fp8": fp8, "res": res, "checks": checks, "problems": problems}
+    return {
+        "model": model,
+        "cfg": cfg,
+        "raw": raw,
+        "fp8": fp8,
+        "res": res,
+        "checks": checks,
+        "problems": problems,
+    }
 
 
 def hf_internals(model) -> dict[str, Any]:
@@ -687,7 +729,7 @@ def sensitivity(model, cfg, prompt: np.ndarray, base: np.ndarray, fp8=None) -> d
         rot.attention_scaling = keep
 
     attns = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
-    plain = attns[0].qk_head_dim**-0.5
+    plain = attns[0].qk_head_dim ** -0.5
     if attns[0].scaling != plain:
         keep = attns[0].scaling
         for m in attns:
@@ -781,7 +823,9 @@ def verify_reload(directory: Path, spec, cfg, res, presets_mod, model) -> dict[s
                 base = k[: -len("gate_up_proj")]
                 w = torch.stack(
                     [
-                        torch.cat([rebuilt[f"{base}{e}.gate_proj.weight"], rebuilt[f"{base}{e}.up_proj.weight"]])
+                        torch.cat(
+                            [rebuilt[f"{base}{e}.gate_proj.weight"], rebuilt[f"{base}{e}.up_proj.weight"]]
+                        )
                         for e in range(v.shape[0])
                     ]
                 )
@@ -857,7 +901,11 @@ def _try_hf_fp8_load(directory: Path, res, records: list[str]) -> str:
     except Exception as e:  # noqa: BLE001
         text = "\n".join(records) + "\n" + str(e)
         reason = next((ln.strip() for ln in text.splitlines() if "not divisible" in ln), None)
-        return f"refused to load: '{reason}'" if reason else f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        return (
+            f"refused to load: '{reason}'"
+            if reason
+            else f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        )
 
 
 def make_fixture(spec, presets_mod, out_root: Path, log) -> dict[str, Any]:
@@ -1138,7 +1186,9 @@ def main() -> None:
     args = ap.parse_args()
 
     if transformers.__version__ != "5.23.0" or not torch.__version__.startswith("2.13.0"):
-        print(f"WARNING: expected transformers 5.23.0 / torch 2.13.0, got {transformers.__version__} / {torch.__version__}")
+        print(
+            f"WARNING: expected transformers 5.23.0 / torch 2.13.0, got {transformers.__version__} / {torch.__version__}"
+        )
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     transformers.logging.set_verbosity_error()

@@ -9,7 +9,7 @@ import pathlib
 import subprocess
 import threading
 import time
-from typing import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
@@ -19,7 +19,6 @@ from fastapi import FastAPI
 from checkpoints.make_tiny import make_tiny
 from jaxdsa.engine import EngineDeadError, FinishReason, RequestOutput, SamplingParams, TokenLogprobs
 from serve.cli import bind
-
 
 ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
@@ -96,7 +95,9 @@ class ScriptedEngine:
         self.active = 0
         self._running: set[str] = set()
 
-    async def generate(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt: list[int], sampling: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
         if request_id in self._running:
             raise ValueError(f"duplicate request id {request_id!r}")  # as the real engine does
         self.prompts.append(list(prompt))
@@ -112,11 +113,34 @@ class ScriptedEngine:
             for i, token in enumerate(ids):
                 await asyncio.sleep(self.token_delay)
                 last = i == len(ids) - 1
-                reason = (FinishReason.STOP if len(ids) < sampling.max_tokens or token in sampling.stop_token_ids else FinishReason.LENGTH) if last else None
-                logprobs = None if sampling.logprobs is None else [scripted_logprobs(i, token, sampling.logprobs)]
+                reason = (
+                    (
+                        FinishReason.STOP
+                        if len(ids) < sampling.max_tokens or token in sampling.stop_token_ids
+                        else FinishReason.LENGTH
+                    )
+                    if last
+                    else None
+                )
+                logprobs = (
+                    None if sampling.logprobs is None else [scripted_logprobs(i, token, sampling.logprobs)]
+                )
                 n = sampling.prompt_logprobs
-                prompt_logprobs = None if i or n is None else [None] + [scripted_logprobs(p, prompt[p], n) for p in range(1, len(prompt))]
-                yield RequestOutput(request_id, [token], last, reason, len(prompt), i + 1, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                prompt_logprobs = (
+                    None
+                    if i or n is None
+                    else [None] + [scripted_logprobs(p, prompt[p], n) for p in range(1, len(prompt))]
+                )
+                yield RequestOutput(
+                    request_id,
+                    [token],
+                    last,
+                    reason,
+                    len(prompt),
+                    i + 1,
+                    logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
+                )
         finally:
             self.active -= 1
             self._running.discard(request_id)

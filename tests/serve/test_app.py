@@ -25,10 +25,16 @@ TOOLS = [
         "function": {
             "name": "get_weather",
             "description": "Weather for a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            },
         },
     },
-    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
+    {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    },
 ]
 TOOL_REPLY = (
     "The user wants weather.</think>Let me check."
@@ -47,7 +53,9 @@ class Stub:
 
     def post(self, path: str, body) -> httpx.Response:
         data = body if isinstance(body, str) else json.dumps(body)
-        return httpx.post(self.url + path, content=data, headers={"Content-Type": "application/json"}, timeout=30)
+        return httpx.post(
+            self.url + path, content=data, headers={"Content-Type": "application/json"}, timeout=30
+        )
 
 
 def make_context(model_dir: str, engine: ScriptedEngine, **overrides) -> ServingContext:
@@ -92,7 +100,10 @@ def test_tool_call_round_trip(stub):
     assert choice.message.content == "Let me check."
     assert choice.message.reasoning_content == "The user wants weather."
     calls = choice.message.tool_calls
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 3}),
+        ("get_time", {}),
+    ]
     assert "get_weather" in stub.tok.decode(stub.engine.prompts[-1])  # the tools reached the prompt
 
     # The client sends the call and the results back; the template renders them for the next turn.
@@ -114,8 +125,12 @@ def test_tool_call_round_trip(stub):
 
 def test_streamed_tool_calls_match_non_streamed(stub):
     stub.script(TOOL_REPLY)
-    chunks = list(stub.client.chat.completions.create(model="stub", messages=user("Weather?"), tools=TOOLS, stream=True))
-    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    chunks = list(
+        stub.client.chat.completions.create(model="stub", messages=user("Weather?"), tools=TOOLS, stream=True)
+    )
+    reasoning = "".join(
+        getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices
+    )
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     calls: dict[int, dict] = {}
     for c in chunks:
@@ -124,7 +139,10 @@ def test_streamed_tool_calls_match_non_streamed(stub):
             entry["name"] += tc.function.name or ""
             entry["arguments"] += tc.function.arguments or ""
     assert reasoning == "The user wants weather." and content == "Let me check."
-    assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]
+    assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == [
+        ("get_weather", {"city": "Paris", "days": 3}),
+        ("get_time", {}),
+    ]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -137,15 +155,21 @@ def test_tool_choice_none_keeps_the_text(stub):
 
 def test_thinking_off_is_all_content(stub):
     stub.script("No reasoning here.")
-    r = stub.client.chat.completions.create(model="stub", messages=user("x"), extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    r = stub.client.chat.completions.create(
+        model="stub", messages=user("x"), extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
     assert r.choices[0].message.content == "No reasoning here."
     assert r.choices[0].message.reasoning_content is None
-    assert stub.tok.decode(stub.engine.prompts[-1], skip_special_tokens=False).endswith("<|assistant|></think>")
+    assert stub.tok.decode(stub.engine.prompts[-1], skip_special_tokens=False).endswith(
+        "<|assistant|></think>"
+    )
 
 
 def test_auto_tool_choice_needs_the_flags(glm_dir):
     engine = ScriptedEngine()
-    with serving(create_app(make_context(glm_dir, engine, tool_parser=None, enable_auto_tool_choice=False))) as url:
+    with serving(
+        create_app(make_context(glm_dir, engine, tool_parser=None, enable_auto_tool_choice=False))
+    ) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
             client.chat.completions.create(model="stub", messages=user("x"), tools=TOOLS)
@@ -157,7 +181,9 @@ def test_auto_tool_choice_needs_the_flags(glm_dir):
 def test_stop_strings_cut_and_abort(stub):
     for stream in (False, True):
         stub.script("Hello world. Goodbye world.", stop_id=None)
-        r = stub.client.completions.create(model="stub", prompt="x", max_tokens=50, stop=["Goodbye", "zzz"], stream=stream)
+        r = stub.client.completions.create(
+            model="stub", prompt="x", max_tokens=50, stop=["Goodbye", "zzz"], stream=stream
+        )
         if stream:
             chunks = list(r)
             text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
@@ -171,19 +197,30 @@ def test_stop_strings_wait_for_min_tokens(stub):
     """As in vLLM, a stop string counts only once min_tokens tokens are out; min_tokens reaches
     the engine (which holds back EOS and stop ids)."""
     stub.script("Hello world. Goodbye world.", stop_id=None)
-    r = stub.client.completions.create(model="stub", prompt="x", max_tokens=50, stop=["Goodbye"], extra_body={"min_tokens": 50})
+    r = stub.client.completions.create(
+        model="stub", prompt="x", max_tokens=50, stop=["Goodbye"], extra_body={"min_tokens": 50}
+    )
     assert r.choices[0].text == "Hello world. Goodbye world." and stub.engine.sampling[-1].min_tokens == 50
 
 
 def test_penalties_and_logit_bias_reach_the_engine(stub):
     stub.script("Hello.", stop_id=None)
-    stub.client.completions.create(model="stub", prompt="x", max_tokens=5, presence_penalty=0.5, frequency_penalty=-1.0,
-                                   logit_bias={"7": -100, "3": 2.5}, extra_body={"repetition_penalty": 1.2})
+    stub.client.completions.create(
+        model="stub",
+        prompt="x",
+        max_tokens=5,
+        presence_penalty=0.5,
+        frequency_penalty=-1.0,
+        logit_bias={"7": -100, "3": 2.5},
+        extra_body={"repetition_penalty": 1.2},
+    )
     sp = stub.engine.sampling[-1]
     assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1.0, 1.2)
     assert sp.logit_bias == ((3, 2.5), (7, -100.0))
     stub.script("Hello.", stop_id=None)
-    stub.client.chat.completions.create(model="stub", messages=user("x"), presence_penalty=0, frequency_penalty=0)
+    stub.client.chat.completions.create(
+        model="stub", messages=user("x"), presence_penalty=0, frequency_penalty=0
+    )
     assert not stub.engine.sampling[-1].penalized  # the OpenAI SDKs' zeros mean off
 
 
@@ -198,7 +235,9 @@ def test_eos_is_hidden_and_defaults_apply(stub):
     stub.client.completions.create(model="stub", prompt="Hi")
     assert stub.engine.sampling[-1].max_tokens == 16  # completions: OpenAI's default
     stub.script("abc", stop_id=None)
-    stub.client.completions.create(model="stub", prompt="Hi", extra_body={"max_completion_tokens": 7, "top_k": -1})
+    stub.client.completions.create(
+        model="stub", prompt="Hi", extra_body={"max_completion_tokens": 7, "top_k": -1}
+    )
     assert stub.engine.sampling[-1].max_tokens == 7 and stub.engine.sampling[-1].top_k == 0
 
 
@@ -236,7 +275,11 @@ def test_closing_a_batched_stream_releases_every_request(glm_dir):
 
 def test_include_usage_chunk(stub):
     stub.script("abc", stop_id=None)
-    chunks = list(stub.client.chat.completions.create(model="stub", messages=user("x"), stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        stub.client.chat.completions.create(
+            model="stub", messages=user("x"), stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(stub.tok.encode("abc"))
     assert all(c.usage is None for c in chunks[:-1])
 
@@ -245,7 +288,9 @@ def test_tokenize_and_detokenize(stub):
     ids = stub.post("/tokenize", {"prompt": "Hello 😀"}).json()["tokens"]
     assert stub.post("/detokenize", {"tokens": ids}).json()["prompt"] == "Hello 😀"
     chat = stub.post("/tokenize", {"messages": user("Hi")}).json()
-    assert stub.tok.decode(chat["tokens"], skip_special_tokens=False).endswith("<|user|>Hi<|assistant|><think>")
+    assert stub.tok.decode(chat["tokens"], skip_special_tokens=False).endswith(
+        "<|user|>Hi<|assistant|><think>"
+    )
     assert chat["max_model_len"] == 1024
 
 
@@ -258,7 +303,15 @@ def test_chat_n_choices_each_parse_their_own_reply(stub):
     for stream in (False, True):
         for text in replies:
             stub.script(text)
-        r = stub.client.chat.completions.create(model="stub", messages=user("x"), tools=TOOLS, n=3, seed=5, stream=stream, stream_options={"include_usage": True} if stream else None)
+        r = stub.client.chat.completions.create(
+            model="stub",
+            messages=user("x"),
+            tools=TOOLS,
+            n=3,
+            seed=5,
+            stream=stream,
+            stream_options={"include_usage": True} if stream else None,
+        )
         assert [sp.seed for sp in stub.engine.sampling[-3:]] == [5, 6, 7]
         if stream:
             chunks = list(r)
@@ -274,7 +327,12 @@ def test_chat_n_choices_each_parse_their_own_reply(stub):
         else:
             assert [c.index for c in r.choices] == [0, 1, 2]
             got = {
-                c.index: {"content": c.message.content or "", "reasoning": c.message.reasoning_content, "calls": [t.function.name for t in c.message.tool_calls or ()], "finish": c.finish_reason}
+                c.index: {
+                    "content": c.message.content or "",
+                    "reasoning": c.message.reasoning_content,
+                    "calls": [t.function.name for t in c.message.tool_calls or ()],
+                    "finish": c.finish_reason,
+                }
                 for c in r.choices
             }
             usage = r.usage
@@ -283,7 +341,11 @@ def test_chat_n_choices_each_parse_their_own_reply(stub):
         assert usage.completion_tokens == sum(len(stub.tok.encode(t)) + 1 for t in replies)
     assert messages[True] == messages[False]
     got = messages[False]
-    assert (got[0]["content"], got[0]["reasoning"], got[0]["finish"]) == ("Plain answer.", "First thought.", "stop")
+    assert (got[0]["content"], got[0]["reasoning"], got[0]["finish"]) == (
+        "Plain answer.",
+        "First thought.",
+        "stop",
+    )
     assert got[1]["calls"] == ["get_weather", "get_time"] and got[1]["finish"] == "tool_calls"
     assert got[2]["content"] == "Another answer." and got[2]["calls"] == []
 
@@ -309,27 +371,42 @@ def test_chat_logprobs_cover_every_token_streamed_or_not(stub):
     got = {}
     for stream in (False, True):
         stub.script(LOGPROB_REPLY)
-        r = stub.client.chat.completions.create(model="stub", messages=user("x"), logprobs=True, top_logprobs=3, stream=stream)
+        r = stub.client.chat.completions.create(
+            model="stub", messages=user("x"), logprobs=True, top_logprobs=3, stream=stream
+        )
         if stream:
             chunks = list(r)
-            got[stream] = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-            assert chunks[1].choices[0].logprobs is not None  # entries arrive with the text, not only at the end
+            got[stream] = [
+                e
+                for c in chunks
+                if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content
+            ]
+            assert (
+                chunks[1].choices[0].logprobs is not None
+            )  # entries arrive with the text, not only at the end
         else:
             got[stream] = r.choices[0].logprobs.content
             assert r.choices[0].message.content == "Answer: 你好 🚀"
     assert [e.model_dump() for e in got[True]] == [e.model_dump() for e in got[False]]
     content = got[False]
-    assert [(e.logprob, [t.logprob for t in e.top_logprobs]) for e in content] == [(x.logprob, [lp for _, lp in x.top]) for x in expected]
+    assert [(e.logprob, [t.logprob for t in e.top_logprobs]) for e in content] == [
+        (x.logprob, [lp for _, lp in x.top]) for x in expected
+    ]
     assert [e.token for e in content] == [stub.tok.token_text(t) for t in ids]
     assert content[-1].token == "<|observation|>"  # the hidden stop token keeps its entry
-    assert b"".join(bytes(e.bytes) for e in content[:-1]).decode() == LOGPROB_REPLY  # bytes rebuild split characters
+    assert (
+        b"".join(bytes(e.bytes) for e in content[:-1]).decode() == LOGPROB_REPLY
+    )  # bytes rebuild split characters
     assert [t.token for t in content[0].top_logprobs] == [stub.tok.token_text(ids[0] + k) for k in range(3)]
 
 
 def test_chat_logprobs_without_top_and_off_by_default(stub):
     stub.script("ok")
     r = stub.client.chat.completions.create(model="stub", messages=user("x"), logprobs=True)
-    assert stub.engine.sampling[-1].logprobs == 0 and all(e.top_logprobs == [] for e in r.choices[0].logprobs.content)
+    assert stub.engine.sampling[-1].logprobs == 0 and all(
+        e.top_logprobs == [] for e in r.choices[0].logprobs.content
+    )
     stub.script("ok")
     assert stub.client.chat.completions.create(model="stub", messages=user("x")).choices[0].logprobs is None
     assert stub.engine.sampling[-1].logprobs is None
@@ -342,8 +419,13 @@ def test_completion_logprobs_legacy_shape_streamed_or_not(stub):
     for stream in (False, True):
         stub.script(text, stop_id=None)
         r = stub.client.completions.create(model="stub", prompt="x", max_tokens=50, logprobs=2, stream=stream)
-        parts = [c.choices[0].logprobs for c in r if c.choices[0].logprobs] if stream else [r.choices[0].logprobs]
-        merged[stream] = {k: [v for p in parts for v in getattr(p, k)] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        parts = (
+            [c.choices[0].logprobs for c in r if c.choices[0].logprobs] if stream else [r.choices[0].logprobs]
+        )
+        merged[stream] = {
+            k: [v for p in parts for v in getattr(p, k)]
+            for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        }
     assert merged[True] == merged[False]
     lp = merged[False]
     tokens = [stub.tok.token_text(t) for t in ids]
@@ -363,29 +445,46 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(stub):
     merged = {}
     for stream in (False, True):
         stub.script(" Paris", stop_id=None)
-        r = stub.client.completions.create(model="stub", prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0, stream=stream)
+        r = stub.client.completions.create(
+            model="stub", prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0, stream=stream
+        )
         if stream:
             chunks = list(r)
             text = "".join(c.choices[0].text for c in chunks)
             parts = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
-            merged[stream] = (text, {k: [v for p in parts for v in getattr(p, k)] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")})
+            merged[stream] = (
+                text,
+                {
+                    k: [v for p in parts for v in getattr(p, k)]
+                    for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+                },
+            )
         else:
             lp = r.choices[0].logprobs
-            merged[stream] = (r.choices[0].text, {k: getattr(lp, k) for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")})
+            merged[stream] = (
+                r.choices[0].text,
+                {k: getattr(lp, k) for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")},
+            )
         assert stub.engine.sampling[-1].prompt_logprobs == 1
     assert merged[True] == merged[False]
     text, lp = merged[False]
     generated = stub.tok.encode(" Paris")[0]
     assert text == prompt + stub.tok.decode([generated])
     assert lp["tokens"] == [stub.tok.token_text(t) for t in ids + [generated]]
-    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # the first prompt token has none
-    assert lp["token_logprobs"][1:] == [scripted_logprobs(p, ids[p], 1).logprob for p in range(1, len(ids))] + [scripted_logprobs(0, generated, 1).logprob]
+    assert (
+        lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    )  # the first prompt token has none
+    assert lp["token_logprobs"][1:] == [
+        scripted_logprobs(p, ids[p], 1).logprob for p in range(1, len(ids))
+    ] + [scripted_logprobs(0, generated, 1).logprob]
     assert "".join(lp["tokens"][: len(ids)]) == prompt and lp["text_offset"][len(ids)] == len(prompt)
 
 
 def test_echo_without_logprobs_only_prefixes_the_text(stub):
     stub.script("!", stop_id=None)
-    r = stub.client.completions.create(model="stub", prompt=stub.tok.encode("Hi there"), max_tokens=3, echo=True)
+    r = stub.client.completions.create(
+        model="stub", prompt=stub.tok.encode("Hi there"), max_tokens=3, echo=True
+    )
     assert r.choices[0].text == "Hi there!" and r.choices[0].logprobs is None
     assert stub.engine.sampling[-1].prompt_logprobs is None
 
@@ -410,7 +509,11 @@ def test_engine_failure_is_503_or_an_error_event(stub):
         ("/v1/chat/completions", {"model": "stub"}, "messages"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, "messages.0.role"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages.0.content",
+        ),
         ("/v1/chat/completions", {"messages": user("x"), "n": 0}, "n"),
         ("/v1/chat/completions", {"messages": user("x"), "n": 129}, "n"),
         ("/v1/chat/completions", {"messages": user("x"), "temperature": -1}, "temperature"),
@@ -418,20 +521,47 @@ def test_engine_failure_is_503_or_an_error_event(stub):
         ("/v1/chat/completions", {"messages": user("x"), "max_tokens": 0}, "max_tokens"),
         ("/v1/chat/completions", {"messages": user("x"), "max_tokens": "many"}, "max_tokens"),
         ("/v1/chat/completions", {"messages": user("x"), "top_logprobs": 2}, "top_logprobs"),
-        ("/v1/chat/completions", {"messages": user("x"), "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ("/v1/chat/completions", {"messages": user("x"), "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": user("x"), "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": user("x"), "logprobs": True, "top_logprobs": -1},
+            "top_logprobs",
+        ),
         ("/v1/chat/completions", {"messages": user("x"), "presence_penalty": 2.5}, "presence_penalty"),
         ("/v1/chat/completions", {"messages": user("x"), "repetition_penalty": 0}, "repetition_penalty"),
         ("/v1/chat/completions", {"messages": user("x"), "logit_bias": {"5": 101}}, "logit_bias"),
         ("/v1/chat/completions", {"messages": user("x"), "logit_bias": {"x": 1}}, "logit_bias.x.[key]"),
         ("/v1/chat/completions", {"messages": user("x"), "logit_bias": {"1000": 1}}, "logit_bias"),
-        ("/v1/chat/completions", {"messages": user("x"), "stream_options": {"include_usage": True}}, "stream_options"),
-        ("/v1/chat/completions", {"messages": user("x"), "tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-        ("/v1/chat/completions", {"messages": user("x"), "response_format": {"type": "json_object"}}, "response_format"),
+        (
+            "/v1/chat/completions",
+            {"messages": user("x"), "stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": user("x"), "tools": TOOLS, "tool_choice": "required"},
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": user("x"), "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
         ("/v1/chat/completions", {"messages": user("x"), "stop": [""]}, "stop"),
         (
             "/v1/chat/completions",
-            {"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{oops"}}],
+                    }
+                ]
+            },
             "messages.0.tool_calls.0.function.arguments",
         ),
         ("/v1/chat/completions", {"messages": user("hello " * 1100)}, "messages"),
@@ -460,7 +590,10 @@ def test_invalid_requests_are_400_naming_the_field(stub, path, body, param):
 def test_unknown_model_is_404(stub):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         stub.client.chat.completions.create(model="gpt-4o", messages=user("x"))
-    assert stub.post("/v1/completions", {"model": "nope", "prompt": "x"}).json()["error"]["code"] == "model_not_found"
+    assert (
+        stub.post("/v1/completions", {"model": "nope", "prompt": "x"}).json()["error"]["code"]
+        == "model_not_found"
+    )
     assert stub.client.models.retrieve("stub").id == "stub"
 
 
@@ -490,13 +623,30 @@ def test_deepseek_v32_reasoning_and_dsml_tool_calls(dsv32_dir):
     with serving(create_app(ctx)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         thinking = {"chat_template_kwargs": {"thinking": True}}
-        r = client.chat.completions.create(model="stub", messages=user("Weather?"), tools=TOOLS, extra_body=thinking)
+        r = client.chat.completions.create(
+            model="stub", messages=user("Weather?"), tools=TOOLS, extra_body=thinking
+        )
         m = r.choices[0].message
-        assert (m.reasoning_content, m.content, r.choices[0].finish_reason) == ("Need the weather.", "Checking.", "tool_calls")
-        assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == [("get_weather", {"city": "Paris", "days": 3})]
-        assert tok.decode(engine.prompts[-1], skip_special_tokens=False).endswith("<｜User｜>Weather?<｜Assistant｜><think>")
-        history = user("Weather?") + [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "sunny"}]
-        r2 = client.chat.completions.create(model="stub", messages=history, tools=TOOLS)  # chat mode: no reasoning
+        assert (m.reasoning_content, m.content, r.choices[0].finish_reason) == (
+            "Need the weather.",
+            "Checking.",
+            "tool_calls",
+        )
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == [
+            ("get_weather", {"city": "Paris", "days": 3})
+        ]
+        assert tok.decode(engine.prompts[-1], skip_special_tokens=False).endswith(
+            "<｜User｜>Weather?<｜Assistant｜><think>"
+        )
+        history = user("Weather?") + [
+            m.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "sunny"},
+        ]
+        r2 = client.chat.completions.create(
+            model="stub", messages=history, tools=TOOLS
+        )  # chat mode: no reasoning
         assert r2.choices[0].message.content == "Sunny." and r2.choices[0].message.reasoning_content is None
         prompt = tok.decode(engine.prompts[-1], skip_special_tokens=False)
-        assert prompt.endswith('<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls><｜end▁of▁sentence｜>\n\n<function_results>\n<result>sunny</result>\n</function_results>\n\n</think>')
+        assert prompt.endswith(
+            '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls><｜end▁of▁sentence｜>\n\n<function_results>\n<result>sunny</result>\n</function_results>\n\n</think>'
+        )

@@ -28,7 +28,9 @@ def test_glm_template_from_the_checkpoint(glm_dir):
     off = fmt.render(MESSAGES, kwargs={"enable_thinking": False})
     assert off.text.endswith("<|assistant|></think>") and not off.thinking
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    expected = tokenizer_assets.render_chat_template(tokenizer_assets.GLM_CHAT_TEMPLATE, MESSAGES, tools=tools, add_generation_prompt=True)
+    expected = tokenizer_assets.render_chat_template(
+        tokenizer_assets.GLM_CHAT_TEMPLATE, MESSAGES, tools=tools, add_generation_prompt=True
+    )
     assert fmt.render(MESSAGES, tools).text == expected
 
 

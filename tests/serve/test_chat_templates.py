@@ -27,7 +27,10 @@ TOOLS = [
         },
     }
 ]
-WEATHER_CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}
+WEATHER_CALL = {
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}},
+}
 
 
 @pytest.fixture(scope="module", params=["glm_moe_dsa", "deepseek_v32"])
@@ -74,8 +77,13 @@ def test_special_tokens_are_single_ids(family, expected):
 
 def test_skip_special_tokens_keeps_parser_markers():
     glm, ds = ta.build_tokenizer("glm_moe_dsa"), ta.build_tokenizer("deepseek_v32")
-    text = "<|assistant|><think>r</think>a<tool_call>f<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>"
-    assert glm.decode(glm.encode(text).ids) == "ra<tool_call>f<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>"
+    text = (
+        "<|assistant|><think>r</think>a<tool_call>f<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>"
+    )
+    assert (
+        glm.decode(glm.encode(text).ids)
+        == "ra<tool_call>f<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>"
+    )
     text = "<｜Assistant｜><think>r</think>a<｜DSML｜invoke><｜end▁of▁sentence｜>"
     assert ds.decode(ds.encode(text).ids) == "<think>r</think>a<｜DSML｜invoke>"
 
@@ -128,7 +136,12 @@ GLM_TOOLS_SYSTEM = (
 def test_glm_tools_calls_and_results():
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "reasoning_content": "Use the tool.", "tool_calls": [WEATHER_CALL]},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Use the tool.",
+            "tool_calls": [WEATHER_CALL],
+        },
         {"role": "tool", "content": "sunny"},
         {"role": "tool", "content": "22°C"},
     ]
@@ -141,7 +154,11 @@ def test_glm_tools_calls_and_results():
         "<|observation|><tool_response>sunny</tool_response><tool_response>22°C</tool_response>"
         "<|assistant|><think>"
     )
-    two = {"role": "assistant", "content": "Both.", "tool_calls": [{"name": "a", "arguments": {}}, WEATHER_CALL]}
+    two = {
+        "role": "assistant",
+        "content": "Both.",
+        "tool_calls": [{"name": "a", "arguments": {}}, WEATHER_CALL],
+    }
     assert glm([two]) == (
         "[gMASK]<sop><|assistant|></think>Both.<tool_call>a</tool_call><tool_call>get_weather"
         "<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"
@@ -155,8 +172,13 @@ def test_glm_template_ignores_jinja_whitespace_settings():
     """Same bytes under HF's trim_blocks/lstrip_blocks and under a plain environment."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment()
     env.filters["tojson"] = ta._tojson
-    messages = HISTORY + [{"role": "assistant", "tool_calls": [WEATHER_CALL]}, {"role": "tool", "content": "ok"}]
-    plain = env.from_string(ta.GLM_CHAT_TEMPLATE).render(messages=messages, tools=TOOLS, add_generation_prompt=True)
+    messages = HISTORY + [
+        {"role": "assistant", "tool_calls": [WEATHER_CALL]},
+        {"role": "tool", "content": "ok"},
+    ]
+    plain = env.from_string(ta.GLM_CHAT_TEMPLATE).render(
+        messages=messages, tools=TOOLS, add_generation_prompt=True
+    )
     assert plain == glm(messages, tools=TOOLS, add_generation_prompt=True)
 
 
@@ -185,7 +207,10 @@ TOOL_TURNS = [
         "content": "Checking.",
         "reasoning_content": "Need data.",
         "tool_calls": [
-            {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}},
+            {
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'},
+            },
             {"type": "function", "function": {"name": "now", "arguments": "{}"}},
         ],
     },
@@ -219,7 +244,9 @@ def test_deepseek_tools_in_system_prompt():
     schema = '{"name": "get_weather", "description": "Weather for a city", "parameters": {"type": "object", '
     assert f"<functions>\n{schema}" in out
     assert out.endswith('{"city": {"type": "string"}}}}\n</functions>\n<｜User｜>Hi<｜Assistant｜></think>')
-    with_system = encode_messages([{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}], tools=TOOLS)
+    with_system = encode_messages(
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}], tools=TOOLS
+    )
     assert with_system == out.replace(BOS, BOS + "S", 1)
 
 
@@ -244,7 +271,10 @@ def test_deepseek_parse_completion():
     p = parse_completion(f"Checking.{DSML_CALLS}{EOS}", "chat")
     assert p.content == "Checking."
     assert p.tool_calls == [
-        {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}},
+        {
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'},
+        },
         {"type": "function", "function": {"name": "now", "arguments": "{}"}},
     ]
 
@@ -267,14 +297,17 @@ CONVERSATIONS = [
     [{"role": "user", "content": "Only a question 🙂"}],
     [{"role": "system", "content": "S"}, {"role": "developer", "content": "D"}],
     [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A", "reasoning_content": "R"}],
-    TWO_TURNS + [{"role": "assistant", "content": "A2", "reasoning_content": "R2"}, {"role": "user", "content": "U3"}],
+    TWO_TURNS
+    + [{"role": "assistant", "content": "A2", "reasoning_content": "R2"}, {"role": "user", "content": "U3"}],
 ]
 
 
 @pytest.mark.parametrize("mode", ["chat", "thinking"])
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 def test_deepseek_template_matches_encoder(messages, mode):
-    out = ta.render_chat_template(ta.DEEPSEEK_CHAT_TEMPLATE, messages, add_generation_prompt=True, thinking_mode=mode)
+    out = ta.render_chat_template(
+        ta.DEEPSEEK_CHAT_TEMPLATE, messages, add_generation_prompt=True, thinking_mode=mode
+    )
     assert out == encode_messages(messages, mode)
 
 

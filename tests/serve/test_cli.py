@@ -15,6 +15,7 @@ import pytest
 from jaxdsa.engine.engine import enable_compilation_cache
 from serve import cli
 from tests.serve.conftest import ROOT, free_port, wait_healthy
+
 LOCAL = ["--host", "127.0.0.1", "--port", "0"]
 
 
@@ -26,11 +27,15 @@ def exit_message(argv: list[str], capsys) -> str:
 
 
 def test_missing_model_dir(capsys, tmp_path):
-    assert "neither a directory nor in the Hugging Face cache" in exit_message([str(tmp_path / "nope"), *LOCAL], capsys)
+    assert "neither a directory nor in the Hugging Face cache" in exit_message(
+        [str(tmp_path / "nope"), *LOCAL], capsys
+    )
 
 
 def test_checkpoint_without_tokenizer(capsys):
-    assert "no tokenizer.json" in exit_message([os.path.join(ROOT, "tests", "fixtures", "glm5"), *LOCAL], capsys)
+    assert "no tokenizer.json" in exit_message(
+        [os.path.join(ROOT, "tests", "fixtures", "glm5"), *LOCAL], capsys
+    )
 
 
 def test_directory_without_config(capsys, tmp_path):
@@ -42,7 +47,10 @@ def test_directory_without_config(capsys, tmp_path):
     [
         (["--tensor-parallel-size", "4", "--expert-parallel-size", "3"], "ep (3) must divide tp (4)"),
         (["--data-parallel-size", "0"], "dp must be >= 1"),
-        (["--data-parallel-size", "4", "--expert-parallel-size", "2", "--enable-dp-attention"], "must be a multiple of dp"),
+        (
+            ["--data-parallel-size", "4", "--expert-parallel-size", "2", "--enable-dp-attention"],
+            "must be a multiple of dp",
+        ),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
         (["--tool-call-parser", "hermes"], "invalid choice: 'hermes'"),
@@ -61,7 +69,9 @@ def test_more_parallelism_than_devices(glm_dir, capsys):
 
 
 def test_max_model_len_beyond_the_model(glm_dir, capsys):
-    assert "max_position_embeddings" in exit_message([glm_dir, *LOCAL, "--max-model-len", "4096", "--no-warmup"], capsys)
+    assert "max_position_embeddings" in exit_message(
+        [glm_dir, *LOCAL, "--max-model-len", "4096", "--no-warmup"], capsys
+    )
 
 
 def test_busy_port(glm_dir, capsys):
@@ -69,7 +79,9 @@ def test_busy_port(glm_dir, capsys):
     sock.listen()
     port = str(sock.getsockname()[1])
     try:
-        assert "cannot listen on 127.0.0.1:" in exit_message([glm_dir, "--host", "127.0.0.1", "--port", port], capsys)
+        assert "cannot listen on 127.0.0.1:" in exit_message(
+            [glm_dir, "--host", "127.0.0.1", "--port", port], capsys
+        )
     finally:
         sock.close()
 
@@ -90,15 +102,23 @@ def test_readme_line_serves_the_default_model(tmp_path):
     enable_compilation_cache()  # share compilations with this process (same shapes as test_live's server)
     env = dict(os.environ, JAXDSA_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     if jax.config.jax_compilation_cache_dir:
-        env |= {"JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+        env |= {
+            "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        }
     port = free_port()
     argv = [sys.executable, "-m", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    with open(tmp_path / "serve.log", "w+") as log, subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT) as proc:
+    with (
+        open(tmp_path / "serve.log", "w+") as log,
+        subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT) as proc,
+    ):
         try:
             url = wait_healthy(proc, port, tmp_path / "serve.log")
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             assert [m.id for m in client.models.list().data] == ["jaxdsa-tiny-glm5"]
-            r = client.chat.completions.create(model="jaxdsa-tiny-glm5", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+            r = client.chat.completions.create(
+                model="jaxdsa-tiny-glm5", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+            )
             assert r.usage.completion_tokens >= 1
         finally:
             proc.send_signal(signal.SIGINT)

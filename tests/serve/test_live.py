@@ -62,14 +62,23 @@ class Live:
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(f"{self.url}/metrics").text
-        return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
+        return {
+            k: float(v)
+            for k, v in (
+                line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
+            )
+        }
 
     def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
         """Metrics once nothing runs and no cache page is held (fails after ``timeout``)."""
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            if m["jaxdsa:num_requests_running"] == 0 and m["jaxdsa:num_requests_waiting"] == 0 and m["jaxdsa:kv_cache_pages_used"] == 0:
+            if (
+                m["jaxdsa:num_requests_running"] == 0
+                and m["jaxdsa:num_requests_waiting"] == 0
+                and m["jaxdsa:kv_cache_pages_used"] == 0
+            ):
                 return m
             assert time.monotonic() < deadline, f"engine still busy: {m}"
             time.sleep(0.05)
@@ -95,10 +104,15 @@ def test_models(live):
 def test_chat_streamed_equals_non_streamed(live):
     kwargs = dict(model="tiny", messages=user("Tell me a story."), max_tokens=24, **GREEDY)
     whole = live.client.chat.completions.create(**kwargs)
-    chunks = list(live.client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    chunks = list(
+        live.client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    )
     m = whole.choices[0].message
     assert m.reasoning_content is not None  # thinking is on by default: the reply starts in <think>
-    assert "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices) == m.reasoning_content
+    assert (
+        "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+        == m.reasoning_content
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == m.content
     assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
     assert whole.usage.completion_tokens <= 24 and whole.choices[0].finish_reason in ("stop", "length")
@@ -108,39 +122,77 @@ def test_completions_streamed_equals_non_streamed(live):
     ids = httpx.post(f"{live.url}/tokenize", json={"prompt": "The quick brown fox"}).json()["tokens"]
     for prompt in ("The quick brown fox", ids):
         whole = live.client.completions.create(model="tiny", prompt=prompt, max_tokens=20, **GREEDY)
-        text = "".join(c.choices[0].text for c in live.client.completions.create(model="tiny", prompt=prompt, max_tokens=20, stream=True, **GREEDY))
+        text = "".join(
+            c.choices[0].text
+            for c in live.client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=20, stream=True, **GREEDY
+            )
+        )
         assert text == whole.choices[0].text
         assert whole.usage.prompt_tokens == len(ids) and whole.usage.completion_tokens == 20
         assert whole.choices[0].finish_reason == "length"
 
 
 def test_logprobs_of_greedy_tokens_are_the_top_ones(live):
-    kwargs = dict(model="tiny", messages=user("Tell me a story."), max_tokens=12, logprobs=True, top_logprobs=4, **GREEDY)
+    kwargs = dict(
+        model="tiny",
+        messages=user("Tell me a story."),
+        max_tokens=12,
+        logprobs=True,
+        top_logprobs=4,
+        **GREEDY,
+    )
     whole = live.client.chat.completions.create(**kwargs)
     content = whole.choices[0].logprobs.content
     assert len(content) == whole.usage.completion_tokens
     for e in content:
         top = [t.logprob for t in e.top_logprobs]
-        assert (e.top_logprobs[0].token, top[0]) == (e.token, e.logprob) and top == sorted(top, reverse=True) and top[0] <= 0
+        assert (
+            (e.top_logprobs[0].token, top[0]) == (e.token, e.logprob)
+            and top == sorted(top, reverse=True)
+            and top[0] <= 0
+        )
     chunks = live.client.chat.completions.create(stream=True, **kwargs)
-    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    streamed = [
+        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
     assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
-    legacy = live.client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=6, logprobs=3, **GREEDY).choices[0].logprobs
-    assert len(legacy.tokens) == 6 and all(lp == max(top.values()) for lp, top in zip(legacy.token_logprobs, legacy.top_logprobs))
+    legacy = (
+        live.client.completions.create(
+            model="tiny", prompt="The quick brown fox", max_tokens=6, logprobs=3, **GREEDY
+        )
+        .choices[0]
+        .logprobs
+    )
+    assert len(legacy.tokens) == 6 and all(
+        lp == max(top.values()) for lp, top in zip(legacy.token_logprobs, legacy.top_logprobs)
+    )
 
 
 def test_echo_logprobs_score_the_prompt(live):
-    ids = httpx.post(f"{live.url}/tokenize", json={"prompt": "Sparse attention selects keys"}).json()["tokens"]
-    r = live.client.completions.create(model="tiny", prompt=ids, max_tokens=1, echo=True, logprobs=2, **GREEDY).choices[0]
+    ids = httpx.post(f"{live.url}/tokenize", json={"prompt": "Sparse attention selects keys"}).json()[
+        "tokens"
+    ]
+    r = live.client.completions.create(
+        model="tiny", prompt=ids, max_tokens=1, echo=True, logprobs=2, **GREEDY
+    ).choices[0]
     lp = r.logprobs
     assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert all(v <= 0 and max(top.values()) >= v for v, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]))
+    assert all(
+        v <= 0 and max(top.values()) >= v for v, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:])
+    )
     assert lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())  # the greedy token is the top one
     assert r.text.startswith(httpx.post(f"{live.url}/detokenize", json={"tokens": ids}).json()["prompt"])
 
 
 def test_n_seeded_choices_are_the_requests_with_seeds_seed_plus_j(live):
-    kwargs = dict(model="tiny", prompt="The weather in Paris", max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model="tiny",
+        prompt="The weather in Paris",
+        max_tokens=8,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
     both = live.client.completions.create(n=2, seed=40, **kwargs)
     alone = [live.client.completions.create(seed=40 + j, **kwargs).choices[0].text for j in range(2)]
     assert [c.text for c in both.choices] == alone and alone[0] != alone[1]
@@ -150,25 +202,55 @@ def test_n_seeded_choices_are_the_requests_with_seeds_seed_plus_j(live):
 def test_reasoning_split_matches_the_raw_text(live):
     """reasoning_content + </think> + content is exactly what the model wrote after the prompt."""
     ids = httpx.post(f"{live.url}/tokenize", json={"messages": user("Why is the sky blue?")}).json()["tokens"]
-    raw = live.client.completions.create(model="tiny", prompt=ids, max_tokens=32, extra_body={"skip_special_tokens": False}, **GREEDY).choices[0].text
-    m = live.client.chat.completions.create(model="tiny", messages=user("Why is the sky blue?"), max_tokens=32, extra_body={"skip_special_tokens": False}, **GREEDY).choices[0].message
+    raw = (
+        live.client.completions.create(
+            model="tiny", prompt=ids, max_tokens=32, extra_body={"skip_special_tokens": False}, **GREEDY
+        )
+        .choices[0]
+        .text
+    )
+    m = (
+        live.client.chat.completions.create(
+            model="tiny",
+            messages=user("Why is the sky blue?"),
+            max_tokens=32,
+            extra_body={"skip_special_tokens": False},
+            **GREEDY,
+        )
+        .choices[0]
+        .message
+    )
     reasoning, sep, content = raw.partition("</think>")
     assert (m.reasoning_content, m.content) == (reasoning, content)
 
     off = {"chat_template_kwargs": {"enable_thinking": False}}
     ids = httpx.post(f"{live.url}/tokenize", json={"messages": user("Hi")}).json()["tokens"]
-    m = live.client.chat.completions.create(model="tiny", messages=user("Hi"), max_tokens=16, extra_body=off, **GREEDY).choices[0].message
+    m = (
+        live.client.chat.completions.create(
+            model="tiny", messages=user("Hi"), max_tokens=16, extra_body=off, **GREEDY
+        )
+        .choices[0]
+        .message
+    )
     assert m.reasoning_content is None
-    ids_off = live.client.chat.completions.create(model="tiny", messages=user("Hi"), max_tokens=1, extra_body=off).usage.prompt_tokens
+    ids_off = live.client.chat.completions.create(
+        model="tiny", messages=user("Hi"), max_tokens=1, extra_body=off
+    ).usage.prompt_tokens
     assert ids_off == len(ids)  # "<think>" and "</think>" are one token each
 
 
 def test_stop_string(live):
-    text = live.client.completions.create(model="tiny", prompt="Hello! How are you", max_tokens=24, **GREEDY).choices[0].text
+    text = (
+        live.client.completions.create(model="tiny", prompt="Hello! How are you", max_tokens=24, **GREEDY)
+        .choices[0]
+        .text
+    )
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     expected = text[: text.index(stop)]
     for stream in (False, True):
-        r = live.client.completions.create(model="tiny", prompt="Hello! How are you", max_tokens=24, stop=[stop], stream=stream, **GREEDY)
+        r = live.client.completions.create(
+            model="tiny", prompt="Hello! How are you", max_tokens=24, stop=[stop], stream=stream, **GREEDY
+        )
         got = "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
         assert got == expected
     live.wait_idle()
@@ -184,13 +266,18 @@ def test_concurrent_requests_equal_sequential_ones(live):
         return await asyncio.gather(*(one(client, p) for p in PROMPTS))
 
     concurrent = asyncio.run(together())
-    sequential = [live.client.completions.create(model="tiny", prompt=p, max_tokens=8, **GREEDY).choices[0].text for p in PROMPTS]
+    sequential = [
+        live.client.completions.create(model="tiny", prompt=p, max_tokens=8, **GREEDY).choices[0].text
+        for p in PROMPTS
+    ]
     assert concurrent == sequential
 
 
 def test_cancelled_stream_frees_its_pages(live):
     before = live.metrics()["jaxdsa:generation_tokens_total"]
-    stream = live.client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=240, stream=True, extra_body={"ignore_eos": True})
+    stream = live.client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=240, stream=True, extra_body={"ignore_eos": True}
+    )
     for i, _ in enumerate(stream):
         if i == 3:
             break
@@ -213,7 +300,9 @@ def test_queue_full_is_429_and_held_streams_release_everything(live):
     async def scenario() -> None:
         client = live.aclient()
         held = [
-            await client.completions.create(model="tiny", prompt=p, max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+            await client.completions.create(
+                model="tiny", prompt=p, max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+            )
             for p in PROMPTS
         ]
         try:
@@ -244,7 +333,9 @@ def test_client_errors(live):
         live.client.completions.create(model="tiny", prompt=[10**6])
     with pytest.raises(openai.NotFoundError):
         live.client.completions.create(model="not-served", prompt="x")
-    r = httpx.post(f"{live.url}/v1/chat/completions", content=b"{", headers={"Content-Type": "application/json"})
+    r = httpx.post(
+        f"{live.url}/v1/chat/completions", content=b"{", headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
 
 
@@ -257,17 +348,28 @@ def test_engine_failure_is_503_and_the_server_recovers(live, monkeypatch):
         live.client.completions.create(model="tiny", prompt="x y z", max_tokens=4)
     assert e.value.status_code == 503 and "device lost" in e.value.message
     monkeypatch.undo()
-    again = live.client.completions.create(model="tiny", prompt="x y z", max_tokens=4, extra_body={"ignore_eos": True})
-    assert again.usage.completion_tokens == 4  # sampled (temperature 1): without ignore_eos an EOS may end it early
+    again = live.client.completions.create(
+        model="tiny", prompt="x y z", max_tokens=4, extra_body={"ignore_eos": True}
+    )
+    assert (
+        again.usage.completion_tokens == 4
+    )  # sampled (temperature 1): without ignore_eos an EOS may end it early
     live.wait_idle()
 
 
 def test_a_repeated_long_prompt_hits_the_prefix_cache(live):
-    ids = httpx.post(f"{live.url}/tokenize", json={"prompt": " ".join(PROMPTS)}).json()["tokens"][:160]  # 2.5 pages of 64
+    ids = httpx.post(f"{live.url}/tokenize", json={"prompt": " ".join(PROMPTS)}).json()["tokens"][
+        :160
+    ]  # 2.5 pages of 64
     before = live.metrics()["jaxdsa:prefix_cache_hits_total"]
-    texts = [live.client.completions.create(model="tiny", prompt=ids, max_tokens=8, **GREEDY).choices[0].text for _ in range(2)]
+    texts = [
+        live.client.completions.create(model="tiny", prompt=ids, max_tokens=8, **GREEDY).choices[0].text
+        for _ in range(2)
+    ]
     assert texts[0] == texts[1]
-    assert live.metrics()["jaxdsa:prefix_cache_hits_total"] - before >= 128  # the second request skipped two pages
+    assert (
+        live.metrics()["jaxdsa:prefix_cache_hits_total"] - before >= 128
+    )  # the second request skipped two pages
 
 
 def test_metrics(live):
@@ -288,7 +390,24 @@ def test_metrics(live):
 
 def test_bench(live, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    bench.main(["--url", live.url, "--concurrency", "1,4", "--input-len", "16", "--output-len", "8", "--num-prompts", "4", "--json", str(out), "--plot", str(tmp_path / "p.png")])
+    bench.main(
+        [
+            "--url",
+            live.url,
+            "--concurrency",
+            "1,4",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--num-prompts",
+            "4",
+            "--json",
+            str(out),
+            "--plot",
+            str(tmp_path / "p.png"),
+        ]
+    )
     rows = json.loads(out.read_text())["results"]
     assert [r["concurrency"] for r in rows] == [1, 4] and all(r["failed"] == 0 for r in rows)
     assert all(r["output_throughput"] > 0 and r["ttft_ms"]["p99"] >= r["ttft_ms"]["median"] > 0 for r in rows)
@@ -301,16 +420,29 @@ def test_tensor_parallel_server_gives_the_same_text(live, glm_dir, tmp_path):
     enable_compilation_cache()
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     if jax.config.jax_compilation_cache_dir:
-        env |= {"JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+        env |= {
+            "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        }
     port = free_port()
     argv = [sys.executable, "-m", "serve", glm_dir, *ARGS, "--port", str(port), "--tensor-parallel-size", "2"]
-    with open(tmp_path / "tp.log", "w+") as log, subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT) as proc:
+    with (
+        open(tmp_path / "tp.log", "w+") as log,
+        subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT) as proc,
+    ):
         try:
             url = wait_healthy(proc, port, tmp_path / "tp.log")
             tp = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             for prompt in PROMPTS[:2]:
-                expected = live.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, **GREEDY).choices[0].text
-                assert tp.completions.create(model="tiny", prompt=prompt, max_tokens=8, **GREEDY).choices[0].text == expected
+                expected = (
+                    live.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, **GREEDY)
+                    .choices[0]
+                    .text
+                )
+                assert (
+                    tp.completions.create(model="tiny", prompt=prompt, max_tokens=8, **GREEDY).choices[0].text
+                    == expected
+                )
         finally:
             proc.send_signal(signal.SIGINT)
             assert proc.wait(timeout=60) == 0, (tmp_path / "tp.log").read_text()

@@ -18,7 +18,11 @@ WEATHER_TOOLS = [
             "name": "get_weather",
             "parameters": {
                 "type": "object",
-                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "code": {"type": "string"}},
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "code": {"type": "string"},
+                },
             },
         },
     }
@@ -53,7 +57,11 @@ def summary(d: ReplyDelta) -> tuple:
         (True, "still thinking <th", ("still thinking <th", "")),  # cut off: all reasoning
         (True, "a</think>b</think>c", ("a", "b</think>c")),
         (False, "Just content.", ("", "Just content.")),
-        (False, "<think>old style</think>content", ("old style", "content")),  # GLM-4.5: the reply opens the block
+        (
+            False,
+            "<think>old style</think>content",
+            ("old style", "content"),
+        ),  # GLM-4.5: the reply opens the block
         (False, "\n<think>x</think>y", ("x", "y")),
         (False, "<thin", ("", "<thin")),
         (False, "", ("", "")),
@@ -141,7 +149,11 @@ def test_deepseek_dsml_tool_calls_streamed_and_whole():
     text = "Let me look." + render_tool_calls(calls)
     for chunks in splits(text)[:2] + splits(text)[2::7]:
         d = run(ReplyParser(None, DeepSeekV32ToolParser()), chunks)
-        assert summary(d) == ("", "Let me look.", [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})])
+        assert summary(d) == (
+            "",
+            "Let me look.",
+            [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})],
+        )
 
 
 def test_deepseek_reasoning_and_content_without_tools():

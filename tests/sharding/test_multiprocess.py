@@ -45,11 +45,21 @@ def _free_port() -> int:
 def test_two_processes_match_the_goldens(tmp_path, layout):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = dict(os.environ, JAXDSA_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", JAXDSA_NUM_PROCESSES="2", PYTHONPATH=os.getcwd())
+    env = dict(
+        os.environ,
+        JAXDSA_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}",
+        JAXDSA_NUM_PROCESSES="2",
+        PYTHONPATH=os.getcwd(),
+    )
     env.pop("XLA_FLAGS", None)
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(FIXTURES / "glm52"), *map(str, layout)], env=dict(env, JAXDSA_PROCESS_ID=str(i)),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, str(script), str(FIXTURES / "glm52"), *map(str, layout)],
+            env=dict(env, JAXDSA_PROCESS_ID=str(i)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for i in range(2)
     ]
     outputs = [p.communicate(timeout=600)[0] for p in procs]

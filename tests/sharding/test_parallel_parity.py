@@ -14,7 +14,16 @@ from tests.conftest import FIXTURES
 from tests.models.test_penalties import PENALIZED, penalized_logits
 
 # (tp, ep, dp, dp_attention); with dp_attention the dp groups share the experts (ep counts all shards).
-LAYOUTS = [(2, 1, 1, False), (4, 2, 1, False), (2, 4, 1, False), (8, 8, 1, False), (2, 2, 2, False), (2, 4, 2, True), (4, 4, 2, True), (1, 8, 8, True)]
+LAYOUTS = [
+    (2, 1, 1, False),
+    (4, 2, 1, False),
+    (2, 4, 1, False),
+    (8, 8, 1, False),
+    (2, 2, 2, False),
+    (2, 4, 2, True),
+    (4, 4, 2, True),
+    (1, 8, 8, True),
+]
 TOLERANCE = 1e-4
 
 
@@ -61,10 +70,25 @@ def check_layout(llm, layout):
     assert seen == set(want)
 
 
-@pytest.fixture(scope="module", params=[(f, layout) for f in ("glm52", "dsv32") for layout in LAYOUTS], ids=lambda p: f"{p[0]}-tp{p[1][0]}ep{p[1][1]}dp{p[1][2]}" + ("-dpattn" if p[1][3] else ""))
+@pytest.fixture(
+    scope="module",
+    params=[(f, layout) for f in ("glm52", "dsv32") for layout in LAYOUTS],
+    ids=lambda p: f"{p[0]}-tp{p[1][0]}ep{p[1][1]}dp{p[1][2]}" + ("-dpattn" if p[1][3] else ""),
+)
 def case(request):
     name, (tp, ep, dp, dp_attention) = request.param
-    llm = jaxdsa.LLM(FIXTURES / name, dtype="float32", page_size=8, progress=False, tp=tp, ep=ep, dp=dp, dp_attention=dp_attention, max_num_seqs=2 * dp, max_model_len=64)
+    llm = jaxdsa.LLM(
+        FIXTURES / name,
+        dtype="float32",
+        page_size=8,
+        progress=False,
+        tp=tp,
+        ep=ep,
+        dp=dp,
+        dp_attention=dp_attention,
+        max_num_seqs=2 * dp,
+        max_model_len=64,
+    )
     return llm, (tp, ep, dp, dp_attention), dict(np.load(FIXTURES / name / "golden.npz"))
 
 
@@ -73,13 +97,17 @@ def test_every_parameter_is_sharded_as_declared(case):
     check_layout(llm, layout)
     dp = layout[2]
     cache_leaf = llm.engine.runner.cache.latent[0]
-    assert cache_leaf.sharding.shard_shape(cache_leaf.shape)[0] == cache_leaf.shape[0] // dp  # pages split over dp
+    assert (
+        cache_leaf.sharding.shard_shape(cache_leaf.shape)[0] == cache_leaf.shape[0] // dp
+    )  # pages split over dp
 
 
 def test_logits_and_greedy_tokens_match_hf(case):
     llm, _, golden = case
     assert rel_l2(llm.score(golden["prompt_long"].tolist()), golden["logits_long"]).max() <= TOLERANCE
-    tokens, logits = llm.generate([golden["greedy_prompt"].tolist()], max_new_tokens=len(golden["greedy_tokens"]), return_logits=True)
+    tokens, logits = llm.generate(
+        [golden["greedy_prompt"].tolist()], max_new_tokens=len(golden["greedy_tokens"]), return_logits=True
+    )
     assert tokens[0] == golden["greedy_tokens"].tolist()
     assert rel_l2(logits[0], golden["greedy_logits"]).max() <= TOLERANCE
 
@@ -91,13 +119,19 @@ def test_prompt_logprobs_on_dp_groups_match_hf(case):
         pytest.skip("one dp layout is enough")
     engine, prompt = llm.engine, golden["prompt_long"].tolist()
     for i in range(3):  # admitted to the groups with the most free pages: spread over the groups
-        engine.add_request(f"r{i}", prompt[: 10 + i], SamplingParams(max_tokens=1, prompt_logprobs=2 if i == 1 else None))
+        engine.add_request(
+            f"r{i}", prompt[: 10 + i], SamplingParams(max_tokens=1, prompt_logprobs=2 if i == 1 else None)
+        )
     engine.add_request("scored", prompt, SamplingParams(max_tokens=1, prompt_logprobs=2))
     entries = {}
     while engine.has_unfinished():
         entries |= {o.request_id: o.prompt_logprobs for o in engine.step()}
     logits = golden["logits_long"].astype(np.float64)
-    hf = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    hf = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - logits.max(-1, keepdims=True)
+    )
     for name, n in (("r1", 11), ("scored", len(prompt))):
         got = entries[name]
         assert got[0] is None and len(got) == n
@@ -112,7 +146,9 @@ def test_penalties_on_dp_groups(case):
     if dp < 8:
         pytest.skip("one dp layout is enough")
     engine, prompt = llm.engine, golden["prompt_long"].tolist()
-    params = {f"p{i}": sp for i, sp in enumerate(PENALIZED.values())} | {"plain": SamplingParams(max_tokens=14)}
+    params = {f"p{i}": sp for i, sp in enumerate(PENALIZED.values())} | {
+        "plain": SamplingParams(max_tokens=14)
+    }
     for i, (rid, sp) in enumerate(params.items()):
         engine.add_request(rid, prompt[: 12 + i], sp, return_logits=True)
     outputs = {rid: [] for rid in params}
@@ -122,4 +158,6 @@ def test_penalties_on_dp_groups(case):
     for i, (rid, sp) in enumerate(params.items()):
         tokens = [o.new_token_ids[0] for o in outputs[rid]]
         for pos, o in enumerate(outputs[rid]):
-            assert tokens[pos] == int(np.argmax(penalized_logits(o.logits, prompt[: 12 + i], tokens[:pos], sp))), (rid, pos)
+            assert tokens[pos] == int(
+                np.argmax(penalized_logits(o.logits, prompt[: 12 + i], tokens[:pos], sp))
+            ), (rid, pos)

@@ -17,9 +17,22 @@ from jaxdsa.models.dsa import step
 @pytest.mark.parametrize("tp, ep, dp, dp_attention", [(4, 2, 1, False), (2, 2, 2, False), (2, 8, 4, True)])
 def test_planner_memory_matches_compiled_step(tp, ep, dp, dp_attention):
     # Widths large enough that weights and cache dominate XLA's per-device arguments.
-    cfg = tiny_config("dsv32", hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_attention_heads=8,
-                      num_key_value_heads=8, q_lora_rank=128, kv_lora_rank=256, qk_nope_head_dim=32, qk_rope_head_dim=32,
-                      v_head_dim=32, index_head_dim=64, vocab_size=1024, n_routed_experts=16)
+    cfg = tiny_config(
+        "dsv32",
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        q_lora_rank=128,
+        kv_lora_rank=256,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=32,
+        v_head_dim=32,
+        index_head_dim=64,
+        vocab_size=1024,
+        n_routed_experts=16,
+    )
     par = sharding.Parallelism(tp=tp, ep=ep, dp=dp, dp_attention=dp_attention)
     mesh = sharding.make_mesh(par)
     params = random_params(cfg, dtype=jnp.bfloat16, mesh=mesh)
@@ -27,13 +40,24 @@ def test_planner_memory_matches_compiled_step(tp, ep, dp, dp_attention):
     groups = NamedSharding(mesh, sharding.batch_spec())
     cache = jax.device_put(init_cache(cfg, pages, page, jnp.bfloat16), groups)
     put = lambda x: jax.device_put(x, groups)  # noqa: E731
-    meta = StepMeta(put(jnp.zeros(batch, jnp.int32)), put(jnp.zeros((batch, 8), jnp.int32)), put(jnp.zeros(batch, jnp.int32)))
-    fn = jax.jit(sharding.data_parallel(functools.partial(step, cfg=cfg, sparse=True, absorbed=True), mesh), donate_argnums=(3,))
+    meta = StepMeta(
+        put(jnp.zeros(batch, jnp.int32)),
+        put(jnp.zeros((batch, 8), jnp.int32)),
+        put(jnp.zeros(batch, jnp.int32)),
+    )
+    fn = jax.jit(
+        sharding.data_parallel(functools.partial(step, cfg=cfg, sparse=True, absorbed=True), mesh),
+        donate_argnums=(3,),
+    )
     with jax.sharding.set_mesh(mesh):
-        compiled = fn.lower(params, put(jnp.zeros(batch, jnp.int32)), put(jnp.zeros(batch, jnp.int32)), cache, meta).compile()
+        compiled = fn.lower(
+            params, put(jnp.zeros(batch, jnp.int32)), put(jnp.zeros(batch, jnp.int32)), cache, meta
+        ).compile()
     xla_bytes = compiled.memory_analysis().argument_size_in_bytes
 
-    planned = plan.device_weight_bytes(cfg, par, "bf16") + plan.cache_bytes_per_token(cfg) * pages // dp * page
+    planned = (
+        plan.device_weight_bytes(cfg, par, "bf16") + plan.cache_bytes_per_token(cfg) * pages // dp * page
+    )
     assert abs(planned - xla_bytes) / xla_bytes < 0.10, (planned, xla_bytes)
 
 
@@ -56,5 +80,9 @@ def test_planner_cli_on_a_real_sized_config(tmp_path, capsys):
     dp8 = run("--tp", "1", "--ep", "8", "--dp", "8", "--dp-attention")
     assert dp8["devices"] == 8 and tp8["weights_gib_per_device"] < dp8["weights_gib_per_device"] < 70
     assert dp8["cache_tokens_total"] > 4 * tp8["cache_tokens_total"]
-    assert plan.main(["--config", str(tmp_path), "--tp", "3", "--ep", "2"]) == 2  # impossible layout: clear error
-    assert plan.main(["--config", str(tmp_path), "--ep", "4", "--dp", "8", "--dp-attention"]) == 2  # ep not a multiple of dp
+    assert (
+        plan.main(["--config", str(tmp_path), "--tp", "3", "--ep", "2"]) == 2
+    )  # impossible layout: clear error
+    assert (
+        plan.main(["--config", str(tmp_path), "--ep", "4", "--dp", "8", "--dp-attention"]) == 2
+    )  # ep not a multiple of dp
