@@ -30,7 +30,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from checkpoints import tokenizer_assets
-from jaxdsa.config import TINY_PRESETS
+from checkpoints.tiny_presets import TINY_PRESETS
 
 DEFAULT_PRESET = {"glm_moe_dsa": "glm5", "deepseek_v32": "dsv32"}
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}

@@ -8,7 +8,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """Weight quantization of the checkpoint files (``quantization_config`` in config.json)."""
+
+    method: str  # "fp8" (block-scaled e4m3) or "compressed-tensors" (pack-quantized int)
+    weight_block_size: tuple[int, int] = (128, 128)
+    num_bits: int = 4
+    group_size: int = 32
+    symmetric: bool = False
+    ignore: tuple[str, ...] = ()
 
 
 def dequantize_fp8_block(weight: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:

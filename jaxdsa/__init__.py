@@ -1,6 +1,7 @@
 """jaxdsa: DeepSeek-Sparse-Attention MoE models (GLM-5.x, DeepSeek-V3.2) in JAX."""
 
-from jaxdsa.config import ConfigError, ModelConfig, load_config
+from jaxdsa.config import ConfigError
 from jaxdsa.llm import LLM
+from jaxdsa.models.registry import load_config
 
-__all__ = ["LLM", "ConfigError", "ModelConfig", "load_config"]
+__all__ = ["LLM", "ConfigError", "load_config"]

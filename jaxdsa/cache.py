@@ -1,10 +1,12 @@
-"""The paged latent + indexer-key cache and the per-step metadata that addresses it.
+"""The paged cache, sized from a family's cache spec, and the per-step metadata that addresses it.
 
-Per attention layer the cache holds latent rows ``[num_pages, page_size, kv_lora + rope]``
-(normed latent | roped shared key) and, for layers that run an indexer, index keys
-``[num_pages, page_size, index_head_dim]``. A sequence owns a list of pages (its page-table
-row); its token at position t lives in flat slot ``page_table[t // page_size] * page_size +
-t % page_size``. Kernels see only flat slots.
+A family declares what one token stores (:class:`CacheSpec`: named entries, each a row of some
+width in some number of layers); the cache holds one array per entry, ``[layers, pages,
+page_size, width]``, allocated once. A sequence owns a list of pages (its page-table row); its
+token at position t lives in flat slot ``page_table[t // page_size] * page_size + t % page_size``
+of every layer. Kernels see only flat slots: a layer's rows are the stacked array seen flat with
+the layer's offset added (:class:`LayerPages`), so a scanned layer reads and writes its slice of
+the carried buffer in place, and the cache layout does not depend on how layers are grouped.
 """
 
 from __future__ import annotations
@@ -14,22 +16,51 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxdsa.config import ModelConfig
+from jaxdsa.sharding import Axes
+
+# [layers, pages, page, width]: pages split over the data-parallel groups
+CACHE_AXES: Axes = ("layers", "cache_pages", "page", "cache_width")
+
+Cache = dict[str, jax.Array]
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class KVCache:
-    latent: tuple[jax.Array, ...]
-    index_keys: tuple[jax.Array | None, ...]  # None where the layer reuses another's top-k
+@dataclasses.dataclass(frozen=True)
+class CacheEntry:
+    """One kind of per-token row: ``width`` values in each of ``layers`` layers."""
 
-    @property
-    def num_pages(self) -> int:
-        return self.latent[0].shape[0]
+    layers: int
+    width: int
 
-    @property
-    def page_size(self) -> int:
-        return self.latent[0].shape[1]
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """What a family's cache holds per token (entries by name)."""
+
+    entries: dict[str, CacheEntry]
+
+    def bytes_per_token(self, dtype) -> int:
+        itemsize = jnp.dtype(dtype).itemsize
+        return itemsize * sum(e.layers * e.width for e in self.entries.values() if e.layers)
+
+    def axes(self) -> dict[str, Axes]:
+        return {name: CACHE_AXES for name, e in self.entries.items() if e.layers}
+
+
+def init_cache(spec: CacheSpec, num_pages: int, page_size: int, dtype, *, sharding=None) -> Cache:
+    """A zeroed cache; with ``sharding`` (a pytree like the cache, or one sharding for every
+    entry) the zeros are made in place on every device."""
+
+    def make() -> Cache:
+        return {
+            name: jnp.zeros((e.layers, num_pages, page_size, e.width), dtype)
+            for name, e in spec.entries.items()
+            if e.layers
+        }
+
+    if sharding is None:
+        return make()
+    shardings = sharding if isinstance(sharding, dict) else {name: sharding for name in spec.axes()}
+    return jax.jit(make, out_shardings=shardings)()
 
 
 @jax.tree_util.register_dataclass
@@ -47,35 +78,6 @@ class StepMeta:
     logits_indices: jax.Array
 
 
-def init_cache(
-    cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16, *, mtp: bool = False, sharding=None
-) -> KVCache:
-    """A zeroed cache for the main layers, or (``mtp=True``) for the next-n prediction layers.
-
-    With ``sharding`` (e.g. pages split over dp) the zeros are made in place on every device.
-    """
-    layers = (
-        range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
-        if mtp
-        else range(cfg.num_hidden_layers)
-    )
-
-    def make() -> KVCache:
-        latent = tuple(jnp.zeros((num_pages, page_size, cfg.latent_dim), dtype) for _ in layers)
-        index = tuple(
-            jnp.zeros((num_pages, page_size, cfg.index_head_dim), dtype) if cfg.has_indexer(i) else None
-            for i in layers
-        )
-        return KVCache(latent=latent, index_keys=index)
-
-    return make() if sharding is None else jax.jit(make, out_shardings=sharding)()
-
-
-def cache_bytes_per_token(cfg: ModelConfig, dtype=jnp.bfloat16) -> int:
-    itemsize = jnp.dtype(dtype).itemsize
-    return itemsize * (cfg.num_hidden_layers * cfg.latent_dim + len(cfg.indexer_layers) * cfg.index_head_dim)
-
-
 def slots_for(page_table: jax.Array, seq_ids: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
     """Flat cache slot of (sequence, position) pairs; -1 where the sequence or position is < 0.
 
@@ -88,9 +90,38 @@ def slots_for(page_table: jax.Array, seq_ids: jax.Array, positions: jax.Array, p
     return jnp.where(valid, page * page_size + pos % page_size, -1)
 
 
-def write_rows(pages: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
-    """Scatter ``rows [T, d]`` into ``pages [P, page, d]`` at flat ``slots`` (-1 dropped)."""
-    P, page, d = pages.shape
-    flat = pages.reshape(P * page, d)
-    flat = flat.at[jnp.where(slots >= 0, slots, P * page)].set(rows.astype(pages.dtype), mode="drop")
-    return flat.reshape(P, page, d)
+@dataclasses.dataclass
+class LayerPages:
+    """Layer ``layer`` (a traced index inside a scan) of a stacked page array ``[L, P, page, w]``."""
+
+    stacked: jax.Array
+    layer: jax.Array | int
+
+    @property
+    def num_pages(self) -> int:
+        return self.stacked.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.stacked.shape[2]
+
+    def _slot_offset(self):
+        return self.layer * (self.num_pages * self.page_size)
+
+    def write(self, slots: jax.Array, rows: jax.Array) -> LayerPages:
+        """Scatter ``rows [T, w]`` into this layer's flat ``slots`` (-1 dropped), in place."""
+        L, P, page, w = self.stacked.shape
+        flat = self.stacked.reshape(L * P * page, w)
+        at = jnp.where(slots >= 0, slots + self._slot_offset(), L * P * page)
+        flat = flat.at[at].set(rows.astype(flat.dtype), mode="drop")
+        return LayerPages(flat.reshape(L, P, page, w), self.layer)
+
+    def rows(self, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Every layer's rows seen flat ``[L*P*page, w]`` and ``slots`` moved into this layer (-1 kept)."""
+        L, P, page, w = self.stacked.shape
+        return self.stacked.reshape(L * P * page, w), jnp.where(slots >= 0, slots + self._slot_offset(), -1)
+
+    def pages(self, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Every layer's pages ``[L*P, page, w]`` and ``page_table`` moved into this layer."""
+        L, P, page, w = self.stacked.shape
+        return self.stacked.reshape(L * P, page, w), page_table + self.layer * P

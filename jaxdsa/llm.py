@@ -1,13 +1,15 @@
-"""The notebook API: ``jaxdsa.LLM(path).score(ids)`` and ``.generate(prompts, ...)``.
+"""The notebook API: ``jaxdsa.LLM(path)``, its ``.model``, ``.score(ids)`` and ``.generate(prompts)``.
 
-``score`` is one full forward of a single sequence (naive MLA form). ``generate`` runs on the
-serving engine: the prompts are served concurrently with continuous batching, chunked prefill
-and the paged cache, exactly as the HTTP server serves them.
+``model`` is the Flax NNX module tree: print it, index a layer (``model.layer(3)``), replace a
+submodule, call it. ``score`` is one full forward of a single sequence over the current module
+tree. ``generate`` runs on the serving engine: the prompts are served concurrently with
+continuous batching, chunked prefill and the paged cache, exactly as the HTTP server serves them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -16,12 +18,13 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxdsa import sharding
 from jaxdsa.cache import StepMeta, init_cache
-from jaxdsa.config import load_config
 from jaxdsa.engine import Engine, EngineConfig, SamplingParams
-from jaxdsa.models.dsa import jitted_step
+from jaxdsa.engine.runner import ModelState
+from jaxdsa.loading import load_model
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -41,6 +44,20 @@ def generation_eos_ids(path: str | os.PathLike, default: Sequence[int]) -> tuple
             return ()
         return tuple(eos) if isinstance(eos, list) else (eos,)
     return tuple(default)
+
+
+@functools.cache
+def _score_step(family, graphdef, treedef, axes: tuple, cache_axes: tuple, mode, mesh):
+    """The jitted single-sequence forward of one model structure and mode (the cache is donated)."""
+
+    def fn(leaves, tokens, positions, cache, meta):
+        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+        return family.step(model, tokens, positions, cache, meta, mode)
+
+    cache_axes = dict(cache_axes)
+    return sharding.jit_step(
+        fn, mesh, donate_argnums=(3,), in_axes=(axes, None, None, cache_axes), out_axes=(None, cache_axes)
+    )
 
 
 class LLM:
@@ -75,9 +92,6 @@ class LLM:
     ):
         """``load_format="dummy"``: random weights of the checkpoint's config, made on the device
         (benchmarking real shapes without the files, like vLLM's ``--load-format dummy``)."""
-        from checkpoints.dummy import random_params  # imported here: checkpoints imports jaxdsa.ops
-        from checkpoints.loader import load_params
-
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r}: choose float32 or bfloat16")
         self.path = os.fspath(path)
@@ -85,13 +99,15 @@ class LLM:
         self.page_size = page_size
         self.parallelism = sharding.Parallelism(tp=tp, ep=ep, dp=dp, dp_attention=dp_attention)
         self.mesh = sharding.make_mesh(self.parallelism) if self.parallelism.num_devices > 1 else None
-        if load_format == "dummy":
-            self.config = load_config(path)
-            self.params = random_params(self.config, dtype=self.dtype, mesh=self.mesh, seed=seed)
-        elif load_format == "safetensors":
-            self.config, self.params = load_params(path, dtype=self.dtype, progress=progress, mesh=self.mesh)
-        else:
-            raise ValueError(f"load_format {load_format!r}: choose safetensors or dummy")
+        self.family, self.config, self.model = load_model(
+            path,
+            dtype=self.dtype,
+            parallelism=self.parallelism if self.mesh is not None else None,
+            mesh=self.mesh,
+            load_format=load_format,
+            seed=seed,
+            progress=progress,
+        )
         self.eos_token_ids = generation_eos_ids(self.path, self.config.eos_token_ids)
         self.engine_config = EngineConfig(
             max_num_seqs=max_num_seqs,
@@ -114,10 +130,12 @@ class LLM:
 
     @property
     def engine(self) -> Engine:
+        """The serving engine over :attr:`model` as it was when the engine was first used."""
         if self._engine is None:
             self._engine = Engine(
+                self.family,
                 self.config,
-                self.params,
+                self.model,
                 dtype=self.dtype,
                 eos_token_ids=self.eos_token_ids,
                 config=self.engine_config,
@@ -127,7 +145,8 @@ class LLM:
         return self._engine
 
     def score(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Logits [len(token_ids), vocab] (float32) of one full forward over the sequence.
+        """Logits [len(token_ids), vocab] (float32) of one full forward over the sequence, through
+        the module tree as it is now (changes to :attr:`model` take effect).
 
         On a data-parallel mesh the sequence runs in dp group 0; the other groups get padding.
         """
@@ -138,9 +157,15 @@ class LLM:
         T, pages = bucket(len(ids)), bucket(-(-len(ids) // self.page_size))
         group = lambda first, fill: np.asarray(
             list(first) + [fill] * (T - len(ids)) + [fill] * (T * (dp - 1)), np.int32
-        )  # noqa: E731
-        placed = None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, sharding.batch_spec())
-        cache = init_cache(self.config, pages * dp, self.page_size, self.dtype, sharding=placed)
+        )
+        spec = self.family.cache_spec(self.config)
+        cache_axes = spec.axes()
+        placed = None
+        if self.mesh is not None:
+            placed = {
+                k: jax.sharding.NamedSharding(self.mesh, sharding.spec(a)) for k, a in cache_axes.items()
+            }
+        cache = init_cache(spec, pages * dp, self.page_size, self.dtype, sharding=placed)
         meta = StepMeta(
             seq_ids=group([0] * len(ids), -1),
             page_table=np.tile(np.arange(pages, dtype=np.int32), (dp, 1)),
@@ -150,9 +175,13 @@ class LLM:
         if self.mesh is not None:
             args = sharding.put(args, self.mesh, sharding.batch_spec())
         tokens, positions, meta = jax.tree.map(jnp.asarray, args)
-        fn = jitted_step(self.config, len(ids) > self.config.index_topk, False, self.mesh)
+        state = ModelState(self.model)
+        mode = self.family.step_mode(self.config, max_position=len(ids) - 1, single_sequence=True)
+        fn = _score_step(
+            self.family, state.graphdef, state.treedef, state.axes, tuple(cache_axes.items()), mode, self.mesh
+        )
         with self._precision():
-            logits, _ = fn(self.params, tokens, positions, cache, meta)
+            logits, _ = fn(state.leaves, tokens, positions, cache, meta)
         return sharding.fetch(logits)[: len(ids)]
 
     def generate(

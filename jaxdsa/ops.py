@@ -1,53 +1,113 @@
-"""The one dispatch point for the hot operations of a DSA model.
+"""The one dispatch point for the hot operations of a DSA model: one table, one entry per op.
 
-Model code calls only these functions; which implementation runs is chosen in one place:
-``JAXDSA_KERNELS=reference|interpret|pallas`` (read once, at first use) or :func:`set_kernels`.
-The default is ``pallas`` on CUDA and ``reference`` elsewhere.
+Model code calls only the functions below. Each entry of :data:`OPS` names the op's package
+(imported statically, so go-to-definition works), its pure-JAX oracle (``ref.py``), its Pallas
+kernel (``kernel.py``) and the logical axes of its operands, from which
+:func:`jaxdsa.sharding.wrap_op` builds the shard_map that runs it on a mesh. Which
+implementation runs is chosen in one place: ``JAXDSA_KERNELS=reference|interpret|pallas`` (read
+once, at first use) or :func:`set_kernels`; the default is ``pallas`` on CUDA and ``reference``
+elsewhere. ``interpret`` runs the Pallas kernel in the Pallas interpreter (CPU tests).
 
-- ``reference``: the pure-JAX oracle in ``pallas_kernels/<name>/ref.py``.
-- ``interpret``: the Pallas kernel run by the Pallas interpreter (CPU tests).
-- ``pallas``: the Pallas kernel lowered through the Triton GPU backend.
-
-Shapes (T query tokens, H heads, K selected keys, N cache slots, S key positions):
+Shapes (legend in docs/architecture.md: T query tokens, H heads, Hi index heads, K selected keys,
+S key positions, N cache slots, P pages, E experts, D model width):
 
 - ``sparse_mla(q [T,H,576], kv [N,576], indices [T,K] int32, *, sm_scale, sink=None, v_dim=512)
   -> (out [T,H,v_dim], lse [T,H] f32)``: softmax attention of each query over the selected kv rows
   (-1 = skip, duplicates count twice); the value is the first ``v_dim`` columns of the row.
-- ``merge_states(outs [n,T,H,D], lses [n,T,H], sink=None) -> (out, lse)``: log-sum-exp merge.
-- ``indexer_logits(q [T,Hi,D], w [T,Hi], k [S,D], *, q_pos [T]) -> [T,S] f32``:
-  ``sum_h w[t,h] * relu(q[t,h] . k[s])`` for ``s <= q_pos[t]``, -inf beyond.
-- ``indexer_logits_paged(q, w, k_pages [P,page,D], page_table [B,M], seq_ids [T], q_pos [T],
-  *, k_scale=None) -> [T, M*page] f32``: the same per query over its own sequence's keys through
-  the page table; ``k_scale [P,page]`` marks fp8 keys (value = k * scale); seq_ids < 0 = padding.
+- ``merge_states(outs [n,T,H,Dv], lses [n,T,H], sink=None) -> (out, lse)``: log-sum-exp merge.
+- ``indexer_logits_paged(q [T,Hi,Di], w [T,Hi], k_pages [P,page,Di], page_table [B,M], seq_ids [T],
+  q_pos [T], *, k_scale=None) -> [T, M*page] f32``: ``sum_h w[t,h] * relu(q[t,h] . k[s])`` over the
+  query's own sequence's keys through the page table, for ``s <= q_pos[t]`` (-inf beyond);
+  ``k_scale [P,page]`` marks fp8 keys (value = k * scale); seq_ids < 0 = padding.
 - ``topk_indices(logits [T,S], k) -> [T,k] int32``: indices of the k largest finite values, any
   order, -1 where a row has fewer.
-- ``pack_experts(gate [E,N,D], up [E,N,D], down [E,D,N]) -> experts`` and
-  ``moe_experts(x [T,D], topk_ids [T,k], topk_weights [T,k], experts, *, swiglu_limit=None) -> [T,D]``.
+- ``moe_experts(x [T,D], topk_ids [T,k], topk_weights [T,k], experts, *, swiglu_limit=None) -> [T,D]``
+  with ``experts = {'gate_up': [E,D,2N], 'down': [E,N,D]}`` (:func:`pallas_kernels.moe.ref.pack_experts`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import importlib
 import os
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from jaxdsa import sharding
+from jaxdsa.sharding import OpSharding, wrap_op
+from pallas_kernels.indexer_logits import kernel as indexer_logits_kernel
+from pallas_kernels.indexer_logits import ref as indexer_logits_ref
+from pallas_kernels.merge_states import kernel as merge_states_kernel
+from pallas_kernels.merge_states import ref as merge_states_ref
+from pallas_kernels.moe import kernel as moe_kernel
+from pallas_kernels.moe import ref as moe_ref
+from pallas_kernels.sparse_mla import kernel as sparse_mla_kernel
+from pallas_kernels.sparse_mla import ref as sparse_mla_ref
+from pallas_kernels.topk import kernel as topk_kernel
+from pallas_kernels.topk import ref as topk_ref
 
 BACKENDS = ("reference", "interpret", "pallas")
 
-# op name -> package under pallas_kernels/ holding ref.py (and kernel.py once written)
-_PACKAGES = {
-    "sparse_mla": "sparse_mla",
-    "merge_states": "merge_states",
-    "indexer_logits": "indexer_logits",
-    "indexer_logits_paged": "indexer_logits",
-    "topk_indices": "topk",
-    "moe_experts": "moe",
-    "pack_experts": "moe",
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One hot operation: its oracle, its kernel (same signature plus ``interpret``), its sharding."""
+
+    reference: Callable[..., Any]
+    kernel: Callable[..., Any]
+    sharding: OpSharding
+
+
+_EXPERTS = {"gate_up": ("experts", None, "expert_mlp"), "down": ("experts", "expert_mlp", None)}
+
+OPS: dict[str, Op] = {
+    "sparse_mla": Op(
+        sparse_mla_ref.sparse_mla,
+        sparse_mla_kernel.sparse_mla,
+        OpSharding(
+            args=((None, "heads", None), None, None),
+            kwargs={"sink": ("heads",)},
+            out=((None, "heads", None), (None, "heads")),
+        ),
+    ),
+    "merge_states": Op(
+        merge_states_ref.merge_states,
+        merge_states_kernel.merge_states,
+        OpSharding(
+            args=((None, None, "heads", None), (None, None, "heads")),
+            kwargs={"sink": ("heads",)},
+            out=((None, "heads", None), (None, "heads")),
+        ),
+    ),
+    # Index heads are split over TP: each shard sums its heads, one psum adds the shards.
+    "indexer_logits_paged": Op(
+        indexer_logits_ref.indexer_logits_paged,
+        indexer_logits_kernel.indexer_logits_paged,
+        OpSharding(
+            args=((None, "index_heads", None), (None, "index_heads"), None, None, None, None),
+            kwargs={"k_scale": (None, None)},
+            out=(None, None),
+            reduce=("index_heads",),
+        ),
+    ),
+    "topk_indices": Op(
+        topk_ref.topk_indices, topk_kernel.topk_indices, OpSharding(args=(None,), out=(None, None))
+    ),
+    # Expert parallelism without all-to-all: tokens are replicated over the expert axes, each
+    # shard runs the slots routed to its own experts (ids shifted into its range, the others
+    # drop out) and a psum adds the shards and the partial down-projections of expert-TP shards.
+    "moe_experts": Op(
+        moe_ref.moe_experts,
+        moe_kernel.moe_experts,
+        OpSharding(
+            args=(None, None, None, _EXPERTS),
+            out=(None, None),
+            reduce=("experts", "expert_mlp"),
+            index_args={1: "experts"},
+            across_dp="gather_tokens",
+        ),
+    ),
 }
 
 _backend: str | None = None
@@ -79,42 +139,33 @@ def set_kernels(name: str) -> None:
 
 
 @functools.cache
-def _resolve(op: str, backend: str) -> Callable[..., Any]:
-    package = f"pallas_kernels.{_PACKAGES[op]}"
-    if backend == "reference":
-        return getattr(importlib.import_module(f"{package}.ref"), op)
-    fn = getattr(importlib.import_module(f"{package}.kernel"), op)
-    return functools.partial(fn, interpret=backend == "interpret")
-
-
-def _impl(op: str) -> Callable[..., Any]:
-    fn = _resolve(op, get_kernels())
-    return fn if op == "pack_experts" else sharding.wrap_op(op, fn)
+def _impl(name: str, backend: str) -> Callable[..., Any]:
+    op = OPS[name]
+    fn = (
+        op.reference
+        if backend == "reference"
+        else functools.partial(op.kernel, interpret=backend == "interpret")
+    )
+    return wrap_op(op.sharding, fn)
 
 
 def sparse_mla(q, kv, indices, *, sm_scale: float, sink=None, v_dim: int = 512):
-    return _impl("sparse_mla")(q, kv, indices, sm_scale=sm_scale, sink=sink, v_dim=v_dim)
+    return _impl("sparse_mla", get_kernels())(q, kv, indices, sm_scale=sm_scale, sink=sink, v_dim=v_dim)
 
 
 def merge_states(outs, lses, sink=None):
-    return _impl("merge_states")(outs, lses, sink=sink)
-
-
-def indexer_logits(q, w, k, *, q_pos):
-    return _impl("indexer_logits")(q, w, k, q_pos=q_pos)
+    return _impl("merge_states", get_kernels())(outs, lses, sink=sink)
 
 
 def indexer_logits_paged(q, w, k_pages, page_table, seq_ids, q_pos, *, k_scale=None):
-    return _impl("indexer_logits_paged")(q, w, k_pages, page_table, seq_ids, q_pos, k_scale=k_scale)
+    return _impl("indexer_logits_paged", get_kernels())(
+        q, w, k_pages, page_table, seq_ids, q_pos, k_scale=k_scale
+    )
 
 
 def topk_indices(logits, k: int):
-    return _impl("topk_indices")(logits, k)
-
-
-def pack_experts(gate, up, down):
-    return _impl("pack_experts")(gate, up, down)
+    return _impl("topk_indices", get_kernels())(logits, k)
 
 
 def moe_experts(x, topk_ids, topk_weights, experts, *, swiglu_limit: float | None = None):
-    return _impl("moe_experts")(x, topk_ids, topk_weights, experts, swiglu_limit=swiglu_limit)
+    return _impl("moe_experts", get_kernels())(x, topk_ids, topk_weights, experts, swiglu_limit=swiglu_limit)

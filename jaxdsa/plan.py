@@ -17,123 +17,96 @@ import argparse
 import dataclasses
 import math
 import sys
-from collections.abc import Iterator
 
-import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from checkpoints import names
-from jaxdsa.config import ModelConfig, load_config
-from jaxdsa.sharding import EXPERT_AXES, RULES, Parallelism, leaf_axes
+from checkpoints.spec import ExpertDown, ExpertGateUp, Linear, Stacked
+from jaxdsa.models import family as families
+from jaxdsa.models.family import ModelFamily
+from jaxdsa.models.registry import family_for, load_config
+from jaxdsa.sharding import EXPERT_AXES, Parallelism, shard_shape
 
 # Bytes per weight for the quantizable linears (FP8: 1 byte + one fp32 scale per 128x128 block;
 # INT4 compressed-tensors: 0.5 byte + a bf16 scale and an int4 zero point per group of 32).
 WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0 + 4 / (128 * 128), "int4": 0.5 + (2 + 0.5) / 32}
 GiB = 1 << 30
+_UNQUANTIZED = ("router", "embed", "lm_head")  # linears that stay 16-bit whatever the checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
+    """One parameter as the planner sees it; ``width`` -1 marks a quantizable linear."""
+
     path: tuple
     shape: tuple[int, ...]
-    bytes_per_element: float
+    axes: tuple[str | None, ...]
+    width: float
+
+    def bytes_per_element(self, weights: str) -> float:
+        return self.width if self.width > 0 else WEIGHT_BYTES[weights]
 
 
-def _shape_of(spec, path: tuple) -> Iterator[Leaf]:
-    """Parameter leaves (jaxdsa layout) of one name-map entry with their storage width."""
-    if isinstance(spec, names.Tensor):
-        yield Leaf(path, spec.shape, 4.0 if spec.keep_fp32 else 2.0)
-    elif isinstance(spec, names.Linear):
-        shape = jax.eval_shape(spec.post, jax.ShapeDtypeStruct((spec.out, spec.inp), jnp.int8)).shape
-        yield Leaf(path, tuple(shape), 4.0 if spec.keep_fp32 else -1.0)
-    elif isinstance(spec, names.Experts):
-        yield Leaf(path + ("gate_up",), (spec.num, spec.hidden, 2 * spec.inter), -1.0)
-        yield Leaf(path + ("down",), (spec.num, spec.inter, spec.hidden), -1.0)
-    else:
-        for key, child in spec.items():
-            yield from _shape_of(child, path + (key,))
-
-
-def parameter_leaves(cfg: ModelConfig) -> Iterator[Leaf]:
-    """Every parameter; -1 bytes marks a quantizable linear (width set by --weights)."""
-    yield from _shape_of(names.model_map(cfg), ())
-    for i in range(cfg.num_hidden_layers):
-        yield from _shape_of(names.layer_map(cfg, i), ("layers", i))
-
-
-_UNQUANTIZED = ("router", "embed", "lm_head")
+def parameter_leaves(family: ModelFamily, cfg, par: Parallelism) -> list[Leaf]:
+    """Every parameter of the model (main layers; heads padded for ``par``) with its storage width."""
+    model = families.abstract(family, cfg, dtype=jnp.bfloat16, parallelism=par, mtp=0)
+    specs, axes = family.param_spec(cfg, model), families.param_axes(model)
+    leaves = []
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = variable.get_value()
+        spec = specs[path].items[0] if isinstance(specs[path], Stacked) else specs[path]
+        linear = isinstance(spec, Linear | ExpertGateUp | ExpertDown)
+        if value.dtype == jnp.float32:
+            width = 4.0
+        elif linear and not any(k in path for k in _UNQUANTIZED):
+            width = -1.0
+        else:
+            width = 2.0
+        leaves.append(Leaf(path, tuple(value.shape), axes[path], width))
+    return leaves
 
 
 def shard_elements(leaf: Leaf, par: Parallelism) -> float:
-    """Elements of ``leaf`` on one device under the rules table (heads padded like the loader)."""
-    sizes = par.axis_sizes
-    n = 1.0
-    for dim, name in zip(leaf.shape, leaf_axes(leaf.path, len(leaf.shape))):
-        split = math.prod(sizes[a] for a in RULES.get(name, ()))
-        n *= -(-dim // split)
-    return n
+    return float(math.prod(shard_shape(leaf.shape, leaf.axes, par)))
 
 
-def device_weight_bytes(cfg: ModelConfig, par: Parallelism, weights: str) -> float:
-    total = 0.0
-    for leaf in parameter_leaves(cfg):
-        width = leaf.bytes_per_element
-        if width < 0:
-            width = 2.0 if any(k in leaf.path for k in _UNQUANTIZED) else WEIGHT_BYTES[weights]
-        total += shard_elements(leaf, par) * width
-    return total
+def device_weight_bytes(family: ModelFamily, cfg, par: Parallelism, weights: str) -> float:
+    return sum(
+        shard_elements(leaf, par) * leaf.bytes_per_element(weights)
+        for leaf in parameter_leaves(family, cfg, par)
+    )
 
 
-def cache_bytes_per_token(cfg: ModelConfig) -> int:
-    """bf16 latent rows of every layer + index keys of the layers that run an indexer (per device:
-    the cache is replicated over tp and split over dp by sequence)."""
-    return 2 * (cfg.num_hidden_layers * cfg.latent_dim + len(cfg.indexer_layers) * cfg.index_head_dim)
+def cache_bytes_per_token(family: ModelFamily, cfg) -> int:
+    """bf16 cache rows of one token (per device: the cache is replicated over tp and split over dp
+    by sequence)."""
+    return family.cache_spec(cfg).bytes_per_token(jnp.bfloat16)
 
 
 def decode_step(
-    cfg: ModelConfig, par: Parallelism, weights: str, batch: int, context: int
+    family: ModelFamily, cfg, par: Parallelism, weights: str, batch: int, context: int
 ) -> dict[str, float]:
     """Per-device bytes read and collective bytes of one decode step of ``batch`` sequences per dp group."""
-    read = 0.0
+    traffic = family.decode_traffic(cfg, par, batch, context)
     sizes = par.axis_sizes
-    edp = sizes["edp"]  # dp-attention groups whose tokens meet at every expert
-    E_local = cfg.n_routed_experts / math.prod(sizes[a] for a in EXPERT_AXES)
-    moe_tokens = batch * edp
-    touched = E_local * (
-        1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** moe_tokens
-    )  # expected distinct local experts
-    for leaf in parameter_leaves(cfg):
-        width = leaf.bytes_per_element
-        if width < 0:
-            width = 2.0 if any(k in leaf.path for k in _UNQUANTIZED) else WEIGHT_BYTES[weights]
+    k, E = traffic["experts_per_token"], traffic["num_experts"]
+    E_local = E / math.prod(sizes[a] for a in EXPERT_AXES)
+    moe_tokens = batch * sizes["edp"]  # dp-attention groups' tokens meet at every expert
+    touched = E_local * (1 - (1 - k / E) ** moe_tokens)  # expected distinct local experts
+    read = 0.0
+    for leaf in parameter_leaves(family, cfg, par):
         elements = shard_elements(leaf, par)
-        if "experts" in leaf.path:
+        if "experts" in leaf.axes:
             elements *= touched / E_local
-        if leaf.path[0] == "embed":
+        if leaf.axes[0] == "vocab" and leaf.path[0] == "embed":
             elements *= batch / leaf.shape[0]  # a lookup reads only the rows it needs
-        read += elements * width
-    kv_rows = min(context, cfg.index_topk)
-    read += batch * cfg.num_hidden_layers * kv_rows * cfg.latent_dim * 2
-    if context > cfg.index_topk:
-        read += batch * len(cfg.indexer_layers) * context * cfg.index_head_dim * 2
-    tp = par.tp
-    ring = 2 * (tp - 1) / tp if tp > 1 else 0.0  # all-reduce traffic per device per byte reduced
-    D = cfg.hidden_size
-    per_layer = 2 * batch * D * 2  # attention output + MLP/MoE output all-reduces, bf16
-    collective = ring * (cfg.num_hidden_layers * per_layer + batch * D * 4)  # + the embedding psum (f32)
-    collective += ring * len(cfg.indexer_layers) * batch * context * 4  # indexer head-sum psum (f32 logits)
-    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
-    ep_shards = sizes["rep"] * sizes["tpe"]  # expert shards inside a group
-    if ep_shards > 1:
-        collective += 2 * (ep_shards - 1) / ep_shards * moe_layers * moe_tokens * D * 4  # expert psum (f32)
-    if edp > 1:  # all-gather the groups' tokens (bf16 + ids/weights), reduce-scatter the f32 outputs
-        k = cfg.num_experts_per_tok
-        collective += (edp - 1) * moe_layers * batch * (D * 2 + k * 8 + D * 4)
-    return {"bytes_read": read, "collective_bytes": collective}
+        read += elements * leaf.bytes_per_element(weights)
+    return {"bytes_read": read + traffic["cache_bytes_read"], "collective_bytes": traffic["collective_bytes"]}
 
 
 def plan(
-    cfg: ModelConfig,
+    family: ModelFamily,
+    cfg,
     par: Parallelism,
     *,
     hbm_gib: float,
@@ -144,11 +117,11 @@ def plan(
     link_gbs: float,
     reserve_gib: float,
 ) -> dict[str, float]:
-    weight_bytes = device_weight_bytes(cfg, par, weights)
+    weight_bytes = device_weight_bytes(family, cfg, par, weights)
     free = hbm_gib * GiB - weight_bytes - reserve_gib * GiB
-    per_token = cache_bytes_per_token(cfg)
+    per_token = cache_bytes_per_token(family, cfg)
     tokens_per_group = max(0, int(free // per_token))
-    step = decode_step(cfg, par, weights, batch, max_model_len)
+    step = decode_step(family, cfg, par, weights, batch, max_model_len)
     memory_s = step["bytes_read"] / (hbm_gbs * 1e9)
     comm_s = step["collective_bytes"] / (link_gbs * 1e9)
     return {
@@ -186,11 +159,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config)
+        family = family_for(cfg.model_type)
         par = Parallelism(tp=args.tp, ep=args.ep, dp=args.dp, dp_attention=args.dp_attention)
     except ValueError as e:
         print(f"plan: {e}", file=sys.stderr)
         return 2
     result = plan(
+        family,
         cfg,
         par,
         hbm_gib=args.hbm_gib,
@@ -203,7 +178,8 @@ def main(argv=None) -> int:
     )
     dp_attention = " (dp attention)" if par.dp_attention else ""
     print(
-        f"{cfg.model_type}: {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts; tp={par.tp} ep={par.ep} dp={par.dp}{dp_attention}, weights {args.weights}"
+        f"{cfg.model_type}: {cfg.num_hidden_layers} layers; "
+        f"tp={par.tp} ep={par.ep} dp={par.dp}{dp_attention}, weights {args.weights}"
     )
     for key, value in result.items():
         print(f"  {key:38s} {value:,.2f}" if isinstance(value, float) else f"  {key:38s} {value:,}")

@@ -22,9 +22,11 @@ either divides ``tp`` or is a multiple of it and the mesh has dp * tp * max(1, e
 dp_attention each of the dp groups holds ``ep / dp`` of them: (1, 8, 8) -> 8 devices, one
 eighth of the experts each; (2, 4, 2) -> 4 devices.
 
-Model code names logical axes only (:func:`constrain`, :func:`param_axes`); the rules table is
-the one place that turns them into mesh axes. Kernels are not auto-partitioned, so
-:func:`wrap_op` runs each ``jaxdsa.ops`` call under shard_map over the axes still automatic.
+Model code names logical axes only: every parameter carries its names as metadata, activations
+are pinned with :func:`constrain`, and each op of :mod:`jaxdsa.ops` declares the axes of its
+operands (:class:`OpSharding`). :data:`RULES` is the one place that turns names into mesh axes;
+a name missing from it is an error, never a silent replication. Kernels are not
+auto-partitioned, so :func:`wrap_op` runs each op under shard_map over the axes still automatic.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -46,17 +48,45 @@ DP_AXES = ("dp", "edp")  # the step is manual over these (data_parallel)
 TP_AXES = ("tpe", "tpi")
 EXPERT_AXES = ("edp", "rep", "tpe")
 
-# logical axis name -> mesh axes. Names not listed are replicated.
+Axes = tuple[str | None, ...]
+
+# Logical axis name -> mesh axes. Every name a parameter, cache or activation uses is listed;
+# an empty tuple means "never split".
 RULES: dict[str, tuple[str, ...]] = {
-    "batch": DP_AXES,
-    "pages": DP_AXES,
+    # split
+    "batch": DP_AXES,  # tokens / sequences of a step, step outputs
+    "cache_pages": DP_AXES,  # pages of the paged cache: each dp group owns its own
     "heads": TP_AXES,
     "index_heads": TP_AXES,
-    "mlp": TP_AXES,
+    "mlp": TP_AXES,  # dense MLP and shared-expert intermediate
     "vocab": TP_AXES,
     "experts": EXPERT_AXES,
     "expert_mlp": ("tpi",),
+    # never split
+    "layers": (),  # stacked (scanned) layers; also the layer axis of the cache
+    "embed": (),  # model width
+    "embed_pair": (),  # the MTP projection's [embedding ; hidden] input
+    "q_lora": (),
+    "kv_lora": (),
+    "latent": (),  # kv_lora + rope: one cached latent row
+    "head_dim": (),
+    "index_head_dim": (),
+    "router_experts": (),  # the router scores every expert on every device
+    "page": (),
+    "cache_width": (),
 }
+
+
+def check_axes(axes: Any, what: str) -> Axes:
+    """``axes`` as a tuple of known logical names, or a ValueError naming ``what``."""
+    if not isinstance(axes, tuple) or not axes:
+        raise ValueError(
+            f"{what}: has no logical axis names (got {axes!r}); every parameter must declare them"
+        )
+    unknown = [a for a in axes if a not in RULES]
+    if unknown:
+        raise ValueError(f"{what}: logical axes {unknown} have no rule in jaxdsa.sharding.RULES")
+    return axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +102,8 @@ class Parallelism:
                 raise ValueError(f"{name} must be >= 1")
         if self.dp_attention and self.ep % self.dp:
             raise ValueError(
-                f"with dp_attention, ep ({self.ep}) counts the expert shards of all {self.dp} dp groups: it must be a multiple of dp"
+                f"with dp_attention, ep ({self.ep}) counts the expert shards of all {self.dp} dp "
+                "groups: it must be a multiple of dp"
             )
         ep = self.group_ep
         if self.tp % ep and ep % self.tp:
@@ -96,6 +127,11 @@ class Parallelism:
     def num_devices(self) -> int:
         return math.prod(self.axis_sizes.values())
 
+    def shards(self, name: str) -> int:
+        """How many pieces the logical axis ``name`` is cut into."""
+        sizes = self.axis_sizes
+        return math.prod(sizes[a] for a in RULES[name])
+
 
 def make_mesh(par: Parallelism, devices=None) -> Mesh:
     """The one place meshes are built (all axes Auto: XLA propagates shardings between ops)."""
@@ -109,83 +145,25 @@ def make_mesh(par: Parallelism, devices=None) -> Mesh:
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def spec(logical: tuple[str | None, ...], *, exclude: tuple[str, ...] = ()) -> P:
-    """PartitionSpec for logical dims; mesh axes in ``exclude`` (e.g. manual ones) are dropped."""
+def spec(logical: Axes, *, exclude: tuple[str, ...] = ()) -> P:
+    """PartitionSpec for logical dims (None: not split); mesh axes in ``exclude`` are dropped."""
     out = []
     for name in logical:
-        axes = tuple(a for a in RULES.get(name, ()) if a not in exclude)
+        axes = tuple(a for a in RULES[name] if a not in exclude) if name is not None else ()
         out.append(axes if len(axes) > 1 else (axes[0] if axes else None))
     return P(*out)
 
 
-# ---- parameters -------------------------------------------------------------------------------
-
-# Leaf name -> logical axes of the params pytree (see jaxdsa.models.dsa / checkpoints.names).
-_PARAM_AXES: dict[str, tuple[str | None, ...]] = {
-    "embed": ("vocab", None),
-    "lm_head": (None, "vocab"),
-    "q_b": (None, "heads", None),
-    "w_uk": ("heads", None, None),
-    "w_uv": ("heads", None, None),
-    "o": ("heads", None, None),
-    "wq_b": (None, "index_heads", None),
-    "weights_proj": (None, "index_heads"),
-    "gate": (None, "mlp"),
-    "up": (None, "mlp"),
-    "down": ("mlp", None),
-}
-_EXPERT_AXES = {"gate_up": ("experts", None, "expert_mlp"), "down": ("experts", "expert_mlp", None)}
+def shard_shape(shape: tuple[int, ...], logical: Axes, par: Parallelism) -> tuple[int, ...]:
+    """Per-device shape of an array of ``shape`` laid out by ``logical`` (no devices needed)."""
+    return tuple(-(-d // (par.shards(n) if n else 1)) for d, n in zip(shape, logical))
 
 
-def leaf_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
-    """Logical axes of the parameter at ``path`` (dict keys / list indices from the params root)."""
-    key = next((k for k in reversed(path) if isinstance(k, str)), None)
-    table = _EXPERT_AXES if "experts" in path else _PARAM_AXES
-    return table.get(key, (None,) * ndim)
-
-
-def param_axes(params: Any) -> Any:
-    """The logical axes of every parameter leaf (a pytree shaped like ``params``)."""
-
-    def walk(tree, path):
-        if isinstance(tree, dict):
-            return {k: walk(v, path + (k,)) for k, v in tree.items()}
-        if isinstance(tree, list):
-            return [walk(v, path + (i,)) for i, v in enumerate(tree)]
-        return leaf_axes(path, np.ndim(tree))
-
-    return walk(params, ())
-
-
-def fit_to_mesh(value: np.ndarray, logical: tuple[str | None, ...], mesh: Mesh, what: str) -> np.ndarray:
-    """Zero-pad head dims to a multiple of their shard count (a zero head adds exactly nothing:
-    its query and output rows are 0); any other dim that does not split evenly is an error."""
-    pads = []
-    for dim, name in zip(value.shape, logical):
-        n = math.prod(mesh.shape[a] for a in RULES.get(name, ()))
-        extra = -dim % n
-        if extra and name not in ("heads", "index_heads"):
-            raise ValueError(f"{what}: dimension {name!r} of size {dim} does not split over {n} devices")
-        pads.append((0, extra))
-    return np.pad(value, pads) if any(p[1] for p in pads) else value
-
-
-def param_shardings(params: Any, mesh: Mesh) -> Any:
-    axes = param_axes(params)
-    return jax.tree.map(lambda a: NamedSharding(mesh, spec(a)), axes, is_leaf=lambda x: isinstance(x, tuple))
-
-
-def expert_tp_order(gate, up, tpi: int):
-    """Reorder HF gate / up [E, N, D] so that ``pack_experts(*result, down)`` keeps each expert-TP
-    shard's columns together: splitting the packed ``[gate | up]`` axis over ``tpi`` devices then
-    gives shard i exactly ``[gate_i | up_i]``, the layout every kernel expects locally.
-    Works on NumPy and JAX arrays; the identity when ``tpi`` is 1."""
-    xp = jnp if isinstance(gate, jax.Array) else np
-    E, N, D = gate.shape
-    both = xp.concatenate(
-        [gate.reshape(E, tpi, N // tpi, D), up.reshape(E, tpi, N // tpi, D)], axis=2
-    ).reshape(E, 2 * N, D)
-    return both[:, :N], both[:, N:]
+def named(mesh: Mesh | None, logical: Axes) -> jax.sharding.Sharding:
+    """The sharding of an array with ``logical`` axes: on ``mesh``, or on the default device."""
+    if mesh is None:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return NamedSharding(mesh, spec(logical))
 
 
 # ---- activations and kernels inside the step ---------------------------------------------------
@@ -196,7 +174,7 @@ def _mesh():
     return None if mesh.empty or math.prod(mesh.shape.values()) == 1 else mesh
 
 
-def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+def constrain(x: jax.Array, logical: Axes) -> jax.Array:
     """Pin an activation's layout by logical names (a no-op outside a mesh)."""
     mesh = _mesh()
     if mesh is None:
@@ -209,155 +187,194 @@ def _auto_axes(mesh) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if a not in mesh.manual_axes and mesh.shape[a] > 1)
 
 
-def wrap_op(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a jaxdsa.ops implementation under shard_map when the step is traced on a mesh."""
+@dataclasses.dataclass(frozen=True)
+class OpSharding:
+    """How an op's operands split over the mesh, in logical names (see :mod:`jaxdsa.ops`).
+
+    ``args`` / ``kwargs``: per array operand its logical axes (None for a dim or operand that is
+    not split; a dict of axes for a dict operand). ``out``: axes of the output (a tuple of them
+    for several outputs). ``reduce``: logical names whose shards each produce a partial output,
+    summed across them (in float32). ``index_args``: operands holding ids into a split logical
+    axis; each shard sees them shifted into its own range (ids outside it must be ignored by the
+    op). ``across_dp``: how the op meets the other dp-attention groups when the routed experts are
+    split over them (see :data:`_ACROSS_DP`).
+    """
+
+    args: tuple[Any, ...]
+    out: Any
+    kwargs: Mapping[str, Axes] = dataclasses.field(default_factory=dict)
+    reduce: tuple[str, ...] = ()
+    index_args: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    across_dp: str | None = None
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+def _dim_size(sharding: OpSharding, args: tuple, name: str) -> int:
+    """Size of logical axis ``name`` in the operands (the first operand declaring it)."""
+    for axes, arg in zip(sharding.args, args):
+        for ax, leaf in zip(jax.tree.leaves(axes, is_leaf=_is_axes), jax.tree.leaves(arg)):
+            if ax is not None and name in ax:
+                return leaf.shape[ax.index(name)]
+    raise ValueError(f"no operand declares logical axis {name!r}")
+
+
+def _shifted(args: tuple, sharding: OpSharding, mesh_axes_of: Callable[[str], tuple[str, ...]]) -> tuple:
+    """Index operands shifted into the local range of the axis they index (local sizes)."""
+    args = list(args)
+    for i, name in sharding.index_args.items():
+        axes = mesh_axes_of(name)
+        if axes:
+            local = _dim_size(sharding, tuple(args), name)
+            args[i] = args[i] - jax.lax.axis_index(axes) * local
+    return tuple(args)
+
+
+def _sharded_call(sharding: OpSharding, fn: Callable, mesh, args: tuple, kwargs: dict):
+    """``fn`` under shard_map over the mesh's automatic axes, as ``sharding`` declares."""
+    live = _auto_axes(mesh)
+    dead = tuple(a for a in MESH_AXES if a not in live)
+
+    def to_spec(axes):
+        if axes is None:
+            return P()
+        return jax.tree.map(lambda ax: spec(ax, exclude=dead), axes, is_leaf=_is_axes)
+
+    array_kw = {k: v for k, v in kwargs.items() if k in sharding.kwargs}
+    static_kw = {k: v for k, v in kwargs.items() if k not in sharding.kwargs}
+    kw_specs = {k: None if v is None else to_spec(sharding.kwargs[k]) for k, v in array_kw.items()}
+    in_specs = (*(to_spec(ax) for ax in sharding.args), kw_specs)
+    reduce_axes = tuple(a for name in sharding.reduce for a in RULES[name] if a in live)
+
+    static_args = args[len(sharding.args) :]  # positional operands past the declared ones (e.g. top-k's k)
+
+    def local(*operands):
+        *positional, kw = operands
+        positional = _shifted(tuple(positional), sharding, lambda n: tuple(a for a in RULES[n] if a in live))
+        out = fn(*positional, *static_args, **kw, **static_kw)
+        if reduce_axes:
+            out = jax.tree.map(
+                lambda o: jax.lax.psum(o.astype(jnp.float32), reduce_axes).astype(o.dtype), out
+            )
+        return out
+
+    smap = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=to_spec(sharding.out),
+        axis_names=set(live),
+        check_vma=False,
+    )
+    return smap(*args[: len(sharding.args)], array_kw)
+
+
+def _gather_tokens_across_edp(sharding: OpSharding, call: Callable, args: tuple, kwargs: dict):
+    """Dispatch and combine across dp-attention groups (inside the step's edp-manual shard_map):
+    all-gather every group's operands, run the ids that fall in this group's slice of the indexed
+    axis (``call`` may split them further over the group's own axes), reduce-scatter the partial
+    outputs back to the groups they came from. Exact: each id is computed by exactly one group."""
+    ((index_arg, name),) = sharding.index_args.items()
+    local_size = _dim_size(sharding, args, name)
+    gather = functools.partial(jax.lax.all_gather, axis_name="edp", axis=0, tiled=True)
+    gathered = [gather(a) if ax is None else a for a, ax in zip(args, sharding.args)]
+    gathered[index_arg] = gathered[index_arg] - jax.lax.axis_index("edp") * local_size
+    out = call(*gathered, **kwargs)
+    # float32 collective: XLA:CPU has no bf16 reduce-scatter, and the sum is exact in f32 anyway
+    summed = jax.lax.psum_scatter(out.astype(jnp.float32), "edp", scatter_dimension=0, tiled=True)
+    return summed.astype(out.dtype)
+
+
+# Strategies for ops whose operands differ per dp-attention group and must meet across the groups.
+_ACROSS_DP = {"gather_tokens": _gather_tokens_across_edp}
+
+
+def wrap_op(sharding: OpSharding, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run an op implementation under shard_map when the step is traced on a mesh."""
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         mesh = _mesh()
         if mesh is None:
             return fn(*args, **kwargs)
-        call = functools.partial(_SHARDED[name], fn, _Axes(mesh)) if _auto_axes(mesh) else fn
-        across = _ACROSS_EDP.get(name) if mesh.shape["edp"] > 1 else None
-        return across(call, *args, **kwargs) if across else call(*args, **kwargs)
+        if _auto_axes(mesh):
+            call = lambda *a, **k: _sharded_call(sharding, fn, mesh, a, k)
+        else:
+            call = fn
+        if sharding.across_dp and mesh.shape["edp"] > 1:
+            return _ACROSS_DP[sharding.across_dp](sharding, call, args, kwargs)
+        return call(*args, **kwargs)
 
     return wrapped
-
-
-class _Axes:
-    """The shard_map context of one wrapped call: which TP / expert axes are live."""
-
-    def __init__(self, mesh):
-        self.mesh = mesh
-        self.live = _auto_axes(mesh)
-        self.tp = tuple(a for a in TP_AXES if a in self.live) or None
-        self.experts = tuple(a for a in EXPERT_AXES if a in self.live)
-        self.expert_tp = tuple(a for a in ("tpi",) if a in self.live)
-
-    def heads(self, ndim: int, at: int) -> P:
-        return P(*([None] * at + [self.tp] + [None] * (ndim - at - 1)))
-
-    def psum(self, x, axes):
-        return jax.lax.psum(x, axes) if axes else x
-
-    def smap(self, f, in_specs, out_specs):
-        return jax.shard_map(
-            f,
-            mesh=self.mesh,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            axis_names=set(self.live),
-            check_vma=False,
-        )
-
-    def expert_spec(self, logical):
-        return spec(logical, exclude=tuple(a for a in MESH_AXES if a not in self.live))
-
-
-def _sparse_mla(fn, ax, q, kv, indices, *, sm_scale, sink=None, v_dim=512):
-    f = lambda q, kv, i, s: fn(q, kv, i, sm_scale=sm_scale, sink=s, v_dim=v_dim)  # noqa: E731
-    in_specs = (ax.heads(3, 1), P(), P(), None if sink is None else P(ax.tp))
-    return ax.smap(f, in_specs, (ax.heads(3, 1), ax.heads(2, 1)))(q, kv, indices, sink)
-
-
-def _merge_states(fn, ax, outs, lses, sink=None):
-    f = lambda o, l, s: fn(o, l, sink=s)  # noqa: E731
-    in_specs = (ax.heads(4, 2), ax.heads(3, 2), None if sink is None else P(ax.tp))
-    return ax.smap(f, in_specs, (ax.heads(3, 1), ax.heads(2, 1)))(outs, lses, sink)
-
-
-def _indexer_paged(fn, ax, q, w, k_pages, page_table, seq_ids, q_pos, *, k_scale=None):
-    """Index heads are split over TP: each shard sums its heads, one psum adds the shards."""
-
-    def f(q, w, k, table, seq, pos, scale):
-        return ax.psum(fn(q, w, k, table, seq, pos, k_scale=scale), ax.tp)
-
-    in_specs = (ax.heads(3, 1), ax.heads(2, 1), P(), P(), P(), P(), None if k_scale is None else P())
-    return ax.smap(f, in_specs, P())(q, w, k_pages, page_table, seq_ids, q_pos, k_scale)
-
-
-def _indexer(fn, ax, q, w, k, *, q_pos):
-    f = lambda q, w, k, pos: ax.psum(fn(q, w, k, q_pos=pos), ax.tp)  # noqa: E731
-    return ax.smap(f, (ax.heads(3, 1), ax.heads(2, 1), P(), P()), P())(q, w, k, q_pos)
-
-
-def _topk(fn, ax, logits, k):
-    return ax.smap(lambda x: fn(x, k), (P(),), P())(logits)
-
-
-def _moe(fn, ax, x, ids, weights, experts, *, swiglu_limit=None):
-    """Expert parallelism without all-to-all: tokens are replicated over the expert axes, so each
-    shard runs the slots routed to its own experts (ids shifted into its range, the others drop
-    out) and one psum adds the shards (and the partial down-projections of expert-TP shards)."""
-    n_shards = math.prod(ax.mesh.shape[a] for a in ax.experts)
-    per_shard = experts["down"].shape[0] // n_shards
-    expert_specs = {k: ax.expert_spec(_EXPERT_AXES[k]) for k in experts}
-
-    def f(x, ids, w, e):
-        local = ids - jax.lax.axis_index(ax.experts) * per_shard if ax.experts else ids
-        out = fn(x, local, w, e, swiglu_limit=swiglu_limit)
-        return ax.psum(out.astype(jnp.float32), ax.experts + ax.expert_tp).astype(x.dtype)
-
-    return ax.smap(f, (P(), P(), P(), expert_specs), P())(x, ids, weights, experts)
-
-
-def _moe_over_edp(call, x, ids, weights, experts, **kwargs):
-    """Dispatch and combine across dp-attention groups (inside the step's edp-manual shard_map):
-    all-gather every group's tokens, run the slots routed to this group's experts (``call`` may
-    split them further over the group's own expert axes), reduce-scatter the partial outputs back
-    to the groups they came from. Exact: each slot is computed by exactly one group."""
-    local_experts = experts["down"].shape[0]
-    gather = functools.partial(jax.lax.all_gather, axis_name="edp", axis=0, tiled=True)
-    local_ids = gather(ids) - jax.lax.axis_index("edp") * local_experts
-    out = call(gather(x), local_ids, gather(weights), experts, **kwargs)
-    # float32 collective: XLA:CPU has no bf16 reduce-scatter, and the sum is exact in f32 anyway
-    return jax.lax.psum_scatter(out.astype(jnp.float32), "edp", scatter_dimension=0, tiled=True).astype(
-        x.dtype
-    )
-
-
-# Ops whose operands differ per dp-attention group and must meet across the groups (the step is
-# manual over edp): each wraps the call that _SHARDED (or the plain op) makes inside one group.
-_ACROSS_EDP = {"moe_experts": _moe_over_edp}
-
-_SHARDED = {
-    "sparse_mla": _sparse_mla,
-    "merge_states": _merge_states,
-    "indexer_logits_paged": _indexer_paged,
-    "indexer_logits": _indexer,
-    "topk_indices": _topk,
-    "moe_experts": _moe,
-}
 
 
 def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
     """Vocab-parallel embedding: each TP shard looks up the ids in its row range, then one psum."""
     mesh = _mesh()
-    ax = None if mesh is None else _Axes(mesh)
-    if ax is None or ax.tp is None:
+    tp = None if mesh is None else tuple(a for a in TP_AXES if a in _auto_axes(mesh)) or None
+    if tp is None:
         return table[ids]
-    rows = table.shape[0] // math.prod(mesh.shape[a] for a in ax.tp)
+    rows = table.shape[0] // math.prod(mesh.shape[a] for a in tp)
 
     def f(t, i):
-        local = i - jax.lax.axis_index(ax.tp) * rows
+        local = i - jax.lax.axis_index(tp) * rows
         hit = (local >= 0) & (local < rows)
         rows_f32 = jnp.where(hit[:, None], t[jnp.where(hit, local, 0)], 0).astype(jnp.float32)
-        return ax.psum(rows_f32, ax.tp).astype(t.dtype)  # exact: one shard contributes each row
+        return jax.lax.psum(rows_f32, tp).astype(t.dtype)  # exact: one shard contributes each row
 
-    return ax.smap(f, (P(ax.tp, None), P()), P())(table, ids)
+    smap = jax.shard_map(
+        f,
+        mesh=mesh,
+        in_specs=(P(tp, None), P()),
+        out_specs=P(),
+        axis_names=set(_auto_axes(mesh)),
+        check_vma=False,
+    )
+    return smap(table, ids)
 
 
 # ---- the step over data-parallel groups --------------------------------------------------------
 
 
+def group_spec(logical: Axes) -> P:
+    """The spec of an operand of the dp-group shard_map: only its data-parallel split. Inside a
+    group the other axes stay automatic (XLA propagates them from the arrays' own shardings)."""
+    within_group = tuple(a for a in MESH_AXES if a not in DP_AXES)
+    return spec(logical, exclude=within_group)
+
+
 def jit_step(
-    fn: Callable[..., Any], mesh: Mesh | None, donate_argnums: tuple[int, ...]
+    fn: Callable[..., Any],
+    mesh: Mesh | None,
+    donate_argnums: tuple[int, ...],
+    in_axes: tuple[Any, ...] = (),
+    out_axes: Any = None,
 ) -> Callable[..., Any]:
-    """jit a step; on a mesh, as data-parallel groups and traced with the mesh set (so the
-    shard_map wrappers of jaxdsa.ops see it)."""
+    """jit a step ``fn(*args)``; on a mesh, as data-parallel groups traced with the mesh set (so
+    the shard_map wrappers of :mod:`jaxdsa.ops` see it). ``in_axes`` gives, per argument, a
+    pytree of logical axes (tuples), or None for a batch argument whose every leaf is split on
+    its leading dim (arguments past ``in_axes`` are batch arguments); ``out_axes`` is a pytree
+    prefix of the outputs in the same terms (None: every output is batch-split)."""
     if mesh is None:
         return jax.jit(fn, donate_argnums=donate_argnums)
-    compiled = jax.jit(data_parallel(fn, mesh), donate_argnums=donate_argnums)
+
+    def specs(axes):
+        return batch_spec() if axes is None else jax.tree.map(group_spec, axes, is_leaf=_is_axes)
+
+    def run(*args):
+        in_specs = tuple(specs(in_axes[i] if i < len(in_axes) else None) for i in range(len(args)))
+        out_specs = (
+            specs(None)
+            if out_axes is None
+            else jax.tree.map(specs, out_axes, is_leaf=lambda x: x is None or _is_axes(x))
+        )
+        return jax.shard_map(
+            fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(DP_AXES), check_vma=False
+        )(*args)
+
+    compiled = jax.jit(run, donate_argnums=donate_argnums)
 
     def on_mesh(*args):
         with jax.sharding.set_mesh(mesh):
@@ -366,30 +383,8 @@ def jit_step(
     return on_mesh
 
 
-def data_parallel(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
-    """``fn(params, *batch)`` as dp groups: every batch argument (tokens, positions, cache,
-    metadata) and every output split over the data-parallel axes on its leading dim; params
-    replicated over them, except routed experts, which dp-attention groups split over ``edp``.
-    Inside, indices are group-local; TP / EP stay automatic."""
-    manual = set(DP_AXES)
-    within_group = tuple(a for a in MESH_AXES if a not in manual)
-
-    def run(params, *batch):
-        param_specs = jax.tree.map(
-            lambda a: spec(a, exclude=within_group),
-            param_axes(params),
-            is_leaf=lambda x: isinstance(x, tuple),
-        )
-        in_specs = (param_specs,) + (batch_spec(),) * len(batch)
-        return jax.shard_map(
-            fn, mesh=mesh, in_specs=in_specs, out_specs=batch_spec(), axis_names=manual, check_vma=False
-        )(params, *batch)
-
-    return run
-
-
 def batch_spec() -> P:
-    """Leading dim split over the data-parallel groups: batches, page pools, step outputs."""
+    """Leading dim split over the data-parallel groups: batches, step outputs."""
     return spec(("batch",))
 
 

@@ -5,14 +5,9 @@ import math
 
 import pytest
 
-from jaxdsa.config import (
-    TINY_PRESETS,
-    ConfigError,
-    config_from_dict,
-    load_config,
-    tiny_config,
-    yarn_attention_factor,
-)
+from checkpoints.tiny_presets import TINY_PRESETS
+from jaxdsa.config import ConfigError, yarn_attention_factor
+from jaxdsa.models.registry import config_from_dict, load_config, tiny_config
 
 
 def test_presets_parse():

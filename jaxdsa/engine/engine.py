@@ -16,11 +16,11 @@ import time
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxdsa import sharding
-from jaxdsa.cache import cache_bytes_per_token, init_cache
-from jaxdsa.config import ModelConfig
+from jaxdsa.cache import CacheSpec, init_cache
 from jaxdsa.engine.request import (
     MAX_BANNED_TOKENS,
     FinishReason,
@@ -60,7 +60,7 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-def _default_num_pages(cfg: ModelConfig, ec: EngineConfig, max_model_len: int, dtype, groups: int) -> int:
+def _default_num_pages(spec: CacheSpec, ec: EngineConfig, max_model_len: int, dtype, groups: int) -> int:
     """Pages over all dp groups: what fits in free device memory (each device holds its group's
     pages), capped at enough for every slot to reach max_model_len."""
     per_seq = -(-max_model_len // ec.page_size)
@@ -69,19 +69,23 @@ def _default_num_pages(cfg: ModelConfig, ec: EngineConfig, max_model_len: int, d
     if "bytes_limit" not in stats:
         return enough
     free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.memory_fraction
-    per_device = int(free // (cache_bytes_per_token(cfg, dtype) * ec.page_size))
+    per_device = int(free // (spec.bytes_per_token(dtype) * ec.page_size))
     if per_device < per_seq:
         raise ValueError(
-            f"device memory holds {per_device} cache pages; one {max_model_len}-token sequence needs {per_seq}"
+            f"device memory holds {per_device} cache pages; "
+            f"one {max_model_len}-token sequence needs {per_seq}"
         )
     return min(per_device * groups, enough)
 
 
 class Engine:
+    """Serves requests on ``model`` (a module of ``family``, config ``cfg``)."""
+
     def __init__(
         self,
-        cfg: ModelConfig,
-        params: dict,
+        family,
+        cfg,
+        model: nnx.Module,
         *,
         dtype=jnp.bfloat16,
         eos_token_ids=(),
@@ -98,11 +102,15 @@ class Engine:
             )
         self.eos_token_ids = frozenset(eos_token_ids)
         groups = sharding.dp_groups(mesh)
-        num_pages = config.num_pages or _default_num_pages(cfg, config, self.max_model_len, dtype, groups)
+        cache_spec = family.cache_spec(cfg)
+        num_pages = config.num_pages or _default_num_pages(
+            cache_spec, config, self.max_model_len, dtype, groups
+        )
         num_pages -= num_pages % groups
         if num_pages // groups * config.page_size < self.max_model_len:
             raise ValueError(
-                f"{num_pages} pages of {config.page_size} in {groups} group(s) cannot hold one {self.max_model_len}-token sequence"
+                f"{num_pages} pages of {config.page_size} in {groups} group(s) "
+                f"cannot hold one {self.max_model_len}-token sequence"
             )
         self.scheduler = Scheduler(
             num_pages=num_pages,
@@ -112,16 +120,16 @@ class Engine:
             groups=groups,
             prefix_caching=config.enable_prefix_caching,
         )
+        placed = (
+            None
+            if mesh is None
+            else {k: NamedSharding(mesh, sharding.spec(a)) for k, a in cache_spec.axes().items()}
+        )
         self.runner = ModelRunner(
+            family,
             cfg,
-            params,
-            init_cache(
-                cfg,
-                num_pages,
-                config.page_size,
-                dtype,
-                sharding=None if mesh is None else NamedSharding(mesh, sharding.batch_spec()),
-            ),
+            model,
+            init_cache(cache_spec, num_pages, config.page_size, dtype, sharding=placed),
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -153,7 +161,8 @@ class Engine:
             raise ValueError(f"min_tokens holds back at most {MAX_BANNED_TOKENS} EOS and stop token ids")
         if len(prompt) + sampling.max_tokens > self.max_model_len:
             raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds max_model_len {self.max_model_len}"
+                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) "
+                f"exceeds max_model_len {self.max_model_len}"
             )
 
     def add_request(

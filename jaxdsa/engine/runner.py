@@ -2,35 +2,36 @@
 
 Shapes come from a small set of buckets so every step compiles once: the token count (per
 data-parallel group) is padded to a power of two up to max_num_batched_tokens, the sampled rows
-to min(tokens, slots per group); the page table always has max_num_seqs rows. Steps whose
-contexts all fit in index_topk run the dense path over a page table narrowed to index_topk tokens.
-With dp groups each group's tokens form one block of the flat buffers and use group-local slot
-and page ids (the scheduler keeps every sequence inside one group).
+to min(tokens, slots per group); the page table always has max_num_seqs rows, narrowed to what
+the family's step mode addresses (:meth:`ModelFamily.page_columns`). With dp groups each group's
+tokens form one block of the flat buffers and use group-local slot and page ids (the scheduler
+keeps every sequence inside one group).
 
-Penalties and logit biases need per-request rows over the vocabulary, which live on the device,
-one per slot (:class:`PenaltyState`): every step samples its rows from the penalized logits
-(neutral for rows without penalties) and adds the tokens its penalized rows sample to their
-counts, so requests with and without penalties share one compiled step (no compile
-mid-serving). A request taking a slot fills its rows from its prompt, output and bias first.
+The model is split once (:class:`ModelState`): the jitted step is a pure function of the
+parameter leaves, the cache, the penalty rows (:mod:`jaxdsa.engine.penalties`) and the step's
+buffers; it merges the module tree only while tracing, so a step costs no graph traversal on the
+host.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxdsa import sharding
-from jaxdsa.cache import KVCache, StepMeta
-from jaxdsa.config import ModelConfig
-from jaxdsa.engine.request import MAX_BANNED_TOKENS, Request
+from jaxdsa.cache import Cache, StepMeta
+from jaxdsa.engine.penalties import PenaltyRows
+from jaxdsa.engine.request import MAX_BANNED_TOKENS
 from jaxdsa.engine.sampling import Penalties, Sampled, Scored, sample, score
 from jaxdsa.engine.scheduler import Segment
-from jaxdsa.models.dsa import step
+from jaxdsa.layers.params import axes_of
+from jaxdsa.models.family import ModelFamily
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -41,8 +42,24 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
+class ModelState:
+    """A model split once into its graph and a flat list of parameter leaves (with their logical
+    axes), so that jit sees only arrays; :meth:`model` rebuilds the module inside a trace. The
+    graph and tree definitions are hashable: equal models share compiled steps."""
+
+    def __init__(self, model: nnx.Module):
+        self.graphdef, state = nnx.split(model)
+        leaves, self.treedef = jax.tree.flatten(state)
+        self.leaves = tuple(leaves)
+        variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        self.axes = tuple(axes_of(v) for v in variables)
+
+    def model(self, leaves: tuple[jax.Array, ...]) -> nnx.Module:
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+
+
 def _fused_step(
-    params,
+    leaves,
     tokens,
     positions,
     cache,
@@ -57,8 +74,9 @@ def _fused_step(
     penalty_rows,
     scoring,
     *,
-    cfg,
-    sparse,
+    family: ModelFamily,
+    state: ModelState,
+    mode,
     with_logits,
     num_logprobs,
 ):
@@ -68,7 +86,7 @@ def _fused_step(
     ``penalty_rows`` = (slot, presence, frequency, repetition, on) per row and ``penalty_state``
     = (counts, in_prompt, bias) [slots, V]: the ``on`` rows sample under their penalties and add
     the token to their slot's counts."""
-    logits, cache = step(params, tokens, positions, cache, meta, cfg=cfg, sparse=sparse, absorbed=True)
+    logits, cache = family.step(state.model(leaves), tokens, positions, cache, meta, mode)
     scored = None
     if scoring:
         targets, sample_rows = scoring
@@ -81,45 +99,6 @@ def _fused_step(
     counts = penalties.counts.at[penalties.slot, sampled.ids].add(penalties.on.astype(jnp.int32))
     logits = logits if with_logits else jnp.zeros((logits.shape[0], 0), jnp.float32)
     return sampled, logits, scored, cache, (counts, penalties.in_prompt, penalties.bias)
-
-
-@functools.cache
-def _compiled(cfg: ModelConfig, sparse: bool, with_logits: bool, num_logprobs: int, mesh):
-    fn = functools.partial(
-        _fused_step, cfg=cfg, sparse=sparse, with_logits=with_logits, num_logprobs=num_logprobs
-    )
-    return sharding.jit_step(fn, mesh, donate_argnums=(3, 4))
-
-
-_PROMPT, _OUTPUT, _BIAS = range(3)  # kinds of the entries that fill a slot's penalty rows
-
-
-def _fill_rows(params, counts, in_prompt, bias, reset, slot, token, kind, value):
-    """Penalty rows of newly seated requests: rows with ``reset`` cleared, then each (slot, token)
-    entry marked (a prompt token), counted (an output token) or given its bias ``value``;
-    out-of-range slots are padding."""
-    del params  # the dp wrapper's replicated argument; nothing to replicate here
-    clear = reset[:, None]
-    counts = jnp.where(clear, 0, counts).at[slot, token].add((kind == _OUTPUT).astype(jnp.int32), mode="drop")
-    in_prompt = jnp.where(clear, False, in_prompt).at[slot, token].max(kind == _PROMPT, mode="drop")
-    biased = jnp.where(kind == _BIAS, slot, counts.shape[0])  # other kinds: dropped
-    bias = jnp.where(clear, 0.0, bias).at[biased, token].set(value, mode="drop")
-    return counts, in_prompt, bias
-
-
-@functools.cache
-def _compiled_fill(mesh):
-    return sharding.jit_step(_fill_rows, mesh, donate_argnums=(1, 2, 3))
-
-
-@dataclasses.dataclass
-class PenaltyState:
-    """Device rows for penalties and logit biases, one per slot, and the request each is for."""
-
-    counts: jax.Array  # [max_num_seqs, V] int32: output token counts
-    in_prompt: jax.Array  # [max_num_seqs, V] bool: prompt tokens
-    bias: jax.Array  # [max_num_seqs, V] float32: logit bias
-    owners: list[Request | None]  # per slot: the request its row was filled for
 
 
 @dataclasses.dataclass
@@ -156,9 +135,10 @@ class _Group:
 class ModelRunner:
     def __init__(
         self,
-        cfg: ModelConfig,
-        params: dict,
-        cache: KVCache,
+        family: ModelFamily,
+        cfg: Any,
+        model: nnx.Module,
+        cache: Cache,
         *,
         max_num_seqs: int,
         max_model_len: int,
@@ -168,18 +148,20 @@ class ModelRunner:
         mesh=None,
         precision=None,
     ):
-        self.cfg, self.params, self.mesh, self.precision = cfg, params, mesh, precision
+        self.family, self.cfg, self.mesh, self.precision = family, cfg, mesh, precision
+        self.state = ModelState(model)
         self.max_logprobs = max_logprobs
-        self.page_size = cache.page_size
+        self.page_size = next(iter(cache.values())).shape[2]
         self.groups = groups
         self.slots_per_group = max_num_seqs // groups
         self.buckets = token_buckets(max_num_batched_tokens)
         self.page_table = np.zeros((max_num_seqs, -(-max_model_len // self.page_size)), np.int32)
-        self.dense_pages = min(self.page_table.shape[1], -(-cfg.index_topk // self.page_size))
-        self.can_be_sparse = max_model_len > cfg.index_topk
+        self.modes = family.modes(cfg, max_model_len)
         self.cache = cache
+        self.cache_axes = family.cache_spec(cfg).axes()
         self.max_num_seqs = max_num_seqs
-        self.penalty = self._penalty_state()
+        self.penalty = PenaltyRows(max_num_seqs, cfg.vocab_size, groups, mesh, self._place)
+        self._steps: dict[tuple, Any] = {}
 
     def _place(self, tree):
         """A step's host inputs as the step takes them: numpy straight into jit on one device (its
@@ -189,6 +171,27 @@ class ModelRunner:
             return tree
         return sharding.put(tree, self.mesh, sharding.batch_spec())
 
+    def _compiled(self, mode, with_logits: bool):
+        """The jitted step of one (mode, with_logits) variant: compiled once per bucket shape."""
+        key = (mode, with_logits)
+        if key not in self._steps:
+            fn = lambda *args: _fused_step(
+                *args,
+                family=self.family,
+                state=self.state,
+                mode=mode,
+                with_logits=with_logits,
+                num_logprobs=self.max_logprobs,
+            )
+            self._steps[key] = sharding.jit_step(
+                fn,
+                self.mesh,
+                donate_argnums=(3, 4),
+                in_axes=(self.state.axes, None, None, self.cache_axes),
+                out_axes=(None, None, None, self.cache_axes, None),
+            )
+        return self._steps[key]
+
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
@@ -196,7 +199,7 @@ class ModelRunner:
         self,
         groups: list[_Group],
         *,
-        sparse: bool,
+        mode,
         with_logits: bool,
         with_logprobs: bool = False,
         scoring: bool = False,
@@ -227,7 +230,9 @@ class ModelRunner:
             for j, ids in enumerate(g.banned):
                 banned[i, j, : len(ids)] = sorted(ids)
 
-        table = self.page_table if sparse else self.page_table[:, : self.dense_pages]
+        table = self.page_table[
+            :, : self.family.page_columns(self.cfg, mode, self.page_size, self.page_table.shape[1])
+        ]
         logits_at = np.tile(np.arange(T, dtype=np.int32), len(groups)) if scoring else flat("logits_at", R, 0)
         meta = StepMeta(flat("seq_ids", T, -1), np.array(table), logits_at)
         # (slot, presence, frequency, repetition, on); padding rows neutral: slot 0, 0, 0, 1, off
@@ -247,11 +252,10 @@ class ModelRunner:
             (flat("targets", T, -1), flat("logits_at", R, 0)) if scoring else (),
         )
         tokens, positions, meta, *rest = self._place(args)
-        p = self.penalty
-        fn = _compiled(self.cfg, sparse, with_logits, self.max_logprobs, self.mesh)
+        fn = self._compiled(mode, with_logits)
         with self.precision() if self.precision else contextlib.nullcontext():
-            sampled, logits, scored, self.cache, (p.counts, p.in_prompt, p.bias) = fn(
-                self.params, tokens, positions, self.cache, (p.counts, p.in_prompt, p.bias), meta, *rest
+            sampled, logits, scored, self.cache, self.penalty.state = fn(
+                self.state.leaves, tokens, positions, self.cache, self.penalty.state, meta, *rest
             )
         rows = lambda a, n=R: sharding.fetch(a).reshape(len(groups), n, *a.shape[1:])  # noqa: E731
         fetched = Sampled(rows(sampled.ids), *(map(rows, sampled[1:]) if with_logprobs else (None,) * 3))
@@ -306,13 +310,13 @@ class ModelRunner:
                     )
                 )
                 where.append((gi, len(g.rows) - 1))
-        sparse = max(p for g in groups for p in g.positions) + 1 > self.cfg.index_topk
+        mode = self.family.step_mode(self.cfg, max_position=max(p for g in groups for p in g.positions))
         scoring = any(s.request.request_id in score for s in segments)
         penalized = [s.request for s in segments if s.samples and s.request.sampling.penalized]
         if penalized:
-            self._seat_penalized(penalized)
+            self.penalty.seat(penalized)
         sampled, logits, scored = self._call(
-            groups, sparse=sparse, with_logits=with_logits, with_logprobs=with_logprobs, scoring=scoring
+            groups, mode=mode, with_logits=with_logits, with_logprobs=with_logprobs, scoring=scoring
         )
         at = tuple(np.asarray(where, np.intp).reshape(-1, 2).T)  # (group, row) of each sampled segment
         pick = lambda a: None if a is None else a[at]  # noqa: E731
@@ -326,58 +330,12 @@ class ModelRunner:
             ]
         return result
 
-    def _seat_penalized(self, requests: list[Request]) -> None:
-        """Fill the penalty rows of requests whose slot's rows were filled for someone else (or
-        never): first seated, or back after a preemption that gave their slot away."""
-        fresh = [r for r in requests if self.penalty.owners[r.slot] is not r]
-        if not fresh:
-            return
-        per_group = self.slots_per_group
-        reset = np.zeros((self.groups, per_group), bool)
-        entries = [[] for _ in range(self.groups)]  # (local slot, token, kind, bias)
-        for r in fresh:
-            gi, local = divmod(r.slot, per_group)
-            reset[gi, local] = True
-            entries[gi] += [(local, t, _PROMPT, 0.0) for t in set(r.prompt)] + [
-                (local, t, _OUTPUT, 0.0) for t in r.output
-            ]
-            entries[gi] += [(local, t, _BIAS, b) for t, b in r.sampling.logit_bias]
-            self.penalty.owners[r.slot] = r
-        n = self._bucket_pow2(max(len(e) for e in entries))
-        columns = [
-            np.full((self.groups, n), per_group, np.int32),
-            np.zeros((self.groups, n), np.int32),
-            np.zeros((self.groups, n), np.int32),
-            np.zeros((self.groups, n), np.float32),
-        ]  # padding: slot out of range
-        for gi, group in enumerate(entries):
-            for column, values in zip(columns, zip(*group)):
-                column[gi, : len(values)] = values
-        args = self._place(tuple(a.reshape(-1) for a in (reset, *columns)))
-        p = self.penalty
-        p.counts, p.in_prompt, p.bias = _compiled_fill(self.mesh)({}, p.counts, p.in_prompt, p.bias, *args)
-
-    def _penalty_state(self) -> PenaltyState:
-        """Zeroed penalty rows for every slot (9 bytes per slot and vocabulary entry), on the
-        device, split over the dp groups like the cache."""
-        V, S = self.cfg.vocab_size, self.max_num_seqs
-        state = (np.zeros((S, V), np.int32), np.zeros((S, V), bool), np.zeros((S, V), np.float32))
-        state = self._place(state) if self.mesh is not None else tuple(map(jnp.asarray, state))
-        return PenaltyState(*state, owners=[None] * S)
-
-    @staticmethod
-    def _bucket_pow2(n: int) -> int:
-        """Entries per group padded to a power of two (64 at least), so fills compile a few shapes."""
-        return max(64, 1 << (max(n, 1) - 1).bit_length())
-
     def warmup(self, report=None) -> None:
-        """Compile every bucket (and the sparse path when contexts can outgrow index_topk)."""
-        variants = [
-            (b, sparse) for sparse in ([False, True] if self.can_be_sparse else [False]) for b in self.buckets
-        ]
-        for i, (b, sparse) in enumerate(variants):
+        """Compile every bucket in every step mode the family can meet."""
+        variants = [(b, mode) for mode in self.modes for b in self.buckets]
+        for i, (b, mode) in enumerate(variants):
             # All-padding inputs: nothing is written to the cache (slot -1 writes are dropped).
             groups = [_Group(tokens=[0] * b, positions=[0] * b, seq_ids=[-1] * b) for _ in range(self.groups)]
-            self._call(groups, sparse=sparse, with_logits=False)
+            self._call(groups, mode=mode, with_logits=False)
             if report:
                 report(i + 1, len(variants))

@@ -1,4 +1,4 @@
-"""The DSA lightning indexer: per-token index keys and per-query weighted ReLU scores.
+"""The DSA lightning indexer: per-token index keys and per-query weighted ReLU scores, top-k.
 
 I(p, t) = sum_h w_h * relu(d^-1/2 * qI_h . kI_t), w = weights_proj(x) * n^-1/2 (models.md §2.7).
 Both positive scales are folded into w, so the score kernels compute sum_h w_h relu(q_h . k).
@@ -9,27 +9,67 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from jaxdsa.config import INDEXER_K_NORM_EPS, ModelConfig
-from jaxdsa.layers.norms import layer_norm
+from jaxdsa import ops
+from jaxdsa.cache import LayerPages
+from jaxdsa.layers.context import StepContext
+from jaxdsa.layers.linear import Linear
+from jaxdsa.layers.norms import LayerNorm
 from jaxdsa.layers.rope import apply_rope
 
 
-def _rope_front(x: jax.Array, cfg: ModelConfig, cos, sin) -> jax.Array:
-    r = cfg.qk_rope_head_dim
-    rot = apply_rope(x[..., :r], cos, sin, interleaved=cfg.indexer_rope_interleave)
-    return jnp.concatenate([rot, x[..., r:]], axis=-1)
+class Indexer(nnx.Module):
+    """``heads`` may include zero-padded heads (a multiple of the TP shards); ``score_scale`` is
+    n^-1/2 d^-1/2 of the real model."""
 
+    def __init__(
+        self,
+        *,
+        hidden: int,
+        q_lora: int,
+        heads: int,
+        head_dim: int,
+        rope_dim: int,
+        interleaved: bool,
+        topk: int,
+        score_scale: float,
+        k_norm_eps: float,
+        dtype,
+        rngs: nnx.Rngs,
+    ):
+        self.wq_b = Linear(
+            (q_lora,), (heads, head_dim), ("q_lora", "index_heads", "index_head_dim"), dtype=dtype, rngs=rngs
+        )
+        self.wk = Linear((hidden,), (head_dim,), ("embed", "index_head_dim"), dtype=dtype, rngs=rngs)
+        self.k_norm = LayerNorm(head_dim, k_norm_eps, axis="index_head_dim", dtype=dtype)
+        self.weights_proj = Linear(
+            (hidden,),
+            (heads,),
+            ("embed", "index_heads"),
+            dtype=jnp.float32,
+            compute_dtype=jnp.float32,
+            rngs=rngs,
+        )
+        self.rope_dim, self.interleaved = rope_dim, interleaved
+        self.topk, self.score_scale = topk, score_scale
 
-def keys(p: dict, x: jax.Array, cfg: ModelConfig, cos, sin) -> jax.Array:
-    """Index keys [T, index_head_dim]: LayerNorm(wk x), roped; cached per token."""
-    k = layer_norm(x @ p["wk"], p["k_norm_w"], p["k_norm_b"], INDEXER_K_NORM_EPS)
-    return _rope_front(k, cfg, cos, sin)
+    def _rope_front(self, x: jax.Array, cos, sin) -> jax.Array:
+        r = self.rope_dim
+        rot = apply_rope(x[..., :r], cos, sin, interleaved=self.interleaved)
+        return jnp.concatenate([rot, x[..., r:]], axis=-1)
 
+    def keys(self, x: jax.Array, cos, sin) -> jax.Array:
+        """Index keys [T, index_head_dim]: LayerNorm(wk x), roped; cached per token."""
+        return self._rope_front(self.k_norm(self.wk(x)), cos, sin)
 
-def queries(p: dict, x: jax.Array, q_lat: jax.Array, cfg: ModelConfig, cos, sin):
-    """-> index queries [T, n, d] and float32 head weights [T, n] with both scales folded in."""
-    q = jnp.einsum("tr,rhd->thd", q_lat, p["wq_b"])
-    w = x.astype(jnp.float32) @ p["weights_proj"].astype(jnp.float32)
-    w = w * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
-    return _rope_front(q, cfg, cos, sin), w
+    def queries(self, x: jax.Array, q_lat: jax.Array, cos, sin) -> tuple[jax.Array, jax.Array]:
+        """-> index queries [T, n, d] and float32 head weights [T, n] with both scales folded in."""
+        return self._rope_front(self.wq_b(q_lat), cos, sin), self.weights_proj(x) * self.score_scale
+
+    def select(self, x: jax.Array, q_lat: jax.Array, ctx: StepContext, keys: LayerPages) -> jax.Array:
+        """Top-k key positions [T, topk] of each query over its sequence's cached keys (-1 = none)."""
+        q, w = self.queries(x, q_lat, ctx.cos, ctx.sin)
+        pages, table = keys.pages(ctx.meta.page_table)
+        logits = ops.indexer_logits_paged(q, w, pages, table, ctx.meta.seq_ids, ctx.positions)
+        return ops.topk_indices(logits, self.topk)

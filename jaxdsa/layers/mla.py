@@ -1,70 +1,153 @@
-"""Multi-head latent attention (MLA) in its two equivalent forms (models.md §2.4, §2.5).
+"""Multi-head latent attention (MLA) with the DSA indexer, in its two equivalent forms (models.md §2.4, §2.5).
 
 - naive ("MHA"): expand each cached latent through W_UK / W_UV into per-head keys and values;
   cheaper for long prefills, used for single-sequence prefill steps.
 - absorbed ("MQA"): fold W_UK into the query (q_nope . W_UK) and attend over the 576-wide latent
   rows directly through :func:`jaxdsa.ops.sparse_mla`, then apply W_UV; used for decode and for
-  every sparse (top-k) step.
+  every batched step.
 
-Parameter shapes (H heads, R kv_lora_rank, P rope dim, N nope dim, V value dim, D model dim):
-q_a [D, q_lora], q_b [q_lora, H, N+P], kv_a [D, R+P], w_uk [H, N, R], w_uv [H, V, R], o [H, V, D].
+Shapes (legend in docs/architecture.md; H heads, C kv_lora_rank, Pr rope dim, Dn nope dim, Dv value
+dim, D model dim): q_a [D, q_lora], q_b [q_lora, H, Dn+Pr], kv_a [D, C+Pr], w_uk [H, Dn, C],
+w_uv [H, Dv, C], o [H, Dv, D]. Each token caches one row [normed latent (C) | roped key (Pr)].
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxdsa import ops
-from jaxdsa.config import HF_LATENT_NORM_EPS, ModelConfig
-from jaxdsa.layers.norms import rms_norm
+from jaxdsa.cache import LayerPages, slots_for
+from jaxdsa.layers.context import StepContext
+from jaxdsa.layers.indexer import Indexer
+from jaxdsa.layers.linear import Linear
+from jaxdsa.layers.norms import RMSNorm
+from jaxdsa.layers.params import normal
 from jaxdsa.layers.rope import apply_rope
 
 
-def queries(p: dict, x: jax.Array, cfg: ModelConfig, cos: jax.Array, sin: jax.Array):
-    """-> q_nope [T,H,N], q_pe [T,H,P] (roped), q_lat [T, q_lora] (also the indexer's input)."""
-    q_lat = rms_norm(x @ p["q_a"], p["q_a_norm"], HF_LATENT_NORM_EPS)
-    q = jnp.einsum("tr,rhd->thd", q_lat, p["q_b"])
-    q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
-    return q_nope, apply_rope(q_pe, cos, sin, interleaved=True), q_lat
+class MLAttention(nnx.Module):
+    """``heads`` may include zero-padded heads (their q and o rows are 0: they add nothing)."""
 
+    def __init__(
+        self,
+        *,
+        hidden: int,
+        heads: int,
+        q_lora: int,
+        kv_lora: int,
+        nope: int,
+        rope: int,
+        v: int,
+        softmax_scale: float,
+        latent_norm_eps: float,
+        indexer: Indexer | None,
+        dtype,
+        rngs: nnx.Rngs,
+    ):
+        self.q_a = Linear((hidden,), (q_lora,), ("embed", "q_lora"), dtype=dtype, rngs=rngs)
+        self.q_a_norm = RMSNorm(q_lora, latent_norm_eps, axis="q_lora", dtype=dtype)
+        self.q_b = Linear(
+            (q_lora,), (heads, nope + rope), ("q_lora", "heads", "head_dim"), dtype=dtype, rngs=rngs
+        )
+        self.kv_a = Linear((hidden,), (kv_lora + rope,), ("embed", "latent"), dtype=dtype, rngs=rngs)
+        self.kv_a_norm = RMSNorm(kv_lora, latent_norm_eps, axis="kv_lora", dtype=dtype)
+        # kv_b is split at load into the absorbed-MLA factors W_UK and W_UV.
+        self.w_uk = normal(rngs, (heads, nope, kv_lora), kv_lora, dtype, ("heads", "head_dim", "kv_lora"))
+        self.w_uv = normal(rngs, (heads, v, kv_lora), kv_lora, dtype, ("heads", "head_dim", "kv_lora"))
+        self.o = Linear((heads, v), (hidden,), ("heads", "head_dim", "embed"), dtype=dtype, rngs=rngs)
+        self.indexer = indexer
+        self.kv_lora, self.nope, self.softmax_scale = kv_lora, nope, softmax_scale
 
-def latent_rows(p: dict, x: jax.Array, cfg: ModelConfig, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """The cached row of each token: [normed latent (R) | roped shared key (P)] -> [T, R+P]."""
-    kv = x @ p["kv_a"]
-    latent = rms_norm(kv[:, : cfg.kv_lora_rank], p["kv_a_norm"], HF_LATENT_NORM_EPS)
-    k_pe = apply_rope(kv[:, cfg.kv_lora_rank :], cos, sin, interleaved=True)
-    return jnp.concatenate([latent, k_pe], axis=-1)
+    def queries(self, x: jax.Array, cos, sin):
+        """-> q_nope [T,H,Dn], q_pe [T,H,Pr] (roped), q_lat [T, q_lora] (also the indexer's input)."""
+        q_lat = self.q_a_norm(self.q_a(x))
+        q = self.q_b(q_lat)
+        q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
+        return q_nope, apply_rope(q_pe, cos, sin, interleaved=True), q_lat
 
+    def latent_rows(self, x: jax.Array, cos, sin) -> jax.Array:
+        """The cached row of each token: [normed latent (C) | roped shared key (Pr)] -> [T, C+Pr]."""
+        kv = self.kv_a(x)
+        latent = self.kv_a_norm(kv[:, : self.kv_lora])
+        k_pe = apply_rope(kv[:, self.kv_lora :], cos, sin, interleaved=True)
+        return jnp.concatenate([latent, k_pe], axis=-1)
 
-def naive_attention(p: dict, q_nope, q_pe, keys: jax.Array, mask: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Expanded-KV attention. keys [S, R+P] latent rows, mask [T, S] bool -> o [T, H, V]."""
-    r = cfg.kv_lora_rank
-    latent, k_pe = keys[:, :r], keys[:, r:]
-    k_nope = jnp.einsum("sc,hnc->shn", latent, p["w_uk"])
-    v = jnp.einsum("sc,hvc->shv", latent, p["w_uv"])
-    k = jnp.concatenate(
-        [k_nope, jnp.broadcast_to(k_pe[:, None, :], k_nope.shape[:2] + k_pe.shape[-1:])], axis=-1
-    )
-    q = jnp.concatenate([q_nope, q_pe], axis=-1)
-    # jax.nn.dot_product_attention needs equal q/k and v widths: zero-pad the narrower side.
-    width = max(q.shape[-1], v.shape[-1])
-    pad = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, width - a.shape[-1])))  # noqa: E731
-    o = jax.nn.dot_product_attention(
-        pad(q)[None], pad(k)[None], pad(v)[None], mask=mask[None, None], scale=cfg.softmax_scale
-    )
-    return o[0, ..., : v.shape[-1]]
+    def __call__(
+        self,
+        x: jax.Array,
+        ctx: StepContext,
+        latent: LayerPages,
+        index_keys: LayerPages | None,
+        prev_topk: jax.Array | None,
+    ):
+        """-> (out [T, D], latent, index_keys, topk key positions [T, K] or None)."""
+        meta, page_size = ctx.meta, latent.page_size
+        slots = slots_for(meta.page_table, meta.seq_ids, ctx.positions, page_size)
+        q_nope, q_pe, q_lat = self.queries(x, ctx.cos, ctx.sin)
+        latent = latent.write(slots, self.latent_rows(x, ctx.cos, ctx.sin))
+        if self.indexer is not None:
+            index_keys = index_keys.write(slots, self.indexer.keys(x, ctx.cos, ctx.sin))
 
+        topk = None
+        if ctx.sparse:
+            if self.indexer is not None:
+                topk = self.indexer.select(x, q_lat, ctx, index_keys)
+            elif prev_topk is None:
+                raise ValueError("a shared-indexer layer needs an earlier full layer's top-k")
+            else:
+                topk = prev_topk
 
-def absorbed_attention(
-    p: dict, q_nope, q_pe, kv_rows: jax.Array, indices: jax.Array, cfg: ModelConfig
-) -> jax.Array:
-    """Latent-space attention over cache slots. kv_rows [N, R+P], indices [T, K] (-1 skip) -> o [T,H,V]."""
-    q_abs = jnp.einsum("thn,hnc->thc", q_nope, p["w_uk"])
-    q = jnp.concatenate([q_abs, q_pe.astype(q_abs.dtype)], axis=-1)
-    out, _ = ops.sparse_mla(q, kv_rows, indices, sm_scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank)
-    return jnp.einsum("thc,hvc->thv", out, p["w_uv"])
+        key_positions = jnp.arange(meta.page_table.shape[1] * page_size, dtype=jnp.int32)
+        if ctx.absorbed:
+            if ctx.sparse:
+                positions = topk
+            else:
+                positions = jnp.where(
+                    key_positions[None, :] <= ctx.positions[:, None], key_positions[None, :], -1
+                )
+            rows, indices = latent.rows(
+                slots_for(meta.page_table, meta.seq_ids[:, None], positions, page_size)
+            )
+            o = self.absorbed_attention(q_nope, q_pe, rows, indices)
+        else:
+            if meta.page_table.shape[0] != 1:
+                raise ValueError("the naive MLA form runs single-sequence steps (page_table with one row)")
+            rows, key_slots = latent.rows(
+                slots_for(meta.page_table, jnp.zeros_like(key_positions), key_positions, page_size)
+            )
+            mask = (key_positions[None, :] <= ctx.positions[:, None]) & (meta.seq_ids[:, None] >= 0)
+            if ctx.sparse:
+                selected = (
+                    jnp.zeros(mask.shape, bool)
+                    .at[jnp.arange(mask.shape[0])[:, None], topk]
+                    .set(True, mode="drop")
+                )
+                mask &= selected
+            o = self.naive_attention(q_nope, q_pe, rows[key_slots], mask)
+        return self.o(o), latent, index_keys, topk
 
+    def naive_attention(self, q_nope, q_pe, keys: jax.Array, mask: jax.Array) -> jax.Array:
+        """Expanded-KV attention. keys [S, C+Pr] latent rows, mask [T, S] bool -> o [T, H, Dv]."""
+        latent, k_pe = keys[:, : self.kv_lora], keys[:, self.kv_lora :]
+        k_nope = jnp.einsum("sc,hnc->shn", latent, self.w_uk[...])
+        v = jnp.einsum("sc,hvc->shv", latent, self.w_uv[...])
+        k = jnp.concatenate(
+            [k_nope, jnp.broadcast_to(k_pe[:, None, :], k_nope.shape[:2] + k_pe.shape[-1:])], axis=-1
+        )
+        q = jnp.concatenate([q_nope, q_pe], axis=-1)
+        # jax.nn.dot_product_attention needs equal q/k and v widths: zero-pad the narrower side.
+        width = max(q.shape[-1], v.shape[-1])
+        pad = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, width - a.shape[-1])))
+        o = jax.nn.dot_product_attention(
+            pad(q)[None], pad(k)[None], pad(v)[None], mask=mask[None, None], scale=self.softmax_scale
+        )
+        return o[0, ..., : v.shape[-1]]
 
-def output(p: dict, o: jax.Array) -> jax.Array:
-    return jnp.einsum("thv,hvd->td", o, p["o"])
+    def absorbed_attention(self, q_nope, q_pe, kv_rows: jax.Array, indices: jax.Array) -> jax.Array:
+        """Latent-space attention over cache slots. kv_rows [N, C+Pr], indices [T, K] (-1 skip) -> o [T,H,Dv]."""
+        q_abs = jnp.einsum("thn,hnc->thc", q_nope, self.w_uk[...])
+        q = jnp.concatenate([q_abs, q_pe.astype(q_abs.dtype)], axis=-1)
+        out, _ = ops.sparse_mla(q, kv_rows, indices, sm_scale=self.softmax_scale, v_dim=self.kv_lora)
+        return jnp.einsum("thc,hvc->thv", out, self.w_uv[...])

@@ -4,39 +4,82 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxdsa import ops
-from jaxdsa.config import ModelConfig
+from jaxdsa.layers.linear import Linear
+from jaxdsa.layers.params import normal, zeros
 
 
-def swiglu(p: dict, x: jax.Array) -> jax.Array:
-    """down(silu(gate x) * up x); p has gate [D, I], up [D, I], down [I, D]."""
-    return (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
+class MLP(nnx.Module):
+    """down(silu(gate x) * up x): the dense feed-forward and the shared expert."""
+
+    def __init__(self, hidden: int, inter: int, *, dtype, rngs: nnx.Rngs):
+        self.gate = Linear((hidden,), (inter,), ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.up = Linear((hidden,), (inter,), ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.down = Linear((inter,), (hidden,), ("mlp", "embed"), dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
-def route(p: dict, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """Sigmoid router with bias-for-selection-only and group-limited top-k, all in float32.
+class Router(nnx.Module):
+    """Sigmoid router with bias-for-selection-only and group-limited top-k, all in float32."""
 
-    -> expert ids [T, k] int32, weights [T, k] float32 (normalized, times routed_scaling_factor).
-    """
-    logits = x.astype(jnp.float32) @ p["router"].astype(jnp.float32)
-    scores = jax.nn.sigmoid(logits)
-    choice = scores + p["bias"].astype(jnp.float32)
-    if cfg.n_group > 1:
-        T, E = choice.shape
-        grouped = choice.reshape(T, cfg.n_group, E // cfg.n_group)
-        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # sum of the top-2 biased scores
-        _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
-        group_mask = jnp.zeros((T, cfg.n_group), bool).at[jnp.arange(T)[:, None], keep].set(True)
-        choice = jnp.where(jnp.repeat(group_mask, E // cfg.n_group, axis=1), choice, -jnp.inf)
-    _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
-    weights = jnp.take_along_axis(scores, ids, axis=1)
-    if cfg.norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor
+    def __init__(
+        self,
+        hidden: int,
+        experts: int,
+        *,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        scaling: float,
+        rngs: nnx.Rngs,
+    ):
+        self.weight = normal(rngs, (hidden, experts), hidden, jnp.float32, ("embed", "router_experts"))
+        self.bias = zeros((experts,), jnp.float32, ("router_experts",))
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """-> expert ids [T, k] int32, weights [T, k] float32 (normalized, times the scaling factor)."""
+        logits = x.astype(jnp.float32) @ self.weight[...].astype(jnp.float32)
+        scores = jax.nn.sigmoid(logits)
+        choice = scores + self.bias[...].astype(jnp.float32)
+        if self.n_group > 1:
+            T, E = choice.shape
+            grouped = choice.reshape(T, self.n_group, E // self.n_group)
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # sum of the top-2 biased scores
+            _, keep = jax.lax.top_k(group_scores, self.topk_group)
+            group_mask = jnp.zeros((T, self.n_group), bool).at[jnp.arange(T)[:, None], keep].set(True)
+            choice = jnp.where(jnp.repeat(group_mask, E // self.n_group, axis=1), choice, -jnp.inf)
+        _, ids = jax.lax.top_k(choice, self.top_k)
+        weights = jnp.take_along_axis(scores, ids, axis=1)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        return ids.astype(jnp.int32), weights * self.scaling
 
 
-def moe(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+class Experts(nnx.Module):
+    """Routed experts packed for :func:`jaxdsa.ops.moe_experts`: gate_up [E, D, 2N], down [E, N, D]."""
+
+    def __init__(self, num: int, hidden: int, inter: int, *, dtype, rngs: nnx.Rngs):
+        self.gate_up = normal(
+            rngs, (num, hidden, 2 * inter), hidden, dtype, ("experts", "embed", "expert_mlp")
+        )
+        self.down = normal(rngs, (num, inter, hidden), inter, dtype, ("experts", "expert_mlp", "embed"))
+
+    def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
+        return ops.moe_experts(x, ids, weights, {"gate_up": self.gate_up[...], "down": self.down[...]})
+
+
+class MoE(nnx.Module):
     """Routed experts (grouped GEMM through ops.moe_experts) plus the shared expert."""
-    ids, weights = route(p, x, cfg)
-    return ops.moe_experts(x, ids, weights, p["experts"]) + swiglu(p["shared"], x)
+
+    def __init__(self, router: Router, experts: Experts, shared: MLP):
+        self.router, self.experts, self.shared = router, experts, shared
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.experts(x, *self.router(x)) + self.shared(x)

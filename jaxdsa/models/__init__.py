@@ -1,1 +1,1 @@
-"""Model definitions: config -> params pytree -> pure step function."""
+"""Model families behind one seam (:mod:`jaxdsa.models.family`), registered by ``model_type``."""

@@ -44,22 +44,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._triton import compiler_params, pl, pltriton
-from pallas_kernels.moe import ref, routing, tuning
+from pallas_kernels.moe import routing, tuning
 
-__all__ = ["combine", "down", "gate_up", "moe_experts", "pack_experts", "route"]
+__all__ = ["combine", "down", "gate_up", "moe_experts", "route"]
 
 _EXPERT, _ROWS, _SPAN_START, _SPAN_LEN = range(4)  # rows of the per-block metadata the kernels read
-
-
-def pack_experts(gate: jax.Array, up: jax.Array, down: jax.Array, *, interpret: bool = False) -> dict:
-    """HF [out, in] matrices -> ``{'gate_up': [E, D, 2N], 'down': [E, N, D]}`` (the reference layout).
-
-    The kernels read ``[block_k, block_n]`` tiles with the output dim contiguous, which is this
-    layout. ``interpret`` is accepted because :mod:`jaxdsa.ops` passes it to every kernel entry
-    point; packing is plain XLA either way.
-    """
-    del interpret
-    return ref.pack_experts(gate, up, down)
 
 
 def _fit(block: int, dim: int, what: str) -> int:
@@ -255,7 +244,7 @@ def moe_experts(
     """out[t] = sum_j w[t,j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t,j].
 
     x [T, D]; topk_ids [T, k] int32 (ids outside [0, E) contribute nothing); topk_weights [T, k];
-    experts from :func:`pack_experts`. ``swiglu_limit`` clamps gate to <= limit and up to
+    experts from :func:`.ref.pack_experts`. ``swiglu_limit`` clamps gate to <= limit and up to
     [-limit, limit]. ``config`` overrides the tuning table (benchmark sweeps). D and N must be
     multiples of 16. Returns [T, D] in x's dtype.
     """

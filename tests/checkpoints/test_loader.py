@@ -4,16 +4,18 @@ import json
 import os
 import shutil
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import save_file
 
 from checkpoints import CheckpointError
-from checkpoints.loader import load_params
 from checkpoints.make_tiny import make_tiny
 from checkpoints.safetensors_io import CheckpointReader
 from jaxdsa.config import ConfigError
+from jaxdsa.loading import load_model
 from tests.checkpoints.test_quant import _pack_along
 
 
@@ -37,15 +39,16 @@ def _rewrite(directory, edit):
     save_file(tensors, str(directory / "model.safetensors"))
 
 
-def _flatten(tree, prefix=()):
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _flatten(v, prefix + (k,))
-    elif isinstance(tree, list):
-        for i, v in enumerate(tree):
-            yield from _flatten(v, prefix + (i,))
-    else:
-        yield prefix, np.asarray(tree)
+def load_params(path, **kwargs):
+    """Every parameter of the float32 model of ``path``: {state path: array}."""
+    _, _, model = load_model(path, dtype=jnp.float32, progress=False, **kwargs)
+    return {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def assert_same_params(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=str(k))
 
 
 def test_missing_tensor_names_it(tiny, tmp_path):
@@ -53,7 +56,7 @@ def test_missing_tensor_names_it(tiny, tmp_path):
     name = "model.layers.1.self_attn.kv_b_proj.weight"
     _rewrite(ckpt, lambda t: t.pop(name))
     with pytest.raises(CheckpointError) as err:
-        load_params(ckpt, progress=False)
+        load_params(ckpt)
     assert err.value.tensor == name and "missing" in str(err.value) and str(ckpt) in str(err.value)
 
 
@@ -62,7 +65,7 @@ def test_wrong_shape_names_file_and_tensor(tiny, tmp_path):
     name = "model.layers.0.self_attn.q_a_proj.weight"
     _rewrite(ckpt, lambda t: t.update({name: np.ascontiguousarray(t[name].T)}))
     with pytest.raises(CheckpointError) as err:
-        load_params(ckpt, progress=False)
+        load_params(ckpt)
     assert err.value.tensor == name
     assert err.value.file.endswith("model.safetensors") and "shape" in str(err.value)
 
@@ -72,11 +75,11 @@ def test_truncated_file(tiny, tmp_path):
     path = ckpt / "model.safetensors"
     os.truncate(path, os.path.getsize(path) - 100)
     with pytest.raises(CheckpointError) as err:
-        load_params(ckpt, progress=False)
+        load_params(ckpt)
     assert "truncated" in str(err.value) and err.value.file == str(path)
     os.truncate(path, 5)
     with pytest.raises(CheckpointError, match="too short"):
-        load_params(ckpt, progress=False)
+        load_params(ckpt)
 
 
 def test_unknown_model_type(tiny, tmp_path):
@@ -84,7 +87,7 @@ def test_unknown_model_type(tiny, tmp_path):
     cfg = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3_moe"}))
     with pytest.raises(ConfigError) as err:
-        load_params(ckpt, progress=False)
+        load_params(ckpt)
     assert err.value.field == "model_type" and "config.json" in str(err.value)
 
 
@@ -93,7 +96,7 @@ def test_fp8_weight_without_quantization_config(tiny, tmp_path):
     name = "model.layers.0.mlp.up_proj.weight"
     _rewrite(ckpt, lambda t: t.update({name: t[name].astype(ml_dtypes.float8_e4m3fn)}))
     with pytest.raises(CheckpointError, match="no fp8 quantization_config") as err:
-        load_params(ckpt, progress=False)
+        load_params(ckpt)
     assert err.value.tensor == name
 
 
@@ -101,10 +104,7 @@ def test_sharded_checkpoint_loads_like_single_file(tmp_path):
     single = make_tiny("deepseek_v32", str(tmp_path / "single"), seed=5, preset="dsv32")
     sharded = make_tiny("deepseek_v32", str(tmp_path / "sharded"), seed=5, preset="dsv32", shards=3)
     assert os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
-    a, b = load_params(single, progress=False)[1], load_params(sharded, progress=False)[1]
-    for (ka, va), (kb, vb) in zip(_flatten(a), _flatten(b)):
-        assert ka == kb
-        np.testing.assert_array_equal(va, vb)
+    assert_same_params(load_params(single), load_params(sharded))
 
 
 def test_index_pointing_at_missing_shard(tmp_path):
@@ -112,7 +112,7 @@ def test_index_pointing_at_missing_shard(tmp_path):
     victim = sorted(f for f in os.listdir(sharded) if f.endswith(".safetensors"))[-1]
     os.remove(os.path.join(sharded, victim))
     with pytest.raises(CheckpointError, match="missing") as err:
-        load_params(sharded, progress=False)
+        load_params(sharded)
     assert victim in err.value.file
 
 
@@ -169,7 +169,4 @@ def test_int4_pack_quantized_checkpoint(tiny, tmp_path):
         "ignore": ["lm_head"],
     }
     (quant / "config.json").write_text(json.dumps(cfg))
-    a, b = load_params(quant, progress=False)[1], load_params(plain, progress=False)[1]
-    for (ka, va), (kb, vb) in zip(_flatten(a), _flatten(b)):
-        assert ka == kb
-        np.testing.assert_array_equal(va, vb)
+    assert_same_params(load_params(quant), load_params(plain))

@@ -16,7 +16,8 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from checkpoints.make_tiny import main, make_tiny
-from jaxdsa.config import TINY_PRESETS, load_config
+from checkpoints.tiny_presets import TINY_PRESETS
+from jaxdsa.models.registry import load_config
 
 FAMILY = {"glm5": "glm_moe_dsa", "glm52": "glm_moe_dsa", "dsv32": "deepseek_v32"}
 

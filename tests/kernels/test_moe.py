@@ -118,7 +118,7 @@ def test_ops_dispatch_interpret():
     previous = ops.get_kernels()
     try:
         ops.set_kernels("interpret")
-        run = jax.jit(lambda *a: ops.moe_experts(*a, ops.pack_experts(gate, up, down), swiglu_limit=0.5))
+        run = jax.jit(lambda *a: ops.moe_experts(*a, ref.pack_experts(gate, up, down), swiglu_limit=0.5))
         got = run(x, ids, weights)
     finally:
         ops.set_kernels(previous)

@@ -17,8 +17,9 @@ def test_logprobs_are_the_full_forward_log_softmax(tiny_llms, family):
     llm = tiny_llms[family]
     prompt = np.random.default_rng(3).integers(0, llm.config.vocab_size, 20).tolist()
     engine = Engine(
+        llm.family,
         llm.config,
-        llm.params,
+        llm.model,
         dtype=llm.dtype,
         config=EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, max_logprobs=5),
     )
@@ -56,7 +57,7 @@ def test_prompt_logprobs_over_chunked_prefill_are_the_full_forward(tiny_llms, fa
     config = EngineConfig(
         max_num_seqs=2, max_model_len=64, max_num_batched_tokens=12, page_size=8, max_logprobs=4
     )
-    engine = Engine(llm.config, llm.params, dtype=llm.dtype, config=config)
+    engine = Engine(llm.family, llm.config, llm.model, dtype=llm.dtype, config=config)
     engine.add_request("earlier", prompt, SamplingParams(max_tokens=1))  # caches the prompt's pages
     while engine.has_unfinished():
         engine.step()
@@ -88,8 +89,9 @@ def test_min_tokens_holds_back_stop_tokens(tiny_llms):
     llm = tiny_llms["glm5"]
     prompt = np.random.default_rng(5).integers(0, llm.config.vocab_size, 12).tolist()
     engine = Engine(
+        llm.family,
         llm.config,
-        llm.params,
+        llm.model,
         dtype=llm.dtype,
         config=EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, max_logprobs=2),
     )

@@ -1,25 +1,28 @@
 """The two MLA forms agree, and a prompt fed in chunks gives the full-forward logits."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxdsa.cache import StepMeta, init_cache
 from jaxdsa.engine import Engine, EngineConfig, SamplingParams
-from jaxdsa.models.dsa import jitted_step
+from jaxdsa.engine.runner import ModelState
+from jaxdsa.models.dsa.family import DsaMode
 
 
 def _run(llm, ids, *, sparse, absorbed, page_size=8):
-    cfg = llm.config
     pages = -(-len(ids) // page_size)
-    cache = init_cache(cfg, pages, page_size, llm.dtype)
+    cache = init_cache(llm.family.cache_spec(llm.config), pages, page_size, llm.dtype)
     meta = StepMeta(
         seq_ids=jnp.zeros(len(ids), jnp.int32),
         page_table=jnp.arange(pages, dtype=jnp.int32)[None],
         logits_indices=jnp.arange(len(ids), dtype=jnp.int32),
     )
     pos = jnp.arange(len(ids), dtype=jnp.int32)
-    logits, _ = jitted_step(cfg, sparse, absorbed)(llm.params, jnp.asarray(ids, jnp.int32), pos, cache, meta)
+    state, mode = ModelState(llm.model), DsaMode(sparse=sparse, absorbed=absorbed)
+    step = jax.jit(lambda leaves, *args: llm.family.step(state.model(leaves), *args, mode))
+    logits, _ = step(state.leaves, jnp.asarray(ids, jnp.int32), pos, cache, meta)
     return np.asarray(logits)
 
 
@@ -53,8 +56,9 @@ def test_chunked_prefill_and_decode_match_full_forward(tiny_llms, family):
     prompt = np.random.default_rng(5).integers(0, llm.config.vocab_size, 30).tolist()
     # A 10-token budget prefills the prompt in three chunks, crossing index_topk = 8.
     engine = Engine(
+        llm.family,
         llm.config,
-        llm.params,
+        llm.model,
         dtype=llm.dtype,
         config=EngineConfig(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=10, page_size=8),
     )
@@ -91,7 +95,7 @@ def test_prefix_cache_hits_give_the_logits_of_a_full_computation(tiny_llms, fami
             page_size=8,
             enable_prefix_caching=prefix_caching,
         )
-        engine = Engine(llm.config, llm.params, dtype=llm.dtype, config=config)
+        engine = Engine(llm.family, llm.config, llm.model, dtype=llm.dtype, config=config)
         out = {}
         for i, prompt in enumerate(prompts):  # two at a time: later ones find earlier ones' pages
             engine.add_request(str(i), prompt, SamplingParams(max_tokens=6), return_logits=True)

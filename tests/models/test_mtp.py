@@ -13,8 +13,6 @@ import pytest
 import jaxdsa
 from checkpoints.safetensors_io import CheckpointReader
 from jaxdsa.cache import StepMeta, init_cache
-from jaxdsa.layers.rope import cos_sin
-from jaxdsa.models.dsa import decoder_layer, forward, mtp_step
 from tests.conftest import FIXTURES
 
 
@@ -25,9 +23,9 @@ def _rms(x, w, eps):
 @pytest.mark.parametrize("name", ["glm5", "glm52"])
 def test_mtp_step_follows_the_formula(name):
     llm = jaxdsa.LLM(FIXTURES / name, dtype="float32", page_size=8, progress=False)
-    cfg, params = llm.config, llm.params
+    cfg, model = llm.config, llm.model
     assert (
-        len(params["mtp"]) == 1 and "indexer" in params["mtp"][0]["attn"]
+        len(model.mtp) == 1 and model.mtp[0].layer.attn.indexer is not None
     )  # the MTP layer has its own indexer
     ids = np.load(FIXTURES / name / "golden.npz")["prompt_long"].astype(np.int32)
     T, page = len(ids), 8
@@ -36,31 +34,15 @@ def test_mtp_step_follows_the_formula(name):
         jnp.zeros(T, jnp.int32), jnp.arange(pages, dtype=jnp.int32)[None], jnp.arange(T, dtype=jnp.int32)
     )
     pos = jnp.arange(T, dtype=jnp.int32)
-    hidden, _ = forward(
-        params,
-        jnp.asarray(ids),
-        pos,
-        init_cache(cfg, pages, page, jnp.float32),
-        meta,
-        cfg=cfg,
-        sparse=True,
-        absorbed=True,
-    )
+    main_cache = init_cache(llm.family.cache_spec(cfg), pages, page, jnp.float32)
+    hidden, _ = model(jnp.asarray(ids), pos, main_cache, meta, sparse=True, absorbed=True)
 
     # Predict token t+2 at every position t < T-1: main hidden at t, token t+1.
-    mtp_cache = init_cache(cfg, pages, page, jnp.float32, mtp=True)
+    mtp_cache = lambda: init_cache(llm.family.mtp_cache_spec(cfg), pages, page, jnp.float32)
     n = T - 1
     meta_n = StepMeta(jnp.zeros(n, jnp.int32), meta.page_table, jnp.arange(n, dtype=jnp.int32))
-    got, _ = mtp_step(
-        params,
-        hidden[:n],
-        jnp.asarray(ids[1:]),
-        pos[:n],
-        mtp_cache,
-        meta_n,
-        cfg=cfg,
-        sparse=True,
-        absorbed=True,
+    got, _ = model.draft(
+        hidden[:n], jnp.asarray(ids[1:]), pos[:n], mtp_cache(), meta_n, sparse=True, absorbed=True
     )
 
     reader = CheckpointReader(str(FIXTURES / name))
@@ -70,26 +52,14 @@ def test_mtp_step_follows_the_formula(name):
     e = _rms(raw("model.embed_tokens.weight")[ids[1:]], raw(layer + "enorm.weight"), eps)
     g = _rms(np.asarray(hidden[:n]), raw(layer + "hnorm.weight"), eps)
     u = np.concatenate([e, g], axis=-1) @ raw(layer + "eh_proj.weight").T
-    block, *_ = decoder_layer(
-        params["mtp"][0],
-        jnp.asarray(u),
-        pos[:n],
-        cos_sin(pos[:n], cfg.rope, cfg.qk_rope_head_dim),
-        init_cache(cfg, pages, page, jnp.float32, mtp=True).latent[0],
-        init_cache(cfg, pages, page, jnp.float32, mtp=True).index_keys[0],
-        meta_n,
-        None,
-        cfg=cfg,
-        sparse=True,
-        absorbed=True,
-    )
+    ctx = model.context(pos[:n], meta_n, sparse=True, absorbed=True)
+    block, _, _ = model.mtp[0].layer(jnp.asarray(u), ctx, mtp_cache(), (0, 0), None)
     want = _rms(np.asarray(block), raw(layer + "shared_head.norm.weight"), eps) @ raw("lm_head.weight").T
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    np.testing.assert_array_equal(
-        np.asarray(params["mtp"][0]["attn"]["q_a"]), raw(layer + "self_attn.q_a_proj.weight").T
-    )
+    q_a = model.mtp[0].layer.attn.q_a.weight[...]
+    np.testing.assert_array_equal(np.asarray(q_a), raw(layer + "self_attn.q_a_proj.weight").T)
 
 
 def test_checkpoint_without_mtp_weights_loads_without_them():
     llm = jaxdsa.LLM(FIXTURES / "dsv32_yarn", dtype="float32", progress=False)
-    assert "mtp" not in llm.params
+    assert len(llm.model.mtp) == 0

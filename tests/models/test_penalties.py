@@ -60,7 +60,7 @@ def test_penalized_greedy_tokens_follow_vllm(tiny_llms, num_pages, forget):
         max_num_seqs=2, max_model_len=64, page_size=8, num_pages=num_pages, enable_prefix_caching=False
     )
     requests, outputs = _run(
-        Engine(llm.config, llm.params, dtype=llm.dtype, config=config),
+        Engine(llm.family, llm.config, llm.model, dtype=llm.dtype, config=config),
         prompts,
         params,
         forget_rows_every=forget,
@@ -78,8 +78,9 @@ def test_penalized_greedy_tokens_follow_vllm(tiny_llms, num_pages, forget):
     assert changed > 0  # the penalties decided some tokens
 
     solo = Engine(
+        llm.family,
         llm.config,
-        llm.params,
+        llm.model,
         dtype=llm.dtype,
         config=EngineConfig(max_num_seqs=1, max_model_len=64, page_size=8),
     )

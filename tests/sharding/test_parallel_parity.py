@@ -4,9 +4,9 @@ Every parameter's per-device shard shape is checked against what the layout must
 weight that silently ends up replicated fails.
 """
 
-import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxdsa
 from jaxdsa.engine import SamplingParams
@@ -40,33 +40,35 @@ def expected_shard_shapes(cfg, tp, ep, dp, dp_attention):
     group_ep = ep // dp if dp_attention else ep
     expert_tp = tp // group_ep if group_ep < tp else 1
     return {
-        "embed": (cfg.vocab_size // tp, D),
-        "lm_head": (D, cfg.vocab_size // tp),
-        "q_b": (cfg.q_lora_rank, H // tp, cfg.qk_head_dim),
-        "w_uk": (H // tp, cfg.qk_nope_head_dim, r),
-        "w_uv": (H // tp, cfg.v_head_dim, r),
-        "o": (H // tp, cfg.v_head_dim, D),
-        "kv_a": (D, cfg.latent_dim),  # the latent projection is shared by all heads: replicated
-        "wq_b": (cfg.q_lora_rank, Hi // tp, cfg.index_head_dim),
-        "weights_proj": (D, Hi // tp),
-        "mlp/gate": (D, cfg.intermediate_size // tp),
-        "mlp/down": (cfg.intermediate_size // tp, D),
-        "shared/gate": (D, N * cfg.n_shared_experts // tp),
-        "experts/gate_up": (E // expert_shards, D, 2 * N // expert_tp),
-        "experts/down": (E // expert_shards, N // expert_tp, D),
-        "router": (D, E),
+        ("embed", "weight"): (cfg.vocab_size // tp, D),
+        ("lm_head", "weight"): (D, cfg.vocab_size // tp),
+        ("q_b", "weight"): (cfg.q_lora_rank, H // tp, cfg.qk_head_dim),
+        ("w_uk",): (H // tp, cfg.qk_nope_head_dim, r),
+        ("w_uv",): (H // tp, cfg.v_head_dim, r),
+        ("o", "weight"): (H // tp, cfg.v_head_dim, D),
+        ("kv_a", "weight"): (D, cfg.latent_dim),  # the latent projection is shared by all heads: replicated
+        ("wq_b", "weight"): (cfg.q_lora_rank, Hi // tp, cfg.index_head_dim),
+        ("weights_proj", "weight"): (D, Hi // tp),
+        ("mlp", "gate", "weight"): (D, cfg.intermediate_size // tp),
+        ("mlp", "down", "weight"): (cfg.intermediate_size // tp, D),
+        ("shared", "gate", "weight"): (D, N * cfg.n_shared_experts // tp),
+        ("experts", "gate_up"): (E // expert_shards, D, 2 * N // expert_tp),
+        ("experts", "down"): (E // expert_shards, N // expert_tp, D),
+        ("router", "weight"): (D, E),
     }
 
 
 def check_layout(llm, layout):
+    """Every parameter (stacked layers: each layer's slice) has the per-device shape the layout needs."""
     want = expected_shard_shapes(llm.config, *layout)
     seen = set()
-    for path, leaf in jax.tree_util.tree_leaves_with_path(llm.params):
-        keys = [p.key for p in path if hasattr(p, "key")]
-        for name, shape in want.items():
-            if "/".join(keys[-len(name.split("/")) :]) == name:
-                assert leaf.sharding.shard_shape(leaf.shape) == shape, (keys, leaf.sharding.spec)
-                seen.add(name)
+    for path, variable in nnx.to_flat_state(nnx.state(llm.model, nnx.Param)):
+        leaf = variable.get_value()
+        for suffix, shape in want.items():
+            if tuple(path[-len(suffix) :]) == suffix:
+                got = leaf.sharding.shard_shape(leaf.shape)
+                assert got[len(got) - len(shape) :] == shape, (path, leaf.sharding.spec)
+                seen.add(suffix)
     assert seen == set(want)
 
 
@@ -96,10 +98,8 @@ def test_every_parameter_is_sharded_as_declared(case):
     llm, layout, _ = case
     check_layout(llm, layout)
     dp = layout[2]
-    cache_leaf = llm.engine.runner.cache.latent[0]
-    assert (
-        cache_leaf.sharding.shard_shape(cache_leaf.shape)[0] == cache_leaf.shape[0] // dp
-    )  # pages split over dp
+    for leaf in llm.engine.runner.cache.values():  # [layers, pages, page, width]: pages split over dp
+        assert leaf.sharding.shard_shape(leaf.shape)[1] == leaf.shape[1] // dp
 
 
 def test_logits_and_greedy_tokens_match_hf(case):

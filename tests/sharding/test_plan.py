@@ -1,17 +1,18 @@
 """The deployment planner against XLA's own accounting of the sharded decode step."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from checkpoints.dummy import random_params
+from checkpoints import walker
 from jaxdsa import plan, sharding
 from jaxdsa.cache import StepMeta, init_cache
-from jaxdsa.config import tiny_config
-from jaxdsa.models.dsa import step
+from jaxdsa.engine.runner import ModelState
+from jaxdsa.models import family as families
+from jaxdsa.models.dsa.family import DsaMode
+from jaxdsa.models.registry import family_for, tiny_config
 
 
 @pytest.mark.parametrize("tp, ep, dp, dp_attention", [(4, 2, 1, False), (2, 2, 2, False), (2, 8, 4, True)])
@@ -33,30 +34,38 @@ def test_planner_memory_matches_compiled_step(tp, ep, dp, dp_attention):
         vocab_size=1024,
         n_routed_experts=16,
     )
+    family = family_for(cfg.model_type)
     par = sharding.Parallelism(tp=tp, ep=ep, dp=dp, dp_attention=dp_attention)
     mesh = sharding.make_mesh(par)
-    params = random_params(cfg, dtype=jnp.bfloat16, mesh=mesh)
+    model = families.abstract(family, cfg, dtype=jnp.bfloat16, parallelism=par, mtp=0)
+    model = families.fill(model, walker.random(family.param_spec(cfg, model), families.targets(model, mesh)))
     pages, page, batch = 64 * dp, 16, 8 * dp
-    groups = NamedSharding(mesh, sharding.batch_spec())
-    cache = jax.device_put(init_cache(cfg, pages, page, jnp.bfloat16), groups)
-    put = lambda x: jax.device_put(x, groups)  # noqa: E731
-    meta = StepMeta(
-        put(jnp.zeros(batch, jnp.int32)),
-        put(jnp.zeros((batch, 8), jnp.int32)),
-        put(jnp.zeros(batch, jnp.int32)),
+    spec = family.cache_spec(cfg)
+    cache = init_cache(
+        spec,
+        pages,
+        page,
+        jnp.bfloat16,
+        sharding={k: NamedSharding(mesh, sharding.spec(a)) for k, a in spec.axes().items()},
     )
-    fn = jax.jit(
-        sharding.data_parallel(functools.partial(step, cfg=cfg, sparse=True, absorbed=True), mesh),
+    put = lambda x: sharding.put(x, mesh, sharding.batch_spec())
+    zeros = lambda *shape: put(np.zeros(shape, np.int32))
+    meta = StepMeta(zeros(batch), zeros(batch, 8), zeros(batch))
+    state = ModelState(model)
+    fn = sharding.jit_step(
+        lambda leaves, *a: family.step(state.model(leaves), *a, DsaMode(sparse=True)),
+        mesh,
         donate_argnums=(3,),
+        in_axes=(state.axes, None, None, spec.axes()),
+        out_axes=(None, spec.axes()),
     )
     with jax.sharding.set_mesh(mesh):
-        compiled = fn.lower(
-            params, put(jnp.zeros(batch, jnp.int32)), put(jnp.zeros(batch, jnp.int32)), cache, meta
-        ).compile()
+        compiled = jax.jit(fn).lower(state.leaves, zeros(batch), zeros(batch), cache, meta).compile()
     xla_bytes = compiled.memory_analysis().argument_size_in_bytes
 
     planned = (
-        plan.device_weight_bytes(cfg, par, "bf16") + plan.cache_bytes_per_token(cfg) * pages // dp * page
+        plan.device_weight_bytes(family, cfg, par, "bf16")
+        + plan.cache_bytes_per_token(family, cfg) * pages // dp * page
     )
     assert abs(planned - xla_bytes) / xla_bytes < 0.10, (planned, xla_bytes)
 

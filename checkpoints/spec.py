@@ -1,0 +1,101 @@
+"""Parameter specs: where each parameter of a model comes from in a checkpoint.
+
+A model family describes its parameters as a flat mapping from parameter path (the path of the
+parameter in the model's state) to one of these leaves. The one generic walker
+(:mod:`checkpoints.walker`) reads them to load a checkpoint, draws dummy weights from them, and
+the planner counts their bytes; nothing else in the project knows checkpoint names.
+
+``view`` functions turn a tensor in the file's layout into ours using only views (transpose,
+splitting a dimension, slicing rows), so a device's slice is read straight from the mapped file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+View = Callable[[np.ndarray], np.ndarray]
+
+
+def transpose(w: np.ndarray) -> np.ndarray:
+    return w.T
+
+
+def transpose_split(*dims: int) -> View:
+    """[out, in] -> [in, *dims] where prod(dims) == out (e.g. q_b -> [q_lora, H, qk])."""
+    return lambda w: w.T.reshape((w.shape[1], *dims))
+
+
+def transpose_merge(*dims: int) -> View:
+    """[out, prod(dims)] -> [*dims, out] (e.g. o_proj [D, H*v] -> [H, v, D])."""
+    return lambda w: w.T.reshape((*dims, w.shape[0]))
+
+
+def head_rows(heads: int, per_head: int, start: int, stop: int) -> View:
+    """[heads*per_head, in] -> rows [start, stop) of every head: [heads, stop-start, in] (kv_b split)."""
+    return lambda w: w.reshape(heads, per_head, w.shape[1])[:, start:stop]
+
+
+@dataclasses.dataclass(frozen=True)
+class Linear:
+    """An HF linear weight ``{name}.weight`` [out, in]: plain, FP8-block or INT4-packed in the file.
+
+    ``pad``: the model may hold more (zero) entries than the file along some dims (attention heads
+    padded to a multiple of the tensor-parallel shards).
+    """
+
+    name: str
+    out: int
+    inp: int
+    view: View = transpose
+    pad: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """A tensor stored as is (norm weights, biases, embeddings). ``init`` says how dummy weights
+    are drawn: "embed" N(0, 1), "norm" 1 + N(0, 0.1^2), "bias" N(0, 0.1^2)."""
+
+    name: str
+    shape: tuple[int, ...]
+    init: str = "norm"
+    view: View | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertGateUp:
+    """Routed experts' gate and up projections ``{prefix}.{e}.{gate,up}_proj.weight`` [N, D], packed
+    ``[E, D, 2N]``. A device holding columns ``[c0, c1)`` of the packed axis split in ``s`` equal
+    pieces holds ``[gate_j | up_j]`` for piece ``j``: expert tensor parallelism keeps each shard's
+    gate and up columns side by side, the layout the kernel expects locally."""
+
+    prefix: str
+    num: int
+    inter: int
+    hidden: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertDown:
+    """Routed experts' down projections ``{prefix}.{e}.down_proj.weight`` [D, N] as ``[E, N, D]``."""
+
+    prefix: str
+    num: int
+    inter: int
+    hidden: int
+
+
+Leaf = Linear | Tensor | ExpertGateUp | ExpertDown
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+    """Scanned layers: the parameter stacks one leaf per layer on a leading axis."""
+
+    items: tuple[Leaf, ...]
+    layers: tuple[int, ...]  # the model layer of each item (for progress reports)
+
+
+Spec = Leaf | Stacked

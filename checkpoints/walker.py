@@ -1,0 +1,330 @@
+"""The one walker over a family's parameter spec: load a checkpoint, or draw dummy weights.
+
+Both fill a flat mapping ``path -> jax.ShapeDtypeStruct`` (with its sharding: the abstract
+model) from a mapping ``path -> spec`` (:mod:`checkpoints.spec`).
+
+Loading is shard-local. Every array is made with ``jax.make_array_from_callback``: each device's
+callback reads only that device's slice from the memory-mapped files (FP8 / INT4 weights are
+dequantized first, one tensor at a time), and puts it straight on that device. Stacked
+(scanned) parameters are filled one layer at a time into a preallocated stack, in place. Nothing
+is materialized whole on one device, and the host holds one layer's slices at a time. Every
+failure names the file and the tensor.
+
+Dummy weights (like vLLM's ``--load-format dummy``) are drawn on the devices in their final
+layout by one compiled init per distinct (shape, dtype, sharding, distribution), from keys
+derived from the parameter's path: every parallel layout of the same seed holds the same model.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import sys
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from checkpoints.errors import CheckpointError
+from checkpoints.quant import QuantConfig, dequantize_fp8_block, dequantize_int4_packed
+from checkpoints.safetensors_io import CheckpointReader
+from checkpoints.spec import ExpertDown, ExpertGateUp, Leaf, Linear, Spec, Stacked
+
+Path = tuple[Any, ...]
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float64))
+
+
+def path_name(path: Path) -> str:
+    return "/".join(map(str, path))
+
+
+class _Source:
+    """Tensors of one checkpoint in the file's layout: plain ones as lazily mapped views,
+    quantized linears dequantized to float32 (the last few kept, since every device of a mesh
+    asks for its slice of the same tensor in turn)."""
+
+    def __init__(self, reader: CheckpointReader, quant: QuantConfig | None):
+        self.reader, self.quant = reader, quant
+        self._dequantized: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
+
+    def fail(self, tensor: str, message: str) -> CheckpointError:
+        return CheckpointError(self.reader.file_of(tensor), tensor, message)
+
+    def missing(self, tensor: str, why: str = "missing from the checkpoint") -> CheckpointError:
+        return CheckpointError(self.reader.directory, tensor, why)
+
+    def plain(self, tensor: str, shape: tuple[int, ...]) -> np.ndarray:
+        if tensor not in self.reader:
+            raise self.missing(tensor)
+        got = self.reader.shape(tensor)
+        if got != tuple(shape):
+            raise self.fail(tensor, f"shape {list(got)} != expected {list(shape)}")
+        if self.reader.dtype(tensor) not in _FLOATS:
+            raise self.fail(tensor, f"dtype {self.reader.dtype(tensor)} is not a float type")
+        return self.reader.get(tensor)
+
+    def linear(self, name: str, out: int, inp: int) -> np.ndarray:
+        """The [out, in] matrix of an HF linear layer: a mapped view, or dequantized float32."""
+        weight, packed = name + ".weight", name + ".weight_packed"
+        if weight not in self.reader and packed not in self.reader:
+            raise self.missing(weight)
+        is_fp8 = weight in self.reader and self.reader.dtype(weight) == np.dtype(ml_dtypes.float8_e4m3fn)
+        if weight in self.reader and not is_fp8:
+            return self.plain(weight, (out, inp))
+        if name in self._dequantized:
+            self._dequantized.move_to_end(name)
+            return self._dequantized[name]
+        value = self._fp8(name, out, inp) if is_fp8 else self._int4(name, out, inp)
+        self._dequantized[name] = value
+        if len(self._dequantized) > 4:
+            self._dequantized.popitem(last=False)
+        return value
+
+    def _fp8(self, name: str, out: int, inp: int) -> np.ndarray:
+        weight = name + ".weight"
+        if self.quant is None or self.quant.method != "fp8":
+            raise self.fail(weight, "float8 weight but config.json has no fp8 quantization_config")
+        scale = name + ".weight_scale_inv"
+        if scale not in self.reader:
+            raise self.missing(scale, f"missing: needed to dequantize {weight}")
+        w = self.reader.get(weight)
+        if w.shape != (out, inp):
+            raise self.fail(weight, f"shape {list(w.shape)} != expected {[out, inp]}")
+        try:
+            return dequantize_fp8_block(w, self.reader.get(scale), self.quant.weight_block_size)
+        except ValueError as e:
+            raise self.fail(scale, str(e)) from None
+
+    def _int4(self, name: str, out: int, inp: int) -> np.ndarray:
+        packed = name + ".weight_packed"
+        if self.quant is None or self.quant.method != "compressed-tensors":
+            raise self.fail(
+                packed, "INT4-packed weight but config.json has no compressed-tensors quantization_config"
+            )
+        shape_name = name + ".weight_shape"
+        if shape_name in self.reader:
+            shape = tuple(int(s) for s in self.reader.get(shape_name))
+            if shape != (out, inp):
+                raise self.fail(shape_name, f"{list(shape)} != expected {[out, inp]}")
+        zp_name = name + ".weight_zero_point"
+        if not self.quant.symmetric and zp_name not in self.reader:
+            raise self.missing(zp_name, "missing: the scheme is asymmetric")
+        try:
+            return dequantize_int4_packed(
+                self.reader.get(packed),
+                self.reader.get(name + ".weight_scale"),
+                None if self.quant.symmetric else self.reader.get(zp_name),
+                (out, inp),
+                self.quant.group_size,
+            )
+        except ValueError as e:
+            raise self.fail(packed, str(e)) from None
+
+    def expert(self, spec: ExpertGateUp | ExpertDown, proj: str, e: int) -> np.ndarray:
+        """One expert's HF [out, in] matrix (``proj`` gate / up / down)."""
+        fused = spec.prefix + (".down_proj" if proj == "down" else ".gate_up_proj")
+        if f"{spec.prefix}.0.{proj}_proj.weight" not in self.reader and fused in self.reader:
+            # transformers 5.x in-memory layout: gate_up [E, 2N, D] (gate rows first), down [E, D, N].
+            if proj == "down":
+                return self.plain(fused, (spec.num, spec.hidden, spec.inter))[e]
+            rows = self.plain(fused, (spec.num, 2 * spec.inter, spec.hidden))[e]
+            return rows[: spec.inter] if proj == "gate" else rows[spec.inter :]
+        out, inp = (spec.hidden, spec.inter) if proj == "down" else (spec.inter, spec.hidden)
+        return self.linear(f"{spec.prefix}.{e}.{proj}_proj", out, inp)
+
+
+def _slice_padded(value: np.ndarray, index: tuple[slice, ...], shape: tuple[int, ...], dtype) -> np.ndarray:
+    """``value`` zero-padded to ``shape``, sliced at ``index``: only the slice is materialized."""
+    bounds = [s.indices(n) for s, n in zip(index, shape)]
+    out = np.zeros([stop - start for start, stop, _ in bounds], dtype)
+    have = tuple(slice(start, min(stop, n)) for (start, stop, _), n in zip(bounds, value.shape))
+    if all(h.stop > h.start for h in have):
+        out[tuple(slice(0, h.stop - h.start) for h in have)] = value[have]
+    return out
+
+
+def _leaf_slice(source: _Source, leaf: Leaf, index: tuple[slice, ...], shape: tuple[int, ...], dtype):
+    """The slice ``index`` of one (unstacked) parameter of ``shape``, read from the files."""
+    if isinstance(leaf, ExpertGateUp):
+        experts, rows, cols = (s.indices(n) for s, n in zip(index, shape))
+        width = cols[1] - cols[0]
+        piece, half = cols[0] // width, width // 2  # this device's [gate_j | up_j] columns
+        parts = []
+        for e in range(*experts[:2]):
+            gate, up = (
+                source.expert(leaf, proj, e)[piece * half : (piece + 1) * half] for proj in ("gate", "up")
+            )
+            parts.append(np.concatenate([gate.T[rows[0] : rows[1]], up.T[rows[0] : rows[1]]], axis=1))
+        return np.asarray(np.stack(parts), dtype)
+    if isinstance(leaf, ExpertDown):
+        experts = index[0].indices(shape[0])
+        return np.asarray(
+            np.stack([source.expert(leaf, "down", e).T[index[1:]] for e in range(*experts[:2])]), dtype
+        )
+    if isinstance(leaf, Linear):
+        value = leaf.view(source.linear(leaf.name, leaf.out, leaf.inp))
+        name = leaf.name + ".weight"
+    else:
+        value = source.plain(leaf.name, leaf.shape)
+        value = leaf.view(value) if leaf.view else value
+        name = leaf.name
+    if value.shape != tuple(shape):
+        padded = getattr(leaf, "pad", False) and all(v <= s for v, s in zip(value.shape, shape))
+        if not padded or value.ndim != len(shape):
+            raise source.fail(
+                name, f"gives a parameter of shape {list(value.shape)}, the model needs {list(shape)}"
+            )
+        return _slice_padded(value, index, shape, dtype)
+    return np.asarray(value[index], dtype)
+
+
+@functools.cache
+def _zeros(shape: tuple[int, ...], dtype, sharding) -> Callable[[], jax.Array]:
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.cache
+def _set_layer(sharding) -> Callable[[jax.Array, jax.Array, int], jax.Array]:
+    """``stack.at[i].set(part)`` in place (the stack is donated)."""
+    return jax.jit(
+        lambda stack, part, i: jax.lax.dynamic_update_index_in_dim(stack, part, i, 0),
+        donate_argnums=0,
+        out_shardings=sharding,
+    )
+
+
+def _layer_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    """The sharding of one layer of a stack (the stacked axis is never split)."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+    return sharding
+
+
+def _from_files(source: _Source, leaf: Leaf, target: jax.ShapeDtypeStruct, sharding) -> jax.Array:
+    shape, dtype = tuple(target.shape), np.dtype(target.dtype)
+    return jax.make_array_from_callback(
+        shape, sharding, lambda index: _leaf_slice(source, leaf, index, shape, dtype)
+    )
+
+
+def load(
+    reader: CheckpointReader,
+    specs: Mapping[Path, Spec],
+    targets: Mapping[Path, jax.ShapeDtypeStruct],
+    *,
+    quant: QuantConfig | None = None,
+    progress: bool = True,
+) -> dict[Path, jax.Array]:
+    """Read every parameter of ``targets`` (shape, dtype, sharding) as ``specs`` say."""
+    _check_covered(specs, targets)
+    source = _Source(reader, quant)
+    out: dict[Path, jax.Array] = {}
+    by_layer: dict[int, list[tuple[Path, int]]] = collections.defaultdict(list)
+    for path, spec in specs.items():
+        target = targets[path]
+        if isinstance(spec, Stacked):
+            if len(spec.items) != target.shape[0]:
+                raise ValueError(
+                    f"{path_name(path)}: {len(spec.items)} stacked sources for {target.shape[0]} layers"
+                )
+            out[path] = _zeros(tuple(target.shape), target.dtype, target.sharding)()
+            for i, layer in enumerate(spec.layers):
+                by_layer[layer].append((path, i))
+        else:
+            out[path] = _from_files(source, spec, target, target.sharding)
+    start, layers = time.perf_counter(), sorted(by_layer)
+    for done, layer in enumerate(layers, start=1):
+        for path, i in by_layer[layer]:
+            target, spec = targets[path], specs[path]
+            part = jax.ShapeDtypeStruct(target.shape[1:], target.dtype)
+            part_sharding = _layer_sharding(target.sharding)
+            value = _from_files(source, spec.items[i], part, part_sharding)
+            out[path] = _set_layer(target.sharding)(out[path], value, i)
+        _report(done, len(layers), start, progress)
+    return out
+
+
+def _report(done: int, total: int, start: float, enabled: bool) -> None:
+    if enabled:
+        end = "\n" if done == total else ""
+        elapsed = time.perf_counter() - start
+        print(
+            f"\rloading weights: {done}/{total} layers ({elapsed:.1f}s)", end=end, file=sys.stderr, flush=True
+        )
+
+
+def _check_covered(specs: Mapping[Path, Spec], targets: Mapping[Path, Any]) -> None:
+    missing = [path_name(p) for p in targets if p not in specs]
+    extra = [path_name(p) for p in specs if p not in targets]
+    if missing or extra:
+        raise ValueError(
+            f"parameter spec and model disagree: no source for {missing}, no parameter for {extra}"
+        )
+
+
+# ---- dummy weights ------------------------------------------------------------------------------
+
+
+def _distribution(leaf: Leaf) -> tuple[str, float]:
+    """(kind, scale) of a leaf's dummy values: linear weights ~ N(0, 1/fan_in)."""
+    if isinstance(leaf, Linear):
+        return "normal", leaf.inp**-0.5
+    if isinstance(leaf, ExpertGateUp):
+        return "gate_up", leaf.hidden**-0.5
+    if isinstance(leaf, ExpertDown):
+        return "normal", leaf.inter**-0.5
+    return {"embed": ("normal", 1.0), "norm": ("one_plus", 0.1), "bias": ("normal", 0.1)}[leaf.init]
+
+
+def _real_shape(leaf: Leaf, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The part of a parameter the checkpoint would fill (the rest is zero padding)."""
+    if isinstance(leaf, Linear) and leaf.pad:
+        view = jax.eval_shape(leaf.view, jax.ShapeDtypeStruct((leaf.out, leaf.inp), jnp.float32))
+        return (*shape[: len(shape) - view.ndim], *view.shape)
+    return shape
+
+
+@functools.cache
+def _init(
+    shape: tuple[int, ...], real: tuple[int, ...], dtype, sharding, kind: str, scale: float
+) -> Callable[[jax.Array], jax.Array]:
+    """One compiled init per distinct (shape, dtype, sharding, distribution): values of the
+    ``real`` shape, zero-padded to ``shape`` (padded heads stay zero, as when loading)."""
+
+    def draw(key):
+        if kind != "gate_up":
+            x = jax.random.normal(key, real, dtype) * jnp.asarray(scale, dtype)
+            x = x + jnp.asarray(1, dtype) if kind == "one_plus" else x
+            return jnp.pad(x, [(0, s - r) for s, r in zip(shape, real)])
+        # gate and up drawn apart, then laid out [gate_j | up_j] per expert-TP piece (ExpertGateUp)
+        pieces = shape[-1] // sharding.shard_shape(shape)[-1]
+        n = shape[-1] // 2
+        gate, up = (
+            jax.random.normal(k, (*shape[:-1], n), dtype) * jnp.asarray(scale, dtype)
+            for k in jax.random.split(key)
+        )
+        split = lambda a: a.reshape(*shape[:-1], pieces, n // pieces)
+        return jnp.concatenate([split(gate), split(up)], axis=-1).reshape(shape)
+
+    return jax.jit(draw, out_shardings=sharding)
+
+
+def random(
+    specs: Mapping[Path, Spec], targets: Mapping[Path, jax.ShapeDtypeStruct], *, seed: int = 0
+) -> dict[Path, jax.Array]:
+    """Dummy weights for every parameter of ``targets``, drawn on the devices."""
+    _check_covered(specs, targets)
+    out = {}
+    for path, spec in specs.items():
+        target = targets[path]
+        leaf = spec.items[0] if isinstance(spec, Stacked) else spec
+        key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(path_name(path).encode()) & 0x7FFFFFFF)
+        shape = tuple(target.shape)
+        real = _real_shape(leaf, shape)
+        out[path] = _init(shape, real, target.dtype, target.sharding, *_distribution(leaf))(key)
+    return out

@@ -1,0 +1,99 @@
+"""Device rows for presence / frequency / repetition penalties and logit biases, one per slot.
+
+Penalties need per-request rows over the vocabulary (output token counts, prompt-token flags, a
+bias row: 9 bytes per slot and vocabulary entry), kept on the device and split over the dp groups
+like the cache. Every step samples from the penalized logits (rows without penalties are
+neutral) and adds the tokens its penalized rows sample to their counts (in the step itself), so
+requests with and without penalties share one compiled step. A request taking a slot whose rows
+were filled for someone else (first seated, or back after a preemption gave its slot away) has
+its rows filled from its prompt, output and bias first (:meth:`PenaltyRows.seat`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdsa import sharding
+from jaxdsa.engine.request import Request
+
+_PROMPT, _OUTPUT, _BIAS = range(3)  # kinds of the entries that fill a slot's penalty rows
+
+
+def _fill_rows(counts, in_prompt, bias, reset, slot, token, kind, value):
+    """Penalty rows of newly seated requests: rows with ``reset`` cleared, then each (slot, token)
+    entry marked (a prompt token), counted (an output token) or given its bias ``value``;
+    out-of-range slots are padding."""
+    clear = reset[:, None]
+    counts = jnp.where(clear, 0, counts).at[slot, token].add((kind == _OUTPUT).astype(jnp.int32), mode="drop")
+    in_prompt = jnp.where(clear, False, in_prompt).at[slot, token].max(kind == _PROMPT, mode="drop")
+    biased = jnp.where(kind == _BIAS, slot, counts.shape[0])  # other kinds: dropped
+    bias = jnp.where(clear, 0.0, bias).at[biased, token].set(value, mode="drop")
+    return counts, in_prompt, bias
+
+
+@functools.cache
+def _compiled_fill(mesh):
+    return sharding.jit_step(_fill_rows, mesh, donate_argnums=(0, 1, 2))
+
+
+def _bucket_pow2(n: int) -> int:
+    """Entries per group padded to a power of two (64 at least), so fills compile a few shapes."""
+    return max(64, 1 << (max(n, 1) - 1).bit_length())
+
+
+class PenaltyRows:
+    """``counts`` [slots, V] int32, ``in_prompt`` [slots, V] bool, ``bias`` [slots, V] float32, and
+    per slot the request its rows were filled for."""
+
+    def __init__(self, slots: int, vocab: int, groups: int, mesh, place: Callable):
+        state = (
+            np.zeros((slots, vocab), np.int32),
+            np.zeros((slots, vocab), bool),
+            np.zeros((slots, vocab), np.float32),
+        )
+        self.counts, self.in_prompt, self.bias = (
+            place(state) if mesh is not None else tuple(map(jnp.asarray, state))
+        )
+        self.owners: list[Request | None] = [None] * slots
+        self.groups, self.slots_per_group, self.mesh, self._place = groups, slots // groups, mesh, place
+
+    @property
+    def state(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return self.counts, self.in_prompt, self.bias
+
+    @state.setter
+    def state(self, value) -> None:
+        self.counts, self.in_prompt, self.bias = value
+
+    def seat(self, requests: list[Request]) -> None:
+        """Fill the rows of the requests whose slot's rows were filled for someone else (or never)."""
+        fresh = [r for r in requests if self.owners[r.slot] is not r]
+        if not fresh:
+            return
+        per_group = self.slots_per_group
+        reset = np.zeros((self.groups, per_group), bool)
+        entries = [[] for _ in range(self.groups)]  # (local slot, token, kind, bias)
+        for r in fresh:
+            gi, local = divmod(r.slot, per_group)
+            reset[gi, local] = True
+            entries[gi] += [(local, t, _PROMPT, 0.0) for t in set(r.prompt)]
+            entries[gi] += [(local, t, _OUTPUT, 0.0) for t in r.output]
+            entries[gi] += [(local, t, _BIAS, b) for t, b in r.sampling.logit_bias]
+            self.owners[r.slot] = r
+        n = _bucket_pow2(max(len(e) for e in entries))
+        columns = [  # padding: slot out of range
+            np.full((self.groups, n), per_group, np.int32),
+            np.zeros((self.groups, n), np.int32),
+            np.zeros((self.groups, n), np.int32),
+            np.zeros((self.groups, n), np.float32),
+        ]
+        for gi, group in enumerate(entries):
+            for column, values in zip(columns, zip(*group)):
+                column[gi, : len(values)] = values
+        args = self._place(tuple(a.reshape(-1) for a in (reset, *columns)))
+        self.state = _compiled_fill(self.mesh)(*self.state, *args)

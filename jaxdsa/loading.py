@@ -1,0 +1,58 @@
+"""Build a model of a checkpoint directory, through its family: abstract first, then filled.
+
+The family's module tree is built abstractly (shapes and logical axes, no memory), each
+parameter's sharding comes from its axes, and the one checkpoint walker fills every parameter
+from the files (shard-local) or with dummy weights drawn on the devices.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from flax import nnx
+
+from checkpoints import walker
+from checkpoints.safetensors_io import CheckpointReader
+from jaxdsa.models import family as families
+from jaxdsa.models.family import ModelFamily
+from jaxdsa.models.registry import family_for, load_config
+from jaxdsa.sharding import Parallelism
+
+LOAD_FORMATS = ("safetensors", "dummy")
+
+
+def load_model(
+    path: str | os.PathLike,
+    *,
+    dtype,
+    parallelism: Parallelism | None = None,
+    mesh=None,
+    load_format: str = "safetensors",
+    mtp: bool = True,
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[ModelFamily, Any, nnx.Module]:
+    """-> (family, config, model) of the checkpoint at ``path``, placed on ``mesh``.
+
+    ``mtp``: also load the next-n layers the checkpoint ships (dummy weights: the config's).
+    ``load_format="dummy"``: random weights of the config's shapes (``config.json`` is all that
+    is read), like vLLM's ``--load-format dummy``.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r}: choose one of {', '.join(LOAD_FORMATS)}")
+    cfg = load_config(path)
+    family = family_for(cfg.model_type)
+    reader = CheckpointReader(os.fspath(path)) if load_format == "safetensors" else None
+    n_mtp = 0
+    if mtp:
+        n_mtp = (
+            family.mtp_layers(cfg, reader.__contains__) if reader else family.mtp_layers(cfg, lambda _: True)
+        )
+    model = families.abstract(family, cfg, dtype=dtype, parallelism=parallelism, mtp=n_mtp)
+    specs, targets = family.param_spec(cfg, model), families.targets(model, mesh)
+    if reader is None:
+        arrays = walker.random(specs, targets, seed=seed)
+    else:
+        arrays = walker.load(reader, specs, targets, quant=family.quantization(cfg), progress=progress)
+    return family, cfg, families.fill(model, arrays)

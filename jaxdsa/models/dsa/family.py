@@ -1,0 +1,110 @@
+"""GLM-5.x / DeepSeek-V3.2 on the model-family seam (:class:`jaxdsa.models.family.ModelFamily`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from flax import nnx
+
+from checkpoints.quant import QuantConfig
+from jaxdsa.cache import Cache, CacheEntry, CacheSpec, StepMeta
+from jaxdsa.models.dsa import params
+from jaxdsa.models.dsa.config import MODEL_TYPES, DsaConfig, parse_config
+from jaxdsa.models.dsa.model import DsaModel
+from jaxdsa.sharding import Parallelism
+
+
+@dataclasses.dataclass(frozen=True)
+class DsaMode:
+    """``sparse``: indexer + top-k attention (some context is longer than index_topk);
+    ``absorbed``: latent-space attention (False only for single-sequence prefill)."""
+
+    sparse: bool
+    absorbed: bool = True
+
+
+class DsaFamily:
+    model_types = MODEL_TYPES
+
+    def parse_config(self, raw: Mapping[str, Any], source: str) -> DsaConfig:
+        return parse_config(raw, source)
+
+    def quantization(self, cfg: DsaConfig) -> QuantConfig | None:
+        return cfg.quantization
+
+    def build(
+        self, cfg: DsaConfig, *, dtype, rngs: nnx.Rngs, parallelism: Parallelism | None, mtp: int
+    ) -> DsaModel:
+        return DsaModel(cfg, dtype=dtype, rngs=rngs, parallelism=parallelism, mtp=mtp)
+
+    def mtp_layers(self, cfg: DsaConfig, has_tensor: Callable[[str], bool]) -> int:
+        layers = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+        return sum(1 for layer in layers if has_tensor(params.mtp_marker(layer)))
+
+    def param_spec(self, cfg: DsaConfig, model: DsaModel):
+        return params.param_spec(cfg, model)
+
+    def cache_spec(self, cfg: DsaConfig) -> CacheSpec:
+        """Per layer a latent row (normed latent | roped key); index keys where an indexer runs."""
+        return CacheSpec(
+            {
+                "latent": CacheEntry(cfg.num_hidden_layers, cfg.latent_dim),
+                "index_keys": CacheEntry(len(cfg.indexer_layers), cfg.index_head_dim),
+            }
+        )
+
+    def mtp_cache_spec(self, cfg: DsaConfig) -> CacheSpec:
+        n = cfg.num_nextn_predict_layers
+        return CacheSpec(
+            {"latent": CacheEntry(n, cfg.latent_dim), "index_keys": CacheEntry(n, cfg.index_head_dim)}
+        )
+
+    def step(self, model: DsaModel, tokens, positions, cache: Cache, meta: StepMeta, mode: DsaMode):
+        hidden, cache = model(tokens, positions, cache, meta, sparse=mode.sparse, absorbed=mode.absorbed)
+        return model.logits(hidden), cache
+
+    def step_mode(self, cfg: DsaConfig, *, max_position: int, single_sequence: bool = False) -> DsaMode:
+        return DsaMode(sparse=max_position + 1 > cfg.index_topk, absorbed=not single_sequence)
+
+    def modes(self, cfg: DsaConfig, max_model_len: int) -> list[DsaMode]:
+        return [DsaMode(sparse=False)] + ([DsaMode(sparse=True)] if max_model_len > cfg.index_topk else [])
+
+    def decode_traffic(self, cfg: DsaConfig, par: Parallelism, batch: int, context: int) -> dict[str, float]:
+        """Per device, one decode step of ``batch`` sequences per dp group at ``context`` tokens:
+        cache bytes read (bf16 rows of the selected keys, index keys of the whole context once it
+        outgrows index_topk), collective bytes, and the routing fan-out for the weight reads."""
+        kv_rows = min(context, cfg.index_topk)
+        read = batch * cfg.num_hidden_layers * kv_rows * cfg.latent_dim * 2
+        if context > cfg.index_topk:
+            read += batch * len(cfg.indexer_layers) * context * cfg.index_head_dim * 2
+        sizes = par.axis_sizes
+        ring = 2 * (par.tp - 1) / par.tp if par.tp > 1 else 0.0  # all-reduce bytes per byte reduced
+        D = cfg.hidden_size
+        per_layer = 2 * batch * D * 2  # attention output + MLP/MoE output all-reduces, bf16
+        collective = ring * (cfg.num_hidden_layers * per_layer + batch * D * 4)  # + the embedding psum (f32)
+        collective += ring * len(cfg.indexer_layers) * batch * context * 4  # indexer head-sum psum (f32)
+        moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+        moe_tokens = batch * sizes["edp"]
+        ep_shards = sizes["rep"] * sizes["tpe"]  # expert shards inside a group
+        if ep_shards > 1:
+            collective += (
+                2 * (ep_shards - 1) / ep_shards * moe_layers * moe_tokens * D * 4
+            )  # expert psum (f32)
+        if sizes["edp"] > 1:  # all-gather the groups' tokens (bf16 + ids/weights), reduce-scatter f32 outputs
+            k = cfg.num_experts_per_tok
+            collective += (sizes["edp"] - 1) * moe_layers * batch * (D * 2 + k * 8 + D * 4)
+        return {
+            "cache_bytes_read": float(read),
+            "collective_bytes": collective,
+            "experts_per_token": cfg.num_experts_per_tok,
+            "num_experts": cfg.n_routed_experts,
+        }
+
+    def page_columns(self, cfg: DsaConfig, mode: DsaMode, page_size: int, columns: int) -> int:
+        """Dense steps address only the first index_topk positions (every context fits in them)."""
+        return columns if mode.sparse else min(columns, -(-cfg.index_topk // page_size))
+
+
+FAMILY = DsaFamily()

@@ -1,0 +1,203 @@
+"""The GLM-5.x / DeepSeek-V3.2 decoder as Flax NNX modules.
+
+``DsaModel(tokens, positions, cache, meta, sparse=..., absorbed=...) -> (hidden, cache)`` runs one
+step over a packed batch and the paged cache; :meth:`DsaModel.logits` applies the LM head. Layers
+of one kind are stacked and scanned (:mod:`jaxdsa.models.layer_groups`), so compile time does not
+grow with depth. Every layer writes its cache rows at its model-layer index: ``latent`` for every
+layer, ``index_keys`` for the layers that run their own indexer (GLM-5.2's shared layers reuse the
+top-k of the last full layer, carried through the scan).
+
+Static switches chosen by the caller from host-side lengths (:class:`DsaMode`):
+- ``sparse``: run the indexer + top-k and attend to the selected keys. When every query's
+  context is no longer than ``index_topk`` the indexer selects everything, so callers pass
+  ``sparse=False`` (dense causal attention; index keys are still written for later steps).
+- ``absorbed``: latent-space attention (decode, and any step with several sequences) versus the
+  naive expanded form (single-sequence prefill: ``page_table`` has one row).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdsa import sharding
+from jaxdsa.cache import Cache, LayerPages, StepMeta
+from jaxdsa.layers.context import StepContext
+from jaxdsa.layers.indexer import Indexer
+from jaxdsa.layers.linear import Embed, Linear
+from jaxdsa.layers.mla import MLAttention
+from jaxdsa.layers.mlp import MLP, Experts, MoE, Router
+from jaxdsa.layers.norms import RMSNorm
+from jaxdsa.layers.rope import cos_sin
+from jaxdsa.models.dsa.config import HF_LATENT_NORM_EPS, INDEXER_K_NORM_EPS, DsaConfig
+from jaxdsa.models.layer_groups import ScannedLayers, UnrolledLayers, group_layers
+from jaxdsa.sharding import Parallelism
+
+
+def padded(n: int, shards: int) -> int:
+    """``n`` rounded up to a multiple of ``shards``: heads are zero-padded to split evenly (a zero
+    head adds exactly nothing: its query and output rows are 0)."""
+    return -(-n // shards) * shards
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm MLA (+ indexer) and a dense MLP or the MoE, with residuals."""
+
+    def __init__(self, cfg: DsaConfig, layer: int, *, heads: int, index_heads: int, dtype, rngs: nnx.Rngs):
+        D = cfg.hidden_size
+        indexer = None
+        if cfg.has_indexer(layer):
+            indexer = Indexer(
+                hidden=D,
+                q_lora=cfg.q_lora_rank,
+                heads=index_heads,
+                head_dim=cfg.index_head_dim,
+                rope_dim=cfg.qk_rope_head_dim,
+                interleaved=cfg.indexer_rope_interleave,
+                topk=cfg.index_topk,
+                score_scale=cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5,
+                k_norm_eps=INDEXER_K_NORM_EPS,
+                dtype=dtype,
+                rngs=rngs,
+            )
+        self.input_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        self.attn = MLAttention(
+            hidden=D,
+            heads=heads,
+            q_lora=cfg.q_lora_rank,
+            kv_lora=cfg.kv_lora_rank,
+            nope=cfg.qk_nope_head_dim,
+            rope=cfg.qk_rope_head_dim,
+            v=cfg.v_head_dim,
+            softmax_scale=cfg.softmax_scale,
+            latent_norm_eps=HF_LATENT_NORM_EPS,
+            indexer=indexer,
+            dtype=dtype,
+            rngs=rngs,
+        )
+        self.post_attn_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        if cfg.is_moe_layer(layer):
+            E, N = cfg.n_routed_experts, cfg.moe_intermediate_size
+            router = Router(
+                D,
+                E,
+                top_k=cfg.num_experts_per_tok,
+                n_group=cfg.n_group,
+                topk_group=cfg.topk_group,
+                norm_topk_prob=cfg.norm_topk_prob,
+                scaling=cfg.routed_scaling_factor,
+                rngs=rngs,
+            )
+            shared = MLP(D, N * cfg.n_shared_experts, dtype=dtype, rngs=rngs)
+            self.mlp = MoE(router, Experts(E, D, N, dtype=dtype, rngs=rngs), shared)
+        else:
+            self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, h, ctx: StepContext, cache: Cache, rows: tuple, topk):
+        """-> (h, cache, topk). ``rows`` = (latent row, index-key row) of this layer in the cache."""
+        latent = LayerPages(cache["latent"], rows[0])
+        index = LayerPages(cache["index_keys"], rows[1]) if self.attn.indexer is not None else None
+        a, latent, index, topk = self.attn(self.input_norm(h), ctx, latent, index, topk)
+        cache = {**cache, "latent": latent.stacked} | ({"index_keys": index.stacked} if index else {})
+        h = h + a
+        h = h + self.mlp(self.post_attn_norm(h))
+        return sharding.constrain(h, ("batch", "embed")), cache, topk
+
+
+class MtpLayer(nnx.Module):
+    """The next-n layer: e = enorm(E[x_{t+1}]), g = hnorm(h_t), u = eh_proj [e ; g] (embedding first,
+    as vLLM), one full decoder layer with its own cache, then shared_head.norm (models.md §2.12)."""
+
+    def __init__(self, cfg: DsaConfig, layer: int, *, heads: int, index_heads: int, dtype, rngs: nnx.Rngs):
+        D = cfg.hidden_size
+        self.enorm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        self.hnorm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        self.eh_proj = Linear((2 * D,), (D,), ("embed_pair", "embed"), dtype=dtype, rngs=rngs)
+        self.layer = DecoderLayer(cfg, layer, heads=heads, index_heads=index_heads, dtype=dtype, rngs=rngs)
+        self.shared_head_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+
+
+class DsaModel(nnx.Module):
+    """Embedding, scanned layer groups, final norm, LM head and (optionally) the MTP layers.
+
+    ``parallelism``: attention and indexer heads are zero-padded to split evenly over its TP shards.
+    """
+
+    def __init__(
+        self, cfg: DsaConfig, *, dtype, rngs: nnx.Rngs, parallelism: Parallelism | None = None, mtp: int = 0
+    ):
+        tp = parallelism.shards("heads") if parallelism else 1
+        heads = dict(heads=padded(cfg.num_attention_heads, tp), index_heads=padded(cfg.index_n_heads, tp))
+        make_layer = lambda layer, rngs: DecoderLayer(cfg, layer, **heads, dtype=dtype, rngs=rngs)
+        kinds = [(cfg.is_moe_layer(i), cfg.has_indexer(i)) for i in range(cfg.num_hidden_layers)]
+        self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.groups = nnx.List([ScannedLayers.build(g, make_layer, rngs) for g in group_layers(kinds)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = Linear(
+            (cfg.hidden_size,),
+            (cfg.vocab_size,),
+            ("embed", "vocab"),
+            dtype=dtype,
+            out_dtype=jnp.float32,
+            rngs=rngs,
+        )
+        layers = range(cfg.num_hidden_layers, cfg.num_hidden_layers + mtp)
+        self.mtp = nnx.List([MtpLayer(cfg, i, **heads, dtype=dtype, rngs=rngs) for i in layers])
+        self.cfg = cfg
+        # cache row of each layer's index keys (-1: the layer reuses another layer's top-k)
+        full = cfg.indexer_layers
+        self.index_rows = tuple(full.index(i) if i in full else -1 for i in range(cfg.num_hidden_layers))
+
+    def context(self, positions, meta: StepMeta, *, sparse: bool, absorbed: bool) -> StepContext:
+        """What every layer of a step over these positions shares."""
+        cos, sin = cos_sin(positions, self.cfg.rope, self.cfg.qk_rope_head_dim)
+        return StepContext(positions, cos, sin, meta, sparse, absorbed)
+
+    def __call__(self, tokens, positions, cache: Cache, meta: StepMeta, *, sparse: bool, absorbed: bool):
+        """Run all decoder layers -> (final-normed hidden [R, D] at meta.logits_indices, new cache)."""
+        ctx = self.context(positions, meta, sparse=sparse, absorbed=absorbed)
+        index_rows = jnp.asarray(self.index_rows, jnp.int32)
+
+        def run_layer(layer, carry, i):
+            h, cache, topk = carry
+            return layer(h, ctx, cache, (i, index_rows[i]), topk)
+
+        # the top-k of the last full indexer layer, read by shared layers (carried through the scans)
+        topk = jnp.full((tokens.shape[0], self.cfg.index_topk), -1, jnp.int32) if sparse else None
+        carry = (self.embed(tokens), cache, topk)
+        for group in self.groups:
+            carry = group(carry, run_layer)
+        h, cache, _ = carry
+        return self.norm(h[meta.logits_indices]), cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Float32 logits [R, vocab] of final hidden states."""
+        return self.lm_head(hidden)
+
+    def draft(
+        self, hidden, next_tokens, positions, cache: Cache, meta: StepMeta, *, sparse: bool, absorbed: bool
+    ):
+        """The first MTP layer: logits for token t+2 from the main model's final hidden state at t
+        (post-norm) and token t+1; ``cache`` is the MTP layers' own. -> (logits [R, V], cache)."""
+        mtp = self.mtp[0]
+        ctx = self.context(positions, meta, sparse=sparse, absorbed=absorbed)
+        e = mtp.enorm(self.embed(next_tokens))
+        g = mtp.hnorm(hidden.astype(e.dtype))
+        u = mtp.eh_proj(jnp.concatenate([e, g], axis=-1))
+        u, cache, _ = mtp.layer(u, ctx, cache, (0, 0), None)
+        return self.logits(mtp.shared_head_norm(u[meta.logits_indices])), cache
+
+    def layer(self, i: int) -> DecoderLayer:
+        """Decoder layer ``i`` as a module of its own (taken out of its stack): a notebook can read it,
+        call it, or replace its submodules, and the model runs with the change."""
+        for k, group in enumerate(self.groups):
+            if isinstance(group, UnrolledLayers) and group.first <= i < group.first + len(group.layers):
+                return group.layers[i - group.first]
+            if isinstance(group, ScannedLayers) and group.group.first <= i < group.group.stop:
+                g = group.group
+                self.groups = nnx.List(
+                    [*self.groups[:k], *group.split_at((i - g.first) // g.period), *self.groups[k + 1 :]]
+                )
+                return self.layer(i)
+        raise IndexError(f"layer {i} out of range (the model has {self.cfg.num_hidden_layers})")

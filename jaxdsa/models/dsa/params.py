@@ -1,0 +1,133 @@
+"""Where every parameter of :class:`DsaModel` comes from in a Hugging Face checkpoint (models.md §4.1, §4.2).
+
+:func:`param_spec` maps each parameter path of the model's state to a :mod:`checkpoints.spec`
+leaf: the HF tensor that feeds it, the shape the file must have, and the view from HF's
+``[out, in]`` to our layout (``[in, out]``, heads split out, ``kv_b`` split into the absorbed-MLA
+factors). Stacked (scanned) parameters list one source per layer. The loader, the dummy weights
+and the planner all read this one table.
+"""
+
+from __future__ import annotations
+
+from checkpoints.spec import (
+    ExpertDown,
+    ExpertGateUp,
+    Leaf,
+    Linear,
+    Spec,
+    Stacked,
+    Tensor,
+    head_rows,
+    transpose_merge,
+    transpose_split,
+)
+from jaxdsa.models.dsa.config import DsaConfig
+from jaxdsa.models.dsa.model import DsaModel
+from jaxdsa.models.layer_groups import ScannedLayers
+
+Path = tuple
+
+
+def _mlp(prefix: str, hidden: int, inter: int) -> dict[Path, Leaf]:
+    return {
+        ("gate", "weight"): Linear(prefix + "gate_proj", inter, hidden),
+        ("up", "weight"): Linear(prefix + "up_proj", inter, hidden),
+        ("down", "weight"): Linear(prefix + "down_proj", hidden, inter),
+    }
+
+
+def _nest(prefix: Path, tree: dict[Path, Leaf]) -> dict[Path, Leaf]:
+    return {prefix + path: leaf for path, leaf in tree.items()}
+
+
+def layer_spec(cfg: DsaConfig, layer: int) -> dict[Path, Leaf]:
+    """Sources of one :class:`DecoderLayer`'s parameters (paths relative to the layer)."""
+    p = f"model.layers.{layer}."
+    a = p + "self_attn."
+    D, H, r = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
+    nope, v, qk = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.qk_head_dim
+    attn: dict[Path, Leaf] = {
+        ("q_a", "weight"): Linear(a + "q_a_proj", cfg.q_lora_rank, D),
+        ("q_a_norm", "weight"): Tensor(a + "q_a_layernorm.weight", (cfg.q_lora_rank,)),
+        ("q_b", "weight"): Linear(a + "q_b_proj", H * qk, cfg.q_lora_rank, transpose_split(H, qk), pad=True),
+        ("kv_a", "weight"): Linear(a + "kv_a_proj_with_mqa", cfg.latent_dim, D),
+        ("kv_a_norm", "weight"): Tensor(a + "kv_a_layernorm.weight", (r,)),
+        ("w_uk",): Linear(a + "kv_b_proj", H * (nope + v), r, head_rows(H, nope + v, 0, nope), pad=True),
+        ("w_uv",): Linear(
+            a + "kv_b_proj", H * (nope + v), r, head_rows(H, nope + v, nope, nope + v), pad=True
+        ),
+        ("o", "weight"): Linear(a + "o_proj", D, H * v, transpose_merge(H, v), pad=True),
+    }
+    if cfg.has_indexer(layer):
+        n, d, i = cfg.index_n_heads, cfg.index_head_dim, a + "indexer."
+        attn |= _nest(
+            ("indexer",),
+            {
+                ("wq_b", "weight"): Linear(
+                    i + "wq_b", n * d, cfg.q_lora_rank, transpose_split(n, d), pad=True
+                ),
+                ("wk", "weight"): Linear(i + "wk", d, D),
+                ("k_norm", "weight"): Tensor(i + "k_norm.weight", (d,)),
+                ("k_norm", "bias"): Tensor(i + "k_norm.bias", (d,), init="bias"),
+                ("weights_proj", "weight"): Linear(i + "weights_proj", n, D, pad=True),
+            },
+        )
+    tree = {
+        ("input_norm", "weight"): Tensor(p + "input_layernorm.weight", (D,)),
+        ("post_attn_norm", "weight"): Tensor(p + "post_attention_layernorm.weight", (D,)),
+        **_nest(("attn",), attn),
+    }
+    if cfg.is_moe_layer(layer):
+        E, N = cfg.n_routed_experts, cfg.moe_intermediate_size
+        m = p + "mlp."
+        tree |= {
+            ("mlp", "router", "weight"): Linear(m + "gate", E, D),
+            ("mlp", "router", "bias"): Tensor(m + "gate.e_score_correction_bias", (E,), init="bias"),
+            ("mlp", "experts", "gate_up"): ExpertGateUp(m + "experts", E, N, D),
+            ("mlp", "experts", "down"): ExpertDown(m + "experts", E, N, D),
+            **_nest(("mlp", "shared"), _mlp(m + "shared_experts.", D, N * cfg.n_shared_experts)),
+        }
+    else:
+        tree |= _nest(("mlp",), _mlp(p + "mlp.", D, cfg.intermediate_size))
+    return tree
+
+
+def mtp_marker(layer: int) -> str:
+    """A tensor whose presence says the checkpoint ships next-n layer ``layer``."""
+    return f"model.layers.{layer}.eh_proj.weight"
+
+
+def param_spec(cfg: DsaConfig, model: DsaModel) -> dict[Path, Spec]:
+    """Sources of every parameter of ``model`` (its groups as they are: scanned or taken apart)."""
+    V, D = cfg.vocab_size, cfg.hidden_size
+    head = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+    spec: dict[Path, Spec] = {
+        ("embed", "weight"): Tensor("model.embed_tokens.weight", (V, D), init="embed"),
+        ("norm", "weight"): Tensor("model.norm.weight", (D,)),
+        ("lm_head", "weight"): Linear(head, V, D),
+    }
+    for k, group in enumerate(model.groups):
+        if isinstance(group, ScannedLayers):
+            g = group.group
+            for j in range(g.period):
+                layers = tuple(g.first + b * g.period + j for b in range(g.repeats))
+                per_layer = [layer_spec(cfg, i) for i in layers]
+                for path in per_layer[0]:
+                    items = tuple(s[path] for s in per_layer)
+                    spec[("groups", k, "blocks", "layers", j, *path)] = Stacked(items, layers)
+        else:
+            for j in range(len(group.layers)):
+                spec |= _nest(("groups", k, "layers", j), layer_spec(cfg, group.first + j))
+    for n in range(len(model.mtp)):
+        layer, p = cfg.num_hidden_layers + n, f"model.layers.{cfg.num_hidden_layers + n}."
+        spec |= _nest(
+            ("mtp", n),
+            {
+                ("enorm", "weight"): Tensor(p + "enorm.weight", (D,)),
+                ("hnorm", "weight"): Tensor(p + "hnorm.weight", (D,)),
+                ("eh_proj", "weight"): Linear(p + "eh_proj", D, 2 * D),
+                ("shared_head_norm", "weight"): Tensor(p + "shared_head.norm.weight", (D,)),
+                **_nest(("layer",), layer_spec(cfg, layer)),
+            },
+        )
+    return spec

@@ -1,0 +1,104 @@
+"""The model-family seam: what a family supplies, and the generic helpers built on it.
+
+A family (``jaxdsa/models/<family>/``, registered by HF ``model_type`` in
+:mod:`jaxdsa.models.registry`) supplies config parsing, its Flax NNX module tree, the parameter
+spec (checkpoint sources of every parameter), its per-layer cache spec, its step and the
+host-side step-mode policy. The engine, :class:`jaxdsa.LLM`, the loader, dummy weights and the
+planner go only through this interface (docs/architecture.md says how to add a family).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import Any, Protocol
+
+import jax
+from flax import nnx
+
+from checkpoints.quant import QuantConfig
+from checkpoints.spec import Spec
+from jaxdsa import sharding
+from jaxdsa.cache import Cache, CacheSpec, StepMeta
+from jaxdsa.layers.params import axes_of
+from jaxdsa.sharding import Axes, Parallelism
+
+Path = tuple[Any, ...]
+
+
+class ModelFamily(Protocol):
+    """One architecture family. ``cfg`` is the family's own (frozen, hashable) config type."""
+
+    model_types: tuple[str, ...]
+
+    def parse_config(self, raw: Mapping[str, Any], source: str) -> Any:
+        """config.json dict -> the family's config; ConfigError (file, field) on anything wrong."""
+
+    def quantization(self, cfg) -> QuantConfig | None:
+        """The checkpoint's weight format (None: plain floats)."""
+
+    def build(self, cfg, *, dtype, rngs: nnx.Rngs, parallelism: Parallelism | None, mtp: int) -> nnx.Module:
+        """The module tree (heads padded for ``parallelism``'s shards); ``mtp`` next-n layers."""
+
+    def mtp_layers(self, cfg, has_tensor) -> int:
+        """How many next-n layers the checkpoint ships (``has_tensor(name)`` asks the files)."""
+
+    def param_spec(self, cfg, model: nnx.Module) -> dict[Path, Spec]:
+        """Checkpoint source of every parameter of ``model`` (keyed by state path)."""
+
+    def cache_spec(self, cfg) -> CacheSpec:
+        """What one token stores per layer; the engine sizes and allocates pages from it."""
+
+    def mtp_cache_spec(self, cfg) -> CacheSpec:
+        """The same for the next-n layers."""
+
+    def step(
+        self, model: nnx.Module, tokens, positions, cache: Cache, meta: StepMeta, mode
+    ) -> tuple[jax.Array, Cache]:
+        """One step: float32 logits [R, vocab] at ``meta.logits_indices`` and the updated cache."""
+
+    def step_mode(self, cfg, *, max_position: int, single_sequence: bool = False) -> Hashable:
+        """The static variant of the step for a batch whose longest context ends at ``max_position``."""
+
+    def modes(self, cfg, max_model_len: int) -> list[Hashable]:
+        """Every mode the engine can meet up to ``max_model_len`` (compiled at warm-up)."""
+
+    def page_columns(self, cfg, mode, page_size: int, columns: int) -> int:
+        """How many page-table columns a step in ``mode`` needs out of ``columns``."""
+
+    def decode_traffic(self, cfg, par: Parallelism, batch: int, context: int) -> dict[str, float]:
+        """For the planner: per-device cache bytes read and collective bytes of one decode step,
+        and the routing fan-out (``experts_per_token``, ``num_experts``) for the expert reads."""
+
+
+def param_axes(model: nnx.Module) -> dict[Path, Axes]:
+    """Logical axes of every parameter, checked: a parameter without axes, or with a name that has
+    no rule in :data:`jaxdsa.sharding.RULES`, is an error naming it."""
+    out = {}
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        out[path] = sharding.check_axes(axes_of(variable), "/".join(map(str, path)))
+    return out
+
+
+def abstract(family: ModelFamily, cfg, *, dtype, parallelism: Parallelism | None, mtp: int) -> nnx.Module:
+    """The model with ShapeDtypeStruct leaves: its structure, shapes and axes, no memory."""
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(
+            lambda: family.build(cfg, dtype=dtype, rngs=nnx.Rngs(0), parallelism=parallelism, mtp=mtp)
+        )
+
+
+def targets(model: nnx.Module, mesh) -> dict[Path, jax.ShapeDtypeStruct]:
+    """Every parameter's shape, dtype and sharding (from its logical axes) on ``mesh`` (or one device)."""
+    axes = param_axes(model)
+    out = {}
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = variable.get_value()
+        out[path] = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding.named(mesh, axes[path]))
+    return out
+
+
+def fill(model: nnx.Module, arrays: Mapping[Path, jax.Array]) -> nnx.Module:
+    """``model`` (abstract) with every parameter set to its array."""
+    graphdef, state = nnx.split(model)
+    flat = [(path, v.replace(arrays[path]) if path in arrays else v) for path, v in nnx.to_flat_state(state)]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
