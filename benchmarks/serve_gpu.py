@@ -26,7 +26,7 @@ import urllib.request
 
 from benchmarks import harness
 from checkpoints.tokenizer_assets import write_tokenizer
-from jaxdsa.config import config_from_dict
+from jaxdsa.models.registry import config_from_dict
 
 GLM5 = {
     "architectures": ["GlmMoeDsaForCausalLM"],

@@ -176,8 +176,11 @@ def make_tiny(
     preset: str | None = None,
     dtype: str = "float32",
     shards: int = 1,
+    overrides: dict[str, Any] | None = None,
 ) -> str:
-    """Write the tiny checkpoint directory and return its path."""
+    """Write the tiny checkpoint directory and return its path. ``overrides``: config.json fields
+    replacing the preset's (wider layers for a load that must outweigh the interpreter's own
+    allocations, say)."""
     if family not in DEFAULT_PRESET:
         raise ValueError(f"unknown family {family!r}; choose from {sorted(DEFAULT_PRESET)}")
     preset = preset or DEFAULT_PRESET[family]
@@ -187,12 +190,12 @@ def make_tiny(
         raise ValueError(f"preset {preset!r} is a {TINY_PRESETS[preset]['model_type']} model, not {family}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if not 1 <= shards <= (n_tensors := len(tensor_specs(TINY_PRESETS[preset]))):
+    if not 1 <= shards <= (n_tensors := len(tensor_specs({**TINY_PRESETS[preset], **(overrides or {})}))):
         raise ValueError(f"shards must be between 1 and the {n_tensors} tensors, got {shards}")
 
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    cfg = dict(TINY_PRESETS[preset])
+    cfg = {**TINY_PRESETS[preset], **(overrides or {})}
     ids = tokenizer_assets.write_tokenizer(family, out_dir, model_max_length=cfg["max_position_embeddings"])
     cfg |= {"vocab_size": ids.vocab_size, "dtype": dtype}
     _write_json(os.path.join(out_dir, "config.json"), cfg)

@@ -23,15 +23,11 @@ from flax import nnx
 from jaxdsa import sharding
 from jaxdsa.cache import StepMeta, init_cache
 from jaxdsa.engine import Engine, EngineConfig, SamplingParams
+from jaxdsa.engine.buckets import bucket
 from jaxdsa.engine.runner import ModelState
 from jaxdsa.loading import load_model
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """The power of two >= max(n, minimum): the padded size a shape compiles for."""
-    return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
 def generation_eos_ids(path: str | os.PathLike, default: Sequence[int]) -> tuple[int, ...]:

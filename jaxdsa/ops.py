@@ -9,9 +9,10 @@ once, at first use) or :func:`set_kernels`; the default is ``pallas`` on CUDA an
 elsewhere. ``interpret`` runs the Pallas kernel in the Pallas interpreter (CPU tests).
 
 Shapes (legend in docs/architecture.md: T query tokens, H heads, Hi index heads, K selected keys,
-S key positions, N cache slots, P pages, E experts, D model width):
+S key positions, Z cache slots, P pages, B sequences, M page-table columns, E experts, D model width,
+N expert width):
 
-- ``sparse_mla(q [T,H,576], kv [N,576], indices [T,K] int32, *, sm_scale, sink=None, v_dim=512)
+- ``sparse_mla(q [T,H,576], kv [Z,576], indices [T,K] int32, *, sm_scale, sink=None, v_dim=512)
   -> (out [T,H,v_dim], lse [T,H] f32)``: softmax attention of each query over the selected kv rows
   (-1 = skip, duplicates count twice); the value is the first ``v_dim`` columns of the row.
 - ``merge_states(outs [n,T,H,Dv], lses [n,T,H], sink=None) -> (out, lse)``: log-sum-exp merge.

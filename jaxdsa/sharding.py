@@ -374,13 +374,22 @@ def jit_step(
             fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(DP_AXES), check_vma=False
         )(*args)
 
-    compiled = jax.jit(run, donate_argnums=donate_argnums)
+    return _OnMesh(jax.jit(run, donate_argnums=donate_argnums), mesh)
 
-    def on_mesh(*args):
-        with jax.sharding.set_mesh(mesh):
-            return compiled(*args)
 
-    return on_mesh
+class _OnMesh:
+    """A jitted function called (and lowered) with its mesh set, as the op wrappers expect."""
+
+    def __init__(self, jitted, mesh: Mesh):
+        self.jitted, self.mesh = jitted, mesh
+
+    def __call__(self, *args):
+        with jax.sharding.set_mesh(self.mesh):
+            return self.jitted(*args)
+
+    def lower(self, *args):
+        with jax.sharding.set_mesh(self.mesh):
+            return self.jitted.lower(*args)
 
 
 def batch_spec() -> P:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdsa import sharding
+from jaxdsa.engine.buckets import bucket
 from jaxdsa.engine.request import Request
 
 _PROMPT, _OUTPUT, _BIAS = range(3)  # kinds of the entries that fill a slot's penalty rows
@@ -39,11 +40,6 @@ def _fill_rows(counts, in_prompt, bias, reset, slot, token, kind, value):
 @functools.cache
 def _compiled_fill(mesh):
     return sharding.jit_step(_fill_rows, mesh, donate_argnums=(0, 1, 2))
-
-
-def _bucket_pow2(n: int) -> int:
-    """Entries per group padded to a power of two (64 at least), so fills compile a few shapes."""
-    return max(64, 1 << (max(n, 1) - 1).bit_length())
 
 
 class PenaltyRows:
@@ -85,7 +81,7 @@ class PenaltyRows:
             entries[gi] += [(local, t, _OUTPUT, 0.0) for t in r.output]
             entries[gi] += [(local, t, _BIAS, b) for t, b in r.sampling.logit_bias]
             self.owners[r.slot] = r
-        n = _bucket_pow2(max(len(e) for e in entries))
+        n = bucket(max(len(e) for e in entries), minimum=64)  # a few fill shapes compile
         columns = [  # padding: slot out of range
             np.full((self.groups, n), per_group, np.int32),
             np.zeros((self.groups, n), np.int32),

@@ -26,20 +26,13 @@ from flax import nnx
 
 from jaxdsa import sharding
 from jaxdsa.cache import Cache, StepMeta
+from jaxdsa.engine.buckets import bucket, buckets
 from jaxdsa.engine.penalties import PenaltyRows
 from jaxdsa.engine.request import MAX_BANNED_TOKENS
 from jaxdsa.engine.sampling import Penalties, Sampled, Scored, sample, score
 from jaxdsa.engine.scheduler import Segment
 from jaxdsa.layers.params import axes_of
 from jaxdsa.models.family import ModelFamily
-
-
-def token_buckets(max_tokens: int) -> list[int]:
-    sizes, n = [], 1
-    while n < max_tokens:
-        sizes.append(n)
-        n *= 2
-    return sizes + [max_tokens]
 
 
 class ModelState:
@@ -154,7 +147,8 @@ class ModelRunner:
         self.page_size = next(iter(cache.values())).shape[2]
         self.groups = groups
         self.slots_per_group = max_num_seqs // groups
-        self.buckets = token_buckets(max_num_batched_tokens)
+        self.max_tokens = max_num_batched_tokens
+        self.buckets = buckets(max_num_batched_tokens)
         self.page_table = np.zeros((max_num_seqs, -(-max_model_len // self.page_size)), np.int32)
         self.modes = family.modes(cfg, max_model_len)
         self.cache = cache
@@ -192,9 +186,6 @@ class ModelRunner:
             )
         return self._steps[key]
 
-    def _bucket(self, n: int) -> int:
-        return next(b for b in self.buckets if b >= n)
-
     def _call(
         self,
         groups: list[_Group],
@@ -206,7 +197,7 @@ class ModelRunner:
     ):
         """-> (Sampled [groups, R, ...], logits or None, Scored [groups, T, ...] or None) on the host;
         the logprob fields of Sampled are None unless asked for."""
-        T = self._bucket(max(1, max(len(g.tokens) for g in groups)))
+        T = bucket(max(len(g.tokens) for g in groups), cap=self.max_tokens)
         R = min(T, self.slots_per_group)
 
         def flat(field, n, fill, dtype=np.int32):

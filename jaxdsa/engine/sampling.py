@@ -29,8 +29,10 @@ from jaxdsa import ops
 class Sampled(NamedTuple):
     ids: jax.Array  # [R] int32: the sampled tokens
     logprobs: jax.Array  # [R] float32: log p(ids)
-    top_ids: jax.Array  # [R, L] int32: the L most likely tokens, most likely first (ties: lower id first)
-    top_logprobs: jax.Array  # [R, L] float32
+    top_ids: (
+        jax.Array
+    )  # [R, n] int32: the n (max_logprobs) most likely tokens, most likely first (ties: lower id first)
+    top_logprobs: jax.Array  # [R, n] float32
 
 
 class Penalties(NamedTuple):
@@ -152,7 +154,7 @@ def sample(
 
 
 def _ranked(logits: jax.Array, ids: jax.Array | None = None) -> jax.Array:
-    """Token ids by logit, largest first, ties by lower id (argmax's order): of ``ids`` [R, C]
+    """Token ids by logit, largest first, ties by lower id (argmax's order): of ``ids`` [R, n]
     (-1 entries last, kept as -1), or of the whole row."""
     R, V = logits.shape
     if ids is None:
@@ -184,15 +186,15 @@ def _cutoffs(z, ranked, top_k, top_p, *, complete: bool):
 
 
 class Scored(NamedTuple):
-    logprobs: jax.Array  # [N] float32: log p(target) (meaningless where target < 0)
-    top_ids: jax.Array  # [N, L] int32: the L most likely tokens, most likely first
-    top_logprobs: jax.Array  # [N, L] float32
+    logprobs: jax.Array  # [T] float32: log p(target) (meaningless where target < 0)
+    top_ids: jax.Array  # [T, n] int32: the n (num_logprobs) most likely tokens, most likely first
+    top_logprobs: jax.Array  # [T, n] float32
 
 
 def score(logits, targets, *, num_logprobs: int) -> Scored:
     """Each row's log-probability of its target token (the prompt's next token) and top tokens.
 
-    logits [N, V] float32, targets [N] int32. Used for prompt logprobs, where N is every token of
+    logits [T, V] float32, targets [T] int32. Used for prompt logprobs, where T is every token of
     a step, so the top tokens come from ``lax.top_k`` rather than a full sort of each row.
     """
     lse = jax.nn.logsumexp(logits, axis=-1)

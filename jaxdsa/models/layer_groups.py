@@ -36,7 +36,8 @@ class LayerGroup:
 
 def group_layers(kinds: Sequence[Hashable], max_period: int = 8) -> list[LayerGroup]:
     """Cover ``kinds`` (one hashable per layer) with repeating blocks, greedily from the front:
-    at each position take the period whose repeats cover the most layers (the shortest on ties)."""
+    at each position take the period whose repeats cover the most layers (the shortest on ties).
+    A block that does not repeat is one layer: a longer one would only unroll more code."""
     groups, i = [], 0
     while i < len(kinds):
         best = LayerGroup(i, 1, 1)
@@ -45,7 +46,7 @@ def group_layers(kinds: Sequence[Hashable], max_period: int = 8) -> list[LayerGr
             repeats = 1
             while kinds[i + repeats * period : i + (repeats + 1) * period] == block:
                 repeats += 1
-            if period * repeats > best.period * best.repeats:
+            if repeats > 1 and period * repeats > best.period * best.repeats:
                 best = LayerGroup(i, period, repeats)
         groups.append(best)
         i = best.stop

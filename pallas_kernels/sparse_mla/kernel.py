@@ -174,7 +174,7 @@ def sparse_mla(
 ) -> tuple[jax.Array, jax.Array]:
     """See :func:`jaxdsa.ops.sparse_mla`.
 
-    q [T, H, D], kv [N, D], indices [T, K] int32 (-1 or >= N: skipped), sink [H] f32 or None
+    q [T, H, D], kv [Z, D], indices [T, K] int32 (-1 or >= Z: skipped), sink [H] f32 or None
     -> (out [T, H, v_dim] in q.dtype, lse [T, H] f32, natural log, sink included).
     ``config`` overrides :func:`.tuning.choose` (benchmark sweeps).
     """

@@ -9,7 +9,7 @@ _QUERY_CHUNK = 64
 
 
 def _attend(q, kv, indices, sm_scale, sink, v_dim):
-    """q [T,H,Dk], kv [N,Dk], indices [T,K] -> out [T,H,v_dim] f32, lse [T,H] f32."""
+    """q [T,H,Dk], kv [Z,Dk], indices [T,K] -> out [T,H,v_dim] f32, lse [T,H] f32."""
     valid = (indices >= 0) & (indices < kv.shape[0])
     rows = jnp.take(kv, jnp.where(valid, indices, 0), axis=0).astype(jnp.float32)  # [T,K,Dk]
     s = jnp.einsum("thd,tkd->thk", q.astype(jnp.float32), rows, precision="highest") * sm_scale

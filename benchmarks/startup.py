@@ -1,0 +1,149 @@
+"""Start-up time against depth: dummy load + compiling every step bucket, cold and warm.
+
+Each start runs in a fresh process (nothing compiled in memory). ``cold``: an empty persistent
+compilation cache; ``warm``: the cache the cold start of the same model filled. A start is what
+``python -m serve --load-format dummy`` does before it answers: parse the config, build the model
+abstractly, draw the weights on the device, and compile every (token bucket, step mode) variant.
+
+    python -m benchmarks.startup                       # tiny GLM-5 widths, 4 and 78 layers (CPU)
+    python -m benchmarks.startup --widths glm5 --layers 4 78 --max-num-batched-tokens 2048
+
+Writes benchmarks/results/startup-<device>.md (and the JSON beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+TINY = "glm5"  # a checkpoints.tiny_presets name
+
+
+def model_config(widths: str, layers: int) -> dict:
+    """config.json of a GLM-5 model at ``layers`` layers: the tiny preset's widths or GLM-5's."""
+    if widths == "tiny":
+        from checkpoints.tiny_presets import TINY_PRESETS
+
+        raw = dict(TINY_PRESETS[TINY])
+    else:
+        from benchmarks.serve_gpu import GLM5
+
+        raw = dict(GLM5)
+    return {**raw, "num_hidden_layers": layers, "indexer_types": ["full"] * layers}
+
+
+def child(args: argparse.Namespace) -> None:
+    """One start in this process; prints one JSON line of phase times."""
+    start = time.perf_counter()
+    import jax
+    from flax import nnx
+
+    jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    import jaxdsa
+
+    imported = time.perf_counter()
+    llm = jaxdsa.LLM(
+        args.model_dir,
+        dtype=args.dtype,
+        load_format="dummy",
+        progress=False,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    jax.block_until_ready(nnx.state(llm.model))
+    loaded = time.perf_counter()
+    engine = llm.engine
+    engine.warmup(progress=False)
+    compiled = time.perf_counter()
+    variants = len(engine.runner.buckets) * len(engine.runner.modes)
+    print(
+        json.dumps(
+            {
+                "import_s": imported - start,
+                "load_s": loaded - imported,
+                "compile_s": compiled - loaded,
+                "total_s": compiled - start,
+                "variants": variants,
+            }
+        )
+    )
+
+
+def run_start(model_dir: str, cache_dir: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.startup", "--child", "--model-dir", model_dir]
+    cmd += ["--cache-dir", cache_dir, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
+    cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+    cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--widths", choices=["tiny", "glm5"], default="tiny")
+    parser.add_argument("--layers", type=int, nargs="+", default=[4, 78])
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-model-len", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+
+    from benchmarks import harness
+
+    began = time.perf_counter()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for layers in args.layers:
+            model_dir, cache_dir = os.path.join(tmp, f"model{layers}"), os.path.join(tmp, f"cache{layers}")
+            os.makedirs(model_dir)
+            with open(os.path.join(model_dir, "config.json"), "w", encoding="utf-8") as fh:
+                json.dump(model_config(args.widths, layers), fh)
+            for kind in ("cold", "warm"):  # warm reads what cold wrote
+                result = run_start(model_dir, cache_dir, args)
+                rows.append({"layers": layers, "start": kind, **result})
+                print(f"{layers} layers, {kind}: {result}", file=sys.stderr, flush=True)
+
+    def ratio(kind: str) -> float:
+        by_depth = {r["layers"]: r["total_s"] for r in rows if r["start"] == kind}
+        return by_depth[max(by_depth)] / by_depth[min(by_depth)]
+
+    lines = harness.report_header(
+        f"Start-up against depth ({args.widths} widths, dummy {args.dtype} weights)",
+        {
+            "step variants compiled": f"{rows[0]['variants']} (token buckets x step modes)",
+            "engine": f"max_num_batched_tokens {args.max_num_batched_tokens}, "
+            f"max_num_seqs {args.max_num_seqs}, max_model_len {args.max_model_len}",
+            "deepest / shallowest, cold": f"{ratio('cold'):.2f}x",
+            "deepest / shallowest, warm": f"{ratio('warm'):.2f}x",
+            "benchmark wall time": f"{time.perf_counter() - began:.0f} s",
+        },
+    )
+    lines += [
+        "Each start is a fresh process: import, dummy load (weights drawn on the device), compile "
+        "every step variant. Cold: empty persistent compilation cache; warm: the one cold filled.",
+        "",
+        harness.markdown_table(
+            rows, ["layers", "start", "import_s", "load_s", "compile_s", "total_s", "variants"]
+        ),
+        "",
+    ]
+    path = harness.write_result("startup", "\n".join(lines))
+    harness.dump_json(str(path.with_suffix(".json")), rows)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
