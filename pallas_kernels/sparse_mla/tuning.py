@@ -49,6 +49,8 @@ from pallas_kernels._triton import (
     shrink_to_fit,
 )
 
+MERGES = ("kernel", "last", "team")
+
 
 @dataclasses.dataclass(frozen=True)
 class MlaConfig:
@@ -61,6 +63,14 @@ class MlaConfig:
         False  # carry the next step's indices through the loop (A/B in benchmarks/kernels_mla.py)
     )
     narrow_partials: bool = False  # K-split partial outputs in the query dtype, not float32 (A/B as above)
+    # How K-split partials are combined (kernel.py, "Merging"): "kernel" (merge_states, a second
+    # launch), "last" (the last program of a query's head group merges them) or "team" (every program
+    # of the group waits for the others, then merges its share of the columns).
+    merge: str = "kernel"
+
+    def __post_init__(self) -> None:
+        if self.merge not in MERGES:
+            raise ValueError(f"MlaConfig.merge {self.merge!r}: choose one of {MERGES}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,6 +66,8 @@ def _select(keys, idx, k: int, chunk: int, cfg: tuning.TopkConfig, *, final: boo
     previous stage's candidates with their original indices ``idx``. Returns ``(indices [T,k],)``
     when ``final``, else ``(keys, indices)`` of each chunk's top k, ``[T, n_chunks * k]`` each."""
     T, n = keys.shape
+    if cfg.search == "ternary" and chunk >= 1 << 15:
+        raise ValueError(f"topk: the ternary search packs counts in 16 bits; chunk {chunk} is too large")
     n_chunks = pl.cdiv(n, chunk)
     width = k if final else n_chunks * k
     out_shape = [jax.ShapeDtypeStruct((T, width), jnp.int32)]
@@ -73,7 +75,14 @@ def _select(keys, idx, k: int, chunk: int, cfg: tuning.TopkConfig, *, final: boo
         out_shape.insert(0, jax.ShapeDtypeStruct((T, width), jnp.int32))
     inputs = (keys,) if idx is None else (keys, idx)
     kernel = functools.partial(
-        _select_kernel, n=n, k=k, chunk=chunk, first=idx is None, final=final, secant=cfg.search == "secant"
+        _select_kernel,
+        n=n,
+        k=k,
+        chunk=chunk,
+        first=idx is None,
+        final=final,
+        search=cfg.search,
+        exact_exit=cfg.exact_exit,
     )
     return pl.pallas_call(
         kernel,
@@ -85,7 +94,9 @@ def _select(keys, idx, k: int, chunk: int, cfg: tuning.TopkConfig, *, final: boo
     )(*inputs)
 
 
-def _select_kernel(*refs, n: int, k: int, chunk: int, first: bool, final: bool, secant: bool) -> None:
+def _select_kernel(
+    *refs, n: int, k: int, chunk: int, first: bool, final: bool, search: str, exact_exit: bool
+) -> None:
     in_refs, out_refs = (refs[:1], refs[1:]) if first else (refs[:2], refs[2:])
     row = pl.program_id(0)
     start = pl.program_id(1) * chunk
@@ -100,11 +111,18 @@ def _select_kernel(*refs, n: int, k: int, chunk: int, first: bool, final: bool, 
 
     valid = key > _INT32_MIN
     kk = jnp.minimum(k, jnp.sum(valid.astype(jnp.int32)))
-    cutoff = _cutoff_secant(key, valid, kk) if secant else _cutoff(key, kk)
-    above = valid & (key > cutoff)
-    tie = (valid & (key == cutoff)).astype(jnp.int32)
-    need = kk - jnp.sum(above.astype(jnp.int32))
-    sel = above | ((tie == 1) & (jnp.cumsum(tie) - tie < need))
+    cutoff, exact = _SEARCHES[search](key, valid, kk)
+
+    def with_ties():
+        above = valid & (key > cutoff)
+        tie = (valid & (key == cutoff)).astype(jnp.int32)
+        need = kk - jnp.sum(above.astype(jnp.int32))
+        return above | ((tie == 1) & (jnp.cumsum(tie) - tie < need))
+
+    if exact_exit:  # exactly kk keys at or above the cutoff: no tie to break
+        sel = lax.cond(exact, lambda: valid & (key >= cutoff), with_ties)
+    else:
+        sel = with_ties()
     sel_i = sel.astype(jnp.int32)
     slot = jnp.cumsum(sel_i) - sel_i
 
@@ -128,10 +146,11 @@ def _ordered_key(x: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(x), bits ^ ((bits >> 31) & 0x7FFFFFFF), _INT32_MIN)
 
 
-def _cutoff(key: jax.Array, kk) -> jax.Array:
+def _cutoff(key: jax.Array, valid: jax.Array, kk) -> tuple[jax.Array, jax.Array]:
     """A threshold ``t`` whose selection ``key > t`` plus ties ``key == t`` yields the ``kk`` largest:
     the largest ``t`` with ``count(key >= t) >= kk``, built MSB first, or an earlier probe that
-    already has exactly ``kk`` keys at or above it."""
+    already has exactly ``kk`` keys at or above it; and whether ``count(key >= t) == kk``."""
+    del valid  # invalid keys are INT32_MIN, below every probe
 
     def cond(state):
         bit, _, count = state
@@ -146,7 +165,8 @@ def _cutoff(key: jax.Array, kk) -> jax.Array:
 
     # Constant initial carries: the Triton while lowering fails (AssertionError in _add) on a carry
     # initialised by a scalar jnp.where.
-    return lax.while_loop(cond, body, (jnp.int32(31), jnp.int32(_INT32_MIN), jnp.int32(-1)))[1]
+    _, t, count = lax.while_loop(cond, body, (jnp.int32(31), jnp.int32(_INT32_MIN), jnp.int32(-1)))
+    return t, count == kk
 
 
 def _key_value(key: jax.Array) -> jax.Array:
@@ -154,7 +174,7 @@ def _key_value(key: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(key ^ ((key >> 31) & 0x7FFFFFFF), jnp.float32)
 
 
-def _cutoff_secant(key: jax.Array, valid: jax.Array, kk) -> jax.Array:
+def _cutoff_secant(key: jax.Array, valid: jax.Array, kk) -> tuple[jax.Array, jax.Array]:
     """The same cutoff as :func:`_cutoff`, found by false position on the values.
 
     Invariant: ``count(key >= lo) >= kk > count(key >= hi)``, starting from the smallest valid
@@ -197,4 +217,41 @@ def _cutoff_secant(key: jax.Array, valid: jax.Array, kk) -> jax.Array:
         return new_lo, new_hi, new_c_lo, new_c_hi, w_lo, w_hi, new_side, slow
 
     init = (lo, hi, c_lo, jnp.int32(0), jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0), jnp.int32(0))
-    return lax.while_loop(cond, body, init)[0]
+    lo, _, c_lo, *_ = lax.while_loop(cond, body, init)
+    return lo, c_lo == kk
+
+
+def _cutoff_ternary(key: jax.Array, valid: jax.Array, kk) -> tuple[jax.Array, jax.Array]:
+    """The same cutoff as :func:`_cutoff`, two probes per count: the keys at or above the probes
+    at one and two thirds of ``(lo, hi)`` are counted in one int32 sum (low and high 16 bits; a
+    chunk holds at most 2**15 keys), so each block reduction keeps a third of the interval.
+
+    Invariant as in :func:`_cutoff_secant`: ``count(key >= lo) >= kk > count(key >= hi)``, from
+    the smallest valid key and one past the largest; ends on an exact count or ``hi = lo + 1``.
+    """
+    lo = jnp.min(jnp.where(valid, key, _INT32_MAX))
+    hi = jnp.max(key) + 1
+    c_lo = jnp.sum(valid.astype(jnp.int32))
+
+    def cond(s):
+        lo, hi, c_lo = s
+        return (c_lo != kk) & (hi - 1 > lo)
+
+    def body(s):
+        lo, hi, c_lo = s
+        half = (hi >> 1) - (lo >> 1)  # about (hi - lo) / 2, without int32 overflow
+        third = jnp.maximum(half // 3 * 2 + half % 3 * 2 // 3, 1)
+        p1 = lo + third
+        p2 = jnp.minimum(p1 + third, hi - 1)
+        packed = jnp.sum((key >= p1).astype(jnp.int32) + ((key >= p2).astype(jnp.int32) << 16))
+        c1, c2 = packed & 0xFFFF, packed >> 16  # c1 >= c2: p1 <= p2
+        new_lo = jnp.where(c2 >= kk, p2, jnp.where(c1 >= kk, p1, lo))
+        new_c_lo = jnp.where(c2 >= kk, c2, jnp.where(c1 >= kk, c1, c_lo))
+        new_hi = jnp.where(c1 < kk, p1, jnp.where(c2 < kk, p2, hi))
+        return new_lo, new_hi, new_c_lo
+
+    lo, _, c_lo = lax.while_loop(cond, body, (lo, hi, c_lo))
+    return lo, c_lo == kk
+
+
+_SEARCHES = {"bisect": _cutoff, "secant": _cutoff_secant, "ternary": _cutoff_ternary}
