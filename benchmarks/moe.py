@@ -340,6 +340,8 @@ def run(ceilings: harness.Ceilings | None = None, *, torch_peers: bool = False) 
                 results += [*_phases(case), _skewed(case, experts)]
             except Exception:  # noqa: BLE001 - diagnostics must not end the batched run
                 traceback.print_exc()
+        # Written after every T, so a call cut short by its time limit keeps the finished rows.
+        _write_report(results, ceilings, time.perf_counter() - start)
     for case in reversed(cases):
         results += _sweep(case, start)
 

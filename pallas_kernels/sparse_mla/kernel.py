@@ -215,11 +215,13 @@ def _merge_group(
 ):
     """Merge the ``g.splits`` partials of query ``t``'s heads over ``g.merge_width`` value columns
     from ``col0`` (the formula of :mod:`pallas_kernels.merge_states`), sink included. Partials are
-    read with ``.cg`` (L2, not the SM's L1): other SMs wrote them during this launch."""
+    read as volatile loads (never from the SM's L1): other SMs wrote them during this launch. (A
+    ``.cg`` cache modifier would say the same, but JAX 0.11.2's lowering rejects every spelling that
+    0.12 accepts.)"""
     parts = jnp.arange(pl.next_power_of_2(g.splits), dtype=jnp.int32)
     ok = (parts < g.splits)[:, None] & head_ok[None, :]
     prow = (parts[:, None] * g.n_queries + t) * g.n_heads + heads[None, :]  # [splits, block_h]
-    lse = pltriton.load(plse_ref.at[prow], mask=ok, other=-jnp.inf, cache_modifier=".cg")
+    lse = pltriton.load(plse_ref.at[prow], mask=ok, other=-jnp.inf, volatile=True)
     m = jnp.max(lse, axis=0)
     if sink is not None:
         m = jnp.maximum(m, sink)
@@ -236,7 +238,7 @@ def _merge_group(
         col_ok = cols < g.d_v
         mask = ok[:, :, None] & col_ok[None, None, :]
         part = pltriton.load(
-            part_ref.at[prow[:, :, None], cols[None, None, :]], mask=mask, other=0.0, cache_modifier=".cg"
+            part_ref.at[prow[:, :, None], cols[None, None, :]], mask=mask, other=0.0, volatile=True
         )
         out = jnp.sum(scale[:, :, None] * part, axis=0)
         out_mask = head_ok[:, None] & col_ok[None, :]
