@@ -7,8 +7,8 @@ JAX's allocator is set to grow on demand (``XLA_PYTHON_CLIENT_PREALLOCATE=false`
 allocator keeps about a fifth of the GPU for the peers. The ceilings (JAX and torch: copy,
 read-only sum, matmul) are measured once and passed to every section; each section runs in its
 own try block and writes its results file when it ends (``JAXDSA_RESULTS`` says where), so a call
-cut short keeps what finished. The gap variants of ``docs/kernels.md`` run through the sections'
-variant filters (``KERNELS_MLA_VARIANTS``, ``KERNELS_INDEXER_VARIANTS``), set here unless given.
+cut short keeps what finished. Sweep variants run only where ``KERNELS_MLA_VARIANTS`` /
+``KERNELS_INDEXER_VARIANTS`` name them.
 """
 
 from __future__ import annotations
@@ -20,17 +20,13 @@ import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
-# Sparse MLA: the fused merges at B = 1 (the team also at B = 32, where the merge launch took 11 of
-# 60 us in profile-h100.md), 3 stages at B = 32 / 128.
-_MLA_VARIANTS = [f"merge {m}/decode H={h} B=1" for m in ("team", "last") for h in (16, 64, 128)]
-_MLA_VARIANTS += [f"merge team/decode H={h} B=32" for h in (64, 128)]
-_MLA_VARIANTS += [f"stages3/decode H={h} B={b}" for h in (16, 64, 128) for b in (32, 128)]
-os.environ.setdefault("KERNELS_MLA_VARIANTS", ",".join(_MLA_VARIANTS))
+# No sweep variants by default ("none" matches none): the gap variants of 2026-11-23 (fused merge,
+# 3 stages, top-k exact exit / ternary search) are decided; KERNELS_*_VARIANTS names new ones.
+os.environ.setdefault("KERNELS_MLA_VARIANTS", "none")
 os.environ.setdefault("KERNELS_MLA_BUDGET_S", "1e9")
 os.environ.setdefault("KERNELS_MLA_SKIP_REFERENCE", "1")
-# Top-k: the exact-count exit, alone and with the ternary search, on the table's configs; no
-# indexer sweep and no pure-JAX indexer reference (lax.top_k still runs).
-os.environ.setdefault("KERNELS_INDEXER_VARIANTS", "exact_exit,ternary exact_exit")
+# No indexer sweep and no pure-JAX indexer reference (top-k still times lax.top_k).
+os.environ.setdefault("KERNELS_INDEXER_VARIANTS", "none")
 os.environ.setdefault("KERNELS_INDEXER_SKIP_REFERENCE", "1")
 os.environ.setdefault("KERNELS_INDEXER_BUDGET_S", "1e9")
 os.environ.setdefault("MOE_BUDGET_S", "0")

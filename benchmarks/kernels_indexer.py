@@ -116,13 +116,6 @@ TILE_VARIANTS = {
     "t128s128w8": ituning.TileConfig(block_t=128, block_s=128, num_warps=8, num_stages=3),
     "t64s256w8": ituning.TileConfig(block_t=64, block_s=256, num_warps=8, num_stages=3),
 }
-# Variants of the table's own config per shape, tried first: the exact-count exit skips the tie
-# prefix sum; the ternary search needs about a third fewer block reductions (topk/kernel.py).
-TOPK_TABLE_VARIANTS = {
-    "exact_exit": {"exact_exit": True},
-    "ternary": {"search": "ternary"},
-    "ternary exact_exit": {"search": "ternary", "exact_exit": True},
-}
 TOPK_VARIANTS = {
     # false-position cutoff search: 10.5 block counts instead of 19 on normal rows (benchmarks/topk_probes.py)
     "c8192e32 secant": ttuning.TopkConfig(chunk=8192, elems_per_thread=32, search="secant"),
@@ -460,11 +453,10 @@ def _topk(clock: _Clock, rate: dict, *, torch_peers: bool = False) -> list[dict]
         def make(cfg):
             return lambda x: tkernel.topk_indices(x, TOPK, config=cfg)
 
-        variants = {name: dataclasses.replace(table, **kw) for name, kw in TOPK_TABLE_VARIANTS.items()}
         rows = _sweep(
             common,
             table,
-            variants | TOPK_VARIANTS,
+            TOPK_VARIANTS,
             make,
             sets,
             check,

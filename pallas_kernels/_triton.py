@@ -116,15 +116,6 @@ def compute_capability() -> int:
     return int(str(cc).replace(".", "")) if cc else 0
 
 
-def local_sm_count() -> int | None:
-    """Multiprocessors of the local GPU, None without one (deviceless lowering, CPU)."""
-    try:
-        dev = jax.devices("gpu")[0]
-    except RuntimeError:
-        return None
-    return getattr(dev, "core_count", None)
-
-
 @contextlib.contextmanager
 def abstract_gpu(kind: str) -> Iterator[None]:
     """Lower for a named GPU without having one: an abstract mesh carrying that device kind."""

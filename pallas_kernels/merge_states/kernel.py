@@ -31,7 +31,7 @@ from pallas_kernels._triton import compiler_params, pl, pltriton
 from pallas_kernels.merge_states import tuning
 
 
-def finite_or_zero(x: jax.Array) -> jax.Array:
+def _finite_or_zero(x: jax.Array) -> jax.Array:
     return jnp.where(jnp.abs(x) < jnp.inf, x, 0.0)
 
 
@@ -42,7 +42,7 @@ def apply_sink(out: jax.Array, lse: jax.Array, sink: jax.Array) -> tuple[jax.Arr
     reference bit for bit in the edge cases: lse = -inf gives out 0 and lse = sink; sink = -inf
     is a no-op; sink = +inf gives out 0 and lse = +inf.
     """
-    m = finite_or_zero(jnp.maximum(lse, sink))
+    m = _finite_or_zero(jnp.maximum(lse, sink))
     w = jnp.exp(lse - m)
     d = w + jnp.exp(sink - m)
     safe = jnp.where(d > 0, d, 1.0)
@@ -77,8 +77,8 @@ def _merge_kernel(*refs, n_parts, n_rows, d, n_heads, has_sink, cfg):
     def finite_max(lse_max):
         if has_sink:
             sink = pltriton.load(sink_ref.at[rows % n_heads], mask=row_ok, other=-jnp.inf)
-            return finite_or_zero(jnp.maximum(lse_max, sink)), sink
-        return finite_or_zero(lse_max), None
+            return _finite_or_zero(jnp.maximum(lse_max, sink)), sink
+        return _finite_or_zero(lse_max), None
 
     n_chunks = pl.cdiv(n_parts, bp)
     init = (jnp.zeros((br, bd), jnp.float32), jnp.zeros((br,), jnp.float32))

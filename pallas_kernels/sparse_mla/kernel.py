@@ -22,18 +22,6 @@ run side by side (the second read of a row hits L2). Each program:
    half the bytes written and merged at B = 1, where they rival the gathered rows) that
    :func:`pallas_kernels.merge_states.kernel.merge_states` combines (the sink joins there, once).
 
-Merging (``MlaConfig.merge``, when K is split). ``"kernel"``: the partials go through
-:func:`~pallas_kernels.merge_states.kernel.merge_states`, a second launch. The fused forms merge in
-this kernel, after each program has stored its float32 partial and counted itself in with an
-atomic add on its (query, head group)'s counter (acquire-release at GPU scope, after a barrier, so
-every thread's stores are visible to whoever reads the count): with ``"last"`` the program that
-arrives last merges the whole group; with ``"team"`` every program of the group spins on the
-counter until all have arrived, then merges its own ``1 / splits`` of the value columns (B = 1
-latency: no second launch, and the merge is spread over as many programs as the split). A team
-needs all its programs resident at once, so it runs only when the grid fits one program per SM
-(else the ``"kernel"`` merge runs), and never in the interpreter, which runs programs one at a
-time. The counters are zeros made per call (one memset), aliased into the kernel.
-
 Split count, head block and tile sizes come from :mod:`.tuning` (per compute capability and
 operand dtype: float32 tiles are sized to fit the same shared memory as bf16 ones).
 """
@@ -49,8 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._triton import compiler_params, local_sm_count, pl, pltriton
-from pallas_kernels.merge_states.kernel import apply_sink, finite_or_zero, merge_states
+from pallas_kernels._triton import compiler_params, pl, pltriton
+from pallas_kernels.merge_states.kernel import apply_sink, merge_states
 from pallas_kernels.sparse_mla import ref, tuning
 from pallas_kernels.sparse_mla.tuning import MlaConfig
 
@@ -58,7 +46,6 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _MIN_TILE = 16  # MMA operands need every dim >= 16
 _MAX_ROW_PAD = 1024  # padded value + rope columns per head; wider q tiles and accumulators spill
-_MERGE_TILE = 8192  # float32 values of one [splits, block_h, cols] tile of an in-kernel merge
 
 
 def _pad(x: int) -> int:
@@ -78,31 +65,10 @@ class _Geometry:
     block_h: int
     block_n: int
     prefetch: bool  # load step i+1's indices while step i's rows are gathered
-    n_queries: int = 1
-    splits: int = 1
-    merge: str = "kernel"  # "last" / "team": partials merged in this kernel (splits > 1 only)
-    interpret: bool = False  # programs run one at a time: no barrier to place
 
     @property
     def d_v_pad(self) -> int:
         return _pad(self.d_v)
-
-    @property
-    def fused(self) -> bool:
-        return self.splits > 1 and self.merge != "kernel"
-
-    @property
-    def merge_width(self) -> int:
-        """Value columns one merging program owns: all of them, or a team member's share."""
-        if self.merge == "last":
-            return self.d_v_pad
-        return min(self.d_v_pad, _pad(-(-self.d_v_pad // self.splits)))
-
-    @property
-    def merge_cols(self) -> int:
-        """Columns per merge tile, so ``[splits, block_h, cols]`` stays near ``_MERGE_TILE``."""
-        fit = _MERGE_TILE // (pl.next_power_of_2(self.splits) * self.block_h)
-        return max(_MIN_TILE, min(self.merge_width, pl.next_power_of_2(max(fit, 1))))
 
     @property
     def d_r_pad(self) -> int:
@@ -124,10 +90,10 @@ def _load_tile(src, rows, row_ok, col0: int, width: int, width_pad: int):
 
 
 def _kernel(*refs, g: _Geometry, sm_scale: float, has_sink: bool, precision):
-    n_in = 3 + has_sink + g.fused
-    idx_ref, q_ref, kv_ref = refs[:3]
-    sink_ref = refs[3] if has_sink else None
-    out_ref, lse_ref, *fused_refs = refs[n_in:]
+    if has_sink:
+        idx_ref, q_ref, kv_ref, sink_ref, out_ref, lse_ref = refs
+    else:
+        idx_ref, q_ref, kv_ref, out_ref, lse_ref = refs
     dtype = q_ref.dtype
     heads = pl.program_id(0) * g.block_h + jnp.arange(g.block_h, dtype=jnp.int32)
     head_ok = heads < g.n_heads
@@ -178,80 +144,14 @@ def _kernel(*refs, g: _Geometry, sm_scale: float, has_sink: bool, precision):
     l_safe = jnp.where(l > 0, l, 1.0)
     out = acc / l_safe[:, None]
     lse = jnp.where(l > 0, m * _LN2 + jnp.log(l_safe), -jnp.inf)
-    sink = pltriton.load(sink_ref.at[heads], mask=head_ok, other=-jnp.inf) if has_sink else None
-    if has_sink and not g.fused:  # only with a single split; otherwise a merge applies it
-        out, lse = apply_sink(out, lse, sink)
+    if has_sink:  # only compiled in with a single split; otherwise the merge applies it
+        out, lse = apply_sink(out, lse, pltriton.load(sink_ref.at[heads], mask=head_ok, other=-jnp.inf))
     out_mask = head_ok[:, None]
     cols = jnp.arange(g.d_v_pad, dtype=jnp.int32)
     if g.d_v_pad != g.d_v:
         out_mask = out_mask & (cols < g.d_v)[None, :]
-    if not g.fused:
-        pltriton.store(out_ref.at[heads[:, None], cols[None, :]], out.astype(out_ref.dtype), mask=out_mask)
-        pltriton.store(lse_ref.at[heads], lse, mask=head_ok)
-        return
-    # Fused merge: out_ref / lse_ref are the flat partials [splits * T * H (, Dv)].
-    split, t = pl.program_id(1), pl.program_id(2)
-    rows = (split * g.n_queries + t) * g.n_heads + heads
-    pltriton.store(out_ref.at[rows[:, None], cols[None, :]], out, mask=out_mask)
-    pltriton.store(lse_ref.at[rows], lse, mask=head_ok)
-    final_out, final_lse, count_ref = fused_refs
-    if not g.interpret:
-        pltriton.debug_barrier()  # all threads' partial stores before the count that publishes them
-    group = t * pl.num_programs(0) + pl.program_id(0)
-    arrived = pltriton.atomic_add(count_ref, (group,), jnp.int32(1))
-    merge = functools.partial(
-        _merge_group, out_ref, lse_ref, final_out, final_lse, sink, g=g, t=t, heads=heads, head_ok=head_ok
-    )
-    if g.merge == "last":
-        pl.when(arrived == g.splits - 1)(lambda: merge(col0=0, write_lse=True))
-    else:
-        poll = lambda c: pltriton.atomic_add(count_ref, (group,), jnp.int32(0))  # noqa: E731
-        lax.while_loop(lambda c: c < g.splits, poll, arrived + 1)
-        merge(col0=split * g.merge_width, write_lse=split == 0)
-
-
-def _merge_group(
-    part_ref, plse_ref, out_ref, lse_ref, sink, *, g: _Geometry, t, heads, head_ok, col0, write_lse
-):
-    """Merge the ``g.splits`` partials of query ``t``'s heads over ``g.merge_width`` value columns
-    from ``col0`` (the formula of :mod:`pallas_kernels.merge_states`), sink included. Partials are
-    read as volatile loads (never from the SM's L1): other SMs wrote them during this launch. (A
-    ``.cg`` cache modifier would say the same, but JAX 0.11.2's lowering rejects every spelling that
-    0.12 accepts.)"""
-    parts = jnp.arange(pl.next_power_of_2(g.splits), dtype=jnp.int32)
-    ok = (parts < g.splits)[:, None] & head_ok[None, :]
-    prow = (parts[:, None] * g.n_queries + t) * g.n_heads + heads[None, :]  # [splits, block_h]
-    lse = pltriton.load(plse_ref.at[prow], mask=ok, other=-jnp.inf, volatile=True)
-    m = jnp.max(lse, axis=0)
-    if sink is not None:
-        m = jnp.maximum(m, sink)
-    m = finite_or_zero(m)
-    w = jnp.exp(lse - m[None, :])  # empty parts and padding weigh 0
-    den = jnp.sum(w, axis=0) + (jnp.exp(sink - m) if sink is not None else 0.0)
-    safe = jnp.where(den > 0, den, 1.0)
-    scale = w / safe[None, :]
-    orow = t * g.n_heads + heads
-    width = g.merge_cols
-
-    def tile(c, carry):
-        cols = col0 + c * width + jnp.arange(width, dtype=jnp.int32)
-        col_ok = cols < g.d_v
-        mask = ok[:, :, None] & col_ok[None, None, :]
-        part = pltriton.load(
-            part_ref.at[prow[:, :, None], cols[None, None, :]], mask=mask, other=0.0, volatile=True
-        )
-        out = jnp.sum(scale[:, :, None] * part, axis=0)
-        out_mask = head_ok[:, None] & col_ok[None, :]
-        pltriton.store(out_ref.at[orow[:, None], cols[None, :]], out.astype(out_ref.dtype), mask=out_mask)
-        return carry
-
-    n_tiles = g.merge_width // width
-    if n_tiles == 1:
-        tile(0, 0)
-    else:
-        lax.fori_loop(0, n_tiles, tile, 0)
-    lse_out = jnp.where(den > 0, m + jnp.log(safe), -jnp.inf)
-    pltriton.store(lse_ref.at[orow], lse_out, mask=head_ok & write_lse)
+    pltriton.store(out_ref.at[heads[:, None], cols[None, :]], out.astype(out_ref.dtype), mask=out_mask)
+    pltriton.store(lse_ref.at[heads], lse, mask=head_ok)
 
 
 def _empty(t: int, h: int, v_dim: int, dtype, sink):
@@ -297,14 +197,10 @@ def sparse_mla(
     cfg = config or tuning.choose(t, h, k, d_v=v_dim, d_r=d - v_dim, itemsize=itemsize)
     chunk = pl.cdiv(pl.cdiv(k, cfg.splits), cfg.block_n) * cfg.block_n
     splits = pl.cdiv(k, chunk)
-    groups = pl.cdiv(h, cfg.block_h)
-    merge = _merge_mode(cfg.merge, t * groups * splits, interpret)
-    g = _Geometry(
-        h, k, n, v_dim, d - v_dim, chunk, cfg.block_h, cfg.block_n, cfg.prefetch, t, splits, merge, interpret
-    )
+    g = _Geometry(h, k, n, v_dim, d - v_dim, chunk, cfg.block_h, cfg.block_n, cfg.prefetch)
 
-    has_sink = sink is not None and (splits == 1 or g.fused)
-    part_dtype = q.dtype if splits == 1 or (cfg.narrow_partials and not g.fused) else jnp.float32
+    has_sink = sink is not None and splits == 1
+    part_dtype = q.dtype if splits == 1 or cfg.narrow_partials else jnp.float32
     in_specs = [
         pl.BlockSpec((None, k), lambda hg, s, i: (i, 0)),
         pl.BlockSpec((None, h, d), lambda hg, s, i: (i, 0, 0)),
@@ -314,55 +210,25 @@ def sparse_mla(
     if has_sink:
         in_specs.append(pl.BlockSpec((h,), lambda hg, s, i: (0,)))
         args.append(sink.astype(jnp.float32))
-    if g.fused:  # flat partials, the merged result and the counters, each whole to every program
-        rows = splits * t * h
-        out_shape = [((rows, v_dim), jnp.float32), ((rows,), jnp.float32)]
-        out_shape += [((t * h, v_dim), q.dtype), ((t * h,), jnp.float32), ((t * groups,), jnp.int32)]
-        out_specs = [pl.BlockSpec(shape, functools.partial(_origin, len(shape))) for shape, _ in out_shape]
-        in_specs.append(out_specs[-1])
-        args.append(jnp.zeros((t * groups,), jnp.int32))
-        aliases = {len(args) - 1: len(out_shape) - 1}
-    else:
-        out_shape = [((splits, t, h, v_dim), part_dtype), ((splits, t, h), jnp.float32)]
-        out_specs = [
-            pl.BlockSpec((None, None, h, v_dim), lambda hg, s, i: (s, i, 0, 0)),
-            pl.BlockSpec((None, None, h), lambda hg, s, i: (s, i, 0)),
-        ]
-        aliases = {}
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
     kernel = functools.partial(_kernel, g=g, sm_scale=float(sm_scale), has_sink=has_sink, precision=precision)
-    results = pl.pallas_call(
+    out, lse = pl.pallas_call(
         kernel,
-        out_shape=tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in out_shape),
-        grid=(groups, splits, t),
+        out_shape=(
+            jax.ShapeDtypeStruct((splits, t, h, v_dim), part_dtype),
+            jax.ShapeDtypeStruct((splits, t, h), jnp.float32),
+        ),
+        grid=(pl.cdiv(h, cfg.block_h), splits, t),
         in_specs=in_specs,
-        out_specs=tuple(out_specs),
-        input_output_aliases=aliases,
+        out_specs=(
+            pl.BlockSpec((None, None, h, v_dim), lambda hg, s, i: (s, i, 0, 0)),
+            pl.BlockSpec((None, None, h), lambda hg, s, i: (s, i, 0)),
+        ),
         compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="sparse_mla",
     )(*args)
-    if g.fused:
-        return results[2].reshape(t, h, v_dim), results[3].reshape(t, h)
-    out, lse = results
     if splits == 1:
         return out[0], lse[0]
     sink = None if sink is None else sink.astype(jnp.float32)
     return merge_states(out, lse, sink, interpret=interpret, out_dtype=q.dtype)
-
-
-def _origin(ndim: int, *_grid_ids):
-    return (0,) * ndim
-
-
-def _merge_mode(merge: str, programs: int, interpret: bool) -> str:
-    """``merge``, except a team larger than the GPU's SMs: its programs would wait on programs
-    that cannot start, so those merge with a second launch instead."""
-    if merge != "team":
-        return merge
-    if interpret:
-        raise ValueError(
-            "sparse_mla: merge='team' cannot run in the interpreter (its programs wait on each other)"
-        )
-    sms = local_sm_count() or tuning.TABLE.get(tuning.compute_capability(), tuning.DEFAULT).num_sms
-    return "team" if programs <= sms else "kernel"

@@ -49,8 +49,6 @@ from pallas_kernels._triton import (
     shrink_to_fit,
 )
 
-MERGES = ("kernel", "last", "team")
-
 
 @dataclasses.dataclass(frozen=True)
 class MlaConfig:
@@ -63,14 +61,6 @@ class MlaConfig:
         False  # carry the next step's indices through the loop (A/B in benchmarks/kernels_mla.py)
     )
     narrow_partials: bool = False  # K-split partial outputs in the query dtype, not float32 (A/B as above)
-    # How K-split partials are combined (kernel.py, "Merging"): "kernel" (merge_states, a second
-    # launch), "last" (the last program of a query's head group merges them) or "team" (every program
-    # of the group waits for the others, then merges its share of the columns).
-    merge: str = "kernel"
-
-    def __post_init__(self) -> None:
-        if self.merge not in MERGES:
-            raise ValueError(f"MlaConfig.merge {self.merge!r}: choose one of {MERGES}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +99,9 @@ TUNED: dict[tuple[int, int, int], MlaConfig] = {
     # 128 programs of 16 heads leave a wave of 132 SMs under-filled; two splits give 256
     (90, 16, 128): MlaConfig(block_h=16, block_n=32, num_warps=8, num_stages=2, splits=2),  # 239 vs 331 us
     (90, 64, 1): MlaConfig(block_h=16, block_n=32, num_warps=8, num_stages=3, splits=32),  # 13.4 vs 21.6 us
+    # 3 stages at 16 heads, B = 32 (kernels_mla-h100.md, 2026-11-23): 61.3 vs 66.4 us. 3 stages also won
+    # at H = 128, B = 32 (110.4 vs 116.5 us), but that tile is over the shared-memory estimate.
+    (90, 16, 32): MlaConfig(block_h=16, block_n=32, num_warps=8, num_stages=3, splits=4),
 }
 
 # Shrink order when a tile does not fit: gather step, stages, head block.

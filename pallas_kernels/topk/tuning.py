@@ -15,7 +15,7 @@ import dataclasses
 from pallas_kernels._triton import compute_capability
 
 MAX_WARPS = 16
-SEARCHES = ("bisect", "secant", "ternary")
+SEARCHES = ("bisect", "secant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,12 +26,8 @@ class TopkConfig:
     # normal rows of 8192) or "secant" (false position on the values, Illinois-weighted, with a
     # bisection step after two slow ones: 10.5 counts on normal rows, 25 mean and 80 worst on rows
     # of 50 distinct values; `python -m benchmarks.topk_probes`). Each count is a block reduction,
-    # the top-k kernel's bottleneck on H100. "ternary": two probes per block reduction, their
-    # counts packed in one int32 (16 bits each), so each reduction cuts the key interval in three.
+    # the top-k kernel's bottleneck on H100.
     search: str = "bisect"
-    # Rows whose search ended on a probe with exactly kk keys at or above it (tie-free data) select
-    # ``key >= cutoff`` directly, skipping the tie prefix sum and two counts.
-    exact_exit: bool = False
 
     def __post_init__(self) -> None:
         if self.search not in SEARCHES:  # the kernel would otherwise fall back to bisection silently
