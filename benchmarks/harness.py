@@ -5,17 +5,26 @@ Method (as in ../shared/anchors): one jit runs the op over R distinct input sets
 enqueues several such calls and waits once, on the last, so the host's dispatch of one call
 overlaps the device work of the one before (as in a serving loop); timing single synchronous calls
 charged each small kernel the dispatch and sync latency (up to 2x at decode shapes, seen against
-Nsight Compute's kernel durations). Ceilings are measured in the same process so every
-percentage is of this run's machine.
+Nsight Compute's kernel durations). Torch peers (:mod:`benchmarks.peers`) are timed the same way,
+their R calls captured in one CUDA graph as XLA's command buffers hold ours.
+
+Ceilings are measured in the same process, so every percentage is of this run's machine. The
+memory ceiling is the fastest of a copy and a read-only reduction, in JAX and (with the peers) in
+torch: a copy ceiling alone was beaten by kernels that mostly read (MoE at 103-106 % of JAX's
+``x + 1``), and a figure above 100 % means the ceiling, not the kernel, is wrong.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import importlib.metadata
 import json
+import os
 import pathlib
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,20 +53,22 @@ REPLAY_S = 0.02  # a replay enqueues calls until it lasts about this long
 MAX_CALLS = 8  # calls in flight hold their outputs: 8 x 1 GiB at the copy ceiling
 
 
-def median_seconds(run: Callable[[], Any], per_call: int, replays: int) -> float:
+def median_seconds(
+    run: Callable[[], Any], per_call: int, replays: int, wait: Callable[[Any], Any] = jax.block_until_ready
+) -> float:
     """Median over ``replays`` of the wall time per op: each replay enqueues ``calls`` runs of
-    ``run()`` back to back and blocks on the last (one stream runs them in order), divided by
-    ``calls * per_call``. ``calls`` is sized from one synchronous run so a replay lasts about
-    ``REPLAY_S``; the one unhidden dispatch then costs at most a few percent."""
+    ``run()`` back to back and blocks on the last (``wait(result)``; one stream runs them in
+    order), divided by ``calls * per_call``. ``calls`` is sized from one synchronous run so a
+    replay lasts about ``REPLAY_S``; the one unhidden dispatch then costs at most a few percent."""
     t0 = time.perf_counter()
-    jax.block_until_ready(run())
+    wait(run())
     calls = max(1, min(MAX_CALLS, round(REPLAY_S / (time.perf_counter() - t0))))
     times = []
     for _ in range(replays):
         t0 = time.perf_counter()
         for _ in range(calls - 1):
             run()
-        jax.block_until_ready(run())
+        wait(run())
         times.append((time.perf_counter() - t0) / (calls * per_call))
     return statistics.median(times)
 
@@ -74,9 +85,16 @@ def rel_l2(got, want) -> float:
 
 def copy_ceiling_gbs(nbytes: int = 1 << 30) -> float:
     """HBM copy bandwidth (read + write) of ``x + 1`` over a 1 GiB float32 array, GB/s."""
-    x = jnp.ones((nbytes // 4,), jnp.float32)
+    x = jax.random.normal(jax.random.key(2), (nbytes // 4,), jnp.float32)
     sec = time_op(lambda a: a + 1, [(x,)], replays=10)
     return 2 * nbytes / sec / 1e9
+
+
+def read_ceiling_gbs(nbytes: int = 1 << 30) -> float:
+    """HBM read bandwidth of a sum over a 1 GiB float32 array (nothing written but a scalar), GB/s."""
+    x = jax.random.normal(jax.random.key(3), (nbytes // 4,), jnp.float32)
+    sec = time_op(jnp.sum, [(x,)], replays=10)
+    return nbytes / sec / 1e9
 
 
 def matmul_ceiling_tflops(n: int = 8192) -> float:
@@ -86,28 +104,99 @@ def matmul_ceiling_tflops(n: int = 8192) -> float:
     return 2 * n**3 / sec / 1e12
 
 
+@dataclasses.dataclass(frozen=True)
+class Ceilings:
+    """This process's ceilings: memory streams (GB/s) and bf16 matmuls (TFLOP/s) by name."""
+
+    streams: dict[str, float]
+    matmuls: dict[str, float]
+
+    @property
+    def stream_gbs(self) -> float:
+        """The percentage base for memory-bound rows: the fastest stream measured."""
+        return max(self.streams.values())
+
+    @property
+    def matmul_tflops(self) -> float:
+        return max(self.matmuls.values())
+
+    def rows(self) -> dict[str, str]:
+        """Report-header rows: every measurement, then the two bases."""
+        rows = {f"stream: {k}": f"{v:.0f} GB/s" for k, v in self.streams.items()}
+        rows |= {f"matmul: {k}": f"{v:.0f} TFLOP/s" for k, v in self.matmuls.items()}
+        rows["memory ceiling (% base)"] = f"{self.stream_gbs:.0f} GB/s, the fastest stream above"
+        rows["matmul ceiling (% base)"] = f"{self.matmul_tflops:.0f} TFLOP/s, the faster matmul above"
+        return rows
+
+
+def measure_ceilings(torch_peers: bool = False) -> Ceilings:
+    """JAX's copy (``x + 1``), read-only sum and bf16 matmul; with ``torch_peers`` also torch's
+    ``copy_``, ``sum`` and matmul on the same device (:func:`benchmarks.peers.torch_ceilings`)."""
+    streams = {"jax x+1 (copy, 1 GiB)": copy_ceiling_gbs(), "jax sum (read, 1 GiB)": read_ceiling_gbs()}
+    matmuls = {"jax bf16 8192^3": matmul_ceiling_tflops()}
+    if torch_peers:
+        from benchmarks import peers
+
+        more_streams, more_matmuls = peers.torch_ceilings()
+        streams |= more_streams
+        matmuls |= more_matmuls
+    return Ceilings(streams, matmuls)
+
+
 def device_header() -> dict[str, str]:
+    """Device, versions, the commit measured and the date: the first rows of every results file."""
     dev = jax.devices()[0]
     import jaxlib
 
-    return {
+    header = {
         "device": getattr(dev, "device_kind", str(dev)),
         "compute_capability": str(getattr(dev, "compute_capability", "n/a")),
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
+    }
+    for package in ("torch", "triton"):
+        try:
+            header[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    header |= {
         "python": platform.python_version(),
+        "commit": commit(),
         "date": datetime.date.today().isoformat(),
     }
+    return header
+
+
+def commit() -> str:
+    """The measured tree's commit: ``JAXDSA_COMMIT`` (a copied tree has no .git), else git's HEAD."""
+    if os.environ.get("JAXDSA_COMMIT"):
+        return os.environ["JAXDSA_COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, cwd=RESULTS.parent
+        )
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() or "unknown"
 
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
-def write_result(name: str, text: str, suffix: str = "") -> pathlib.Path:
-    """Write ``benchmarks/results/<name>-<gpu><suffix>.md`` and return its path."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}-{gpu_slug()}{suffix}.md"
+def results_dir() -> pathlib.Path:
+    """``JAXDSA_RESULTS`` (a device run writes where its files come back), else benchmarks/results."""
+    return pathlib.Path(os.environ.get("JAXDSA_RESULTS") or RESULTS)
+
+
+def write_result(name: str, text: str, suffix: str = "", rows: list[dict] | None = None) -> pathlib.Path:
+    """Write ``<results>/<name>-<gpu><suffix>.md`` and, with ``rows``, a ``.json`` beside it
+    (the header and the rows) that :mod:`benchmarks.readme_table` reads; return the .md path."""
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}-{gpu_slug()}{suffix}.md"
     path.write_text(text, encoding="utf-8")
+    if rows is not None:
+        dump_json(str(path.with_suffix(".json")), {"header": device_header(), "rows": rows})
     return path
 
 
@@ -117,12 +206,8 @@ def report_header(title: str, rows: dict[str, Any]) -> list[str]:
     return [f"# {title}", "", "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in table.items()], ""]
 
 
-def ceiling_rows(copy_gbs: float, mm_tflops: float, elapsed: float) -> dict[str, str]:
-    return {
-        "copy ceiling (jax x+1, 1 GiB)": f"{copy_gbs:.0f} GB/s",
-        "matmul ceiling (jax bf16 8192^3)": f"{mm_tflops:.0f} TFLOP/s",
-        "benchmark wall time": f"{elapsed:.0f} s",
-    }
+def ceiling_rows(ceilings: Ceilings, elapsed: float) -> dict[str, str]:
+    return {**ceilings.rows(), "benchmark wall time": f"{elapsed:.0f} s"}
 
 
 SKIPPED = "skipped: time budget"
@@ -155,4 +240,9 @@ def gpu_slug() -> str:
 
 def dump_json(path: str, payload: Any) -> None:
     with open(path, "w", encoding="utf-8") as fh:
-        json.dump(payload, fh, indent=1, default=str)
+        json.dump(payload, fh, indent=1, default=_plain)
+
+
+def _plain(value: Any) -> Any:
+    """JSON for what ``json`` does not know: NumPy scalars as numbers, anything else as text."""
+    return value.item() if isinstance(value, np.generic) else str(value)

@@ -16,8 +16,8 @@ from benchmarks import harness, kernels_indexer, kernels_mla
 
 
 def main() -> None:
-    ceilings = {"copy_gbs": harness.copy_ceiling_gbs(), "matmul_tflops": harness.matmul_ceiling_tflops()}
-    print(f"kernels: copy {ceilings['copy_gbs']:.0f} GB/s, matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
+    ceilings = harness.measure_ceilings()
+    print(f"kernels: stream {ceilings.stream_gbs:.0f} GB/s, matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
     kernels_mla.run(ceilings)
     kernels_indexer.run(ceilings)
     slug = harness.gpu_slug()

@@ -19,10 +19,14 @@ same fp8 keys); top-k by the multiset of selected values (must equal lax.top_k's
 sets ambiguous) and the index-set recall vs lax.top_k. Time = one jit over R distinct input sets / R,
 median of replays (:func:`benchmarks.harness.time_op`); R is chosen so the R sets exceed the L2.
 Pallas rows sweep a few tuning variants per shape (``pallas:<name>``; ``(best)`` marks the fastest);
-after ``BUDGET_S`` seconds only the tuning table's config runs. Percentages are of the copy / matmul
-ceilings passed in (or measured here); ``% of 3006`` / ``% of 789`` are of the anchors' torch
-ceilings; ``anchor us`` is the anchors' best peer (vLLM bf16 Triton indexer, torch.topk unsorted).
-Writes ``benchmarks/results/kernels_indexer-<gpu>.md``.
+after ``BUDGET_S`` seconds only the tuning table's config runs (``KERNELS_INDEXER_VARIANTS``
+names the only variants to run). With ``torch_peers`` the top-k rows add ``torch.topk``
+(unsorted) on the same input buffers, checked like ours and timed as ours
+(:mod:`benchmarks.peers`). Percentages are of the ceilings passed in (or measured here;
+:class:`benchmarks.harness.Ceilings`). ``anchor us`` is not measured in this run: the anchors'
+best peer per shape in ``shared/anchors/kernels-h100.md`` (2026-11-21; vLLM's indexer made bf16,
+torch.topk unsorted, another process, CUDA events).
+Writes ``benchmarks/results/kernels_indexer-<gpu>.md`` (and ``.json``).
 """
 
 from __future__ import annotations
@@ -63,11 +67,14 @@ TOPK_SHAPES = (
     (32, 131072),
     (32, 262144),
 )
-TORCH_COPY_GBS, TORCH_MM_TFLOPS = 3006.0, 789.0
 TOLERANCE = 1e-2
 CHECK_ROWS = 64
 L2_BYTES = 50 << 20
 BUDGET_S = float(os.environ.get("KERNELS_INDEXER_BUDGET_S", "150"))
+# The pure-JAX indexer references (decode and prefill rows; top-k always times lax.top_k).
+WITH_REFERENCE = os.environ.get("KERNELS_INDEXER_SKIP_REFERENCE", "0") != "1"
+# Comma-separated variant names: the only sweep variants to run, in every section ("none": none).
+ONLY_VARIANTS = [v.strip() for v in os.environ.get("KERNELS_INDEXER_VARIANTS", "").split(",") if v.strip()]
 MAX_SETS = 16
 SECTIONS = ("decode", "prefill", "topk", "fp8", "paged")  # run order: later sweeps are cut first
 
@@ -182,20 +189,16 @@ def _anchor(us: float | None) -> dict:
     return {} if us is None else {"anchor us": us}
 
 
-def _rates(row: dict, *, mb: float = 0.0, gflop: float = 0.0, copy_gbs: float, mm_tflops: float) -> dict:
+def _rates(row: dict, *, mb: float = 0.0, gflop: float = 0.0, ceilings: harness.Ceilings) -> dict:
     if "us" not in row:
         return row
     sec = row["us"] * 1e-6
     if mb:
         gbs = mb * 1e6 / sec / 1e9
-        row |= {"GB/s": gbs, "% copy": 100 * gbs / copy_gbs, "% of 3006": 100 * gbs / TORCH_COPY_GBS}
+        row |= {"GB/s": gbs, "% stream": 100 * gbs / ceilings.stream_gbs}
     if gflop:
         tflops = gflop / sec / 1e3
-        row |= {
-            "TFLOP/s": tflops,
-            "% mm": 100 * tflops / mm_tflops,
-            "% of 789": 100 * tflops / TORCH_MM_TFLOPS,
-        }
+        row |= {"TFLOP/s": tflops, "% mm": 100 * tflops / ceilings.matmul_tflops}
     if "anchor us" in row:
         row["vs anchor"] = row["anchor us"] / row["us"]
     return row
@@ -266,7 +269,8 @@ def _sweep(
 ) -> list[dict]:
     """The tuning table's config, then each distinct variant (while the time budget lasts)."""
     rows = []
-    candidates = {"table": table_cfg} | {n: v for n, v in variants.items() if v != table_cfg}
+    chosen = {n: v for n, v in variants.items() if not ONLY_VARIANTS or n in ONLY_VARIANTS}
+    candidates = {"table": table_cfg} | {n: v for n, v in chosen.items() if v != table_cfg}
     for name, cfg in candidates.items():
         label = f"pallas:{name}"
         if name != "table" and clock.over_budget():
@@ -308,7 +312,8 @@ def _decode(clock: _Clock, rate: dict) -> list[dict]:
             rows = _sweep(
                 common, table.row, ROW_VARIANTS, make, sets, check, clock, describe=_describe_row, replays=20
             )
-            rows.append(common | _measure("jax ref", iref.indexer_logits_paged, sets, check, replays=10))
+            if WITH_REFERENCE:
+                rows.append(common | _measure("jax ref", iref.indexer_logits_paged, sets, check, replays=10))
             results += [_rates(r, mb=r["MB"], **rate) for r in rows]
     return results
 
@@ -400,7 +405,7 @@ def _prefill_rows(clock: _Clock, rate: dict, *, paged: bool) -> list[dict]:
                 replays=replays,
                 warmup=1,
             )
-            if not paged:
+            if not paged and WITH_REFERENCE:
                 ref_fn = lambda q, w, k, p: iref.indexer_logits(q, w, k, q_pos=p)  # noqa: E731
                 rows.append(common | _measure("jax ref", ref_fn, sets, check, replays=3, warmup=1))
             results += [_rates(r, gflop=gflop, **rate) for r in rows]
@@ -427,7 +432,7 @@ def _topk_check(x) -> Callable[[Any], tuple[float, str]]:
     return check
 
 
-def _topk(clock: _Clock, rate: dict) -> list[dict]:
+def _topk(clock: _Clock, rate: dict, *, torch_peers: bool = False) -> list[dict]:
     results = []
     for t, s in TOPK_SHAPES:
         table = ttuning.config_for(rows=t, keys=s)
@@ -449,8 +454,18 @@ def _topk(clock: _Clock, rate: dict) -> list[dict]:
             return lambda x: tkernel.topk_indices(x, TOPK, config=cfg)
 
         rows = _sweep(
-            common, table, TOPK_VARIANTS, make, sets, check, clock, describe=_describe_topk, replays=replays
+            common,
+            table,
+            TOPK_VARIANTS,
+            make,
+            sets,
+            check,
+            clock,
+            describe=_describe_topk,
+            replays=replays,
         )
+        if torch_peers:
+            rows.append(common | _torch_topk(sets, check, replays))
         rows.append(
             common
             | _measure(
@@ -464,6 +479,24 @@ def _topk(clock: _Clock, rate: dict) -> list[dict]:
     return results
 
 
+def _torch_topk(sets: Sequence[tuple], check: Callable, replays: int) -> dict[str, Any]:
+    """``torch.topk`` (unsorted) on the same buffers, checked as ours (its indices back through
+    DLPack), timed as ours."""
+    from benchmarks import peers
+
+    xs = [(peers.to_torch(x),) for (x,) in sets]
+    try:
+        err, note = check(peers.to_jax(peers.topk(xs[0][0], TOPK).int()))
+        if note:
+            return {"impl": "torch.topk", "rel_err": err, "note": f"FAILED check: {note}"}
+        sec, how = peers.time_torch(lambda x: peers.topk(x, TOPK), xs, replays=replays)
+    except Exception as exc:  # noqa: BLE001 - a failing peer must not end the batched run
+        traceback.print_exc()
+        return {"impl": "torch.topk", "note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+    print(f"  torch.topk: {sec * 1e6:.1f} us ({how})")
+    return {"impl": "torch.topk", "rel_err": err, "us": sec * 1e6, "config": f"sorted=False, {how}"}
+
+
 _SECTION_FNS = {
     "decode": _decode,
     "prefill": functools.partial(_prefill_rows, paged=False),
@@ -473,20 +506,24 @@ _SECTION_FNS = {
 }
 
 
-def run(ceilings: Mapping[str, float] | None = None, sections: Sequence[str] = SECTIONS) -> list[dict]:
-    """All rows (one per shape x implementation). ``ceilings``: optional ``copy_gbs``/``matmul_tflops``."""
-    ceilings = dict(ceilings or {})
+def run(
+    ceilings: harness.Ceilings | None = None,
+    sections: Sequence[str] = SECTIONS,
+    *,
+    torch_peers: bool = False,
+) -> list[dict]:
+    """All rows (one per shape x implementation), ``sections`` in the order given (the sweep
+    budget goes to the first); ``ceilings`` are measured here when not passed."""
     clock = _Clock()
-    copy_gbs = ceilings.get("copy_gbs") or harness.copy_ceiling_gbs()
-    mm_tflops = ceilings.get("matmul_tflops") or harness.matmul_ceiling_tflops()
-    print(f"kernels_indexer: copy {copy_gbs:.0f} GB/s, mm {mm_tflops:.0f} TFLOP/s at {clock.elapsed():.0f}s")
-    rate = {"copy_gbs": copy_gbs, "mm_tflops": mm_tflops}
+    ceilings = ceilings or harness.measure_ceilings(torch_peers)
+    print(f"kernels_indexer: stream {ceilings.stream_gbs:.0f} GB/s at {clock.elapsed():.0f}s")
+    rate = {"ceilings": ceilings}
+    fns = _SECTION_FNS | {"topk": functools.partial(_topk, torch_peers=torch_peers)}
     results: list[dict] = []
-    todo = [name for name in SECTIONS if name in sections]
-    for i, name in enumerate(todo):
-        results += _SECTION_FNS[name](clock, rate)
+    for i, name in enumerate(sections):
+        results += fns[name](clock, rate)
         # Rewritten after every section, so a run cut short by its time limit keeps its finished rows.
-        _write_report(results, copy_gbs, mm_tflops, clock.elapsed(), pending=todo[i + 1 :])
+        _write_report(results, ceilings, clock.elapsed(), pending=sections[i + 1 :])
     return results
 
 
@@ -503,11 +540,9 @@ COLUMNS = (
     "anchor us",
     "vs anchor",
     "GB/s",
-    "% copy",
-    "% of 3006",
+    "% stream",
     "TFLOP/s",
     "% mm",
-    "% of 789",
     "rel_err",
     "recall",
     "note",
@@ -515,13 +550,13 @@ COLUMNS = (
 
 
 def _write_report(
-    results: list[dict], copy_gbs: float, mm_tflops: float, elapsed: float, pending: Sequence[str]
+    results: list[dict], ceilings: harness.Ceilings, elapsed: float, pending: Sequence[str]
 ) -> None:
     table = harness.markdown_table(results, COLUMNS)
     lines = [
         *harness.report_header(
             f"Indexer logits and top-k kernels on {harness.device_header()['device']}",
-            harness.ceiling_rows(copy_gbs, mm_tflops, elapsed),
+            harness.ceiling_rows(ceilings, elapsed),
         ),
         "Method: see the docstring of `benchmarks/kernels_indexer.py`. `vs anchor` = anchor us / us",
         "(> 1: faster than the anchors' best peer). `(best)` marks the fastest Pallas config per shape.",
@@ -530,7 +565,7 @@ def _write_report(
         table,
         "",
     ]
-    out = harness.write_result("kernels_indexer", "\n".join(lines))
+    out = harness.write_result("kernels_indexer", "\n".join(lines), rows=results)
     if not pending:
         print(table)
     print(f"kernels_indexer: wrote {out}")
@@ -541,12 +576,13 @@ def main() -> None:
     parser.add_argument(
         "--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}"
     )
+    parser.add_argument("--torch-peers", action="store_true", help="time torch.topk beside our top-k")
     args = parser.parse_args()
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}")
-    run(sections=sections)
+    run(sections=sections, torch_peers=args.torch_peers)
 
 
 if __name__ == "__main__":

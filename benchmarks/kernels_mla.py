@@ -12,18 +12,22 @@ Two phases, so the required rows always exist and the sweep only spends what is 
    against the float32 reference (rel L2 <= 1e-2 on out, LSE error reported), and the pure-JAX
    reference (``reference``; bf16 inputs, float32 math, as in the anchors; fewer input sets and
    replays at big shapes);
-2. a sweep of tile / split variants per shape (5 replays each), each shape getting an equal share
-   of the remaining budget (``BUDGET_S`` of wall time in all); the best variant is re-timed with
-   20 replays when it beats the table. The printed ``TUNED`` lines can be pasted into
-   ``pallas_kernels/sparse_mla/tuning.py``.
+2. a sweep of tile / split variants per shape (5 replays each), each shape getting an equal
+   share of the remaining budget (``BUDGET_S`` of wall time in all; ``KERNELS_MLA_VARIANTS``
+   names the only variants to run, each everywhere or at one shape: ``splits*2,stages3/decode
+   H=64 B=32``); the best variant is
+   re-timed with 20 replays when it beats the table. The printed ``TUNED`` lines can be pasted
+   into ``pallas_kernels/sparse_mla/tuning.py``.
 
 Method (as ``harness.time_op``): one jit runs the op over R distinct input sets back to back (R
 sized so a replay touches >= 2.5x the 50 MiB L2, capped at 32), wall clock / R, median over
 replays after warm-up; here the same executable also returns the first set's output for the
 correctness check, so a config compiles once. bytes = T*K*576*2 (gathered rows, each read once)
-+ q + out + idx; flops = 2*T*H*K*(576+512). Percentages are of the copy / matmul ceilings passed
-in (or measured here); "% of 3006" is of the anchors' torch ``copy_`` ceiling.
-Writes ``benchmarks/results/kernels_mla-<gpu>.md``.
++ q + out + idx; flops = 2*T*H*K*(576+512). Percentages are of the ceilings passed in (or
+measured here; :class:`benchmarks.harness.Ceilings`). ``vLLM us (anchor)`` is the best vLLM
+Triton figure per shape in ``shared/anchors/kernels-h100.md`` (2026-11-21, another process, CUDA
+events; auto or forced split count), not measured in this run.
+Writes ``benchmarks/results/kernels_mla-<gpu>.md`` (and ``.json``).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import math
 import os
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -49,11 +53,31 @@ D, DV, TOPK = 576, 512, 2048
 SCALE = 192**-0.5  # DeepSeek-V3.2's qk_head_dim (128 nope + 64 rope); any scale would do
 DECODE_POOL, PREFILL_POOL = 262144, 65536
 TOLERANCE = 1e-2
-TORCH_COPY_GBS = 3006.0  # anchors: torch dst.copy_(src), 1 GiB, H100
+# Best vLLM Triton sparse-MLA time per shape, us (shared/anchors/kernels-h100.md, 2026-11-21, H100):
+# decode (H, B) from runs 1 and 3 (forced split counts), prefill (H, T) from run 1.
+ANCHOR_VLLM_US = {
+    ("decode", 16, 1): 18.2,
+    ("decode", 16, 8): 21.6,
+    ("decode", 16, 32): 56.8,
+    ("decode", 16, 128): 231.4,
+    ("decode", 64, 1): 19.2,
+    ("decode", 64, 8): 40.2,
+    ("decode", 64, 32): 117.2,
+    ("decode", 64, 128): 360.0,
+    ("decode", 128, 1): 19.8,
+    ("decode", 128, 8): 62.9,
+    ("decode", 128, 32): 213.8,
+    ("decode", 128, 128): 692.4,
+    ("prefill", 64, 1024): 2890.0,
+    ("prefill", 128, 1024): 5770.0,
+    ("prefill", 64, 4096): 11540.0,
+    ("prefill", 128, 4096): 22920.0,
+}
 L2_BYTES = 50 * 2**20
 MAX_SETS = 32
 CHECK_QUERIES = 256  # prefill: queries compared with the float32 reference
 BUDGET_S = float(os.environ.get("KERNELS_MLA_BUDGET_S", "210"))
+ONLY_VARIANTS = [v.strip() for v in os.environ.get("KERNELS_MLA_VARIANTS", "").split(",") if v.strip()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +158,8 @@ def _variants(shape: Shape, base: MlaConfig) -> dict[str, MlaConfig]:
     # than any part has) and at 16 warps ptxas runs out of registers (both seen on H100).
     out: dict[str, MlaConfig] = {}
     for name, cfg in cands:
-        if cfg != base and cfg not in out.values():
+        wanted = not ONLY_VARIANTS or name in ONLY_VARIANTS or f"{name}/{shape.label}" in ONLY_VARIANTS
+        if cfg != base and cfg not in out.values() and wanted:
             out[name] = cfg
     return out
 
@@ -193,17 +218,19 @@ def _compile_and_check(
     return checked, timer
 
 
-def _with_rates(row: dict, shape: Shape, *, copy_gbs: float, mm_tflops: float) -> dict:
+def _with_rates(row: dict, shape: Shape, *, ceilings: harness.Ceilings) -> dict:
+    anchor = ANCHOR_VLLM_US.get((shape.kind, shape.h, shape.t))
+    if anchor is not None:
+        row["vLLM us (anchor)"] = anchor
     if "us" in row:
         sec = row["us"] * 1e-6
         gbs = shape.nbytes / sec / 1e9
         tflops = shape.flops / sec / 1e12
         row |= {
             "GB/s": gbs,
-            "% copy": 100 * gbs / copy_gbs,
-            "% of 3006": 100 * gbs / TORCH_COPY_GBS,
+            "% stream": 100 * gbs / ceilings.stream_gbs,
             "TFLOP/s": tflops,
-            "% mm": 100 * tflops / mm_tflops,
+            "% mm": 100 * tflops / ceilings.matmul_tflops,
         }
     return row
 
@@ -216,23 +243,19 @@ def _reference_fn(q, idx, kv):
     return ref.sparse_mla(q, kv, idx, sm_scale=SCALE, v_dim=DV)
 
 
-def run(ceilings: Mapping[str, float] | None = None) -> list[dict]:
-    """All rows (per shape: table config, reference, sweep variants). ``ceilings``: optional
-    ``copy_gbs`` / ``matmul_tflops`` (measured here when absent)."""
-    ceilings = dict(ceilings or {})
+def run(ceilings: harness.Ceilings | None = None) -> list[dict]:
+    """All rows (per shape: table config, reference, sweep variants); ``ceilings`` are measured
+    here when not passed."""
     start = time.perf_counter()
     clock = lambda: time.perf_counter() - start  # noqa: E731
-    copy_gbs = ceilings.get("copy_gbs") or harness.copy_ceiling_gbs()
-    mm_tflops = ceilings.get("matmul_tflops") or harness.matmul_ceiling_tflops()
-    rates = functools.partial(_with_rates, copy_gbs=copy_gbs, mm_tflops=mm_tflops)
+    ceilings = ceilings or harness.measure_ceilings()
+    rates = functools.partial(_with_rates, ceilings=ceilings)
     cc = compute_capability()
     pools = {
         n: jax.block_until_ready(jax.random.normal(jax.random.key(n), (n, D), jnp.bfloat16))
         for n in (DECODE_POOL, PREFILL_POOL)
     }
-    print(
-        f"kernels_mla: cc {cc}, copy {copy_gbs:.0f} GB/s, mm {mm_tflops:.0f} TFLOP/s, ready at {clock():.0f}s"
-    )
+    print(f"kernels_mla: cc {cc}, stream {ceilings.stream_gbs:.0f} GB/s, ready at {clock():.0f}s")
 
     rows: dict[Shape, list[dict]] = {}
     wants: dict[Shape, Any] = {}
@@ -255,9 +278,7 @@ def run(ceilings: Mapping[str, float] | None = None) -> list[dict]:
         print(f"{shape.label}: table {table.get('us', table.get('note'))} us [{clock():.0f}s]")
 
     # The required rows reach the results file before the sweep, so a run cut short keeps them.
-    _write_report(
-        [r for shape in shapes for r in rows[shape]], [], copy_gbs, mm_tflops, clock(), sweep_done=False
-    )
+    _write_report([r for shape in shapes for r in rows[shape]], [], ceilings, clock(), sweep_done=False)
     tuned = []
     for i, shape in enumerate(shapes):  # phase 2: the sweep, with what is left of the budget
         share = (BUDGET_S - clock()) / (len(shapes) - i)
@@ -288,7 +309,7 @@ def run(ceilings: Mapping[str, float] | None = None) -> list[dict]:
             min(timed, key=lambda r: r["us"])["impl"] += " (best)"
 
     results = [r for shape in shapes for r in rows[shape]]
-    _write_report(results, tuned, copy_gbs, mm_tflops, clock())
+    _write_report(results, tuned, ceilings, clock())
     return results
 
 
@@ -299,9 +320,9 @@ COLUMNS = (
     "config",
     "sets",
     "us",
+    "vLLM us (anchor)",
     "GB/s",
-    "% copy",
-    "% of 3006",
+    "% stream",
     "TFLOP/s",
     "% mm",
     "rel_err",
@@ -311,18 +332,13 @@ COLUMNS = (
 
 
 def _write_report(
-    results: list[dict],
-    tuned: list[str],
-    copy_gbs: float,
-    mm_tflops: float,
-    elapsed: float,
-    sweep_done: bool = True,
+    results: list[dict], tuned: list[str], ceilings: harness.Ceilings, elapsed: float, sweep_done: bool = True
 ) -> None:
     table = harness.markdown_table(results, COLUMNS)
     lines = [
         *harness.report_header(
             f"Sparse MLA (576/512, top-{TOPK}, bf16) on {harness.device_header()['device']}",
-            harness.ceiling_rows(copy_gbs, mm_tflops, elapsed),
+            harness.ceiling_rows(ceilings, elapsed),
         ),
         "Method: see the docstring of `benchmarks/kernels_mla.py`. `(best)` marks the fastest Pallas",
         "config per shape (re-timed with 20 replays when it is a sweep variant).",
@@ -331,7 +347,8 @@ def _write_report(
         "",
         *(
             [
-                "Sweep winners (>3 % better than the table) for `pallas_kernels/sparse_mla/tuning.py` `TUNED`:",
+                "Sweep winners (>3 % better than the table) for"
+                " `pallas_kernels/sparse_mla/tuning.py` `TUNED`:",
                 "",
                 "```python",
                 *(tuned or ["    # none"]),
@@ -345,7 +362,7 @@ def _write_report(
     text = "\n".join(lines)
     if sweep_done:
         print(text)
-    out = harness.write_result("kernels_mla", text)
+    out = harness.write_result("kernels_mla", text, rows=results)
     print(f"kernels_mla: wrote {out}")
 
 

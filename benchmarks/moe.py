@@ -8,15 +8,19 @@ count T in {1, 8, 32, 128, 512, 4096} it times, in one process and on one set of
 * ``ragged_dot``: the pure-JAX reference (:mod:`pallas_kernels.moe.ref`), T <= 128 only: XLA
   multiplies every slot against all 256 experts, ~0.1 s+ per call at T = 512 (anchors);
 * ``gather``: ``jnp.take`` of the selected experts' weights then einsum, T <= 32 only (the
-  gathered copies are T * 8 * 75 MB).
+  gathered copies are T * 8 * 75 MB); ``MOE_REFERENCE_MAX_T`` lowers both limits;
+* ``torch _grouped_mm`` (with ``torch_peers``): :func:`benchmarks.peers.grouped_moe` on the same
+  weight, token, id and weight buffers, checked and timed as ours.
 
 Method (shared/anchors/moe-attention-h100.md): weights N(0,1)/sqrt(fan_in) drawn once on the
 device (19.3 GB), activations N(0,1), 8 distinct uniform experts per token; each implementation
 is checked against a float32 per-row reference on up to 32 sampled rows (rel L2 <= 1e-2) before
 it is timed; time = one jit over R distinct input sets / R, median of replays
 (:func:`benchmarks.harness.time_op`). bytes = distinct experts touched (mean over the R sets) x
-3*D*N*2 + x and out; flops = T*8*2*D*N*3. Percentages are of the copy / matmul ceilings passed in
-(or measured here); "% of 3006" is of the torch ``copy_`` ceiling in the anchors. R = 8 for
+3*D*N*2 + x and out; flops = T*8*2*D*N*3. Percentages are of the ceilings passed in (or measured
+here; :class:`benchmarks.harness.Ceilings`), ``floor us`` = bytes at the memory ceiling; the
+``(anchor)`` column is torch from ``shared/anchors/moe-attention-h100.md`` (2026-11-21, another
+process, CUDA events), not measured in this run. R = 8 for
 T <= 128, 2 for T = 512, 1 for T = 4096. Pass 1 runs the table config and the baselines at
 every T; pass 2 sweeps the variants, largest T first, and starts none after ``BUDGET_S``
 seconds (skipped ones are listed), so one call stays within ~4 minutes of GPU time. With
@@ -32,7 +36,7 @@ import dataclasses
 import os
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -49,12 +53,14 @@ ALL_TOKENS = (1, 8, 32, 128, 512, 4096)
 TOKENS = (
     tuple(int(t) for t in os.environ["MOE_TOKENS"].split(",")) if os.environ.get("MOE_TOKENS") else ALL_TOKENS
 )
-TORCH_COPY_GBS = 3006.0  # anchors: torch dst.copy_(src), 1 GiB, H100
-TORCH_GROUPED_US = {1: 302.2, 8: 1646.8, 32: 4534.4, 128: 6879.7, 512: 7427.5, 4096: 13435.5}  # anchors
+# torch _grouped_mm, us (shared/anchors/moe-attention-h100.md, 2026-11-21, H100)
+TORCH_GROUPED_ANCHOR_US = {1: 302.2, 8: 1646.8, 32: 4534.4, 128: 6879.7, 512: 7427.5, 4096: 13435.5}
 EXPERT_BYTES = 3 * D * N * 2
 TOLERANCE = 1e-2
 BUDGET_S = float(os.environ.get("MOE_BUDGET_S", "180"))  # no new sweep variant starts after this many seconds
 ROUNDS = int(os.environ.get("MOE_ROUNDS", "1"))  # > 1: pass 2 re-times table and variants round-robin
+REFERENCE_MAX_T = int(os.environ.get("MOE_REFERENCE_MAX_T", "128"))  # ragged_dot up to this T (gather: 32)
+DIAGNOSTICS = os.environ.get("MOE_DIAGNOSTICS", "1") == "1"  # phase split and skewed routing at T >= 512
 
 # Sweep variants per regime (block_m <= 32: weight streaming; 64+: tensor-core tiles). Sized for
 # the H100's 227 KiB of shared memory; a variant that fails to compile is reported, not fatal.
@@ -184,10 +190,9 @@ def _rates(case: _Case, sec: float) -> dict[str, float]:
     return {
         "us": sec * 1e6,
         "GB/s": gbs,
-        "% copy": 100 * gbs / case.copy_gbs,
-        "% of 3006": 100 * gbs / TORCH_COPY_GBS,
+        "% stream": 100 * gbs / case.ceilings.stream_gbs,
         "TFLOP/s": tflops,
-        "% mm": 100 * tflops / case.mm_tflops,
+        "% mm": 100 * tflops / case.ceilings.matmul_tflops,
     }
 
 
@@ -200,8 +205,7 @@ class _Case:
     rows: np.ndarray
     want: jax.Array
     distinct: float  # experts touched, mean over the R sets
-    copy_gbs: float
-    mm_tflops: float
+    ceilings: harness.Ceilings
 
     @property
     def mb(self) -> float:
@@ -213,18 +217,18 @@ class _Case:
 
     @property
     def common(self) -> dict[str, Any]:
-        floor_us = self.mb / self.copy_gbs * 1e3
+        floor_us = self.mb / self.ceilings.stream_gbs * 1e3
         return {"T": self.t, "distinct experts": self.distinct, "MB": self.mb, "floor us": floor_us}
 
 
-def _case(t: int, experts: dict, copy_gbs: float, mm_tflops: float) -> _Case:
+def _case(t: int, experts: dict, ceilings: harness.Ceilings) -> _Case:
     keys = jax.random.split(jax.random.key(100 + t), _reps(t))
     sets = [(*_make_inputs(k, t), experts) for k in keys]
     distinct = float(np.mean([np.unique(np.asarray(s[1])).size for s in sets]))
     rows = np.arange(t) if t <= 32 else np.sort(np.random.default_rng(t).choice(t, 32, replace=False))
     x0, ids0, w0, _ = sets[0]
     want = _f32_rows(x0[rows], ids0[rows], w0[rows], experts)
-    return _Case(t, sets, rows, want, distinct, copy_gbs, mm_tflops)
+    return _Case(t, sets, rows, want, distinct, ceilings)
 
 
 def _with_config(cfg: MoeConfig) -> Callable:
@@ -307,37 +311,37 @@ def _skewed(case: _Case, experts: dict) -> dict[str, Any]:
     return row | {"note": f"slots per expert {counts.min()}-{counts.max()}"}
 
 
-def run(ceilings: Mapping[str, float] | None = None) -> list[dict]:
-    """All rows (T x implementation). ``ceilings``: optional ``copy_gbs`` / ``matmul_tflops``.
+def run(ceilings: harness.Ceilings | None = None, *, torch_peers: bool = False) -> list[dict]:
+    """All rows (T x implementation); ``ceilings`` are measured here when not passed.
 
     Pass 1 runs the tuning table's config and the baselines at every T; pass 2 sweeps the tile
     variants, largest T first (the least certain configs), while ``BUDGET_S`` lasts.
     """
-    ceilings = dict(ceilings or {})
     start = time.perf_counter()
-    copy_gbs = ceilings.get("copy_gbs") or harness.copy_ceiling_gbs()
-    mm_tflops = ceilings.get("matmul_tflops") or harness.matmul_ceiling_tflops()
+    ceilings = ceilings or harness.measure_ceilings(torch_peers)
     experts = jax.block_until_ready(_make_weights(jax.random.key(0)))
-    print(
-        f"moe: weights at {time.perf_counter() - start:.0f}s; copy {copy_gbs:.0f} GB/s, mm {mm_tflops:.0f} TFLOP/s"
-    )
+    print(f"moe: weights at {time.perf_counter() - start:.0f}s; stream {ceilings.stream_gbs:.0f} GB/s")
 
-    cases = [_case(t, experts, copy_gbs, mm_tflops) for t in TOKENS]
+    cases = [_case(t, experts, ceilings) for t in TOKENS]
     results: list[dict] = []
     for case in cases:
         results.append(_pallas(case, "table", _table(case.t)))
-        if case.t <= 128:
+        if case.t <= min(128, REFERENCE_MAX_T):
             results.append(_measure("ragged_dot", ref.moe_experts, case, replays=10))
         else:
-            note = "skipped: ~0.1 s+ per call (all 256 experts per slot)"
+            note = "skipped: ~0.1 s+ per call (all 256 experts per slot)" if case.t > 128 else "skipped"
             results.append(case.common | {"impl": "ragged_dot", "note": note})
-        if case.t <= 32:
+        if case.t <= min(32, REFERENCE_MAX_T):
             results.append(_measure("gather", _gather_moe, case, replays=10))
-        if case.t >= 512:
+        if torch_peers:
+            results.append(_torch_grouped(case))
+        if case.t >= 512 and DIAGNOSTICS:
             try:
                 results += [*_phases(case), _skewed(case, experts)]
             except Exception:  # noqa: BLE001 - diagnostics must not end the batched run
                 traceback.print_exc()
+        # Written after every T, so a call cut short by its time limit keeps the finished rows.
+        _write_report(results, ceilings, time.perf_counter() - start)
     for case in reversed(cases):
         results += _sweep(case, start)
 
@@ -346,8 +350,32 @@ def run(ceilings: Mapping[str, float] | None = None) -> list[dict]:
         if timed:
             min(timed, key=lambda r: r["us"])["impl"] += " (best)"
     results.sort(key=lambda r: (r["T"], not r["impl"].startswith("pallas")))
-    _write_report(results, copy_gbs, mm_tflops, time.perf_counter() - start)
+    _write_report(results, ceilings, time.perf_counter() - start)
     return results
+
+
+def _torch_grouped(case: _Case) -> dict[str, Any]:
+    """torch ``_grouped_mm`` on the same buffers as ours (DLPack), checked and timed as ours."""
+    from benchmarks import peers
+
+    row = case.common | {"impl": "torch _grouped_mm"}
+    ex = case.sets[0][3]
+    gate_up, down = peers.to_torch(ex["gate_up"]), peers.to_torch(ex["down"])
+    sets = [tuple(peers.to_torch(a) for a in s[:3]) for s in case.sets]
+    try:
+        out = peers.to_jax(peers.grouped_moe(*sets[0], gate_up, down))
+        finite = bool(jnp.isfinite(out.astype(jnp.float32)).all())
+        err = harness.rel_l2(out[case.rows], case.want) if finite else float("inf")
+        if err > TOLERANCE:
+            return row | {"rel_err": err, "note": f"FAILED check (rel L2 {err:.2e})"}
+        sec, how = peers.time_torch(
+            lambda x, ids, w: peers.grouped_moe(x, ids, w, gate_up, down), sets, replays=10
+        )
+    except Exception as exc:  # noqa: BLE001 - a failing peer must not end the batched run
+        traceback.print_exc()
+        return row | {"note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
+    print(f"moe T={case.t} torch _grouped_mm: {sec * 1e6:.1f} us ({how}), rel {err:.1e}")
+    return row | {"rel_err": err, "config": how} | _rates(case, sec)
 
 
 def _summary(results: list[dict]) -> list[dict]:
@@ -366,12 +394,13 @@ def _summary(results: list[dict]) -> list[dict]:
                 "floor us": mine[0]["floor us"],
                 "pallas best us": best.get("us", ""),
                 "config": best.get("config", ""),
-                "% of 3006": best.get("% of 3006", ""),
+                "% stream": best.get("% stream", ""),
                 "TFLOP/s": best.get("TFLOP/s", ""),
                 "pallas table us": us("pallas:table"),
+                "torch _grouped_mm us": us("torch _grouped_mm"),
                 "ragged_dot us": us("ragged_dot"),
                 "gather us": us("gather"),
-                "torch _grouped_mm us (anchor)": TORCH_GROUPED_US[t],
+                "torch _grouped_mm us (anchor)": TORCH_GROUPED_ANCHOR_US[t],
             }
         )
     return out
@@ -382,9 +411,10 @@ SUMMARY_COLUMNS = (
     "floor us",
     "pallas best us",
     "config",
-    "% of 3006",
+    "% stream",
     "TFLOP/s",
     "pallas table us",
+    "torch _grouped_mm us",
     "ragged_dot us",
     "gather us",
     "torch _grouped_mm us (anchor)",
@@ -398,8 +428,7 @@ COLUMNS = (
     "config",
     "us",
     "GB/s",
-    "% copy",
-    "% of 3006",
+    "% stream",
     "TFLOP/s",
     "% mm",
     "rel_err",
@@ -407,15 +436,16 @@ COLUMNS = (
 )
 
 
-def _write_report(results: list[dict], copy_gbs: float, mm_tflops: float, elapsed: float) -> None:
+def _write_report(results: list[dict], ceilings: harness.Ceilings, elapsed: float) -> None:
+    device = harness.device_header()["device"]
     lines = [
         *harness.report_header(
-            f"MoE experts at GLM-5 shapes (E={E}, top-{TOP_K}, D={D}, N={N}, bf16) on {harness.device_header()['device']}",
-            harness.ceiling_rows(copy_gbs, mm_tflops, elapsed),
+            f"MoE experts at GLM-5 shapes (E={E}, top-{TOP_K}, D={D}, N={N}, bf16) on {device}",
+            harness.ceiling_rows(ceilings, elapsed),
         ),
-        "Method: see the docstring of `benchmarks/moe.py`. `% copy` is of the copy ceiling above,",
-        "`% of 3006` of the anchors' torch copy_ ceiling, `% mm` of the matmul ceiling above;",
-        "`floor us` = touched bytes at the copy ceiling. `(best)` marks the fastest Pallas config per T.",
+        "Method: see the docstring of `benchmarks/moe.py`. `% stream` is of the memory ceiling above,",
+        "`% mm` of the matmul ceiling above; `floor us` = touched bytes at the memory ceiling.",
+        "`(best)` marks the fastest Pallas config per T.",
         "",
         "## Summary",
         "",
@@ -426,7 +456,8 @@ def _write_report(results: list[dict], copy_gbs: float, mm_tflops: float, elapse
         harness.markdown_table(results, COLUMNS),
         "",
     ]
-    out = harness.write_result("moe", "\n".join(lines), "" if TOKENS == ALL_TOKENS else "-sweep")
+    suffix = "" if TOKENS == ALL_TOKENS else "-sweep"
+    out = harness.write_result("moe", "\n".join(lines), suffix, rows=results)
     print(f"moe: wrote {out}")
 
 

@@ -18,7 +18,7 @@ candidates) in the same process, for:
 
 Both ways sample the same tokens (checked on every case: identical ids from the same seeds).
 Time: :func:`benchmarks.harness.time_op`, median of 20 replays. Writes
-``benchmarks/results/sampler-<gpu>.md``.
+``benchmarks/results/sampler-<gpu>.md`` (``-subset`` when only some rows or cases ran; and ``.json``).
 """
 
 from __future__ import annotations
@@ -77,11 +77,12 @@ def _inputs(r: int, kind: str, temperature: float, top_p: float, top_k: int, pen
     return logits, rows, penalties
 
 
-def run() -> list[dict]:
+def run(batches: tuple[int, ...] = ROWS, cases: tuple[str, ...] = tuple(CASES)) -> list[dict]:
     start = time.perf_counter()
     results = []
-    for name, (kind, temperature, top_p, top_k, penalized) in CASES.items():
-        for r in ROWS:
+    for name in cases:
+        kind, temperature, top_p, top_k, penalized = CASES[name]
+        for r in batches:
             logits, rows, penalties = _inputs(r, kind, temperature, top_p, top_k, penalized)
             logprobs = 20 if penalized else 0
             row = {"case": name, "R": r}
@@ -99,11 +100,11 @@ def run() -> list[dict]:
             row["same ids"] = bool((ids["candidates"] == ids["full sort"]).all())
             print(row, flush=True)
             results.append(row)
-    _write(results, time.perf_counter() - start)
+    _write(results, time.perf_counter() - start, subset=batches != ROWS or cases != tuple(CASES))
     return results
 
 
-def _write(results: list[dict], elapsed: float) -> None:
+def _write(results: list[dict], elapsed: float, subset: bool) -> None:
     lines = [
         *harness.report_header(
             f"Sampler at V = {V} on {harness.device_header()['device']}",
@@ -116,7 +117,8 @@ def _write(results: list[dict], elapsed: float) -> None:
         ),
         "",
     ]
-    print(f"sampler: wrote {harness.write_result('sampler', chr(10).join(lines))}")
+    path = harness.write_result("sampler", "\n".join(lines), "-subset" if subset else "", rows=results)
+    print(f"sampler: wrote {path}")
 
 
 if __name__ == "__main__":

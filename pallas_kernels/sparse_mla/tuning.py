@@ -99,6 +99,9 @@ TUNED: dict[tuple[int, int, int], MlaConfig] = {
     # 128 programs of 16 heads leave a wave of 132 SMs under-filled; two splits give 256
     (90, 16, 128): MlaConfig(block_h=16, block_n=32, num_warps=8, num_stages=2, splits=2),  # 239 vs 331 us
     (90, 64, 1): MlaConfig(block_h=16, block_n=32, num_warps=8, num_stages=3, splits=32),  # 13.4 vs 21.6 us
+    # 3 stages at 16 heads, B = 32 (kernels_mla-h100.md, 2026-11-23): 61.3 vs 66.4 us. 3 stages also won
+    # at H = 128, B = 32 (110.4 vs 116.5 us), but that tile is over the shared-memory estimate.
+    (90, 16, 32): MlaConfig(block_h=16, block_n=32, num_warps=8, num_stages=3, splits=4),
 }
 
 # Shrink order when a tile does not fit: gather step, stages, head block.

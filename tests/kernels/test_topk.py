@@ -188,3 +188,18 @@ def test_h100_table_follows_the_sweep():
     for (rows, keys), config in want.items():
         assert tuning.config_for(90, rows=rows, keys=keys) == config, (rows, keys)
     assert tuning.config_for(80, rows=32, keys=8192) == tuning.config_for(80)
+
+
+@pytest.mark.parametrize(
+    "search", [kernel._cutoff, lambda key, kk: kernel._cutoff_secant(key, key > -(2**31), kk)]
+)
+def test_cutoff_reports_an_exact_count(search):
+    """Tie-free keys: the search ends on a probe with exactly kk keys at or above it, so the kernel
+    selects ``key >= cutoff`` without the tie prefix sum; ties at the cutoff: not exact."""
+    rng = np.random.default_rng(13)
+    key = kernel._ordered_key(jnp.asarray(rng.standard_normal(4096), jnp.float32))
+    cutoff, exact = search(key, jnp.int32(100))
+    assert bool(exact) and int(jnp.sum(key >= cutoff)) == 100
+    tied = kernel._ordered_key(jnp.asarray(rng.integers(0, 5, 4096), jnp.float32))
+    cutoff, exact = search(tied, jnp.int32(100))
+    assert not bool(exact) and int(jnp.sum(tied > cutoff)) < 100 <= int(jnp.sum(tied >= cutoff))

@@ -1,0 +1,48 @@
+"""Serving roofline accounting (benchmarks/serve_gpu.py) on a tiny GLM-5-shaped config."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.serve_gpu import GLM5, decode_step_bytes, expected_experts
+
+TINY = {
+    **GLM5,
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 8,
+    "index_n_heads": 2,
+    "index_head_dim": 16,
+    "index_topk": 32,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "indexer_types": ["full"] * 3,
+}
+
+
+def test_expected_experts_under_uniform_routing():
+    assert expected_experts(256, 8, 1) == pytest.approx(8.0)
+    assert expected_experts(256, 8, 32) == pytest.approx(163.3, abs=0.1)  # the old count said 256
+    for batch in (1, 2, 4, 8, 32, 256):
+        assert expected_experts(256, 8, batch) <= min(256, 8 * batch) + 1e-9
+    # exact for two tokens: 16 picks minus the expected overlap 8 * 8 / 256
+    assert expected_experts(256, 8, 2) == pytest.approx(16 - 64 / 256)
+
+
+def test_step_bytes_count_the_expected_experts_and_every_sequences_cache():
+    expert = 3 * TINY["hidden_size"] * TINY["moe_intermediate_size"] * 2
+    moe_layers = TINY["num_hidden_layers"] - TINY["first_k_dense_replace"]
+    b1, b2 = decode_step_bytes(TINY, 16, 1), decode_step_bytes(TINY, 16, 2)
+    routed = (expected_experts(16, 4, 2) - expected_experts(16, 4, 1)) * expert * moe_layers
+    kv_row = (TINY["kv_lora_rank"] + TINY["qk_rope_head_dim"]) * 2
+    assert b2 - b1 == pytest.approx(routed + TINY["num_hidden_layers"] * 16 * kv_row)
