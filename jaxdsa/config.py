@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,6 +58,22 @@ class QuantConfig:
     group_size: int = 32
     symmetric: bool = False
     ignore: tuple[str, ...] = ()
+    targets: tuple[str, ...] = ("Linear",)  # compressed-tensors config_groups targets
+
+    def quantizes(self, module: str) -> bool:
+        """Whether the Linear layer ``module`` (HF name without ``.weight``) is stored quantized:
+        compressed-tensors matches a target or ignore entry when it equals the module name, is the
+        class name ``Linear``, or is ``re:<pattern>`` with ``re.match`` (a prefix match) on the name."""
+        if self.method != "compressed-tensors":
+            return True
+        hit = (
+            lambda entry: (  # noqa: E731
+                entry == "Linear"
+                or entry == module
+                or (entry.startswith("re:") and re.match(entry[3:], module))
+            )
+        )
+        return any(map(hit, self.targets)) and not any(map(hit, self.ignore))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,12 +290,18 @@ def _parse_quantization(f: _Fields) -> QuantConfig | None:
             raise f.error(
                 "quantization_config.config_groups.weights.group_size", "group strategy with a size"
             )
+        targets = group.get("targets") or ["Linear"]
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise f.error(
+                "quantization_config.config_groups.targets", f"expected a list of strings, got {targets}"
+            )
         return QuantConfig(
             method="compressed-tensors",
             num_bits=4,
             group_size=int(weights["group_size"]),
             symmetric=bool(weights.get("symmetric", True)),
             ignore=tuple(q.get("ignore") or ()),
+            targets=tuple(targets),
         )
     raise f.error("quantization_config.quant_method", f"unsupported {method!r} (fp8 or compressed-tensors)")
 
