@@ -1,8 +1,9 @@
 """Load a Hugging Face checkpoint directory into jaxdsa's params pytree.
 
-Tensors are memory-mapped and converted one at a time (dequantizing FP8-block or INT4-packed
-weights in float32 first), so host memory holds one tensor (or one layer's experts) at a time.
-Every failure names the file and the tensor.
+Tensors are memory-mapped and converted one at a time (FP8-block weights dequantized in float32,
+INT4-packed ones in their scale's dtype as compressed-tensors does, see :mod:`checkpoints.quant`),
+so host memory holds one tensor (or one layer's experts) at a time. Every failure names the file
+and the tensor.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class _Loader:
         """The float32 [out, in] matrix of an HF linear layer, dequantized if needed."""
         weight, packed = spec.name + ".weight", spec.name + ".weight_packed"
         quant = self.cfg.quantization
+        if quant is not None and quant.method == "compressed-tensors":
+            self._check_quantized_as_configured(spec.name, quant)
         if weight not in self.reader and packed in self.reader:
             if quant is None or quant.method != "compressed-tensors":
                 raise self._fail(
@@ -72,6 +75,17 @@ class _Loader:
                 raise self._fail(scale_name, str(e)) from None
         return np.asarray(self._plain(weight, (spec.out, spec.inp)), np.float32)
 
+    def _check_quantized_as_configured(self, module: str, quant) -> None:
+        """A module the config's targets / ignore list quantize must be stored packed, any other
+        plainly: a file that disagrees with its config is refused rather than guessed at."""
+        packed = module + ".weight_packed"
+        if packed in self.reader and not quant.quantizes(module):
+            raise self._fail(
+                packed, "stored packed, but the quantization_config ignores it or no target matches"
+            )
+        if module + ".weight" in self.reader and quant.quantizes(module):
+            raise self._fail(module + ".weight", "stored unpacked, but the quantization_config quantizes it")
+
     def _int4(self, spec: names.Linear, group: int) -> np.ndarray:
         base = spec.name
         shape_name = base + ".weight_shape"
@@ -84,13 +98,14 @@ class _Loader:
         if not symmetric and zp_name not in self.reader:
             raise CheckpointError(self.reader.directory, zp_name, "missing: the scheme is asymmetric")
         try:
-            return dequantize_int4_packed(
+            w = dequantize_int4_packed(
                 self.reader.get(base + ".weight_packed"),
                 self.reader.get(base + ".weight_scale"),
                 None if symmetric else self.reader.get(zp_name),
                 (spec.out, spec.inp),
                 group,
             )
+            return w.astype(np.float32)  # the library's values (bf16 for bf16 scales), exactly
         except ValueError as e:
             raise self._fail(base + ".weight_packed", str(e)) from None
 

@@ -125,7 +125,8 @@ def _quantize_int4(w: np.ndarray, group: int):
     zp = np.clip(np.round(-lo / scale) - 8, -8, 7).astype(np.int64)
     q = np.clip(np.round(g / scale[..., None]) + zp[..., None], -8, 7).astype(np.int64).reshape(out, inp)
     scale = scale.astype(ml_dtypes.bfloat16)
-    deq = (q - np.repeat(zp, group, 1)) * np.repeat(scale.astype(np.float32), group, 1)
+    # compressed-tensors' definition: the product is rounded to the scale's dtype (bf16)
+    deq = ((q - np.repeat(zp, group, 1)) * np.repeat(scale.astype(np.float32), group, 1)).astype(scale.dtype)
     return {
         "weight_packed": _pack_along(q, 1),
         "weight_scale": scale,
@@ -163,7 +164,7 @@ def test_int4_pack_quantized_checkpoint(tiny, tmp_path):
                     "strategy": "group",
                     "group_size": group,
                 },
-                "targets": ["Linear"],
+                "targets": ["re:.*mlp\\.experts\\."],
             }
         },
         "ignore": ["lm_head"],
@@ -173,3 +174,13 @@ def test_int4_pack_quantized_checkpoint(tiny, tmp_path):
     for (ka, va), (kb, vb) in zip(_flatten(a), _flatten(b)):
         assert ka == kb
         np.testing.assert_array_equal(va, vb)
+    # a file that disagrees with its config is refused: every Linear targeted, experts alone packed
+    cfg["quantization_config"]["config_groups"]["group_0"]["targets"] = ["Linear"]
+    (quant / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="stored unpacked, but the quantization_config quantizes it"):
+        load_params(quant, progress=False)
+    cfg["quantization_config"]["config_groups"]["group_0"]["targets"] = ["re:.*mlp\\.experts\\."]
+    cfg["quantization_config"]["ignore"] = ["re:.*experts\\.0\\."]
+    (quant / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="stored packed, but the quantization_config ignores it"):
+        load_params(quant, progress=False)
