@@ -22,7 +22,12 @@ Shapes (T query tokens, H heads, K selected keys, N cache slots, S key positions
 - ``topk_indices(logits [T,S], k) -> [T,k] int32``: indices of the k largest finite values, any
   order, -1 where a row has fewer.
 - ``pack_experts(gate [E,N,D], up [E,N,D], down [E,D,N]) -> experts`` and
-  ``moe_experts(x [T,D], topk_ids [T,k], topk_weights [T,k], experts, *, swiglu_limit=None) -> [T,D]``.
+  ``moe_experts(x [T,D], topk_ids [T,k], topk_weights [T,k], experts, *, swiglu_limit=None) -> [T,D]``;
+  quantized experts: ``pack_experts`` of three ``QuantizedWeight`` stacks ``[E, in, out]``.
+- ``quant_matmul(x [M,K], w: QuantizedWeight [K,N]) -> [M,N]``: ``x @ W`` with W kept INT4 / FP8 /
+  FP4 (``pallas_kernels.quant_matmul.layout``), dequantized in the kernel to x's dtype. Not wrapped
+  in a ``shard_map``: the caller (a Linear) knows whether W is split along K or N and runs it under
+  its own specs.
 """
 
 from __future__ import annotations
@@ -48,7 +53,9 @@ _PACKAGES = {
     "topk_indices": "topk",
     "moe_experts": "moe",
     "pack_experts": "moe",
+    "quant_matmul": "quant_matmul",
 }
+_UNWRAPPED = ("pack_experts", "quant_matmul")  # not run under jaxdsa.sharding's shard_map rules
 
 _backend: str | None = None
 
@@ -89,7 +96,7 @@ def _resolve(op: str, backend: str) -> Callable[..., Any]:
 
 def _impl(op: str) -> Callable[..., Any]:
     fn = _resolve(op, get_kernels())
-    return fn if op == "pack_experts" else sharding.wrap_op(op, fn)
+    return fn if op in _UNWRAPPED else sharding.wrap_op(op, fn)
 
 
 def sparse_mla(q, kv, indices, *, sm_scale: float, sink=None, v_dim: int = 512):
@@ -118,3 +125,7 @@ def pack_experts(gate, up, down):
 
 def moe_experts(x, topk_ids, topk_weights, experts, *, swiglu_limit: float | None = None):
     return _impl("moe_experts")(x, topk_ids, topk_weights, experts, swiglu_limit=swiglu_limit)
+
+
+def quant_matmul(x, w):
+    return _impl("quant_matmul")(x, w)
