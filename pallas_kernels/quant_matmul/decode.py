@@ -28,11 +28,12 @@ MODES = ("native", "software")
 
 def fp_decode(mode: str | None = None, *, cc: int | None = None) -> str:
     """'native' or 'software': ``mode`` if given, else ``$JAXDSA_FP_DECODE``, else native from
-    compute capability 8.9 on (and for the CPU interpreter, cc 0, whose XLA converts e4m3)."""
+    compute capability 8.9 on. The CPU interpreter (cc 0) defaults to software, so CPU tests run
+    the sm_80 path unless they ask for the other."""
     mode = mode or os.environ.get(ENV, "").strip().lower() or None
     if mode is None:
         cc = compute_capability() if cc is None else cc
-        return "native" if cc == 0 or cc >= 89 else "software"
+        return "native" if cc >= 89 else "software"
     if mode not in MODES:
         raise ValueError(f"fp decode mode {mode!r}: choose one of {', '.join(MODES)} (or unset {ENV})")
     return mode
