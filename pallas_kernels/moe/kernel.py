@@ -314,16 +314,10 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def _weight_operands(w, decode: str | None):
-    """(spec, arrays, compute dtype, K-step floor) of a dense or quantized expert weight stack."""
-    spec, arrays = tiles.operands(w, decode)
-    return spec, arrays, (w.dtype if spec.format is None else None), max(spec.kpack, 16)
-
-
 def gate_up(
     x: jax.Array,
     bmap: routing.BlockMap,
-    w,
+    w: jax.Array | QuantizedWeight,
     cfg: tuning.MoeConfig,
     *,
     top_k: int,
@@ -334,8 +328,9 @@ def gate_up(
     """``act [blocks * block_m, N]``: SwiGLU of the gathered token rows through their expert's
     gate|up weights ``w [E, D, 2N]`` (dense, or a quantized stack), in block-padded row order."""
     _, d_model, two_n = w.shape
-    spec, arrays, dtype, k_floor = _weight_operands(w, decode)
-    dtype = dtype or x.dtype
+    spec, arrays = tiles.operands(w, decode)
+    dtype = w.dtype if spec.format is None else x.dtype  # dense experts set the dtype; quantized follow x
+    k_floor = max(spec.kpack, 16)
     n_inter, bm = two_n // 2, cfg.block_m
     block_n = _fit(cfg.gate_up.block_n, n_inter, "N")
     block_k = _fit(cfg.gate_up.block_k, d_model, "D", k_floor)
@@ -366,7 +361,7 @@ def gate_up(
 def down(
     act: jax.Array,
     bmap: routing.BlockMap,
-    w,
+    w: jax.Array | QuantizedWeight,
     cfg: tuning.MoeConfig,
     *,
     num_slots: int,
@@ -377,7 +372,8 @@ def down(
     ``w [E, N, D]`` (dense, or a quantized stack), scattered back to slot order (rows of dropped
     slots and the spare tail are never written)."""
     _, n_inter, d_model = w.shape
-    spec, arrays, _, k_floor = _weight_operands(w, decode)
+    spec, arrays = tiles.operands(w, decode)
+    k_floor = max(spec.kpack, 16)
     bm = cfg.block_m
     block_n, block_k = _fit(cfg.down.block_n, d_model, "D"), _fit(cfg.down.block_k, n_inter, "N", k_floor)
     n_blocks, n_tiles = bmap.block_expert.shape[0], d_model // block_n

@@ -108,6 +108,7 @@ DEFAULT = _SMALL_SMEM
 
 # Shrink order when a tile does not fit: stages (down to 2), K step, N tile, the last stage.
 _KNOBS = (("num_stages", 2), ("block_k", 16), ("block_n", 16), ("num_stages", 1))
+_KNOBS_4BIT = (("num_stages", 2), ("block_k", 64), ("block_n", 16), ("num_stages", 1))  # whole packed chunks
 
 
 def block_m_for(num_slots: int, num_experts: int, max_block_m: int) -> int:
@@ -148,11 +149,7 @@ def choose(
     block_m = block_m_for(num_slots, num_experts, e.max_block_m)
     gate_up, down = e.few if num_slots < num_experts else e.stream if block_m <= 32 else e.compute
     budget = shared_memory_budget(cc)
-    knobs = (
-        _KNOBS
-        if weight_bits != 4
-        else (("num_stages", 2), ("block_k", 64), ("block_n", 16), ("num_stages", 1))
-    )
+    knobs = _KNOBS_4BIT if weight_bits == 4 else _KNOBS
 
     def fit(tile: Tile, weight_tiles: int) -> Tile:
         if weight_bits == 4:
