@@ -7,7 +7,7 @@ Run ``python -m benchmarks.quant`` on a GPU. Per format and T it times, in one p
 * ``pallas``: ``moe_experts`` (routed experts; the shared expert is the ``shared`` linears) and
   ``quant_matmul`` (each linear) with the tuning tables, e4m3 decoded the device's default way;
 * ``pallas:software``: FP8 with the sm_80 integer e4m3 decode forced (``decode="software"``), the
-  path A100s run;
+  path A100s run (on parts where it is the default, ``pallas`` is that path already);
 * ``torch``: dequantize to bf16 then ``torch._grouped_mm`` / ``torch.matmul``
   (:mod:`benchmarks.torch_peer`) on the same arrays, shared through DLPack; skipped without torch;
 * bf16 rows: the bf16 MoE kernel and XLA's dot, the unquantized baselines.
@@ -28,6 +28,7 @@ date, ceilings, a summary per T and format, then every measurement; skipped ones
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import os
 import pathlib
@@ -44,6 +45,7 @@ import numpy as np
 from benchmarks import harness
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.quant_matmul import kernel as qmm_kernel
+from pallas_kernels.quant_matmul.decode import fp_decode
 from pallas_kernels.quant_matmul.layout import QuantizedWeight, dequantize
 
 FORMATS = ("int4", "fp8", "bf16")
@@ -106,6 +108,7 @@ def _env_list(name: str, default: tuple) -> tuple:
 # ---- weights and inputs, made on the device ------------------------------------------------------
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def random_weight(key, fmt: str, lead: tuple[int, ...], k: int, n: int):
     """A random ``[*lead, K, N]`` weight in the kernels' layout (bf16: a plain array)."""
     kc, ks, kz = jax.random.split(key, 3)
@@ -302,10 +305,12 @@ def read_ceiling_gbs(nbytes: int) -> float:
 
 def _impls(fmt: str, kind: str) -> list[tuple[str, str | None]]:
     """(row name, forced e4m3 decode) of the JAX rows of a format: bf16 runs the bf16 MoE kernel and
-    XLA's dot (the unquantized baselines)."""
+    XLA's dot (the unquantized baselines); FP8 also runs the software e4m3 decode where it is not
+    already the default (sm_80 / sm_86, the CPU)."""
     if fmt == "bf16":
         return [("pallas bf16" if kind == "moe" else "XLA dot", None)]
-    return [("pallas", None)] + ([("pallas:software", "software")] if fmt == "fp8" else [])
+    forced = fmt == "fp8" and fp_decode() != "software"
+    return [("pallas", None)] + ([("pallas:software", "software")] if forced else [])
 
 
 def run(shapes: Shapes = GLM5, *, formats=FORMATS, budget_s: float = float("inf")) -> tuple[list[dict], dict]:
