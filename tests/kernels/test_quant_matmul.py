@@ -135,6 +135,26 @@ def test_dequantize_is_the_format_definition(make):
     _same_bits(layout.dequantize(wj), want)
 
 
+def test_from_checkpoint_tensors():
+    """The loader's path: compressed-tensors int32 words -> checkpoints.quant.int4_values ->
+    layout.pack_int4 dequantizes exactly as checkpoints.quant.dequantize_int4_packed."""
+    rng = np.random.default_rng(6)
+    n, k, g = 40, 256, 128
+    q, zp = rng.integers(-8, 8, size=(n, k)), rng.integers(-8, 8, size=(n, k // g))
+    scale = rng.uniform(0.01, 0.1, size=(n, k // g)).astype(BF16)
+
+    def words(v, axis):  # eight 4-bit fields per int32, element i at bits 4i, offset +8
+        v = np.moveaxis(v + 8, axis, -1).astype(np.uint32)
+        v = v.reshape(*v.shape[:-1], -1, 8) << (4 * np.arange(8, dtype=np.uint32))
+        return np.moveaxis(np.bitwise_or.reduce(v, axis=-1).view(np.int32), -1, axis)
+
+    packed, zeros = words(q, 1), words(zp, 0)
+    qs, zps = formats.int4_values(packed, scale, zeros, (n, k), g)
+    w = layout.pack_int4(qs, scale, zps, group_size=g)
+    want = formats.dequantize_int4_packed(packed, scale, zeros, (n, k), g).astype(np.float32).T
+    _same_bits(layout.dequantize(_device(w)), want)
+
+
 def test_jnp_packers_match_numpy():
     rng = np.random.default_rng(1)
     q, zp = rng.integers(-8, 8, size=(2, 48, 128)), rng.integers(-8, 8, size=(2, 48, 4))
