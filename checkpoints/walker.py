@@ -45,7 +45,8 @@ def path_name(path: Path) -> str:
 
 class _Source:
     """Tensors of one checkpoint in the file's layout: plain ones as lazily mapped views,
-    quantized linears dequantized to float32 (the last few kept, since every device of a mesh
+    quantized linears dequantized (FP8 blocks in float32, INT4 in its scale's dtype as
+    compressed-tensors does, then held as float32) (the last few kept, since every device of a mesh
     asks for its slice of the same tensor in turn)."""
 
     def __init__(self, reader: CheckpointReader, quant: QuantConfig | None):
@@ -73,6 +74,8 @@ class _Source:
         weight, packed = name + ".weight", name + ".weight_packed"
         if weight not in self.reader and packed not in self.reader:
             raise self.missing(weight)
+        if self.quant is not None and self.quant.method == "compressed-tensors":
+            self._check_quantized_as_configured(name)
         is_fp8 = weight in self.reader and self.reader.dtype(weight) == np.dtype(ml_dtypes.float8_e4m3fn)
         if weight in self.reader and not is_fp8:
             return self.plain(weight, (out, inp))
@@ -84,6 +87,15 @@ class _Source:
         if len(self._dequantized) > 4:
             self._dequantized.popitem(last=False)
         return value
+
+    def _check_quantized_as_configured(self, module: str) -> None:
+        """A module the config's targets / ignore list quantize must be stored packed, any other
+        plainly: a file that disagrees with its config is refused rather than guessed at."""
+        packed = module + ".weight_packed"
+        if packed in self.reader and not self.quant.quantizes(module):
+            raise self.fail(packed, "stored packed, but the quantization_config ignores it or no target matches")
+        if module + ".weight" in self.reader and self.quant.quantizes(module):
+            raise self.fail(module + ".weight", "stored unpacked, but the quantization_config quantizes it")
 
     def _fp8(self, name: str, out: int, inp: int) -> np.ndarray:
         weight = name + ".weight"
@@ -115,13 +127,14 @@ class _Source:
         if not self.quant.symmetric and zp_name not in self.reader:
             raise self.missing(zp_name, "missing: the scheme is asymmetric")
         try:
-            return dequantize_int4_packed(
+            w = dequantize_int4_packed(
                 self.reader.get(packed),
                 self.reader.get(name + ".weight_scale"),
                 None if self.quant.symmetric else self.reader.get(zp_name),
                 (out, inp),
                 self.quant.group_size,
             )
+            return w.astype(np.float32)  # the library's values (bf16 for bf16 scales), exactly
         except ValueError as e:
             raise self.fail(packed, str(e)) from None
 

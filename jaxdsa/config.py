@@ -152,12 +152,18 @@ def parse_quantization(f: Fields) -> QuantConfig | None:
             raise f.error(
                 "quantization_config.config_groups.weights.group_size", "group strategy with a size"
             )
+        targets = group.get("targets") or ["Linear"]
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise f.error(
+                "quantization_config.config_groups.targets", f"expected a list of strings, got {targets}"
+            )
         return QuantConfig(
             method="compressed-tensors",
             num_bits=4,
             group_size=int(weights["group_size"]),
             symmetric=bool(weights.get("symmetric", True)),
             ignore=tuple(q.get("ignore") or ()),
+            targets=tuple(targets),
         )
     raise f.error("quantization_config.quant_method", f"unsupported {method!r} (fp8 or compressed-tensors)")
 

@@ -23,7 +23,12 @@ N expert width):
 - ``topk_indices(logits [T,S], k) -> [T,k] int32``: indices of the k largest finite values, any
   order, -1 where a row has fewer.
 - ``moe_experts(x [T,D], topk_ids [T,k], topk_weights [T,k], experts, *, swiglu_limit=None) -> [T,D]``
-  with ``experts = {'gate_up': [E,D,2N], 'down': [E,N,D]}`` (:func:`pallas_kernels.moe.ref.pack_experts`).
+  with ``experts = {'gate_up': [E,D,2N], 'down': [E,N,D]}`` (:func:`pallas_kernels.moe.ref.pack_experts`;
+  quantized experts: ``pack_experts`` of three ``QuantizedWeight`` stacks ``[E, in, out]``).
+- ``quant_matmul(x [T,K], w: QuantizedWeight [K,N]) -> [T,N]``: ``x @ W`` with W kept INT4 / FP8 /
+  FP4 (``pallas_kernels.quant_matmul.layout``), dequantized in the kernel to x's dtype. It has no
+  ``OpSharding``: the caller (a Linear) knows whether W is split along K or N and runs it under its
+  own specs.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from pallas_kernels.merge_states import kernel as merge_states_kernel
 from pallas_kernels.merge_states import ref as merge_states_ref
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe import ref as moe_ref
+from pallas_kernels.quant_matmul import kernel as quant_matmul_kernel
+from pallas_kernels.quant_matmul import ref as quant_matmul_ref
 from pallas_kernels.sparse_mla import kernel as sparse_mla_kernel
 from pallas_kernels.sparse_mla import ref as sparse_mla_ref
 from pallas_kernels.topk import kernel as topk_kernel
@@ -57,7 +64,7 @@ class Op:
 
     reference: Callable[..., Any]
     kernel: Callable[..., Any]
-    sharding: OpSharding
+    sharding: OpSharding | None  # None: the caller places it (no shard_map here)
 
 
 _EXPERTS = {"gate_up": ("experts", None, "expert_mlp"), "down": ("experts", "expert_mlp", None)}
@@ -109,6 +116,7 @@ OPS: dict[str, Op] = {
             across_dp="gather_tokens",
         ),
     ),
+    "quant_matmul": Op(quant_matmul_ref.quant_matmul, quant_matmul_kernel.quant_matmul, None),
 }
 
 _backend: str | None = None
@@ -147,7 +155,7 @@ def _impl(name: str, backend: str) -> Callable[..., Any]:
         if backend == "reference"
         else functools.partial(op.kernel, interpret=backend == "interpret")
     )
-    return wrap_op(op.sharding, fn)
+    return fn if op.sharding is None else wrap_op(op.sharding, fn)
 
 
 def sparse_mla(q, kv, indices, *, sm_scale: float, sink=None, v_dim: int = 512):
@@ -170,3 +178,7 @@ def topk_indices(logits, k: int):
 
 def moe_experts(x, topk_ids, topk_weights, experts, *, swiglu_limit: float | None = None):
     return _impl("moe_experts", get_kernels())(x, topk_ids, topk_weights, experts, swiglu_limit=swiglu_limit)
+
+
+def quant_matmul(x, w):
+    return _impl("quant_matmul", get_kernels())(x, w)

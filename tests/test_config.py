@@ -141,3 +141,49 @@ def test_quantization_configs():
         False,
         ("lm_head",),
     )
+
+
+def test_compressed_tensors_targets_and_ignore():
+    """compressed-tensors matching: exact module names, the class name 'Linear', and 're:' patterns
+    (re.match, a prefix match), for config_groups targets and for the ignore list."""
+    ct = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "weights": {"num_bits": 4, "type": "int", "symmetric": True, "group_size": 128},
+                "targets": [
+                    "re:.*mlp\\.(experts\\.\\d+\\.)?(gate|up)_proj$",
+                    "model.layers.0.self_attn.o_proj",
+                ],
+            }
+        },
+        "ignore": ["re:.*layers\\.1\\.", "model.layers.3.mlp.experts.0.up_proj"],
+    }
+    q = config_from_dict(dict(TINY_PRESETS["dsv32"], quantization_config=ct)).quantization
+    assert q.targets == (ct["config_groups"]["group_0"]["targets"][0], "model.layers.0.self_attn.o_proj")
+    yes = [
+        "model.layers.0.mlp.gate_proj",
+        "model.layers.3.mlp.experts.7.up_proj",
+        "model.layers.0.self_attn.o_proj",
+    ]
+    no = [
+        "model.layers.0.mlp.down_proj",  # no target matches
+        "model.layers.1.mlp.gate_proj",  # ignored by pattern
+        "model.layers.3.mlp.experts.0.up_proj",  # ignored by exact name
+        "model.layers.2.self_attn.o_proj",  # the exact target names layer 0 only
+    ]
+    assert [q.quantizes(m) for m in yes] == [True] * 3
+    assert [q.quantizes(m) for m in no] == [False] * 4
+    everything = config_from_dict(
+        dict(
+            TINY_PRESETS["dsv32"],
+            quantization_config=dict(
+                ct,
+                config_groups={"g": {"weights": ct["config_groups"]["group_0"]["weights"]}},
+                ignore=["lm_head"],
+            ),
+        )
+    ).quantization
+    assert everything.targets == ("Linear",)
+    assert everything.quantizes("model.layers.0.self_attn.kv_b_proj") and not everything.quantizes("lm_head")

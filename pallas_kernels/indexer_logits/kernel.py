@@ -30,7 +30,8 @@ homogeneous and the scales are positive (amax / 448), so
 e4m3 values (exact in bf16/f16) and multiply each logit by its key's scale, so key bytes stay at
 one per value. On sm_89+ the e4m3 cast is done in-kernel. **On sm_80/86 the Triton lowering has no
 e4m3 cast**: the keys are bitcast to uint8 in XLA (free) and decoded in-kernel with integer ops
-(:func:`_e4m3_bits_to_f16`); ``native_fp8`` overrides the choice.
+(:func:`_e4m3_bits_to_f16`). The choice is :func:`pallas_kernels.quant_matmul.decode.fp_decode`'s
+(``JAXDSA_FP_DECODE`` forces either path); ``native_fp8`` overrides it per call.
 
 Inputs with ragged edges are masked explicitly on every load and store (JAX 0.11.2 does not mask
 overhanging blocks); all refs are whole arrays indexed with program-id-derived offsets.
@@ -46,8 +47,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._triton import compiler_params, compute_capability, pl, pltriton
+from pallas_kernels._triton import compiler_params, pl, pltriton
 from pallas_kernels.indexer_logits import tuning
+from pallas_kernels.quant_matmul.decode import fp_decode
 
 KeyFormat = Literal["plain", "e4m3", "e4m3_bits"]
 
@@ -193,7 +195,7 @@ def _key_operand(k_flat, k_scale, native_fp8):
     if k_flat.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"k_scale given, so keys must be float8_e4m3fn, got {k_flat.dtype}")
     if native_fp8 is None:
-        native_fp8 = compute_capability() >= 89
+        native_fp8 = fp_decode() == "native"
     # Both fp8 paths load bytes: a masked load needs an ``other`` fill, which has no e4m3 constant.
     return ("e4m3" if native_fp8 else "e4m3_bits"), lax.bitcast_convert_type(k_flat, jnp.uint8)
 

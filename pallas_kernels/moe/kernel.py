@@ -25,15 +25,18 @@ before it, which multiplies those rows with the weight tiles it already has in s
 (H100, T = 4096: 4.7 vs 4.9 ms for routing + gate|up, ``benchmarks/results/moe-h100-sweep-*.md``).
 With decode-sized batches ``block_m`` almost always covers all of an expert's slots, so each
 touched expert's weights are streamed from HBM once (see :mod:`.tuning`). Both kernels read
-weights only through :func:`_weight_tile` (``[block_k, block_n]`` slices of the packed arrays),
-the one place a fused dequantize step would go.
+weights only through :func:`pallas_kernels.quant_matmul.tiles.pieces`: bf16 / float32 weights as
+``[block_k, block_n]`` slices, INT4 / FP8 / FP4 experts (a
+:class:`~pallas_kernels.quant_matmul.layout.QuantizedWeight` per matrix) dequantized in the K loop
+to the activations' dtype, so quantized experts stream 4 or 8 bits per weight.
 
 Loads and stores that can touch padding (the gathered ``x`` rows, the ``y`` scatter) carry
 explicit masks and ``other``; the weight, ``act`` and block-map accesses are in bounds by
 construction (tiles divide D and N, nothing overhangs), so JAX 0.11.2 and 0.12 agree.
 
-Weights use :func:`.ref.pack_experts`'s layout (``gate_up [E, D, 2N]``, ``down [E, N, D]``), so
-packed weights work with the reference backend too and switching backends needs no repacking.
+Weights use :func:`.ref.pack_experts`'s layout (``gate_up [E, D, 2N]``, ``down [E, N, D]``, dense or
+quantized), so packed weights work with the reference backend too and switching backends needs no
+repacking.
 """
 
 from __future__ import annotations
@@ -45,27 +48,24 @@ import jax.numpy as jnp
 
 from pallas_kernels._triton import compiler_params, pl, pltriton
 from pallas_kernels.moe import routing, tuning
+from pallas_kernels.quant_matmul import tiles
+from pallas_kernels.quant_matmul.decode import fp_decode
+from pallas_kernels.quant_matmul.layout import QuantizedWeight
 
 __all__ = ["combine", "down", "gate_up", "moe_experts", "route"]
 
 _EXPERT, _ROWS, _SPAN_START, _SPAN_LEN = range(4)  # rows of the per-block metadata the kernels read
 
 
-def _fit(block: int, dim: int, what: str) -> int:
-    """Largest power of two <= ``block`` dividing ``dim`` (so weight tiles are never partial)."""
+def _fit(block: int, dim: int, what: str, floor: int = 16) -> int:
+    """Largest power of two <= ``block`` dividing ``dim``, at least ``floor`` (so weight tiles are never
+    partial; 4-bit weights need whole packed chunks)."""
     b = block
-    while b >= 16 and (b > dim or dim % b):
+    while b >= floor and (b > dim or dim % b):
         b //= 2
-    if b < 16:
-        raise ValueError(f"moe_experts needs {what} = {dim} to be a multiple of 16")
+    if b < floor:
+        raise ValueError(f"moe_experts needs {what} = {dim} to be a multiple of {floor}")
     return b
-
-
-def _weight_tile(w_ref, expert, k0, n0, block_k: int, block_n: int) -> jax.Array:
-    """``[block_k, block_n]`` tile of one expert's ``[K, N']`` matrix: the single place a fused
-    dequantize step would go (load INT4/FP8 codes and their group scales with the same indexing;
-    with 128x128 FP8 blocks a tile of <= 128 x 128 at aligned offsets needs one scale)."""
-    return w_ref[expert, pl.ds(k0, block_k), pl.ds(n0, block_n)]
 
 
 def _block_and_tile(meta_ref, n_tiles: int) -> tuple[jax.Array, jax.Array]:
@@ -129,9 +129,9 @@ def _gate_up_kernel(
     meta_ref,
     row_slot_ref,
     x_ref,
-    w_ref,
-    act_ref,
-    *,
+    *refs,
+    w_spec: tiles.WeightSpec,
+    n_inter: int,
     top_k: int,
     block_m: int,
     min_m: int,
@@ -142,11 +142,11 @@ def _gate_up_kernel(
     swiglu_limit: float | None,
     precision,
 ):
+    *w_refs, act_ref = refs
     block, tile = _block_and_tile(meta_ref, n_tiles)
     n0 = pl.multiple_of(tile * block_n, block_n)
     expert = meta_ref[_EXPERT, block]
     d_model = x_ref.shape[1]
-    n_inter = w_ref.shape[2] // 2
 
     def run(m: int, extra: int) -> None:
         groups = _row_groups(block, block_m, m, extra)
@@ -157,16 +157,17 @@ def _gate_up_kernel(
 
         def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
-            cols = k0 + jnp.arange(block_k, dtype=jnp.int32)
-            w_gate = _weight_tile(w_ref, expert, k0, n0, block_k, block_n)
-            w_up = _weight_tile(w_ref, expert, k0, n_inter + n0, block_k, block_n)
-            out = []
-            for (gate, up), (tokens, valid) in zip(acc, gathers):
-                xs = pltriton.load(x_ref.at[tokens[:, None], cols[None, :]], mask=valid[:, None], other=0)
-                gate += jnp.dot(xs, w_gate, preferred_element_type=jnp.float32, precision=precision)
-                up += jnp.dot(xs, w_up, preferred_element_type=jnp.float32, precision=precision)
-                out.append((gate, up))
-            return tuple(out)
+            tile_at = lambda n: tiles.pieces(w_spec, w_refs, (expert,), k0, n, block_k, block_n, x_ref.dtype)  # noqa: E731
+            for (offset, length, w_gate), (_, _, w_up) in zip(tile_at(n0), tile_at(n_inter + n0)):
+                cols = k0 + offset + jnp.arange(length, dtype=jnp.int32)
+                out = []
+                for (gate, up), (tokens, valid) in zip(acc, gathers):
+                    xs = pltriton.load(x_ref.at[tokens[:, None], cols[None, :]], mask=valid[:, None], other=0)
+                    gate += jnp.dot(xs, w_gate, preferred_element_type=jnp.float32, precision=precision)
+                    up += jnp.dot(xs, w_up, preferred_element_type=jnp.float32, precision=precision)
+                    out.append((gate, up))
+                acc = tuple(out)
+            return acc
 
         zeros = tuple((jnp.zeros((n, block_n), jnp.float32),) * 2 for _, n in groups)
         acc = jax.lax.fori_loop(0, d_model // block_k, step, zeros)
@@ -183,9 +184,8 @@ def _down_kernel(
     meta_ref,
     row_slot_ref,
     act_ref,
-    w_ref,
-    y_ref,
-    *,
+    *refs,
+    w_spec: tiles.WeightSpec,
     block_m: int,
     min_m: int,
     absorb_m: int,
@@ -194,6 +194,7 @@ def _down_kernel(
     n_tiles: int,
     precision,
 ):
+    *w_refs, y_ref = refs
     block, tile = _block_and_tile(meta_ref, n_tiles)
     d0 = pl.multiple_of(tile * block_n, block_n)
     expert = meta_ref[_EXPERT, block]
@@ -204,17 +205,20 @@ def _down_kernel(
 
         def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
-            w = _weight_tile(w_ref, expert, k0, d0, block_k, block_n)
-            return tuple(
-                a
-                + jnp.dot(
-                    act_ref[rows, pl.ds(k0, block_k)],
-                    w,
-                    preferred_element_type=jnp.float32,
-                    precision=precision,
+            for offset, length, w in tiles.pieces(
+                w_spec, w_refs, (expert,), k0, d0, block_k, block_n, act_ref.dtype
+            ):
+                acc = tuple(
+                    a
+                    + jnp.dot(
+                        act_ref[rows, pl.ds(k0 + offset, length)],
+                        w,
+                        preferred_element_type=jnp.float32,
+                        precision=precision,
+                    )
+                    for a, (rows, _) in zip(acc, groups)
                 )
-                for a, (rows, _) in zip(acc, groups)
-            )
+            return acc
 
         zeros = tuple(jnp.zeros((n, block_n), jnp.float32) for _, n in groups)
         acc = jax.lax.fori_loop(0, n_inter // block_k, step, zeros)
@@ -240,16 +244,26 @@ def moe_experts(
     swiglu_limit: float | None = None,
     interpret: bool = False,
     config: tuning.MoeConfig | None = None,
+    decode: str | None = None,
 ) -> jax.Array:
     """out[t] = sum_j w[t,j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t,j].
 
     x [T, D]; topk_ids [T, k] int32 (ids outside [0, E) contribute nothing); topk_weights [T, k];
     experts from :func:`.ref.pack_experts`. ``swiglu_limit`` clamps gate to <= limit and up to
     [-limit, limit]. ``config`` overrides the tuning table (benchmark sweeps). D and N must be
-    multiples of 16. Returns [T, D] in x's dtype.
+    multiples of 16. Dense experts compute in their own dtype (x is cast to it); quantized experts
+    are dequantized to x's dtype (``decode``: e4m3 path, see
+    :func:`pallas_kernels.quant_matmul.decode.fp_decode`). Returns [T, D] in x's dtype.
     """
     num_experts = experts["gate_up"].shape[0]
-    cfg = config or tuning.choose(topk_ids.size, num_experts, itemsize=experts["gate_up"].dtype.itemsize)
+    quantized = isinstance(experts["gate_up"], QuantizedWeight)
+    cfg = config or tuning.choose(
+        topk_ids.size,
+        num_experts,
+        itemsize=(x if quantized else experts["gate_up"]).dtype.itemsize,
+        weight_bits=(4 if experts["gate_up"].packed else 8) if quantized else None,
+    )
+    decode = fp_decode(decode) if quantized else None
     bmap = route(topk_ids, num_experts, cfg.block_m)
     act = gate_up(
         x,
@@ -259,8 +273,9 @@ def moe_experts(
         top_k=topk_ids.shape[1],
         swiglu_limit=swiglu_limit,
         interpret=interpret,
+        decode=decode,
     )
-    y = down(act, bmap, experts["down"], cfg, num_slots=topk_ids.size, interpret=interpret)
+    y = down(act, bmap, experts["down"], cfg, num_slots=topk_ids.size, interpret=interpret, decode=decode)
     return combine(y, topk_ids, topk_weights, num_experts).astype(x.dtype)
 
 
@@ -289,22 +304,29 @@ def _precision(dtype):
 def gate_up(
     x: jax.Array,
     bmap: routing.BlockMap,
-    w: jax.Array,
+    w: jax.Array | QuantizedWeight,
     cfg: tuning.MoeConfig,
     *,
     top_k: int,
     swiglu_limit: float | None = None,
     interpret: bool = False,
+    decode: str | None = None,
 ) -> jax.Array:
     """``act [blocks * block_m, N]``: SwiGLU of the gathered token rows through their expert's
-    gate|up weights ``w [E, D, 2N]``, in block-padded row order."""
+    gate|up weights ``w [E, D, 2N]`` (dense, or a quantized stack), in block-padded row order."""
     _, d_model, two_n = w.shape
+    spec, arrays = tiles.operands(w, decode)
+    dtype = w.dtype if spec.format is None else x.dtype  # dense experts set the dtype; quantized follow x
+    k_floor = max(spec.kpack, 16)
     n_inter, bm = two_n // 2, cfg.block_m
-    block_n, block_k = _fit(cfg.gate_up.block_n, n_inter, "N"), _fit(cfg.gate_up.block_k, d_model, "D")
+    block_n = _fit(cfg.gate_up.block_n, n_inter, "N")
+    block_k = _fit(cfg.gate_up.block_k, d_model, "D", k_floor)
     n_blocks, n_tiles = bmap.block_expert.shape[0], n_inter // block_n
     return pl.pallas_call(
         functools.partial(
             _gate_up_kernel,
+            w_spec=spec,
+            n_inter=n_inter,
             top_k=top_k,
             block_m=bm,
             min_m=min(cfg.min_block_m, bm),
@@ -313,49 +335,53 @@ def gate_up(
             block_k=block_k,
             n_tiles=n_tiles,
             swiglu_limit=swiglu_limit,
-            precision=_precision(w.dtype),
+            precision=_precision(dtype),
         ),
-        out_shape=jax.ShapeDtypeStruct((n_blocks * bm, n_inter), w.dtype),
+        out_shape=jax.ShapeDtypeStruct((n_blocks * bm, n_inter), dtype),
         grid=(n_blocks * n_tiles,),
         compiler_params=compiler_params(cfg.gate_up.num_warps, cfg.gate_up.num_stages),
         interpret=interpret,
         name="moe_gate_up",
-    )(_metadata(bmap), bmap.row_slot, x.astype(w.dtype), w)
+    )(_metadata(bmap), bmap.row_slot, x.astype(dtype), *arrays)
 
 
 def down(
     act: jax.Array,
     bmap: routing.BlockMap,
-    w: jax.Array,
+    w: jax.Array | QuantizedWeight,
     cfg: tuning.MoeConfig,
     *,
     num_slots: int,
     interpret: bool = False,
+    decode: str | None = None,
 ) -> jax.Array:
     """``y [num_slots + block_m, D]``: each slot's ``act`` row through its expert's down weights
-    ``w [E, N, D]``, scattered back to slot order (rows of dropped slots and the spare tail are
-    never written)."""
+    ``w [E, N, D]`` (dense, or a quantized stack), scattered back to slot order (rows of dropped
+    slots and the spare tail are never written)."""
     _, n_inter, d_model = w.shape
+    spec, arrays = tiles.operands(w, decode)
+    k_floor = max(spec.kpack, 16)
     bm = cfg.block_m
-    block_n, block_k = _fit(cfg.down.block_n, d_model, "D"), _fit(cfg.down.block_k, n_inter, "N")
+    block_n, block_k = _fit(cfg.down.block_n, d_model, "D"), _fit(cfg.down.block_k, n_inter, "N", k_floor)
     n_blocks, n_tiles = bmap.block_expert.shape[0], d_model // block_n
     return pl.pallas_call(
         functools.partial(
             _down_kernel,
+            w_spec=spec,
             block_m=bm,
             min_m=min(cfg.min_block_m, bm),
             absorb_m=_absorb_m(cfg),
             block_n=block_n,
             block_k=block_k,
             n_tiles=n_tiles,
-            precision=_precision(w.dtype),
+            precision=_precision(act.dtype),
         ),
-        out_shape=jax.ShapeDtypeStruct((num_slots + bm, d_model), w.dtype),
+        out_shape=jax.ShapeDtypeStruct((num_slots + bm, d_model), act.dtype),
         grid=(n_blocks * n_tiles,),
         compiler_params=compiler_params(cfg.down.num_warps, cfg.down.num_stages),
         interpret=interpret,
         name="moe_down",
-    )(_metadata(bmap), bmap.row_slot, act, w)
+    )(_metadata(bmap), bmap.row_slot, act, *arrays)
 
 
 def combine(y: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, num_experts: int) -> jax.Array:

@@ -5,18 +5,30 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.quant_matmul.layout import QuantizedWeight, concat_n, dequantize
+
 
 def pack_experts(gate, up, down):
-    """HF per-expert [out, in] matrices -> {'gate_up': [E, D, 2N], 'down': [E, N, D]}."""
+    """HF per-expert [out, in] matrices -> {'gate_up': [E, D, 2N], 'down': [E, N, D]}.
+
+    Quantized experts are passed as :class:`QuantizedWeight` stacks already in the ``[E, in, out]``
+    layout (``pallas_kernels.quant_matmul.layout.pack_*``); gate and up are joined along N."""
+    if isinstance(gate, QuantizedWeight):
+        return {"gate_up": concat_n(gate, up), "down": down}
     gate_up = jnp.concatenate([jnp.swapaxes(gate, 1, 2), jnp.swapaxes(up, 1, 2)], axis=-1)
     return {"gate_up": gate_up, "down": jnp.swapaxes(down, 1, 2)}
+
+
+def _weights(w, dtype):
+    """Dense experts as they are; quantized ones dequantized (their format's values) to ``dtype``."""
+    return dequantize(w, dtype) if isinstance(w, QuantizedWeight) else w
 
 
 def moe_experts(x, topk_ids, topk_weights, experts, *, swiglu_limit: float | None = None):
     """out[t] = sum_j w[t,j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t,j].
 
     Ids outside [0, E) contribute nothing, so an expert-parallel shard can pass global routing
-    shifted to its local range.
+    shifted to its local range. Quantized experts are dequantized to x's dtype.
     """
     T, k = topk_ids.shape
     E, _, two_n = experts["gate_up"].shape
@@ -27,13 +39,14 @@ def moe_experts(x, topk_ids, topk_weights, experts, *, swiglu_limit: float | Non
     order = jnp.argsort(sort_key, stable=True)
     group_sizes = jnp.bincount(jnp.where(in_range, ids, 0), weights=in_range.astype(jnp.int32), length=E)
     xs = jnp.take(x, order // k, axis=0)
-    h = jax.lax.ragged_dot(xs, experts["gate_up"], group_sizes, preferred_element_type=jnp.float32)
+    gate_up, down = _weights(experts["gate_up"], x.dtype), _weights(experts["down"], x.dtype)
+    h = jax.lax.ragged_dot(xs, gate_up, group_sizes, preferred_element_type=jnp.float32)
     gate, up = h[:, :n], h[:, n:]
     if swiglu_limit is not None:
         gate = jnp.minimum(gate, swiglu_limit)
         up = jnp.clip(up, -swiglu_limit, swiglu_limit)
     act = (jax.nn.silu(gate) * up).astype(x.dtype)
-    y = jax.lax.ragged_dot(act, experts["down"], group_sizes, preferred_element_type=jnp.float32)
+    y = jax.lax.ragged_dot(act, down, group_sizes, preferred_element_type=jnp.float32)
     w = jnp.where(in_range, topk_weights.reshape(-1), 0.0)[order]
     y = y * w[:, None]
     out = jnp.zeros((T * k, x.shape[1]), jnp.float32).at[order].set(y)

@@ -108,6 +108,7 @@ DEFAULT = _SMALL_SMEM
 
 # Shrink order when a tile does not fit: stages (down to 2), K step, N tile, the last stage.
 _KNOBS = (("num_stages", 2), ("block_k", 16), ("block_n", 16), ("num_stages", 1))
+_KNOBS_4BIT = (("num_stages", 2), ("block_k", 64), ("block_n", 16), ("num_stages", 1))  # whole packed chunks
 
 
 def block_m_for(num_slots: int, num_experts: int, max_block_m: int) -> int:
@@ -118,28 +119,44 @@ def block_m_for(num_slots: int, num_experts: int, max_block_m: int) -> int:
     return block_m
 
 
-def smem_bytes(tile: Tile, *, block_m: int, weight_tiles: int, itemsize: int) -> int:
+def smem_bytes(
+    tile: Tile, *, block_m: int, weight_tiles: int, itemsize: int, weight_bits: int | None = None
+) -> int:
     """Shared-memory estimate (:func:`pallas_kernels._triton.shared_memory_bytes`) of one program:
     per stage the ``[block_m, block_k]`` activation tile and ``weight_tiles`` (2 for gate|up, 1 for
-    down) ``[block_k, block_n]`` weight tiles; the ``[block_m, block_n]`` output in the epilogue."""
+    down) ``[block_k, block_n]`` weight tiles; the ``[block_m, block_n]`` output in the epilogue.
+    Quantized weights (``weight_bits``) load their codes per stage, and their dequantized tiles pass
+    through shared memory on the way to the tensor cores (one step's worth, resident)."""
+    weight = weight_tiles * tile.block_n * tile.block_k
+    if weight_bits is None:
+        stage, resident = (block_m * tile.block_k + weight) * itemsize, 0
+    else:
+        stage, resident = block_m * tile.block_k * itemsize + weight * weight_bits // 8, weight * itemsize
     return shared_memory_bytes(
-        stage=(block_m + weight_tiles * tile.block_n) * tile.block_k * itemsize,
-        num_stages=tile.num_stages,
-        epilogue=block_m * tile.block_n * 4,
+        stage=stage, num_stages=tile.num_stages, resident=resident, epilogue=block_m * tile.block_n * 4
     )
 
 
-def choose(num_slots: int, num_experts: int, *, itemsize: int, cc: int | None = None) -> MoeConfig:
+def choose(
+    num_slots: int, num_experts: int, *, itemsize: int, cc: int | None = None, weight_bits: int | None = None
+) -> MoeConfig:
     """Config for ``num_slots`` (= T * top_k) token slots over ``num_experts`` experts with
-    ``itemsize``-byte weights and activations."""
+    ``itemsize``-byte activations (and weights, when dense). Quantized experts (``weight_bits`` 8 or
+    4) take the same tiles, 4-bit ones with twice the K step (the same bytes per load; at least one
+    64-row packed chunk), shrunk to fit with their own estimate."""
     cc = compute_capability() if cc is None else cc
     e = TABLE.get(cc, DEFAULT)
     block_m = block_m_for(num_slots, num_experts, e.max_block_m)
     gate_up, down = e.few if num_slots < num_experts else e.stream if block_m <= 32 else e.compute
     budget = shared_memory_budget(cc)
+    knobs = _KNOBS_4BIT if weight_bits == 4 else _KNOBS
 
     def fit(tile: Tile, weight_tiles: int) -> Tile:
-        nbytes = lambda t: smem_bytes(t, block_m=block_m, weight_tiles=weight_tiles, itemsize=itemsize)  # noqa: E731
-        return shrink_to_fit(tile, nbytes, budget, _KNOBS)
+        if weight_bits == 4:
+            tile = dataclasses.replace(tile, block_k=2 * tile.block_k)
+        nbytes = lambda t: smem_bytes(  # noqa: E731
+            t, block_m=block_m, weight_tiles=weight_tiles, itemsize=itemsize, weight_bits=weight_bits
+        )
+        return shrink_to_fit(tile, nbytes, budget, knobs)
 
     return MoeConfig(block_m, fit(gate_up, 2), fit(down, 1))

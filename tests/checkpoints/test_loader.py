@@ -125,7 +125,8 @@ def _quantize_int4(w: np.ndarray, group: int):
     zp = np.clip(np.round(-lo / scale) - 8, -8, 7).astype(np.int64)
     q = np.clip(np.round(g / scale[..., None]) + zp[..., None], -8, 7).astype(np.int64).reshape(out, inp)
     scale = scale.astype(ml_dtypes.bfloat16)
-    deq = (q - np.repeat(zp, group, 1)) * np.repeat(scale.astype(np.float32), group, 1)
+    # compressed-tensors' definition: the product is rounded to the scale's dtype (bf16)
+    deq = ((q - np.repeat(zp, group, 1)) * np.repeat(scale.astype(np.float32), group, 1)).astype(scale.dtype)
     return {
         "weight_packed": _pack_along(q, 1),
         "weight_scale": scale,
@@ -163,10 +164,20 @@ def test_int4_pack_quantized_checkpoint(tiny, tmp_path):
                     "strategy": "group",
                     "group_size": group,
                 },
-                "targets": ["Linear"],
+                "targets": ["re:.*mlp\\.experts\\."],
             }
         },
         "ignore": ["lm_head"],
     }
     (quant / "config.json").write_text(json.dumps(cfg))
     assert_same_params(load_params(quant), load_params(plain))
+    # a file that disagrees with its config is refused: every Linear targeted, experts alone packed
+    cfg["quantization_config"]["config_groups"]["group_0"]["targets"] = ["Linear"]
+    (quant / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="stored unpacked, but the quantization_config quantizes it"):
+        load_params(quant)
+    cfg["quantization_config"]["config_groups"]["group_0"]["targets"] = ["re:.*mlp\\.experts\\."]
+    cfg["quantization_config"]["ignore"] = ["re:.*experts\\.0\\."]
+    (quant / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="stored packed, but the quantization_config ignores it"):
+        load_params(quant)

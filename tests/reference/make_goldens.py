@@ -18,9 +18,13 @@ For every fixture this script
 4. writes the checkpoint in the Hub layout (``save_pretrained``: config.json, per-expert safetensors
    names, optional shards), appends MTP-layer weights where asked, writes generation_config.json with
    ``eos_token_id: null``, reloads the checkpoint into HF and checks that it gives the same logits;
-5. for the FP8 fixture, stores block-quantized float8_e4m3fn weights + ``weight_scale_inv`` and computes
+5. for the FP8 fixtures, stores block-quantized float8_e4m3fn weights + ``weight_scale_inv`` and computes
    the goldens on the dequantized float32 weights (ceil blocks, models.md §4.5 / §8.11);
-6. writes ``golden.npz`` and the fixtures README.
+6. for the INT4 fixtures, rounds the model to bf16 (the releases' dtype), quantizes the targeted Linears
+   with the ``compressed-tensors`` library itself (``calculate_qparams`` on each group's min / max,
+   ``PackedQuantizationCompressor.compress``), stores the packed tensors and every other tensor in bf16,
+   and computes the goldens on the library's own ``decompress`` (models.md §4.7);
+7. writes ``golden.npz`` and the fixtures README.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import copy
 import importlib.util
 import json
 import math
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -42,6 +47,15 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+try:  # only the INT4 fixtures need it (pip install compressed-tensors loguru)
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.utils.match import match_name
+except ImportError:  # pragma: no cover
+    PackedQuantizationCompressor = None
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -70,14 +84,7 @@ MIN_ROUTER_GAP = 1e-5  # on biased sigmoid scores (expert cut-off and group cut-
 MAX_FP64_REL = 1e-5  # fp32 HF vs fp64 HF, relative L2 per position (sanity of the fp32 goldens)
 MAX_CACHE_REL = 1e-5  # cached generate logits vs uncached full forward
 
-FP8_BLOCK = (32, 32)
-FP8_QUANT_CONFIG = {
-    "quant_method": "fp8",
-    "fmt": "e4m3",
-    "activation_scheme": "dynamic",
-    "scale_fmt": "ue8m0",
-    "weight_block_size": list(FP8_BLOCK),
-}
+FP8_BLOCK = (32, 32)  # glm5_fp8; a spec's "fp8" dict may name another block and float32 scales
 # Linear weights quantized in real FP8 GLM/DeepSeek checkpoints (suffix match on hub names).
 FP8_QUANTIZED_SUFFIXES = (
     "self_attn.q_a_proj.weight",
@@ -95,6 +102,25 @@ FP8_QUANTIZED_SUFFIXES = (
     "shared_experts.down_proj.weight",
 )
 # + routed experts "mlp.experts.E.{gate,up,down}_proj.weight" (see is_fp8_quantized).
+
+# INT4 fixtures (compressed-tensors pack-quantized). Ignore lists mix exact module names and "re:"
+# patterns like the community GLM-5.x AWQ-INT4 releases (which keep lm_head, the router and some
+# attention projections unquantized); dsv32_int4 selects modules through config_groups targets instead.
+GLM5_INT4_IGNORE = [
+    "lm_head",
+    "re:.*mlp\\.gate$",
+    "re:.*self_attn\\.kv_a_proj_with_mqa$",
+    "re:.*self_attn\\.indexer\\.",
+    "model.layers.1.mlp.down_proj",
+]
+# group 128 needs in_features % 128 == 0 (the library refuses others): hidden 128 makes the q_a / kv_a /
+# gate / up inputs eligible, kv_b's is kv_lora_rank = 128; q_b (32), o_proj (64), the indexer's wq_b (32) and
+# the experts' down_proj (32) stay bf16 because no target matches them.
+DSV32_INT4_TARGETS = [
+    "re:.*self_attn\\.(q_a_proj|kv_a_proj_with_mqa|kv_b_proj)$",
+    "re:.*mlp\\.(shared_experts\\.|experts\\.\\d+\\.)?(gate|up)_proj$",
+    "model.layers.0.mlp.down_proj",
+]
 
 YARN_VARIANT = {
     "rope_type": "yarn",
@@ -158,6 +184,50 @@ FIXTURE_SPECS: list[dict[str, Any]] = [
         "-> partial last row block); goldens on the dequantized float32 weights. MTP layer quantized "
         "the same way (eh_proj kept float32).",
     },
+    {
+        "name": "dsv32_fp8",
+        "preset": "dsv32",
+        "seed": 6000,
+        "mtp": False,
+        "overrides": {"num_nextn_predict_layers": 0},
+        "fp8": {"block": (128, 128), "ue8m0": False},
+        "about": "DeepSeek-V3.2 tiny as an FP8 checkpoint with the real 128x128 blocks and float32 scales "
+        "amax / 448 (not powers of two, as DeepSeek-V3's original release): every tiny weight is one "
+        "partial block along K (inputs 32..128 wide), kv_a_proj_with_mqa (136 rows) and the indexer's wq_b "
+        "(512 rows) span several row blocks. No MTP weights.",
+    },
+    {
+        "name": "glm5_int4",
+        "preset": "glm5",
+        "seed": 7000,
+        "mtp": False,
+        "overrides": {"num_nextn_predict_layers": 0},
+        "int4": {"group": 32, "symmetric": False, "targets": ["Linear"], "ignore": GLM5_INT4_IGNORE},
+        "about": "GLM-5 tiny as a compressed-tensors INT4 checkpoint made by the library itself: asymmetric, "
+        "group 32, every Linear but an ignore list of exact names and re: patterns (lm_head, the router, "
+        "kv_a_proj_with_mqa, the indexer, layer 1's down_proj), which stay bf16 like the rest of the "
+        "tensors (router bias float32); goldens on the library's decompressed weights. No MTP weights.",
+    },
+    {
+        "name": "dsv32_int4",
+        "preset": "dsv32",
+        "seed": 8000,
+        "mtp": False,
+        "shards": True,
+        "overrides": {
+            "hidden_size": 128,
+            "num_hidden_layers": 3,
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "num_nextn_predict_layers": 0,
+        },
+        "int4": {"group": 128, "symmetric": True, "targets": DSV32_INT4_TARGETS, "ignore": []},
+        "about": "DeepSeek-V3.2 tiny (hidden 128, 3 layers, 8 experts in 4 groups, top-2) as a "
+        "compressed-tensors INT4 checkpoint made by the library: symmetric, group 128, modules chosen by "
+        "config_groups targets (re: patterns and an exact name: q_a / kv_a / kv_b, every gate / up, "
+        "layer 0's down_proj); the rest bf16. Multi-file checkpoint. No MTP weights.",
+    },
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +281,20 @@ def randomize_model(model: torch.nn.Module, g: torch.Generator) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# FP8 block quantization (ue8m0 power-of-two scales, ceil blocks)
+# FP8 block quantization (ue8m0 power-of-two or float32 amax / 448 scales, ceil blocks)
+
+
+def fp8_settings(spec) -> tuple[tuple[int, int], bool]:
+    """(block, ue8m0 scales) of an FP8 fixture: glm5_fp8's defaults unless its "fp8" entry says."""
+    opts = spec["fp8"] if isinstance(spec["fp8"], dict) else {}
+    return tuple(opts.get("block", FP8_BLOCK)), bool(opts.get("ue8m0", True))
+
+
+def fp8_quant_config(block: tuple[int, int], ue8m0: bool) -> dict[str, Any]:
+    conf = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    if ue8m0:
+        conf["scale_fmt"] = "ue8m0"
+    return {**conf, "weight_block_size": list(block)}
 
 
 def is_fp8_quantized(hub_name: str) -> bool:
@@ -235,18 +318,23 @@ def vary_blocks(w: torch.Tensor, block: tuple[int, int], g: torch.Generator) -> 
     return (w.double() * f).to(w.dtype)
 
 
-def fp8_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return (q float8_e4m3fn [out,in], scale_inv float32 [ceil(out/b0), ceil(in/b1)], dequantized fp32)."""
+def fp8_quantize(
+    w: torch.Tensor, block: tuple[int, int], ue8m0: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return (q float8_e4m3fn [out,in], scale_inv float32 [ceil(out/b0), ceil(in/b1)], dequantized fp32).
+    Scales: the smallest power of two >= amax / 448 (ue8m0), or amax / 448 in float32."""
     b0, b1 = block
     out, inn = w.shape
     rows, cols = -(-out // b0), -(-inn // b1)
     padded = torch.zeros(rows * b0, cols * b1, dtype=torch.float64)
     padded[:out, :inn] = w.double()
     amax = padded.abs().view(rows, b0, cols, b1).amax(dim=(1, 3)).clamp_min(1e-30)
-    # ue8m0: smallest power of two >= amax / 448 (frexp gives x = m 2^e, m in [0.5, 1))
-    mant, expo = torch.frexp(amax / 448.0)
-    expo = torch.where(mant == 0.5, expo - 1, expo)
-    scale = torch.ldexp(torch.ones_like(amax), expo).to(torch.float32)
+    if ue8m0:  # smallest power of two >= amax / 448 (frexp gives x = m 2^e, m in [0.5, 1))
+        mant, expo = torch.frexp(amax / 448.0)
+        expo = torch.where(mant == 0.5, expo - 1, expo)
+        scale = torch.ldexp(torch.ones_like(amax), expo).to(torch.float32)
+    else:
+        scale = (amax / 448.0).to(torch.float32)
     s_full = scale.repeat_interleave(b0, 0).repeat_interleave(b1, 1)[:out, :inn]
     q = (w.float() / s_full).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     deq = q.to(torch.float32) * s_full
@@ -259,6 +347,116 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int])
     i = torch.arange(q.shape[0]) // b0
     j = torch.arange(q.shape[1]) // b1
     return q.to(torch.float32) * scale[i[:, None], j[None, :]]
+
+
+# ---------------------------------------------------------------------------------------------
+# compressed-tensors INT4 (the library quantizes, packs and decompresses)
+
+
+def int4_scheme(opts: dict[str, Any]):
+    if PackedQuantizationCompressor is None:
+        raise RuntimeError(
+            "the INT4 fixtures need the compressed-tensors library: pip install compressed-tensors loguru"
+        )
+    args = QuantizationArgs(
+        num_bits=4, type="int", symmetric=opts["symmetric"], strategy="group", group_size=opts["group"]
+    )
+    return QuantizationScheme(targets=list(opts["targets"]), weights=args)
+
+
+def int4_quant_config(opts: dict[str, Any]) -> dict[str, Any]:
+    """The config.json ``quantization_config``, as the library serializes it."""
+    conf = QuantizationConfig(
+        config_groups={"group_0": int4_scheme(opts)},
+        format="pack-quantized",
+        ignore=list(opts["ignore"]),
+        quantization_status="compressed",
+    )
+    return json.loads(json.dumps(conf.model_dump(), default=str))
+
+
+def ct_quantizes(module: str, opts: dict[str, Any]) -> bool:
+    """The library's matching for a Linear module: a target or ignore entry is the class name 'Linear', the
+    exact module name, or a 're:' pattern (compressed_tensors.utils.match.is_match)."""
+    hit = lambda entry: entry == "Linear" or match_name(module, entry)  # noqa: E731
+    return any(map(hit, opts["targets"])) and not any(map(hit, opts["ignore"]))
+
+
+def linear_weights(model) -> dict[str, tuple[torch.Tensor, int | None, slice | None]]:
+    """Hub module name -> (parameter, expert index, row slice) of every Linear weight, the fused experts
+    split into the per-expert gate / up / down Linears the checkpoints store."""
+    out = {}
+    for name, p in model.named_parameters():
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, D]: gate rows then up rows
+            inter = p.shape[1] // 2
+            for e in range(p.shape[0]):
+                out[f"{name[: -len('gate_up_proj')]}{e}.gate_proj"] = (p, e, slice(0, inter))
+                out[f"{name[: -len('gate_up_proj')]}{e}.up_proj"] = (p, e, slice(inter, 2 * inter))
+        elif name.endswith("mlp.experts.down_proj"):  # [E, D, I]
+            for e in range(p.shape[0]):
+                out[f"{name[: -len('down_proj')]}{e}.down_proj"] = (p, e, slice(None))
+        elif name.endswith(".weight") and isinstance(
+            model.get_submodule(name[: -len(".weight")]), torch.nn.Linear
+        ):
+            out[name[: -len(".weight")]] = (p, None, None)
+    return out
+
+
+def _view(p: torch.Tensor, expert: int | None, rows: slice | None) -> torch.Tensor:
+    return p if expert is None else p[expert, rows]
+
+
+def int4_quantize(w: torch.Tensor, scheme) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(packed tensors, the library's decompressed weight in float32) of one bf16 [out, in] weight: scale and
+    zero point from calculate_qparams on each group's min / max (a min-max observer), then compress."""
+    args = scheme.weights
+    out, inp = w.shape
+    groups = w.reshape(out, inp // args.group_size, args.group_size)
+    scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+    packed = PackedQuantizationCompressor.compress(
+        {"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme
+    )
+    return packed, int4_decompress(packed, scheme)
+
+
+def int4_decompress(packed: dict[str, torch.Tensor], scheme) -> torch.Tensor:
+    return PackedQuantizationCompressor.decompress(dict(packed), scheme)["weight"].to(torch.float32)
+
+
+def round_to_bf16(model) -> None:
+    """The releases are bf16: every weight takes a bf16 value (kept float32 here); the router bias stays
+    float32, as the checkpoints store it."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(p.dtype))
+
+
+def int4_replace_weights(model, opts: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """Quantize the targeted Linears in place (weights := the library's decompressed values). Returns
+    {hub module name: packed tensors}."""
+    scheme = int4_scheme(opts)
+    stored = {}
+    with torch.no_grad():
+        for module, (p, expert, rows) in linear_weights(model).items():
+            if ct_quantizes(module, opts):
+                packed, deq = int4_quantize(_view(p, expert, rows).to(torch.bfloat16), scheme)
+                _view(p, expert, rows).copy_(deq)
+                stored[module] = packed
+    return stored
+
+
+def int4_float32_product(packed: dict[str, torch.Tensor], scheme) -> torch.Tensor:
+    """(q - zp) * scale in float32: what a loader that ignores the library's bf16 rounding computes."""
+    args = scheme.weights
+    shape = torch.Size(packed["weight_shape"].tolist())
+    q = unpack_from_int32(packed["weight_packed"], 4, shape).to(torch.float32)
+    zp = torch.zeros(packed["weight_scale"].shape)
+    if "weight_zero_point" in packed:
+        zp = unpack_from_int32(
+            packed["weight_zero_point"], 4, packed["weight_scale"].shape, packed_dim=0
+        ).float()
+    per_col = lambda a: a.to(torch.float32).repeat_interleave(args.group_size, 1)  # noqa: E731
+    return (q - per_col(zp)) * per_col(packed["weight_scale"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,7 +639,9 @@ def make_prompts(seed: int, vocab: int) -> dict[str, np.ndarray]:
     return {"prompt_short": draw(TS), "prompt_long": draw(TL), "greedy_prompt": draw(TG)}
 
 
-def fp8_replace_weights(model, block, g: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def fp8_replace_weights(
+    model, block, ue8m0: bool, g: torch.Generator
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Quantize the model's quantizable Linears in place (weights := dequantized values).
 
     Returns {hub_name: (q, scale)} for every quantized tensor (routed experts by per-expert hub name).
@@ -453,16 +653,16 @@ def fp8_replace_weights(model, block, g: torch.Generator) -> dict[str, tuple[tor
                 inter = p.shape[1] // 2
                 for e in range(p.shape[0]):
                     for part, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))):
-                        q, s, deq = fp8_quantize(vary_blocks(p[e, rows], block, g), block)
+                        q, s, deq = fp8_quantize(vary_blocks(p[e, rows], block, g), block, ue8m0)
                         p[e, rows] = deq
                         stored[f"{name[: -len('gate_up_proj')]}{e}.{part}.weight"] = (q, s)
             elif name.endswith("mlp.experts.down_proj"):  # [E, D, I]
                 for e in range(p.shape[0]):
-                    q, s, deq = fp8_quantize(vary_blocks(p[e], block, g), block)
+                    q, s, deq = fp8_quantize(vary_blocks(p[e], block, g), block, ue8m0)
                     p[e] = deq
                     stored[f"{name[: -len('down_proj')]}{e}.down_proj.weight"] = (q, s)
             elif p.ndim == 2 and is_fp8_quantized(name):
-                q, s, deq = fp8_quantize(vary_blocks(p, block, g), block)
+                q, s, deq = fp8_quantize(vary_blocks(p, block, g), block, ue8m0)
                 p.copy_(deq)
                 stored[name] = (q, s)
     return stored
@@ -525,10 +725,32 @@ def read_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def int4_tensors(
+    tensors: dict[str, torch.Tensor], int4: dict[str, dict[str, torch.Tensor]], scheme
+) -> dict[str, torch.Tensor]:
+    """One file's tensors as an INT4 release stores them: each quantized Linear's weight replaced by its
+    packed tensors (the saved weight must be exactly the library's decompress of them), every other float
+    tensor in bf16 (exact: the model was rounded to bf16), the router bias float32."""
+    out = {}
+    for k, t in tensors.items():
+        module = k[: -len(".weight")]
+        if k.endswith(".weight") and module in int4:
+            if not torch.equal(t, int4_decompress(int4[module], scheme)):
+                raise AssertionError(f"int4 round trip mismatch for {k}")
+            out.update({f"{module}.{name}": v.contiguous() for name, v in int4[module].items()})
+        elif k.endswith("e_score_correction_bias"):
+            out[k] = t
+        else:
+            if not torch.equal(t.to(torch.bfloat16).to(t.dtype), t):
+                raise AssertionError(f"{k} is not bf16-exact")
+            out[k] = t.to(torch.bfloat16)
+    return out
+
+
 def write_checkpoint(
-    model, directory: Path, spec, cfg, extra: dict[str, torch.Tensor], fp8: dict | None
+    model, directory: Path, spec, cfg, extra: dict[str, torch.Tensor], fp8: dict | None, int4: dict | None
 ) -> None:
-    """save_pretrained (Hub layout), then add MTP tensors / FP8 tensors, then generation_config."""
+    """save_pretrained (Hub layout), then add MTP tensors / FP8 or INT4 tensors, then generation_config."""
     if directory.exists():
         shutil.rmtree(directory)
     kwargs = {}
@@ -542,7 +764,8 @@ def write_checkpoint(
     if not spec.get("shards") and [f.name for f in files] != ["model.safetensors"]:
         raise AssertionError(f"expected a single model.safetensors, got {[f.name for f in files]}")
 
-    # Rewrite the (last) file with the MTP tensors appended and FP8 tensors swapped in.
+    # Rewrite the (last) file with the MTP tensors appended and FP8 / INT4 tensors swapped in.
+    block = fp8_settings(spec)[0] if fp8 is not None else None
     for i, f in enumerate(files):
         with safe_open(f, "pt") as fh:
             meta = fh.metadata() or {}
@@ -554,10 +777,12 @@ def write_checkpoint(
                 if k in fp8:
                     q, s = fp8[k]
                     # the dequantized weight HF saved must be exactly what the stored fp8 encodes
-                    if not torch.equal(tensors[k], fp8_dequantize(q, s, FP8_BLOCK)):
+                    if not torch.equal(tensors[k], fp8_dequantize(q, s, block)):
                         raise AssertionError(f"fp8 round trip mismatch for {k}")
                     tensors[k] = q.contiguous()
                     tensors[k + "_scale_inv"] = s.contiguous()
+        if int4 is not None:
+            tensors = int4_tensors(tensors, int4, int4_scheme(spec["int4"]))
         save_file(tensors, str(f), metadata={**meta, "format": "pt"})
 
     if index_file.exists():
@@ -569,16 +794,19 @@ def write_checkpoint(
                     t = fh.get_slice(k)
                     weight_map[k] = f.name
                     count += math.prod(t.get_shape())
-                    total += math.prod(t.get_shape()) * {"F32": 4, "F8_E4M3": 1}[t.get_dtype()]
+                    size = {"F32": 4, "BF16": 2, "F8_E4M3": 1, "I32": 4, "I64": 8}[t.get_dtype()]
+                    total += math.prod(t.get_shape()) * size
         index["metadata"]["total_size"] = total
         if "total_parameters" in index["metadata"]:
             index["metadata"]["total_parameters"] = count
         index["weight_map"] = dict(sorted(weight_map.items()))
         index_file.write_text(json.dumps(index, indent=2, sort_keys=False) + "\n")
 
-    if fp8 is not None:
+    if fp8 is not None or int4 is not None:
         conf = json.loads((directory / "config.json").read_text())
-        conf["quantization_config"] = dict(FP8_QUANT_CONFIG)
+        conf["quantization_config"] = (
+            fp8_quant_config(*fp8_settings(spec)) if fp8 is not None else int4_quant_config(spec["int4"])
+        )
         (directory / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
 
     # models.md §8.12: eos null so that greedy runs never stop early.
@@ -604,10 +832,14 @@ def attempt(spec, presets, seed: int) -> dict[str, Any]:
         bos_token_id=cfg.bos_token_id, eos_token_id=None, do_sample=False
     )
     fp8 = (
-        fp8_replace_weights(model, FP8_BLOCK, torch.Generator().manual_seed(30_000 + seed))
+        fp8_replace_weights(model, *fp8_settings(spec), torch.Generator().manual_seed(30_000 + seed))
         if spec.get("fp8")
         else None
     )
+    int4 = None
+    if spec.get("int4"):
+        round_to_bf16(model)
+        int4 = int4_replace_weights(model, spec["int4"])
     prompts = make_prompts(seed, cfg.vocab_size)
 
     probes = Probes(model, cfg.model_type, cfg.index_topk)
@@ -668,6 +900,7 @@ def attempt(spec, presets, seed: int) -> dict[str, Any]:
         "cfg": cfg,
         "raw": raw,
         "fp8": fp8,
+        "int4": int4,
         "res": res,
         "checks": checks,
         "problems": problems,
@@ -690,7 +923,9 @@ def hf_internals(model) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def sensitivity(model, cfg, prompt: np.ndarray, base: np.ndarray, fp8=None) -> dict[str, float]:
+def sensitivity(
+    model, cfg, prompt: np.ndarray, base: np.ndarray, fp8=None, int4=None, spec=None
+) -> dict[str, float]:
     """Max rel L2 of logits_long when one HF detail is changed: how well the fixture discriminates it."""
     out: dict[str, float] = {}
 
@@ -785,14 +1020,26 @@ def sensitivity(model, cfg, prompt: np.ndarray, base: np.ndarray, fp8=None) -> d
             for k in names:
                 params[k].copy_(keep[k])
 
+    if int4:
+        # The INT4 weights dequantized with a float32 product instead of the library's bf16 one.
+        scheme, weights = int4_scheme(spec["int4"]), linear_weights(model)
+        keep = {m: _view(*weights[m]).detach().clone() for m in int4}
+        for m, packed in int4.items():
+            _view(*weights[m]).copy_(int4_float32_product(packed, scheme))
+        run("int4_float32_product")
+        for m in int4:
+            _view(*weights[m]).copy_(keep[m])
+
     if not np.array_equal(full_logits(model, prompt), base):
         raise AssertionError("sensitivity probes did not restore the model")
     return out
 
 
 def verify_reload(directory: Path, spec, cfg, res, presets_mod, model) -> dict[str, Any]:
-    """Load the written checkpoint back (HF for float32; our own dequantizer for FP8)."""
+    """Load the written checkpoint back (HF for float32; our own dequantizer for FP8, the library's
+    decompress for INT4)."""
     info: dict[str, Any] = {}
+    block = fp8_settings(spec)[0] if spec.get("fp8") else None
     files = read_checkpoint(directory)
     n = cfg.num_hidden_layers
     mtp_keys = [k for k in files if k.startswith(f"model.layers.{n}.")]
@@ -803,6 +1050,8 @@ def verify_reload(directory: Path, spec, cfg, res, presets_mod, model) -> dict[s
     if any(".experts.gate_up_proj" in k or k.endswith("experts.down_proj") for k in files):
         raise AssertionError("fused expert tensors in the checkpoint")
 
+    if spec.get("int4"):
+        return verify_int4(files, spec["int4"], model, info)
     if spec.get("fp8"):
         # Dequantize the files ourselves, fuse experts like HF does in memory, and compare to the model.
         sd = model.state_dict()
@@ -811,7 +1060,7 @@ def verify_reload(directory: Path, spec, cfg, res, presets_mod, model) -> dict[s
             if k.endswith("_scale_inv") or k.startswith(f"model.layers.{n}."):
                 continue
             if v.dtype == torch.float8_e4m3fn:
-                v = fp8_dequantize(v, files[k + "_scale_inv"], FP8_BLOCK)
+                v = fp8_dequantize(v, files[k + "_scale_inv"], block)
             rebuilt[k] = v
         for k, v in sd.items():
             if k.endswith("mlp.experts.gate_up_proj"):
@@ -833,7 +1082,7 @@ def verify_reload(directory: Path, spec, cfg, res, presets_mod, model) -> dict[s
                 raise AssertionError(f"fp8 checkpoint does not dequantize to the golden weights: {k}")
         info["fp8_dequant_roundtrip_exact"] = True
         info["fp8_tensors"] = sum(1 for v in files.values() if v.dtype == torch.float8_e4m3fn)
-        info["hf_fp8_load"] = try_hf_fp8_load(directory, res)
+        info["hf_fp8_load"] = try_hf_fp8_load(directory, res, block)
         return info
 
     for impl in ("eager", "sdpa"):
@@ -857,7 +1106,41 @@ def verify_reload(directory: Path, spec, cfg, res, presets_mod, model) -> dict[s
     return info
 
 
-def try_hf_fp8_load(directory: Path, res) -> str:
+def verify_int4(
+    files: dict[str, torch.Tensor], opts: dict[str, Any], model, info: dict
+) -> dict[str, Any]:
+    """The files decompressed by the library (bf16 tensors widened) are exactly the goldens' weights,
+    and the packed modules are the ones the library's matching picks (jaxdsa's loader refuses a
+    file whose packed modules disagree with its own reading of the config, so loading the fixture
+    checks jaxdsa's matching against the library's)."""
+    scheme = int4_scheme(opts)
+    weights = linear_weights(model)
+    packed = {k[: -len(".weight_packed")] for k in files if k.endswith(".weight_packed")}
+    for module in weights:
+        if (module in packed) != ct_quantizes(module, opts):
+            raise AssertionError(f"{module}: the library and the files disagree on quantization")
+    with torch.no_grad():
+        for module, (p, expert, rows) in weights.items():
+            if module in packed:
+                names = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+                w = int4_decompress(
+                    {k: files[f"{module}.{k}"] for k in names if f"{module}.{k}" in files}, scheme
+                )
+            else:
+                w = files[f"{module}.weight"].to(torch.float32)
+            if not torch.equal(w, _view(p, expert, rows)):
+                raise AssertionError(f"int4 checkpoint does not decompress to the golden weights: {module}")
+        covered = {id(p) for p, _, _ in weights.values()}
+        for k, v in model.named_parameters():  # norms, embeddings, the router: stored bf16
+            if id(v) not in covered and not torch.equal(files[k].to(torch.float32), v):
+                raise AssertionError(f"{k} differs from the golden model")
+    info["int4_decompress_exact"] = True
+    info["int4_modules"] = len(packed)
+    info["bf16_tensors"] = sum(1 for v in files.values() if v.dtype == torch.bfloat16)
+    return info
+
+
+def try_hf_fp8_load(directory: Path, res, block: tuple[int, int]) -> str:
     """Informational only: what HF's own FP8 path does with the fixture on CPU (not used for goldens)."""
     import logging
 
@@ -873,14 +1156,14 @@ def try_hf_fp8_load(directory: Path, res) -> str:
     transformers.logging.set_verbosity_warning()
     transformers.logging.disable_default_handler()  # keep HF's long load report off the console
     try:
-        return _try_hf_fp8_load(directory, res, records)
+        return _try_hf_fp8_load(directory, res, records, block)
     finally:
         transformers.logging.enable_default_handler()
         transformers.logging.set_verbosity_error()
         hf_logger.removeHandler(handler)
 
 
-def _try_hf_fp8_load(directory: Path, res, records: list[str]) -> str:
+def _try_hf_fp8_load(directory: Path, res, records: list[str], block: tuple[int, int]) -> str:
     try:
         from transformers import FineGrainedFP8Config
 
@@ -888,7 +1171,7 @@ def _try_hf_fp8_load(directory: Path, res, records: list[str]) -> str:
             directory,
             dtype=torch.float32,
             attn_implementation="eager",
-            quantization_config=FineGrainedFP8Config(weight_block_size=FP8_BLOCK, dequantize=True),
+            quantization_config=FineGrainedFP8Config(weight_block_size=block, dequantize=True),
         )
         ls = full_logits(m, res["prompt_long"])
         rel = float(rel_l2_rows(ls, res["logits_long"]).max())
@@ -936,24 +1219,27 @@ def make_fixture(spec, presets_mod, out_root: Path, log) -> dict[str, Any]:
             else:
                 main_names[k] = v
         extra = mtp_tensors(main_names, cfg, g)
-    fp8 = r["fp8"]
+    fp8, int4 = r["fp8"], r["int4"]
     if fp8 is not None and extra:
         g = torch.Generator().manual_seed(40_000 + seed)
+        block, ue8m0 = fp8_settings(spec)
         for k in list(extra):
             if is_fp8_quantized(k):
-                q, s, deq = fp8_quantize(vary_blocks(extra[k], FP8_BLOCK, g), FP8_BLOCK)
+                q, s, deq = fp8_quantize(vary_blocks(extra[k], block, g), block, ue8m0)
                 extra[k] = deq
                 fp8[k] = (q, s)
+    if int4 is not None and extra:
+        raise AssertionError("INT4 fixtures carry no MTP layer")
 
     internals = hf_internals(model)
-    sens = sensitivity(model, cfg, res["prompt_long"], res["logits_long"], fp8)
+    sens = sensitivity(model, cfg, res["prompt_long"], res["logits_long"], fp8, int4, spec)
     # Every HF detail a test should catch must move logits_long far above the 1e-4 parity tolerance.
     weak = {k: v for k, v in sens.items() if not v > 1e-3}
     if weak:
         raise AssertionError(f"logits_long barely depends on {weak}")
 
     directory = out_root / spec["name"]
-    write_checkpoint(model, directory, spec, cfg, extra, fp8)
+    write_checkpoint(model, directory, spec, cfg, extra, fp8, int4)
     info = verify_reload(directory, spec, cfg, res, presets_mod, model)
 
     golden = {
@@ -994,8 +1280,47 @@ def make_fixture(spec, presets_mod, out_root: Path, log) -> dict[str, Any]:
 # README
 
 
+def _ct_version() -> str:
+    import compressed_tensors
+
+    return compressed_tensors.__version__
+
+
 def fmt(x: float) -> str:
     return "inf" if x == math.inf else f"{x:.3g}"
+
+
+FP8_LOAD_NOTE = "HF's FP8 loader (FineGrainedFP8Config(dequantize=True))"
+
+
+def carried(spec: dict[str, Any], out_root: Path) -> dict[str, Any]:
+    """A fixture not remade in this run (``--only``), as the current README describes it: its rows of the
+    three tables, its paragraphs (from a line starting with its name to the next blank line) and HF's FP8
+    load note, so that the README can be rewritten with the remade fixtures' new figures."""
+    name, text = spec["name"], (out_root / "README.md").read_text()
+    lines = text.splitlines()
+    rows = [ln for ln in lines if ln.startswith(f"| `{name}` |")]
+    if len(rows) != 3:
+        raise AssertionError(f"README.md has {len(rows)} table rows for {name}, expected 3: remake it too")
+    paragraphs, i = [], 0
+    while i < len(lines):
+        if lines[i].startswith(f"`{name}`: dequantizing"):
+            j = lines.index("", i)
+            paragraphs.append(lines[i:j])
+            i = j
+        i += 1
+    note = re.search(rf"`{name}`: {FP8_LOAD_NOTE} (.*)\.$", text, re.M) or re.search(
+        r"What it did with this fixture on CPU: (.*)\.$",
+        text,
+        re.M,  # the README of a single FP8 fixture
+    )
+    return {
+        "name": name,
+        "spec": spec,
+        "carried": {"rows": rows, "paragraphs": paragraphs},
+        "info": {"hf_fp8_load": note.group(1)} if spec.get("fp8") and note else {},
+        "bytes": sum(f.stat().st_size for f in (out_root / name).iterdir()),
+    }
 
 
 def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
@@ -1033,6 +1358,9 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
         "|---|---|---|---|",
     ]
     for r in results:
+        if "carried" in r:
+            lines.append(r["carried"]["rows"][0])
+            continue
         lines.append(f"| `{r['name']}` | {r['bytes'] / 1e6:.2f} MB | {r['seed']} | {r['spec']['about']} |")
     lines += [
         "",
@@ -1047,7 +1375,9 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
         f"[0, kv_lora_rank) of `kv_a_proj_with_mqa` are multiplied by {LATENT_SCALE}, so the pre-norm MLA latents have",
         "an RMS of about 0.02 and the latent-norm eps matters (see the sensitivity table: GLM's config eps 1e-5",
         "instead of HF's 1e-6 changes the logits by far more than the tolerance). Logits have a std of about",
-        "2.5, far from uniform. Stored float32 (except the FP8 tensors of `glm5_fp8`).",
+        "2.5, far from uniform. Stored float32, except the FP8 fixtures' quantized tensors and the INT4",
+        "fixtures, which store every unpacked tensor in bf16 (the releases' dtype; the model is rounded to bf16",
+        "before quantizing) and the router bias in float32.",
         "",
         "`glm5_fp8` additionally multiplies every 32x32 block of each quantized weight by 2^u, u ~ U(-1.5, 1.5),",
         "before quantizing, so that the power-of-two scales differ from block to block inside a tensor: a",
@@ -1082,12 +1412,15 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        if "carried" in r:
+            lines.append(r["carried"]["rows"][1])
+            continue
         c, i = r["checks"], r["info"]
         lines.append(
             f"| `{r['name']}` | {fmt(c['greedy_min_margin'])} | {fmt(c['indexer_min_rel_gap'])} ({c['indexer_rows']}) | "
             f"{fmt(c['router_min_expert_gap'])} | {fmt(c['router_min_group_gap'])} | "
             f"{fmt(max(c['fp64_rel_long'], c['fp64_rel_short'], c['fp64_rel_greedy']))} | {fmt(c['cache_vs_recompute_rel'])} | "
-            f"{fmt(i['reload_sdpa_rel']) if 'reload_sdpa_rel' in i else 'n/a (fp8)'} |"
+            f"{fmt(i['reload_sdpa_rel']) if 'reload_sdpa_rel' in i else 'n/a (quantized)'} |"
         )
     lines += [
         "",
@@ -1099,6 +1432,9 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        if "carried" in r:
+            lines.append(r["carried"]["rows"][2])
+            continue
         h, z = r["internals"], r["sensitivity"]
         get = lambda k: fmt(z[k]) if k in z else "-"  # noqa: E731
         lines.append(
@@ -1109,13 +1445,23 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
             f"{get('softmax_scale_without_mscale')} |"
         )
     for r in results:
+        if "carried" in r:
+            for paragraph in r["carried"]["paragraphs"]:
+                lines += ["", *paragraph]
+            continue
         z = r["sensitivity"]
         if "fp8_floor_blocks" in z:
             lines += [
                 "",
-                f"`{r['name']}`: dequantizing with floor-derived blocks (what HF's loader derives from the scale grid;",
-                f"only kv_a_proj_with_mqa differs) moves logits_long by {fmt(z['fp8_floor_blocks'])}; one scale per",
-                f"tensor by {fmt(z['fp8_one_scale_per_tensor'])}.",
+                f"`{r['name']}`: dequantizing with floor-derived blocks (what HF's loader derives from the scale grid)",
+                f"moves logits_long by {fmt(z['fp8_floor_blocks'])}; one scale per tensor by "
+                f"{fmt(z['fp8_one_scale_per_tensor'])}.",
+            ]
+        if "int4_float32_product" in z:
+            lines += [
+                "",
+                f"`{r['name']}`: dequantizing the INT4 weights with a float32 product instead of the library's",
+                f"bf16 one moves logits_long by {fmt(z['int4_float32_product'])}.",
             ]
     lines += [
         "",
@@ -1151,23 +1497,65 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
         "- Router: sigmoid of fp32 logits, selection on score + bias, group score = sum of the top-2 biased scores",
         "  of the group, weights = unbiased scores / (sum + 1e-20) * routed_scaling_factor (official: no 1e-20).",
         "- GLM-5.2 shared layers reuse the previous full layer's top-k indices, also during decode.",
-        "- FP8 (`glm5_fp8`): goldens use W[i, j] = fp32(q[i, j]) * s[i // 32, j // 32] with ceil blocks. HF's own",
-        "  FP8 loader is not used (models.md §8.11). What it did with this fixture on CPU: "
-        + next((r["info"].get("hf_fp8_load", "") for r in results if "hf_fp8_load" in r["info"]), "not run")
-        + ".",
+        "- FP8: goldens use W[i, j] = fp32(q[i, j]) * s[i // b0, j // b1] with ceil blocks. HF's own FP8 loader",
+        "  is not used (models.md §8.11). What it did with the fixtures on CPU:",
+        *(
+            f"  `{r['name']}`: {FP8_LOAD_NOTE} {r['info']['hf_fp8_load']}."
+            for r in results
+            if "hf_fp8_load" in r["info"]
+        ),
+        "- INT4: goldens use the compressed-tensors library's own `decompress` (W = (q - zp) * scale computed",
+        "  and rounded in bf16); HF's compressed-tensors loading is not used.",
         "",
         "## FP8 fixture layout",
         "",
-        "`config.json` has `quantization_config` = " + json.dumps(FP8_QUANT_CONFIG) + ".",
-        "Quantized (`X.weight` F8_E4M3 + `X.weight_scale_inv` F32 [ceil(out/32), ceil(in/32)], power-of-two",
-        "scales = smallest 2^e >= block amax / 448): q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj,",
-        "indexer wq_b and wk, dense / routed-expert / shared-expert gate, up and down projections (main and MTP",
-        "layers). Kept float32: embeddings, lm_head, all norms (incl. k_norm weight and bias), router `gate.weight`,",
-        "`e_score_correction_bias`, indexer `weights_proj`, MTP `eh_proj`, `enorm`, `hnorm`, `shared_head.norm`.",
-        "kv_a_proj_with_mqa [136, 64] has a partial last row block (rows 128..135, scale grid [5, 2]); with the",
-        "tiny dims every input width is a multiple of 32, so there is no partial column block.",
+        "Quantized (`X.weight` F8_E4M3 + `X.weight_scale_inv` F32 [ceil(out/b0), ceil(in/b1)]): q_a_proj, q_b_proj,",
+        "kv_a_proj_with_mqa, kv_b_proj, o_proj, indexer wq_b and wk, dense / routed-expert / shared-expert gate, up",
+        "and down projections (main and MTP layers). Kept float32: embeddings, lm_head, all norms (incl. k_norm",
+        "weight and bias), router `gate.weight`, `e_score_correction_bias`, indexer `weights_proj`, MTP `eh_proj`,",
+        "`enorm`, `hnorm`, `shared_head.norm`. Each quantized block is first multiplied by 2^u, u ~ U(-1.5, 1.5).",
         "",
     ]
+    for r in results:
+        if r["spec"].get("fp8"):
+            block, ue8m0 = fp8_settings(r["spec"])
+            lines.append(
+                f"- `{r['name']}`: `quantization_config` = {json.dumps(fp8_quant_config(block, ue8m0))}; "
+                + (
+                    "power-of-two scales (smallest 2^e >= block amax / 448)."
+                    if ue8m0
+                    else "scales amax / 448."
+                )
+            )
+    lines += [
+        "",
+        "`glm5_fp8`: kv_a_proj_with_mqa [136, 64] has a partial last row block (rows 128..135, scale grid [5, 2]);",
+        "every input width is a multiple of 32, so there is no partial column block. `dsv32_fp8`: 128x128 blocks,",
+        "so every weight's K (32..128) is one block, partial below 128; kv_a_proj_with_mqa's 136 rows are two",
+        "row blocks (the second 8 rows), the indexer's wq_b [512, 32] four.",
+        "",
+        "## INT4 fixture layout (compressed-tensors pack-quantized)",
+        "",
+        "Made with the `compressed-tensors` library "
+        + (f"{_ct_version()} " if PackedQuantizationCompressor is not None else "")
+        + "itself: per targeted Linear (HF [out, in], bf16) the scale and",
+        "zero point of each group of input columns come from `calculate_qparams(min, max)` (a min-max observer),",
+        "`PackedQuantizationCompressor.compress` packs them; the stored tensors are `X.weight_packed` I32",
+        "[out, in / 8], `X.weight_scale` BF16 [out, in / group], `X.weight_zero_point` I32 [ceil(out / 8),",
+        "in / group] (asymmetric only) and `X.weight_shape` I64 [2]. Routed experts are stored per expert. The",
+        "goldens run on `PackedQuantizationCompressor.decompress`, and the written files are checked to",
+        "decompress to exactly those weights; the packed modules are those the library's matching picks (exact",
+        "names, `Linear`, `re:` patterns), and jaxdsa's loader refuses files that disagree with its own matching.",
+        "",
+    ]
+    for r in results:
+        if r["spec"].get("int4"):
+            q = r["spec"]["int4"]
+            lines.append(
+                f"- `{r['name']}`: group {q['group']}, {'symmetric' if q['symmetric'] else 'asymmetric'}, "
+                f"targets {json.dumps(q['targets'])}, ignore {json.dumps(q['ignore'])}."
+            )
+    lines.append("")
     (out_root / "README.md").write_text("\n".join(lines))
 
 
@@ -1178,6 +1566,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="fixture names to (re)make (README lists only these)")
     ap.add_argument("--out", type=Path, default=FIXTURES)
+    ap.add_argument(
+        "--readme",
+        action="store_true",
+        help="with --only: rewrite README.md too, the other fixtures' rows carried over from it",
+    )
     args = ap.parse_args()
 
     if transformers.__version__ != "5.23.0" or not torch.__version__.startswith("2.13.0"):
@@ -1195,6 +1588,8 @@ def main() -> None:
     results = []
     for spec in FIXTURE_SPECS:
         if args.only and spec["name"] not in args.only:
+            if args.readme:
+                results.append(carried(spec, args.out))
             continue
         log(f"== {spec['name']}")
         r = make_fixture(spec, presets_mod, args.out, log)
@@ -1214,7 +1609,7 @@ def main() -> None:
         sens = {k: float(f"{v:.3g}") for k, v in r["sensitivity"].items()}
         log(f"  sensitivity (max rel L2 of logits_long) {json.dumps(sens)}")
         results.append(r)
-    if not args.only:
+    if not args.only or args.readme:
         write_readme(results, args.out)
     total = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
     log(f"total under {args.out}: {total / 1e6:.2f} MB")

@@ -1,0 +1,260 @@
+"""The quantized-weight container the kernels read, and the packers that build it.
+
+:class:`QuantizedWeight` holds one matrix (or a stack of them, e.g. routed experts ``[E, K, N]``) in
+the orientation the model multiplies, ``y = x @ W`` with ``W [K, N]`` (HF stores ``[N, K]``; the
+packers transpose). It is a JAX pytree: ``codes``, ``scales`` and ``zeros`` are leaves, the format,
+group and chunk size are static. Every leaf keeps the weight's axes in the same order, ``[..., K', N']``,
+so one ``PartitionSpec`` (or ``NamedSharding``) applies to all of them; a split along K or N then
+cuts codes, scales and zero points at the same places, provided it cuts at group boundaries
+(:func:`check_split`). The logical shape is derived from the codes (never stored), so it stays right
+for the per-shard leaves inside a ``shard_map``.
+
+Formats (models.md §4.5-4.7), ``group = (gk, gn)`` elements of K x N sharing one scale:
+
+- ``int4`` (compressed-tensors pack-quantized): ``codes`` uint8 ``[..., K/2, N]``, two 4-bit codes
+  ``q + 8`` per byte; ``scales`` ``[..., K/g, N]`` in the checkpoint's dtype (bf16); ``zeros`` uint8
+  ``[..., K/g, N]`` holding ``zp + 8`` (None when symmetric: zero point 0). Group ``(g, 1)``.
+  ``W = round_to_scale_dtype((q - zp) * scale)``, as the library dequantizes.
+- ``fp8`` (block-scaled e4m3): ``codes`` float8_e4m3fn ``[..., K, N]``; ``scales`` float32
+  (``weight_scale_inv``) or float8_e8m0fnu (ue8m0) ``[..., ceil(K/b1), ceil(N/b0)]``; group
+  ``(b1, b0)``; partial last blocks allowed. ``W = fp32(q) * s``.
+- ``fp4`` (DeepSeek-V4 routed experts): ``codes`` uint8 ``[..., K/2, N]`` of e2m1 codes; ``scales``
+  float8_e8m0fnu ``[..., K/32, N]``; group ``(32, 1)``. ``W = e2m1(q) * 2^(e - 127)``.
+
+4-bit codes are packed in K chunks of ``kpack`` rows: byte row ``r`` of chunk ``c`` holds row
+``c*kpack + r`` in its low nibble and row ``c*kpack + kpack/2 + r`` in its high nibble. A kernel
+then unpacks a chunk into two ``[kpack/2, N]`` tiles with one mask and one shift each, and
+multiplies them with two column slices of the activations: no interleave, which Pallas-Triton
+could not express (no concatenate or gather on values). ``kpack`` is 64 (one 32-row group per
+half at group 32), or 32 when K is not a multiple of 64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from pallas_kernels.quant_matmul.decode import e8m0_to_f32
+
+FORMATS = ("int4", "fp8", "fp4")
+E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+FP4_GROUP = 32
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["codes", "scales", "zeros"],
+    meta_fields=["format", "group", "kpack"],
+)
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """One quantized ``[..., K, N]`` weight in the kernels' layout (see the module docstring)."""
+
+    codes: Any
+    scales: Any
+    zeros: Any = None
+    format: str = "int4"
+    group: tuple[int, int] = (32, 1)
+    kpack: int = 0  # K rows per packed chunk (4-bit formats); 0 for fp8
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"unknown weight format {self.format!r}; choose one of {', '.join(FORMATS)}")
+
+    @property
+    def packed(self) -> bool:
+        """Two 4-bit codes per byte along K."""
+        return self.format != "fp8"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical ``(..., K, N)``."""
+        *lead, k, n = self.codes.shape
+        return (*lead, 2 * k if self.packed else k, n)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(self))
+
+    def replace(self, **changes: Any) -> QuantizedWeight:
+        return dataclasses.replace(self, **changes)
+
+
+def _xp(a):
+    return jnp if isinstance(a, jax.Array) else np
+
+
+def _weight(codes, scales, zeros, fmt: str, group: tuple[int, int], kpack: int) -> QuantizedWeight:
+    """A QuantizedWeight whose NumPy leaves are contiguous (ready to be sliced and put on devices)."""
+    tidy = lambda a: np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a  # noqa: E731
+    return QuantizedWeight(
+        tidy(codes), tidy(scales), None if zeros is None else tidy(zeros), fmt, group, kpack
+    )
+
+
+def _pow2(n: int, what: str) -> int:
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"{what} must be a power of two, got {n}")
+    return n
+
+
+def default_kpack(k: int) -> int:
+    """64, or 32 when K is not a multiple of 64 (4-bit formats need K to be a multiple of 32)."""
+    for kpack in (64, 32):
+        if k % kpack == 0:
+            return kpack
+    raise ValueError(f"4-bit weights need K (the input dim) to be a multiple of 32, got {k}")
+
+
+def pack_nibbles(codes, kpack: int):
+    """``codes [..., K, N]`` (values 0..15) -> bytes ``[..., K/2, N]`` in K chunks of ``kpack``."""
+    xp = _xp(codes)
+    *lead, k, n = codes.shape
+    c = codes.astype(xp.uint8).reshape(*lead, k // kpack, 2, kpack // 2, n)
+    return (c[..., 0, :, :] | (c[..., 1, :, :] << 4)).reshape(*lead, k // 2, n)
+
+
+def unpack_nibbles(packed, kpack: int):
+    """Inverse of :func:`pack_nibbles`: bytes ``[..., K/2, N]`` -> codes ``[..., K, N]`` (uint8)."""
+    xp = _xp(packed)
+    *lead, half_k, n = packed.shape
+    b = packed.reshape(*lead, 2 * half_k // kpack, 1, kpack // 2, n)
+    return xp.concatenate([b & 0xF, b >> 4], axis=-3).reshape(*lead, 2 * half_k, n)
+
+
+def pack_int4(q, scale, zero_point=None, *, group_size: int, kpack: int | None = None) -> QuantizedWeight:
+    """compressed-tensors INT4 in HF orientation -> the kernels' layout.
+
+    ``q [..., N, K]`` signed values in [-8, 7]; ``scale [..., N, ceil(K/g)]`` (kept in its dtype);
+    ``zero_point`` signed ``[..., N, ceil(K/g)]`` or None (symmetric). NumPy in, NumPy out; jax in,
+    jax out.
+    """
+    xp = _xp(q)
+    *_, n, k = q.shape
+    _pow2(group_size, "the INT4 group size")
+    if scale.shape[-2:] != (n, -(-k // group_size)):
+        raise ValueError(f"scale {scale.shape} does not match a {q.shape} weight in groups of {group_size}")
+    kpack = kpack or default_kpack(k)
+    codes = pack_nibbles(xp.swapaxes(q + 8, -1, -2), kpack)
+    zeros = None if zero_point is None else xp.swapaxes(zero_point + 8, -1, -2).astype(xp.uint8)
+    return _weight(codes, xp.swapaxes(scale, -1, -2), zeros, "int4", (group_size, 1), kpack)
+
+
+def pack_fp8(q, scale, *, block: tuple[int, int]) -> QuantizedWeight:
+    """Block-scaled e4m3 in HF orientation -> the kernels' layout.
+
+    ``q [..., N, K]`` float8_e4m3fn; ``scale [..., ceil(N/b0), ceil(K/b1)]`` float32 or
+    float8_e8m0fnu; ``block = (b0, b1)`` as in ``weight_block_size`` (rows, columns of ``q``).
+    """
+    xp = _xp(q)
+    b0, b1 = (_pow2(b, "the FP8 block size") for b in block)
+    *_, n, k = q.shape
+    if scale.shape[-2:] != (-(-n // b0), -(-k // b1)):
+        raise ValueError(f"scale {scale.shape} does not match a {q.shape} weight in {b0}x{b1} blocks")
+    return _weight(xp.swapaxes(q, -1, -2), xp.swapaxes(scale, -1, -2), None, "fp8", (b1, b0), 0)
+
+
+def pack_fp4(codes, scale, *, kpack: int | None = None) -> QuantizedWeight:
+    """DeepSeek-V4 FP4 in HF orientation -> the kernels' layout.
+
+    ``codes [..., N, K]`` e2m1 codes (0..15, e.g. from ``checkpoints.quant.unpack_fp4``);
+    ``scale [..., N, K/32]`` float8_e8m0fnu.
+    """
+    xp = _xp(codes)
+    *_, n, k = codes.shape
+    if scale.shape[-2:] != (n, -(-k // FP4_GROUP)):
+        raise ValueError(f"scale {scale.shape} does not match a {codes.shape} FP4 weight")
+    kpack = kpack or default_kpack(k)
+    packed = pack_nibbles(xp.swapaxes(codes, -1, -2), kpack)
+    return _weight(packed, xp.swapaxes(scale, -1, -2), None, "fp4", (FP4_GROUP, 1), kpack)
+
+
+def reblock_n(w: QuantizedWeight, gn: int) -> QuantizedWeight:
+    """The same weight with ``gn`` (a divisor of the current) output columns per scale: each scale
+    column repeated. Exact; lets FP8 weights whose widths are not multiples of the block be joined
+    or split along N."""
+    old = w.group[1]
+    if gn == old:
+        return w
+    if old % gn:
+        raise ValueError(f"cannot reblock {old}-column scale groups into groups of {gn}")
+    xp = _xp(w.scales)
+    n = w.shape[-1]
+    repeat = lambda a: xp.repeat(a, old // gn, axis=-1)[..., : -(-n // gn)]  # noqa: E731
+    zeros = None if w.zeros is None else repeat(w.zeros)
+    return w.replace(scales=repeat(w.scales), zeros=zeros, group=(w.group[0], gn))
+
+
+def concat_n(*parts: QuantizedWeight) -> QuantizedWeight:
+    """Join weights of one format along N (e.g. an expert's gate and up into gate|up). Scale groups
+    are narrowed (:func:`reblock_n`) until every part but the last ends on a group boundary."""
+    first = parts[0]
+    if any(
+        (p.format, p.group[0], p.kpack, p.shape[:-1])
+        != (first.format, first.group[0], first.kpack, first.shape[:-1])
+        for p in parts
+    ):
+        raise ValueError("concat_n needs parts of one format, K group, chunk size and leading shape")
+    gn = first.group[1]
+    while any(p.shape[-1] % gn for p in parts[:-1]):
+        gn //= 2
+    parts = tuple(reblock_n(p, gn) for p in parts)
+    xp = _xp(first.codes)
+    cat = lambda name: xp.concatenate([getattr(p, name) for p in parts], axis=-1)  # noqa: E731
+    zeros = None if first.zeros is None else cat("zeros")
+    return first.replace(codes=cat("codes"), scales=cat("scales"), zeros=zeros, group=(first.group[0], gn))
+
+
+def check_split(w: QuantizedWeight, axis: str, parts: int) -> None:
+    """Raise ValueError unless splitting ``w`` into ``parts`` equal shards along ``axis`` ('k' or 'n')
+    cuts codes, scales (and zero points) at the same boundaries: every shard must hold whole scale
+    groups (and, along K, whole packed chunks)."""
+    k, n = w.shape[-2:]
+    gk, gn = w.group
+    size, group = (k, max(gk, w.kpack)) if axis == "k" else (n, gn)
+    if size % parts or (size // parts) % group:
+        raise ValueError(
+            f"a {w.format} weight of {axis.upper()} = {size} does not split into {parts} shards of whole "
+            f"{group}-element groups"
+        )
+
+
+_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def scales_f32(w: QuantizedWeight) -> jax.Array:
+    """The scales as float32 (ue8m0 decoded exactly)."""
+    if np.dtype(w.scales.dtype) == E8M0:
+        return e8m0_to_f32(jax.lax.bitcast_convert_type(jnp.asarray(w.scales), jnp.uint8))
+    return jnp.asarray(w.scales).astype(jnp.float32)
+
+
+def _per_element(a, w: QuantizedWeight):
+    """A per-group ``[..., K/gk, N/gn]`` array expanded to ``[..., K, N]``."""
+    k, n = w.shape[-2:]
+    gk, gn = w.group
+    return jnp.repeat(jnp.repeat(a, gk, axis=-2)[..., :k, :], gn, axis=-1)[..., :n]
+
+
+def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+    """``[..., K, N]`` in ``dtype``: each format's own definition, computed in float32 (INT4 rounded
+    to its scale's dtype first, as compressed-tensors does), then cast once to ``dtype``."""
+    s = _per_element(scales_f32(w), w)
+    if w.format == "fp8":
+        u8 = jax.lax.bitcast_convert_type(jnp.asarray(w.codes), jnp.uint8)
+        value = jax.lax.bitcast_convert_type(u8, jnp.float8_e4m3fn).astype(jnp.float32) * s
+    else:
+        codes = unpack_nibbles(jnp.asarray(w.codes), w.kpack).astype(jnp.int32)
+        if w.format == "fp4":
+            value = jnp.asarray(_E2M1)[codes] * s
+        else:
+            zero = 8 if w.zeros is None else _per_element(jnp.asarray(w.zeros).astype(jnp.int32), w)
+            value = ((codes - zero).astype(jnp.float32) * s).astype(w.scales.dtype)
+    return value.astype(dtype)

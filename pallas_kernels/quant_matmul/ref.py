@@ -1,0 +1,16 @@
+"""Pure-JAX quantized matmul: the weight dequantized by its format's definition, then one dot."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.quant_matmul.layout import QuantizedWeight, dequantize
+
+
+def quant_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """``x [M, K] @ W [K, N] -> [M, N]`` in x's dtype; W dequantized to x's dtype (float32 for float32
+    activations: exactly the format's values), products accumulated in float32."""
+    wd = dequantize(w, x.dtype)
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return jnp.dot(x, wd, preferred_element_type=jnp.float32, precision=precision).astype(x.dtype)

@@ -1,0 +1,123 @@
+"""Reading weight tiles inside a kernel, dense or quantized: the dequantize step of every kernel.
+
+A kernel's K loop asks :func:`pieces` for the ``[block_k, block_n]`` tile of a weight at
+``(k0, n0)`` and gets it as a list of ``(k_offset, k_len, tile)`` pieces in the activations' dtype,
+each to be multiplied by the activation columns ``k0 + k_offset ... + k_len``. Dense and FP8
+weights come as one piece; 4-bit weights as two pieces per packed chunk (low nibbles = first half
+of the chunk's rows, high nibbles = second half; see :mod:`.layout`). Scales (and zero points) are
+loaded as the few rows and columns the tile spans and broadcast over it.
+
+Tiles must be aligned to the scale groups: ``block_k`` a multiple of ``kpack`` (4-bit), and every
+power-of-two tile side either divides its group or is a multiple of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels._triton import pl
+from pallas_kernels.quant_matmul import decode
+from pallas_kernels.quant_matmul.layout import E4M3, E8M0, QuantizedWeight
+
+Piece = tuple[int, int, jax.Array]  # (k offset in the tile, k length, [k length, block_n] tile)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    """Static description of how a kernel reads one weight operand (hashable: a kernel parameter)."""
+
+    format: str | None = None  # None: a dense array of the compute dtype
+    group: tuple[int, int] = (1, 1)
+    kpack: int = 0
+    scale_dtype: Any = None  # int4: the dtype the product is rounded to
+    scale_e8m0: bool = False
+    has_zeros: bool = False
+    decode: str = "native"
+
+    @property
+    def packed(self) -> bool:
+        return self.format in ("int4", "fp4")
+
+
+def operands(w, decode_mode: str | None = None) -> tuple[WeightSpec, tuple[jax.Array, ...]]:
+    """The spec and the arrays a kernel receives for weight ``w`` (dense array or
+    :class:`QuantizedWeight`). One-byte float types travel as uint8 (a free bitcast): masked loads
+    need a fill value, and sm_80 cannot touch e4m3 values at all."""
+    if not isinstance(w, QuantizedWeight):
+        return WeightSpec(), (w,)
+    as_bytes = lambda a: (  # noqa: E731
+        jax.lax.bitcast_convert_type(a, jnp.uint8) if np.dtype(a.dtype) in (E4M3, E8M0) else a
+    )
+    spec = WeightSpec(
+        format=w.format,
+        group=tuple(w.group),
+        kpack=w.kpack,
+        scale_dtype=np.dtype(w.scales.dtype),
+        scale_e8m0=np.dtype(w.scales.dtype) == E8M0,
+        has_zeros=w.zeros is not None,
+        decode=decode.fp_decode(decode_mode),
+    )
+    arrays = (as_bytes(w.codes), as_bytes(w.scales)) + ((w.zeros,) if w.zeros is not None else ())
+    return spec, arrays
+
+
+def _expand(s: jax.Array, rows: int, cols: int) -> jax.Array:
+    """Repeat each entry of a ``[rs, cs]`` group tile over its ``rows/rs x cols/cs`` elements. A side
+    of 1 stays 1 (it broadcasts)."""
+    rs, cs = s.shape
+    if 1 < cs < cols:
+        s = jnp.broadcast_to(s[:, :, None], (rs, cs, cols // cs)).reshape(rs, cols)
+    if 1 < rs < rows:
+        s = jnp.broadcast_to(s[:, None, :], (rs, rows // rs, s.shape[1])).reshape(rows, s.shape[1])
+    return s
+
+
+def _group_tile(ref, lead: tuple, spec: WeightSpec, r0, rows: int, n0, cols: int) -> jax.Array:
+    """The per-group entries (scales or zero points) covering rows ``r0 .. r0 + rows`` and columns
+    ``n0 .. n0 + cols`` of the weight, expanded to broadcast over that tile."""
+    gk, gn = spec.group
+    rs, cs = max(rows // gk, 1), max(cols // gn, 1)
+    tile = ref[(*lead, pl.ds(r0 // gk, rs), pl.ds(n0 // gn, cs))]
+    return _expand(tile, rows, cols)
+
+
+def _dequantize(spec: WeightSpec, refs: Sequence, lead: tuple, codes, r0, n0, dtype) -> jax.Array:
+    """Codes ``[rows, cols]`` (int32) of weight rows ``r0 ...`` -> weights in ``dtype``."""
+    rows, cols = codes.shape
+    s = _group_tile(refs[1], lead, spec, r0, rows, n0, cols)
+    s = decode.e8m0_to_f32(s) if spec.scale_e8m0 else s.astype(jnp.float32)
+    if spec.format == "fp8":
+        return (decode.e4m3_to_f32(codes, spec.decode) * s).astype(dtype)
+    if spec.format == "fp4":
+        return (decode.e2m1_to_f32(codes) * s).astype(dtype)
+    zero = _group_tile(refs[2], lead, spec, r0, rows, n0, cols).astype(jnp.int32) if spec.has_zeros else 8
+    value = (codes - zero).astype(jnp.float32) * s
+    return value.astype(spec.scale_dtype).astype(dtype)  # rounded as compressed-tensors rounds
+
+
+def pieces(
+    spec: WeightSpec, refs: Sequence, lead: tuple, k0, n0, block_k: int, block_n: int, dtype
+) -> list[Piece]:
+    """The ``[block_k, block_n]`` weight tile at rows ``k0``, columns ``n0`` (``lead``: indices of
+    leading dims, e.g. the expert), as pieces in ``dtype`` (see the module docstring)."""
+    cols = pl.ds(n0, block_n)
+    if spec.format is None:
+        return [(0, block_k, refs[0][(*lead, pl.ds(k0, block_k), cols)].astype(dtype))]
+    if spec.format == "fp8":
+        codes = refs[0][(*lead, pl.ds(k0, block_k), cols)].astype(jnp.int32)
+        return [(0, block_k, _dequantize(spec, refs, lead, codes, k0, n0, dtype))]
+    half = spec.kpack // 2
+    out = []
+    for c in range(block_k // spec.kpack):
+        row = pl.multiple_of(k0 // 2 + c * half, half)  # byte row of this chunk
+        byte = refs[0][(*lead, pl.ds(row, half), cols)].astype(jnp.int32)
+        for h, codes in enumerate((byte & 0xF, byte >> 4)):
+            offset = c * spec.kpack + h * half
+            out.append((offset, half, _dequantize(spec, refs, lead, codes, k0 + offset, n0, dtype)))
+    return out

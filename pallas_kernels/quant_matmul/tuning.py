@@ -1,0 +1,118 @@
+"""Tiles, K splits, warps and stages for ``quant_matmul``, per GPU compute capability.
+
+Three regimes by the number of rows M (tokens):
+
+* ``stream`` (M <= 32, decode): a weight stream. One 16- or 32-row tile holds every token, so the
+  grid is the N tiles times K splits; splits (partial sums added by one XLA fusion) give the GPU
+  about two programs per SM, since a 2048-column projection has only 32 tiles of 64 columns.
+* ``mid`` (M <= 128): 64-row tiles; weights are read once per 64 tokens.
+* ``compute`` (prefill): 128 x 128 tensor-core tiles, no split unless the grid is smaller than the
+  GPU.
+
+``block_k`` counts weight rows for 8-bit codes; 4-bit codes take twice as many rows per step (the
+same bytes per load). These are reasoned starting points, sized like the MoE kernel's measured
+tiles (``pallas_kernels/moe/tuning.py``); ``benchmarks/quant.py`` is the sweep that will replace
+them. Every choice is shrunk to the part's shared memory (:func:`smem_bytes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels._triton import (
+    compute_capability,
+    shared_memory_budget,
+    shared_memory_bytes,
+    shrink_to_fit,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class QmmConfig:
+    block_m: int
+    block_n: int
+    block_k: int  # weight rows per K step
+    splits: int  # K splits; partial sums in float32, added outside the kernel
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    stream: QmmConfig  # block_m and splits are set by choose()
+    mid: QmmConfig
+    compute: QmmConfig
+    sms: int  # streaming multiprocessors: the split rule fills about two programs per SM
+
+
+_BIG = _Entry(  # H100 / H200 / B200: 227 KiB of shared memory per block
+    stream=QmmConfig(16, 64, 128, 1, 4, 4),
+    mid=QmmConfig(64, 128, 64, 1, 4, 4),
+    compute=QmmConfig(128, 128, 64, 1, 8, 3),
+    sms=132,
+)
+_A100 = dataclasses.replace(_BIG, sms=108)  # 163 KiB: the same tiles fit
+_SMALL = _Entry(  # 99 KiB consumer / workstation parts
+    stream=QmmConfig(16, 64, 128, 1, 4, 3),
+    mid=QmmConfig(64, 64, 64, 1, 4, 3),
+    compute=QmmConfig(128, 64, 64, 1, 4, 2),
+    sms=84,
+)
+TABLE: dict[int, _Entry] = {80: _A100, 86: _SMALL, 89: _SMALL, 90: _BIG, 100: _BIG, 120: _SMALL, 121: _SMALL}
+DEFAULT = _SMALL  # unknown GPUs and the CPU interpreter
+
+_MAX_SPLITS = 16
+
+
+def smem_bytes(cfg: QmmConfig, *, itemsize: int, weight_bits: int) -> int:
+    """Shared-memory bound (:func:`pallas_kernels._triton.shared_memory_bytes`): per stage the
+    activation tile and the weight codes; resident, the dequantized weight tile on its way to the
+    tensor cores (one step's worth, at the activation itemsize); the float32 output tile after."""
+    return shared_memory_bytes(
+        stage=cfg.block_m * cfg.block_k * itemsize + cfg.block_k * cfg.block_n * weight_bits // 8,
+        num_stages=cfg.num_stages,
+        resident=cfg.block_k * cfg.block_n * itemsize,
+        epilogue=cfg.block_m * cfg.block_n * 4,
+    )
+
+
+def fit_block(block: int, dim: int, floor: int, what: str) -> int:
+    """Largest power of two <= ``block`` dividing ``dim``, at least ``floor``."""
+    b = block
+    while b > floor and (b > dim or dim % b):
+        b //= 2
+    if b < floor or dim % b:
+        raise ValueError(f"quant_matmul needs {what} = {dim} to be a multiple of {floor}")
+    return b
+
+
+def _splits(programs: int, k_steps: int, sms: int) -> int:
+    """Power-of-two K splits (dividing the K steps) until there are about two programs per SM."""
+    splits = 1
+    while programs * splits < 2 * sms and splits < _MAX_SPLITS and k_steps % (2 * splits) == 0:
+        splits *= 2
+    return splits
+
+
+def choose(
+    m: int, k: int, n: int, *, itemsize: int, weight_bits: int, min_block_k: int, cc: int | None = None
+) -> QmmConfig:
+    """Config for ``[m, k] @ [k, n]`` with ``itemsize``-byte activations and ``weight_bits``-bit codes;
+    ``min_block_k``: the weight's packed chunk (4-bit) or 16."""
+    cc = compute_capability() if cc is None else cc
+    entry = TABLE.get(cc, DEFAULT)
+    if m <= 32:
+        cfg = dataclasses.replace(entry.stream, block_m=16 if m <= 16 else 32)
+    else:
+        cfg = entry.mid if m <= 128 else entry.compute
+    if weight_bits == 4:
+        cfg = dataclasses.replace(cfg, block_k=2 * cfg.block_k)
+    knobs = (("num_stages", 2), ("block_k", min_block_k), ("block_n", 32), ("num_stages", 1))
+    nbytes = lambda c: smem_bytes(c, itemsize=itemsize, weight_bits=weight_bits)  # noqa: E731
+    cfg = shrink_to_fit(cfg, nbytes, shared_memory_budget(cc), knobs)
+    block_n = fit_block(cfg.block_n, n, 16, "N")
+    block_k = fit_block(cfg.block_k, k, min_block_k, "K")
+    programs = -(-m // cfg.block_m) * (n // block_n)
+    return dataclasses.replace(
+        cfg, block_n=block_n, block_k=block_k, splits=_splits(programs, k // block_k, entry.sms)
+    )

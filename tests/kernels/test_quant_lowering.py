@@ -1,0 +1,112 @@
+"""Quantized kernels lowered for CUDA on the CPU (Pallas -> verified Triton IR) at GLM-5 shapes, for
+sm_80, sm_90 and sm_120, with the decode path each part gets by default; sm_80 refuses the native
+e4m3 cast, which is why the software path exists. Plus the quantized MoE tiles' shared-memory fit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels._triton import lower_for_cuda, shared_memory_budget
+from pallas_kernels.moe import kernel as moe_kernel
+from pallas_kernels.moe import tuning as moe_tuning
+from pallas_kernels.quant_matmul import kernel, layout
+
+TARGETS = {"sm_80": 80, "sm_90": 90, "sm_120": 120}
+D, N, E, TOP_K = 6144, 2048, 256, 8  # GLM-5: hidden, expert width, routed experts, experts per token
+
+
+def _abstract(fmt: str, lead: tuple, k: int, n: int, *, group: int = 32, zeros: bool = True):
+    """A QuantizedWeight of ShapeDtypeStructs in the kernels' layout ([..., K, N])."""
+    s = jax.ShapeDtypeStruct
+    if fmt == "fp8":
+        return layout.QuantizedWeight(
+            s((*lead, k, n), jnp.float8_e4m3fn), s((*lead, -(-k // 128), -(-n // 128)), jnp.float32),
+            None, "fp8", (128, 128), 0,
+        )  # fmt: skip
+    scale_dtype, g = (jnp.bfloat16, group) if fmt == "int4" else (ml_dtypes.float8_e8m0fnu, 32)
+    z = s((*lead, k // g, n), jnp.uint8) if fmt == "int4" and zeros else None
+    return layout.QuantizedWeight(
+        s((*lead, k // 2, n), jnp.uint8), s((*lead, k // g, n), scale_dtype), z, fmt, (g, 1), 64
+    )
+
+
+LINEARS = [  # (format, T, K, N, group, zero points)
+    pytest.param("int4", 1, D, N, 32, True, id="int4-g32-asym-T1-q_a"),
+    pytest.param("int4", 4096, 16384, D, 128, False, id="int4-g128-sym-T4096-o_proj"),
+    pytest.param("fp8", 8, D, 576, 128, False, id="fp8-T8-kv_a-576"),
+    pytest.param("fp4", 512, D, N, 32, False, id="fp4-T512"),
+]
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("fmt,t,k,n,group,zeros", LINEARS)
+def test_quant_matmul_lowers(target, fmt, t, k, n, group, zeros):
+    w = _abstract(fmt, (), k, n, group=group, zeros=zeros)
+    text = lower_for_cuda(kernel.quant_matmul, jax.ShapeDtypeStruct((t, k), jnp.bfloat16), w, target=target)
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_scale_groups_smaller_than_tiles_lower(target):
+    """Tiles spanning several scale groups: 64-row x 128-column FP8 blocks under 128 x 256 tiles
+    (scale rows and columns broadcast by reshapes)."""
+    w = _abstract("fp8", (), D, N).replace(
+        scales=jax.ShapeDtypeStruct((D // 64, N // 128), jnp.float32), group=(64, 128)
+    )
+    cfg = kernel.tuning.QmmConfig(64, 256, 128, 1, 8, 2)
+    x = jax.ShapeDtypeStruct((64, D), jnp.bfloat16)
+    assert "__gpu$xla.gpu.triton" in lower_for_cuda(kernel.quant_matmul, x, w, target=target, config=cfg)
+
+
+def test_native_e4m3_does_not_lower_on_sm80():
+    w = _abstract("fp8", (), D, 576)
+    x = jax.ShapeDtypeStruct((8, D), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="float8_e4m3fn"):
+        lower_for_cuda(kernel.quant_matmul, x, w, target="sm_80", decode="native")
+    lower_for_cuda(kernel.quant_matmul, x, w, target="sm_90", decode="software")  # forced sm_80 path
+
+
+EXPERTS = [  # (format, T, activations dtype)
+    pytest.param("int4", 1, jnp.bfloat16, id="int4-T1"),
+    pytest.param("fp8", 4096, jnp.bfloat16, id="fp8-T4096"),
+    pytest.param("fp4", 32, jnp.float32, id="fp4-T32-f32"),
+]
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("fmt,t,dtype", EXPERTS)
+def test_quantized_moe_lowers(target, fmt, t, dtype):
+    experts = {"gate_up": _abstract(fmt, (E,), D, 2 * N), "down": _abstract(fmt, (E,), N, D)}
+    text = lower_for_cuda(
+        moe_kernel.moe_experts,
+        jax.ShapeDtypeStruct((t, D), dtype),
+        jax.ShapeDtypeStruct((t, TOP_K), jnp.int32),
+        jax.ShapeDtypeStruct((t, TOP_K), jnp.float32),
+        experts,
+        target=target,
+        swiglu_limit=7.0,
+    )
+    assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_moe_tiles_fit(bits, itemsize):
+    for cc in TARGETS.values():
+        for experts in (32, 256):
+            for t in (1, 32, 512, 4096):
+                cfg = moe_tuning.choose(t * TOP_K, experts, itemsize=itemsize, cc=cc, weight_bits=bits)
+                for tile, n_tiles in ((cfg.gate_up, 2), (cfg.down, 1)):
+                    nbytes = moe_tuning.smem_bytes(
+                        tile, block_m=cfg.block_m, weight_tiles=n_tiles, itemsize=itemsize, weight_bits=bits
+                    )
+                    assert nbytes <= shared_memory_budget(cc), (cc, experts, t, cfg)
+                    assert bits == 8 or tile.block_k >= 64  # whole packed chunks
+    bf16 = moe_tuning.choose(8 * TOP_K, E, itemsize=2, cc=90)
+    assert moe_tuning.choose(8 * TOP_K, E, itemsize=2, cc=90, weight_bits=8).gate_up == bf16.gate_up
+    assert np.all(moe_tuning.choose(8 * TOP_K, E, itemsize=2, cc=90, weight_bits=4).gate_up.block_k == 128)

@@ -1,0 +1,305 @@
+"""Quantized weights: the layout's packers and dequantizer, the in-kernel decoders, and the
+``quant_matmul`` kernel vs its reference (CPU, interpret mode) on fresh random codes, scales and
+zero points. The decoders and the dequantizer are held to the NumPy format decoders of
+``checkpoints.quant`` (written from the formats' bit layouts) bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from checkpoints import quant as formats
+from jaxdsa import ops
+from pallas_kernels.quant_matmul import decode, kernel, layout, ref, tuning
+
+BF16 = ml_dtypes.bfloat16
+
+
+def _same_bits(got, want) -> None:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+def _same_leaves(a, b) -> None:
+    """Two weights hold identical arrays (compared as bytes: float8 NaN codes included)."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = np.ascontiguousarray(x), np.ascontiguousarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
+
+
+def _rel(got, want) -> float:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+# ---- random weights in the checkpoints' own (HF [out, in]) form ----------------------------------
+
+
+def random_int4(rng, lead, n, k, group, *, symmetric, scale_dtype=BF16):
+    """(packed weight, float32 [..., K, N] reference values by the NumPy decoder)."""
+    q = rng.integers(-8, 8, size=(*lead, n, k))
+    zp = None if symmetric else rng.integers(-8, 8, size=(*lead, n, k // group))
+    scale = (rng.uniform(0.5, 1.5, size=(*lead, n, k // group)) / (8 * np.sqrt(k))).astype(scale_dtype)
+    want = formats.dequantize_int4_values(q, scale, zp, group).astype(np.float32)
+    return layout.pack_int4(q, scale, zp, group_size=group), np.swapaxes(want, -1, -2)
+
+
+def random_fp8(rng, lead, n, k, block=(128, 128), *, e8m0=False, nan=False):
+    codes = rng.integers(0, 256, size=(*lead, n, k)).astype(np.uint8)
+    if not nan:
+        codes[(codes & 0x7F) == 0x7F] = 0x7E
+    q = codes.view(ml_dtypes.float8_e4m3fn)
+    grid = (*lead, -(-n // block[0]), -(-k // block[1]))
+    if e8m0:
+        scale = rng.integers(110, 124, size=grid).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)
+    else:
+        scale = (rng.uniform(0.5, 2, size=grid) / (64 * np.sqrt(k))).astype(np.float32)
+    want = np.stack(
+        [
+            formats.dequantize_fp8_block(a, s, block)
+            for a, s in zip(q.reshape(-1, n, k), scale.reshape(-1, *grid[-2:]))
+        ]
+    )
+    return layout.pack_fp8(q, scale, block=block), np.swapaxes(want.reshape(*lead, n, k), -1, -2)
+
+
+def random_fp4(rng, lead, n, k):
+    codes = rng.integers(0, 16, size=(*lead, n, k)).astype(np.uint8)
+    e = rng.integers(118, 125, size=(*lead, n, k // 32)).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)  # the V4 checkpoint bytes
+    want = formats.dequantize_fp4(packed, e)
+    return layout.pack_fp4(formats.unpack_fp4(packed), e), np.swapaxes(want, -1, -2)
+
+
+def _device(w):
+    return jax.tree.map(jnp.asarray, w)
+
+
+# ---- element decoders ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", decode.MODES)
+def test_e4m3_decoders_every_code(mode):
+    codes = jnp.arange(256, dtype=jnp.int32)
+    _same_bits(jax.jit(lambda c: decode.e4m3_to_f32(c, mode))(codes), formats.decode_e4m3(np.arange(256)))
+
+
+def test_e2m1_and_e8m0_decoders_every_code():
+    _same_bits(jax.jit(decode.e2m1_to_f32)(jnp.arange(16)), formats.decode_e2m1(np.arange(16)))
+    _same_bits(jax.jit(decode.e8m0_to_f32)(jnp.arange(256)), formats.decode_e8m0(np.arange(256)))
+
+
+def test_decode_switch(monkeypatch):
+    monkeypatch.delenv(decode.ENV, raising=False)
+    assert [decode.fp_decode(cc=cc) for cc in (0, 80, 86, 89, 90, 120)] == ["software"] * 3 + ["native"] * 3
+    monkeypatch.setenv(decode.ENV, "software")
+    assert decode.fp_decode(cc=90) == "software" and decode.fp_decode("native", cc=80) == "native"
+    monkeypatch.setenv(decode.ENV, "fast")
+    with pytest.raises(ValueError, match="JAXDSA_FP_DECODE"):
+        decode.fp_decode()
+
+
+# ---- layout ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        functools.partial(random_int4, lead=(), n=48, k=128, group=32, symmetric=False),
+        functools.partial(random_int4, lead=(3,), n=32, k=256, group=128, symmetric=True),
+        functools.partial(
+            random_int4, lead=(), n=16, k=96, group=32, symmetric=False, scale_dtype=np.float16
+        ),
+        functools.partial(random_fp8, lead=(), n=576, k=320, nan=True),  # partial blocks both ways
+        functools.partial(random_fp8, lead=(2,), n=80, k=64, block=(32, 64), e8m0=True),
+        functools.partial(random_fp4, lead=(2,), n=32, k=128),
+    ],
+    ids=["int4-asym-g32", "int4-sym-g128-E3", "int4-f16-K96", "fp8-576x320-nan", "fp8-e8m0-E2", "fp4-E2"],
+)
+def test_dequantize_is_the_format_definition(make):
+    """NumPy- and jnp-packed leaves agree, and dequantize() reproduces checkpoints.quant bit for bit."""
+    w, want = make(np.random.default_rng(0))
+    wj = _device(w)
+    assert w.shape == want.shape
+    _same_leaves(w, wj)
+    _same_bits(layout.dequantize(wj), want)
+
+
+def test_from_checkpoint_tensors():
+    """The loader's path: compressed-tensors int32 words -> checkpoints.quant.int4_values ->
+    layout.pack_int4 dequantizes exactly as checkpoints.quant.dequantize_int4_packed."""
+    rng = np.random.default_rng(6)
+    n, k, g = 40, 256, 128
+    q, zp = rng.integers(-8, 8, size=(n, k)), rng.integers(-8, 8, size=(n, k // g))
+    scale = rng.uniform(0.01, 0.1, size=(n, k // g)).astype(BF16)
+
+    def words(v, axis):  # eight 4-bit fields per int32, element i at bits 4i, offset +8
+        v = np.moveaxis(v + 8, axis, -1).astype(np.uint32)
+        v = v.reshape(*v.shape[:-1], -1, 8) << (4 * np.arange(8, dtype=np.uint32))
+        return np.moveaxis(np.bitwise_or.reduce(v, axis=-1).view(np.int32), -1, axis)
+
+    packed, zeros = words(q, 1), words(zp, 0)
+    qs, zps = formats.int4_values(packed, scale, zeros, (n, k), g)
+    w = layout.pack_int4(qs, scale, zps, group_size=g)
+    want = formats.dequantize_int4_packed(packed, scale, zeros, (n, k), g).astype(np.float32).T
+    _same_bits(layout.dequantize(_device(w)), want)
+
+
+def test_jnp_packers_match_numpy():
+    rng = np.random.default_rng(1)
+    q, zp = rng.integers(-8, 8, size=(2, 48, 128)), rng.integers(-8, 8, size=(2, 48, 4))
+    s = rng.uniform(0.01, 0.1, size=(2, 48, 4)).astype(BF16)
+    a = layout.pack_int4(q, s, zp, group_size=32)
+    b = layout.pack_int4(*map(jnp.asarray, (q, s, zp)), group_size=32)
+    _same_leaves(a, b)
+    np.testing.assert_array_equal(layout.unpack_nibbles(a.codes, a.kpack), np.swapaxes(q + 8, -1, -2))
+
+
+def test_concat_n_reblocks_partial_fp8_blocks():
+    """gate | up of 96 columns each in 64-column blocks: the scale groups narrow to 32 columns."""
+    rng = np.random.default_rng(2)
+    (g, g_want), (u, u_want) = (random_fp8(rng, (2,), 96, 64, block=(64, 32)) for _ in range(2))
+    both = layout.concat_n(g, u)
+    assert both.group == (32, 32) and both.shape == (2, 64, 192)
+    _same_bits(layout.dequantize(_device(both)), np.concatenate([g_want, u_want], axis=-1))
+
+
+def test_pytree_and_split_checks():
+    w, _ = random_int4(np.random.default_rng(3), (4,), 64, 256, 32, symmetric=False)
+    leaves, tree = jax.tree.flatten(w)
+    assert len(leaves) == 3 and jax.tree.unflatten(tree, leaves).format == "int4"
+    assert jax.tree.map(lambda _: "spec", w).scales == "spec"  # one spec per leaf, same structure
+    layout.check_split(w, "k", 4)  # 64 rows per shard: whole chunks and groups
+    layout.check_split(w, "n", 4)
+    with pytest.raises(ValueError, match="whole"):
+        layout.check_split(w, "k", 8)  # 32-row shards would cut 64-row packed chunks
+    fp8, _ = random_fp8(np.random.default_rng(4), (), 384, 256)
+    layout.check_split(fp8, "n", 3)
+    with pytest.raises(ValueError, match="whole 128-element"):
+        layout.check_split(fp8, "n", 2)
+
+
+# ---- the kernel ----------------------------------------------------------------------------------
+
+_ref = jax.jit(ref.quant_matmul)
+
+
+def _check(x, w, *, decode_mode=None, config=None, tol=None):
+    got = kernel.quant_matmul(x, w, interpret=True, decode=decode_mode, config=config)
+    want = _ref(x, w)
+    assert got.shape == want.shape and got.dtype == x.dtype
+    tol = tol or (1e-5 if x.dtype == jnp.float32 else 8e-3)
+    assert _rel(got, want) <= tol, _rel(got, want)
+
+
+CASES = [  # (format maker, M, activations dtype, decode mode)
+    pytest.param(
+        functools.partial(random_int4, n=64, k=128, group=32, symmetric=False),
+        1,
+        jnp.bfloat16,
+        None,
+        id="int4-g32-M1-bf16",
+    ),
+    pytest.param(
+        functools.partial(random_int4, n=32, k=256, group=128, symmetric=True),
+        37,
+        jnp.float32,
+        None,
+        id="int4-g128-M37-f32",
+    ),
+    pytest.param(
+        functools.partial(random_int4, n=32, k=64, group=32, symmetric=False),
+        4096,
+        jnp.bfloat16,
+        None,
+        id="int4-g32-M4096",
+    ),
+    pytest.param(functools.partial(random_fp8, n=576, k=128), 3, jnp.float32, "software", id="fp8-576-M3-sw"),
+    pytest.param(
+        functools.partial(random_fp8, n=576, k=128), 200, jnp.bfloat16, "native", id="fp8-576-M200-native"
+    ),
+    pytest.param(
+        functools.partial(random_fp8, n=64, k=320, e8m0=True),
+        16,
+        jnp.bfloat16,
+        "software",
+        id="fp8-e8m0-K320-sw",
+    ),
+    pytest.param(functools.partial(random_fp4, n=32, k=128), 9, jnp.float32, None, id="fp4-M9-f32"),
+]
+
+
+@pytest.mark.parametrize("make,m,dtype,mode", CASES)
+def test_matches_reference(make, m, dtype, mode):
+    rng = np.random.default_rng(m)
+    w, _ = make(rng, ())
+    x = jnp.asarray(rng.standard_normal((m, w.shape[0])), dtype)
+    _check(x, _device(w), decode_mode=mode)
+
+
+@pytest.mark.parametrize("mode", decode.MODES)
+@pytest.mark.parametrize("fmt", ["int4", "fp8", "fp4"])
+def test_kernel_dequantizes_bit_for_bit(fmt, mode):
+    """x = I in float32 makes the kernel's output its dequantized weight, exactly (products with 0
+    and 1 and sums of zeros are exact, but for the sign of zero): each format's values, through
+    both e4m3 paths."""
+    rng = np.random.default_rng(7)
+    make = {
+        "int4": functools.partial(random_int4, group=32, symmetric=False),
+        "fp8": random_fp8,
+        "fp4": random_fp4,
+    }
+    w, want = make[fmt](rng, (), 48, 64)
+    got = kernel.quant_matmul(jnp.eye(64, dtype=jnp.float32), _device(w), interpret=True, decode=mode)
+    _same_bits(got, want + np.float32(0))  # a sum turns -0 into +0; every other bit must agree
+
+
+def test_tiles_spanning_several_scale_groups():
+    """64-row x 32-column FP8 blocks under 128 x 64 tiles: scales broadcast over rows and columns."""
+    rng = np.random.default_rng(5)
+    w, _ = random_fp8(rng, (), 128, 256, block=(32, 64), e8m0=True)
+    x = jnp.asarray(rng.standard_normal((24, 256)), jnp.float32)
+    _check(x, _device(w), decode_mode="software", config=tuning.QmmConfig(32, 64, 128, 1, 4, 2))
+
+
+@pytest.mark.parametrize("splits,block_m", [(4, 16), (2, 64)])
+def test_k_splits(splits, block_m):
+    rng = np.random.default_rng(splits)
+    w, _ = random_int4(rng, (), 32, 512, 128, symmetric=False)
+    x = jnp.asarray(rng.standard_normal((20, 512)), jnp.float32)
+    _check(x, _device(w), config=tuning.QmmConfig(block_m, 32, 128, splits, 4, 2))
+
+
+def test_ops_dispatch_interpret():
+    rng = np.random.default_rng(11)
+    w, want = random_fp8(rng, (), 32, 128)
+    x = jnp.asarray(rng.standard_normal((4, 128)), jnp.float32)
+    previous = ops.get_kernels()
+    try:
+        ops.set_kernels("interpret")
+        got = jax.jit(ops.quant_matmul)(x, _device(w))
+    finally:
+        ops.set_kernels(previous)
+    np.testing.assert_allclose(got, np.asarray(x) @ want, rtol=1e-5, atol=1e-5)
+
+
+def test_tuning_regimes_and_budgets():
+    for cc in (80, 90, 120):
+        for m in (1, 8, 32, 128, 512, 4096):
+            for bits, floor in ((4, 64), (8, 16)):
+                cfg = tuning.choose(m, 6144, 2048, itemsize=2, weight_bits=bits, min_block_k=floor, cc=cc)
+                assert cfg.block_m >= min(m, 16) and 6144 % (cfg.block_k * cfg.splits) == 0
+                nbytes = tuning.smem_bytes(cfg, itemsize=2, weight_bits=bits)
+                assert nbytes <= tuning.shared_memory_budget(cc), (cc, m, cfg)
+    decode_cfg = tuning.choose(1, 6144, 2048, itemsize=2, weight_bits=4, min_block_k=64, cc=90)
+    assert decode_cfg.splits > 1 and decode_cfg.block_m == 16  # 32 N tiles alone would leave SMs idle
