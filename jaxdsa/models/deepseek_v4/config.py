@@ -102,6 +102,13 @@ class V4Config:
     def replace(self, **changes: Any) -> V4Config:
         return dataclasses.replace(self, **changes)
 
+    def architecture(self) -> V4Config:
+        """Only what the math depends on (no file format, no special tokens): the static key of the
+        jitted forward, so checkpoints of one architecture share one compilation."""
+        return self.replace(
+            quantization=None, expert_dtype=None, bos_token_id=None, eos_token_ids=(), pad_token_id=None
+        )
+
 
 # ---------------------------------------------------------------------------------------------
 # Parsing
