@@ -85,10 +85,6 @@ class V4Config:
         """head_dim^-0.5; V4 has no YaRN mscale on the softmax (models.md §1.2)."""
         return self.head_dim**-0.5
 
-    @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.qk_rope_head_dim
-
     def layer_type(self, layer: int) -> str:
         """Attention type of a main layer, or of the MTP block for ``layer >= num_hidden_layers``."""
         return self.layer_types[layer] if layer < self.num_hidden_layers else self.mtp_layer_type
@@ -409,10 +405,8 @@ def load_v4_config(path: str | os.PathLike) -> V4Config:
     return v4_config_from_dict(raw, file)
 
 
-def tiny_v4_config(name: str = "dsv4", *, form: str = "hf", **overrides: Any) -> V4Config:
-    """A tiny preset from :mod:`.presets` in HF (``form='hf'``) or release form, with overrides."""
+def tiny_v4_config(name: str = "dsv4", **overrides: Any) -> V4Config:
+    """A tiny preset from :mod:`.presets` (HF form) with field overrides."""
     from jaxdsa.models.deepseek_v4 import presets
 
-    raw = presets.TINY_PRESETS[name]
-    raw = presets.release_form(raw) if form == "release" else dict(raw)
-    return v4_config_from_dict({**raw, **overrides}, f"<tiny:{name}:{form}>")
+    return v4_config_from_dict({**presets.TINY_PRESETS[name], **overrides}, f"<tiny:{name}>")
