@@ -780,6 +780,55 @@ def reload_check(directory: Path, spec, r) -> dict[str, Any]:
     return info
 
 
+@torch.no_grad()
+def sensitivity(model, prompt: np.ndarray, base: np.ndarray) -> dict[str, float]:
+    """Max rel L2 of the logits when one detail of HF's V4 is changed: what a 1e-4 parity test catches."""
+    out: dict[str, float] = {}
+    modules = list(model.modules())
+
+    def variant(name, targets, attribute, value):
+        saved = [getattr(m, attribute) for m in targets]
+        saved = [v.clone() if isinstance(v, torch.Tensor) else v for v in saved]
+        for m in targets:
+            if isinstance(getattr(m, attribute), torch.Tensor):
+                getattr(m, attribute).copy_(torch.as_tensor(value).expand_as(getattr(m, attribute)))
+            else:
+                setattr(m, attribute, value)
+        out[name] = float(rel_l2_rows(full_logits(model, prompt), base).max())
+        for m, v in zip(targets, saved):
+            if isinstance(v, torch.Tensor):
+                getattr(m, attribute).copy_(v)
+            else:
+                setattr(m, attribute, v)
+
+    attns = [m for m in modules if isinstance(m, hf_v4.DeepseekV4Attention)]
+    sinks = [a.sinks.clone() for a in attns]
+    for a in attns:
+        a.sinks.fill_(-math.inf)
+    out["no_sink"] = float(rel_l2_rows(full_logits(model, prompt), base).max())
+    for a, s in zip(attns, sinks):
+        a.sinks.copy_(s)
+    indexers = [m for m in modules if isinstance(m, hf_v4.DeepseekV4Indexer)]
+    variant("all_complete_entries_instead_of_top_k", indexers, "index_topk", 10**6)
+    routers = [m for m in modules if isinstance(m, hf_v4.DeepseekV4TopKRouter)]
+    saved_bias = [r.e_score_correction_bias.clone() for r in routers]
+    for r in routers:
+        r.e_score_correction_bias.zero_()
+    out["router_bias_zeroed"] = float(rel_l2_rows(full_logits(model, prompt), base).max())
+    for r, b in zip(routers, saved_bias):
+        r.e_score_correction_bias.copy_(b)
+    mlps = [m for m in modules if isinstance(m, (hf_v4.DeepseekV4Experts, hf_v4.DeepseekV4MLP))]
+    variant("no_swiglu_clamp", mlps, "limit", math.inf)
+    variant("window_one_longer", [model.config], "sliding_window", model.config.sliding_window + 1)
+    rotaries = [m for m in modules if isinstance(m, hf_v4.DeepseekV4RotaryEmbedding)]
+    dim = model.config.qk_rope_head_dim
+    plain = 1.0 / (model.config.compress_rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    variant("compress_rope_without_yarn", rotaries, "compress_inv_freq", plain)
+    if not np.array_equal(full_logits(model, prompt), base):
+        raise AssertionError("sensitivity probes did not restore the model")
+    return out
+
+
 def make_fixture(spec, presets, out_root: Path, log) -> dict[str, Any]:
     tried = []
     for i in range(MAX_ATTEMPTS):
@@ -791,6 +840,10 @@ def make_fixture(spec, presets, out_root: Path, log) -> dict[str, Any]:
         log(f"  seed {seed} rejected: {', '.join(r['problems'])}")
     else:
         raise RuntimeError(f"{spec['name']}: no seed passed: {tried}")
+    sens = sensitivity(r["model"], r["res"]["prompt_long"], r["res"]["logits_long"])
+    weak = {k: v for k, v in sens.items() if not v > 1e-3}
+    if weak:
+        raise AssertionError(f"logits_long barely depends on {weak}")
     directory = out_root / spec["name"]
     write_checkpoint(r, spec, presets, directory)
     info = reload_check(directory, spec, r)
@@ -818,6 +871,7 @@ def make_fixture(spec, presets, out_root: Path, log) -> dict[str, Any]:
         "info": info,
         "bytes": size,
         "spec": spec,
+        "sensitivity": sens,
     }
 
 
@@ -912,6 +966,19 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
             f"{fmt(max(c['fp64_rel'], c['fp64_rel_greedy']))} | {fmt(c['cache_vs_recompute_rel'])} | "
             f"{fmt(c['prefix_rel'])} |"
         )
+    names = list(results[0]["sensitivity"])
+    lines += [
+        "",
+        "How far `logits_long` moves (max rel L2 over positions) when one detail of HF's V4 is changed (a",
+        "parity test at 1e-4 catches everything well above that): sinks removed, every complete CSA entry",
+        "instead of the indexer's top-k, router bias zeroed, no SwiGLU clamp, a window one token longer,",
+        "compress RoPE without YaRN.",
+        "",
+        "| name | " + " | ".join(f"`{n}`" for n in names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for r in results:
+        lines.append(f"| `{r['name']}` | " + " | ".join(fmt(r["sensitivity"][n]) for n in names) + " |")
     lines += ["", "## What HF 5.23 computes (see models.md §8.10)", "", *HF_FACTS, ""]
     (out_root / "README_dsv4.md").write_text("\n".join(lines))
 
@@ -967,6 +1034,7 @@ def main() -> None:
             f"logit std {c['logit_std_long']:.2f}"
         )
         log(f"  {json.dumps(r['info'], default=str)}")
+        log(f"  sensitivity {json.dumps({k: float(f'{v:.3g}') for k, v in r['sensitivity'].items()})}")
         results.append(r)
     if not args.only:
         write_readme(results, args.out)
