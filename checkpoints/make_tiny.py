@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--family", required=True, choices=sorted(DEFAULT_PRESET))
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--preset", default=None, help="TINY_PRESETS name (default: glm5 / dsv32)")
+    parser.add_argument("--preset", default=None, help="preset name (default: glm5 / dsv32 / dsv4)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--shards", type=int, default=1)
     args = parser.parse_args(argv)
