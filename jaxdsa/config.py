@@ -173,7 +173,7 @@ def eos_ids(f: Fields) -> tuple[int, ...]:
     if eos is None:
         return ()
     eos = eos if isinstance(eos, list) else [eos]
-    if not all(isinstance(e, int) for e in eos):
+    if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
         raise f.error("eos_token_id", f"expected int or list of ints, got {eos!r}")
     return tuple(eos)
 

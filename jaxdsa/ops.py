@@ -29,6 +29,17 @@ N expert width):
   FP4 (``pallas_kernels.quant_matmul.layout``), dequantized in the kernel to x's dtype. It has no
   ``OpSharding``: the caller (a Linear) knows whether W is split along K or N and runs it under its
   own specs.
+- ``indexer_logits(q [T,Hi,Di], w [T,Hi], k [S,Di], *, q_pos [T]) -> [T,S] f32``: the same sum over one
+  flat key sequence, ``s <= q_pos[t]`` (DeepSeek-V4's compressed keys).
+
+DeepSeek-V4 (models.md §3; no ``OpSharding`` yet: its meshes come with its family on the seam):
+
+- ``hc_pre(x [T,n,D], fn [nD,(2+n)n], base, scale [3], *, iters, hc_eps, norm_eps)
+  -> (collapsed [T,D], post [T,n], comb [T,n,n])`` and ``hc_post(x, out [T,D], post, comb) -> [T,n,D]``:
+  a hyper-connection site's weights (Sinkhorn-normalized mixing) and the stream update.
+- ``compress_pool(kv [W,m,cd], score [W,m,cd], norm [d], *, eps, prev_kv=None, prev_score=None)
+  -> [W,d]``: the compressor's gated per-channel softmax pooling of complete windows (c = 2:
+  overlapping CSA windows, the previous window's first half carried in ``prev_*``), then RMSNorm.
 """
 
 from __future__ import annotations
@@ -41,11 +52,21 @@ from typing import Any
 
 import jax
 
+# Pallas registers three trace-context config states in modules it imports lazily. When that first
+# happens inside a jitted trace (the first kernel resolved by an interpret / pallas step), the next
+# call of the same jitted function misses JAX's cache and compiles everything a second time.
+# Importing them here, before any trace, keeps it to one compilation.
+import jax.experimental.pallas.fuser  # noqa: F401
+
 from jaxdsa.sharding import OpSharding, wrap_op
+from pallas_kernels.compress_pool import kernel as compress_pool_kernel
+from pallas_kernels.compress_pool import ref as compress_pool_ref
 from pallas_kernels.indexer_logits import kernel as indexer_logits_kernel
 from pallas_kernels.indexer_logits import ref as indexer_logits_ref
 from pallas_kernels.merge_states import kernel as merge_states_kernel
 from pallas_kernels.merge_states import ref as merge_states_ref
+from pallas_kernels.mhc import kernel as mhc_kernel
+from pallas_kernels.mhc import ref as mhc_ref
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe import ref as moe_ref
 from pallas_kernels.quant_matmul import kernel as quant_matmul_kernel
@@ -117,6 +138,10 @@ OPS: dict[str, Op] = {
         ),
     ),
     "quant_matmul": Op(quant_matmul_ref.quant_matmul, quant_matmul_kernel.quant_matmul, None),
+    "indexer_logits": Op(indexer_logits_ref.indexer_logits, indexer_logits_kernel.indexer_logits, None),
+    "hc_pre": Op(mhc_ref.hc_pre, mhc_kernel.hc_pre, None),
+    "hc_post": Op(mhc_ref.hc_post, mhc_kernel.hc_post, None),
+    "compress_pool": Op(compress_pool_ref.compress_pool, compress_pool_kernel.compress_pool, None),
 }
 
 _backend: str | None = None
@@ -182,3 +207,21 @@ def moe_experts(x, topk_ids, topk_weights, experts, *, swiglu_limit: float | Non
 
 def quant_matmul(x, w):
     return _impl("quant_matmul", get_kernels())(x, w)
+
+
+def indexer_logits(q, w, k, *, q_pos):
+    return _impl("indexer_logits", get_kernels())(q, w, k, q_pos=q_pos)
+
+
+def hc_pre(x, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: float):
+    return _impl("hc_pre", get_kernels())(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+
+
+def hc_post(x, out, post, comb):
+    return _impl("hc_post", get_kernels())(x, out, post, comb)
+
+
+def compress_pool(kv, score, norm, *, eps: float, prev_kv=None, prev_score=None):
+    return _impl("compress_pool", get_kernels())(
+        kv, score, norm, eps=eps, prev_kv=prev_kv, prev_score=prev_score
+    )
