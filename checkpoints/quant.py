@@ -25,6 +25,7 @@ import re
 import ml_dtypes
 import numpy as np
 
+
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
     """Weight quantization of the checkpoint files (``quantization_config`` in config.json)."""
@@ -45,7 +46,9 @@ class QuantConfig:
             return True
 
         def hit(entry: str) -> bool:
-            return entry in ("Linear", module) or bool(entry.startswith("re:") and re.match(entry[3:], module))
+            return entry in ("Linear", module) or bool(
+                entry.startswith("re:") and re.match(entry[3:], module)
+            )
 
         return any(map(hit, self.targets)) and not any(map(hit, self.ignore))
 

@@ -93,7 +93,9 @@ class _Source:
         plainly: a file that disagrees with its config is refused rather than guessed at."""
         packed = module + ".weight_packed"
         if packed in self.reader and not self.quant.quantizes(module):
-            raise self.fail(packed, "stored packed, but the quantization_config ignores it or no target matches")
+            raise self.fail(
+                packed, "stored packed, but the quantization_config ignores it or no target matches"
+            )
         if module + ".weight" in self.reader and self.quant.quantizes(module):
             raise self.fail(module + ".weight", "stored unpacked, but the quantization_config quantizes it")
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from checkpoints.quant import QuantConfig
-from jaxdsa.config import ConfigError, Fields, RopeConfig, eos_ids, parse_quantization, read_config_json
+from jaxdsa.config import Fields, RopeConfig, eos_ids, parse_quantization, read_config_json
 
 MODEL_TYPE = "deepseek_v4"
 SWA = "sliding_attention"
