@@ -78,10 +78,7 @@ def test_flat_matches_reference(t, s, hi, dtype, config):
     q_pos = np.clip(s - t + np.arange(t), -1, None) if t <= s else rng.integers(0, s, t)
     q_pos[::7] = rng.integers(-1, s, len(q_pos[::7]))
     q_pos = jnp.asarray(q_pos, jnp.int32)
-    if config is None:  # the production path: dispatch as the model does
-        got = ops._resolve("indexer_logits", "interpret")(q, w, k, q_pos=q_pos)
-    else:
-        got = kernel.indexer_logits(q, w, k, q_pos=q_pos, interpret=True, config=config)
+    got = kernel.indexer_logits(q, w, k, q_pos=q_pos, interpret=True, config=config)  # None: the table
     _assert_close(got, ref.indexer_logits(q, w, k, q_pos=q_pos), tol=1e-6 if dtype == jnp.float32 else 1e-5)
 
 
@@ -95,7 +92,7 @@ def test_paged_decode_ragged_lengths_and_padding():
     seq_ids = jnp.asarray([3, 1, -1, 0, 4, 2], jnp.int32)
     q_pos = jnp.asarray([95, 40, 50, 0, 63, 17], jnp.int32)
     q, w = _qw(rng, 6, 32)
-    got = ops._resolve("indexer_logits_paged", "interpret")(
+    got = ops._impl("indexer_logits_paged", "interpret")(
         q, w, k_pages, table, seq_ids, q_pos, k_scale=None
     )
     _assert_close(got, ref.indexer_logits_paged(q, w, k_pages, table, seq_ids, q_pos))
