@@ -41,7 +41,8 @@ def main() -> int:
         ok = max(short, long, decode) <= 1e-4 and same
         failures += not ok
         print(
-            f"{name:11s} prefill-short {short:.2e}  prefill-long {long:.2e}  decode {decode:.2e}  greedy-equal {same}  {'OK' if ok else 'FAIL'}  ({time.perf_counter() - start:.1f}s)"
+            f"{name:11s} prefill-short {short:.2e}  prefill-long {long:.2e}  decode {decode:.2e}  "
+            f"greedy-equal {same}  {'OK' if ok else 'FAIL'}  ({time.perf_counter() - start:.1f}s)"
         )
     return 1 if failures else 0
 

@@ -387,7 +387,7 @@ def _summary(results: list[dict]) -> list[dict]:
             continue
         by_impl = {r["impl"].removesuffix(" (best)"): r for r in mine}
         best = next((r for r in mine if r["impl"].endswith("(best)")), {})
-        us = lambda name: by_impl.get(name, {}).get("us", "")  # noqa: E731
+        us = lambda name, by_impl=by_impl: by_impl.get(name, {}).get("us", "")  # noqa: E731
         out.append(
             {
                 "T": t,

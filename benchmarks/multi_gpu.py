@@ -125,10 +125,14 @@ def _write(rows, args, noise: float, n: int) -> None:
         *harness.report_header(
             f"Tensor / expert / data parallelism of a GLM-5-shaped model on {n} x {header['device']}",
             {
-                "model": f"GLM-5 widths, random weights identical across layouts: float32 check with 3 dense + 1 MoE layers, bf16 throughput with 3 dense + {args.layers - 3} MoE",
-                "check": f"float32 prefill logits of a {args.prompt_len}-token prompt vs the single-GPU run (rel-L2 <= {TOLERANCE}, HIGHEST precision), 8 greedy tokens",
-                "bf16 noise floor": f"single GPU, bf16 vs float32 logits of the same model: {noise:.3g} (only when --layers 4)",
-                "throughput": f"LLM.generate: B copies of the prompt, {args.new_tokens} new tokens each, after a compile run; tok/s = B x new tokens / wall time (includes the prefill)",
+                "model": "GLM-5 widths, random weights identical across layouts: float32 check with "
+                f"3 dense + 1 MoE layers, bf16 throughput with 3 dense + {args.layers - 3} MoE",
+                "check": f"float32 prefill logits of a {args.prompt_len}-token prompt vs the single-GPU run "
+                f"(rel-L2 <= {TOLERANCE}, HIGHEST precision), 8 greedy tokens",
+                "bf16 noise floor": "single GPU, bf16 vs float32 logits of the same model: "
+                f"{noise:.3g} (only when --layers 4)",
+                "throughput": f"LLM.generate: B copies of the prompt, {args.new_tokens} new tokens each, "
+                "after a compile run; tok/s = B x new tokens / wall time (includes the prefill)",
             },
         ),
         harness.markdown_table(rows, list(rows[0])),

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         fn, inputs = CASES[name]()
         jitted = jax.jit(fn)
         jax.block_until_ready(jitted(*inputs))  # compile + warm-up, outside the range
-        us = harness.median_seconds(lambda: jitted(*inputs), 1, 5) * 1e6
+        us = harness.median_seconds(lambda jitted=jitted, inputs=inputs: jitted(*inputs), 1, 5) * 1e6
         start()
         jax.block_until_ready(jitted(*inputs))
         stop()

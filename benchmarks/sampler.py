@@ -88,10 +88,8 @@ def run(batches: tuple[int, ...] = ROWS, cases: tuple[str, ...] = tuple(CASES)) 
             row = {"case": name, "R": r}
             ids = {}
             for label, candidates in (("candidates", 1024), ("full sort", V)):
-
-                def fn(
-                    x, rows, p, candidates=candidates
-                ):  # rows as arguments: no constant folding of the filters
+                # rows as arguments: no constant folding of the filters
+                def fn(x, rows, p, candidates=candidates, logprobs=logprobs):
                     return sample(x, *rows, None, p, num_logprobs=logprobs, candidates=candidates).ids
 
                 ids[label] = np.asarray(jax.jit(fn)(logits, rows, penalties))

@@ -252,9 +252,14 @@ def _report(rows, raw, args, ceilings: harness.Ceilings, startup: float) -> None
         *harness.report_header(
             f"Serving a GLM-5-shaped model on {header['device']}",
             {
-                "model": f"GLM-5 widths, {raw['num_hidden_layers']} layers ({raw['first_k_dense_replace']} dense + {moe_layers} MoE), random bf16 weights (--load-format dummy)",
-                "workload": f"serve.bench: {args.num_prompts} prompts/level, {args.input_len} tokens in, {args.output_len} out, ignore_eos, streaming",
-                "server": f"python -m serve --max-num-seqs {max(r['concurrency'] for r in rows)} --max-num-batched-tokens {args.max_num_batched_tokens} --max-model-len {args.max_model_len} (buckets compiled at start-up)",
+                "model": f"GLM-5 widths, {raw['num_hidden_layers']} layers "
+                f"({raw['first_k_dense_replace']} dense + {moe_layers} MoE), "
+                "random bf16 weights (--load-format dummy)",
+                "workload": f"serve.bench: {args.num_prompts} prompts/level, {args.input_len} tokens in, "
+                f"{args.output_len} out, ignore_eos, streaming",
+                "server": f"python -m serve --max-num-seqs {max(r['concurrency'] for r in rows)} "
+                f"--max-num-batched-tokens {args.max_num_batched_tokens} "
+                f"--max-model-len {args.max_model_len} (buckets compiled at start-up)",
                 **ceilings.rows(),
                 "server start to /health": f"{startup:.0f} s",
             },

@@ -125,7 +125,7 @@ class CheckpointReader:
                 raise CheckpointError(path, "*", f"listed in {INDEX_FILE} but missing")
             self._files[f] = SafetensorsFile(path)
         self._where: dict[str, SafetensorsFile] = {}
-        for f, st in self._files.items():
+        for _f, st in self._files.items():
             for name in st.keys():
                 self._where[name] = st
         if weight_map is not None:

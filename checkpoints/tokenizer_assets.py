@@ -223,7 +223,7 @@ GLM_CHAT_TEMPLATE = r"""
 {%- if add_generation_prompt -%}
   {{- '<|assistant|></think>' if (enable_thinking is defined and not enable_thinking) else '<|assistant|><think>' -}}
 {%- endif -%}
-"""
+"""  # noqa: E501 (jinja template written verbatim into tokenizer_config.json)
 
 # DeepSeek-V3.2 ships a Python encoder, not a template (serve/deepseek_encoding.py is ours); this
 # template renders the same string for conversations without tools. kwarg: `thinking_mode`
@@ -261,7 +261,7 @@ DEEPSEEK_CHAT_TEMPLATE = r"""
     {{- raise_exception('role ' + m.role + ' needs serve.deepseek_encoding') -}}
   {%- endif -%}
 {%- endfor -%}
-"""
+"""  # noqa: E501 (jinja template written verbatim into tokenizer_config.json)
 
 _FAMILIES: dict[str, tuple[FamilyTokens, str]] = {
     "glm_moe_dsa": (GLM_TOKENS, GLM_CHAT_TEMPLATE),

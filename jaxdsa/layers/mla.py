@@ -146,7 +146,9 @@ class MLAttention(nnx.Module):
         return o[0, ..., : v.shape[-1]]
 
     def absorbed_attention(self, q_nope, q_pe, kv_rows: jax.Array, indices: jax.Array) -> jax.Array:
-        """Latent-space attention over cache slots. kv_rows [Z, C+Dr], indices [T, K] (-1 skip) -> o [T,H,Dv]."""
+        """Latent-space attention over cache slots.
+
+        kv_rows [Z, C+Dr], indices [T, K] (-1 skip) -> o [T,H,Dv]."""
         q_abs = jnp.einsum("thn,hnc->thc", q_nope, self.w_uk[...])
         q = jnp.concatenate([q_abs, q_pe.astype(q_abs.dtype)], axis=-1)
         out, _ = ops.sparse_mla(q, kv_rows, indices, sm_scale=self.softmax_scale, v_dim=self.kv_lora)

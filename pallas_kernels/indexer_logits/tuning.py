@@ -41,7 +41,8 @@ class RowConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
-    """Tile kernel: ``block_t`` queries x ``block_s`` keys, one ``[block_s, D] x [D, block_t]`` dot per head."""
+    """Tile kernel: ``block_t`` queries x ``block_s`` keys, one ``[block_s, D] x [D, block_t]`` dot
+    per head."""
 
     block_t: int = 64
     block_s: int = 128

@@ -112,10 +112,10 @@ def _kernel(*refs, g: _Geometry, sm_scale: float, has_sink: bool, precision):
 
     def step(i, carry):
         if g.prefetch:  # this step's indices came with the carry; fetch the next step's now
-            m, l, acc, idx = carry
+            m, row_sum, acc, idx = carry
             nxt = load_indices(i + 1)
         else:
-            m, l, acc = carry
+            m, row_sum, acc = carry
             idx = load_indices(i)
         valid = (idx >= 0) & (idx < g.n_slots)
         safe = jnp.where(valid, idx, 0)
@@ -129,7 +129,7 @@ def _kernel(*refs, g: _Geometry, sm_scale: float, has_sink: bool, precision):
         alpha = jnp.exp2(m - m_ref)
         p = jnp.exp2(s - m_ref[:, None])
         acc = acc * alpha[:, None] + dot(p.astype(dtype), kv_v, nn)
-        out = (m_new, l * alpha + jnp.sum(p, axis=1), acc)
+        out = (m_new, row_sum * alpha + jnp.sum(p, axis=1), acc)
         return (*out, nxt) if g.prefetch else out
 
     init = (
@@ -139,11 +139,11 @@ def _kernel(*refs, g: _Geometry, sm_scale: float, has_sink: bool, precision):
     )
     if g.prefetch:
         init = (*init, load_indices(0))
-    m, l, acc = lax.fori_loop(0, g.chunk // g.block_n, step, init)[:3]
+    m, row_sum, acc = lax.fori_loop(0, g.chunk // g.block_n, step, init)[:3]
 
-    l_safe = jnp.where(l > 0, l, 1.0)
-    out = acc / l_safe[:, None]
-    lse = jnp.where(l > 0, m * _LN2 + jnp.log(l_safe), -jnp.inf)
+    row_sum_safe = jnp.where(row_sum > 0, row_sum, 1.0)
+    out = acc / row_sum_safe[:, None]
+    lse = jnp.where(row_sum > 0, m * _LN2 + jnp.log(row_sum_safe), -jnp.inf)
     if has_sink:  # only compiled in with a single split; otherwise the merge applies it
         out, lse = apply_sink(out, lse, pltriton.load(sink_ref.at[heads], mask=head_ok, other=-jnp.inf))
     out_mask = head_ok[:, None]

@@ -35,7 +35,8 @@ def _rows(
     )
     out = jax.jit(sample, static_argnames=("num_logprobs", "candidates"))(
         logits, full(temperature, np.float32), full(top_p, np.float32), full(top_k, np.int32),
-        full(seed, np.int32), np.arange(n, dtype=np.int32), ban, num_logprobs=num_logprobs, candidates=candidates,
+        full(seed, np.int32), np.arange(n, dtype=np.int32), ban,
+        num_logprobs=num_logprobs, candidates=candidates,
     )  # fmt: skip
     return jax.tree.map(np.asarray, out)
 
@@ -151,8 +152,9 @@ def _vllm_penalties(logits, counts, in_prompt, presence, frequency, repetition, 
 
 
 def test_penalties_follow_vllm_and_leave_logprobs_raw():
-    """Rows with penalties and logit biases sample from vLLM's penalized logits (greedy and seeded draws), rows with
-    them off come back bit for bit, and logprobs / top tokens stay those of the raw logits."""
+    """Rows with penalties and logit biases sample from vLLM's penalized logits (greedy and seeded
+    draws), rows with them off come back bit for bit, and logprobs / top tokens stay those of the raw
+    logits."""
     rng = np.random.default_rng(5)
     n = 6
     raw = rng.normal(0, 2, (n, V)).astype(np.float32)

@@ -92,9 +92,7 @@ def test_paged_decode_ragged_lengths_and_padding():
     seq_ids = jnp.asarray([3, 1, -1, 0, 4, 2], jnp.int32)
     q_pos = jnp.asarray([95, 40, 50, 0, 63, 17], jnp.int32)
     q, w = _qw(rng, 6, 32)
-    got = ops._impl("indexer_logits_paged", "interpret")(
-        q, w, k_pages, table, seq_ids, q_pos, k_scale=None
-    )
+    got = ops._impl("indexer_logits_paged", "interpret")(q, w, k_pages, table, seq_ids, q_pos, k_scale=None)
     _assert_close(got, ref.indexer_logits_paged(q, w, k_pages, table, seq_ids, q_pos))
     assert np.isneginf(np.asarray(got[2])).all()  # padding query
 

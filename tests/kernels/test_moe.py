@@ -148,7 +148,7 @@ def test_block_map_invariants(t, k, e, bm):
     block_expert, start, length = (
         np.asarray(a) for a in (grouped.block_expert, grouped.span_start, grouped.span_len)
     )
-    for b, (s, c) in enumerate(zip(start, length)):  # grouped: a span is all of its expert's blocks
+    for b, (_s, c) in enumerate(zip(start, length)):  # grouped: a span is all of its expert's blocks
         assert (c == 1) if block_expert[b] < 0 else (block_expert == block_expert[b]).sum() == c
     grouped = block_expert
     counts = np.bincount(flat[valid], minlength=e)

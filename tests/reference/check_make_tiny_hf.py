@@ -98,7 +98,8 @@ DS_CHAT = [
     {"role": "user", "content": "U2"},
 ]
 EXPECTED = {
-    "glm": "[gMASK]<sop><|system|>Be brief.<|user|>Hi<|assistant|></think>Hello!<|user|>Again<|assistant|></think>",
+    "glm": "[gMASK]<sop><|system|>Be brief.<|user|>Hi<|assistant|></think>Hello!"
+    "<|user|>Again<|assistant|></think>",
     "chat": "<｜begin▁of▁sentence｜>S<｜User｜>U1<｜Assistant｜></think>A1<｜end▁of▁sentence｜>"
     "<｜User｜>U2<｜Assistant｜></think>",
     "thinking": "<｜begin▁of▁sentence｜>S<｜User｜>U1<｜Assistant｜></think>A1<｜end▁of▁sentence｜>"

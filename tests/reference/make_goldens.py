@@ -474,7 +474,7 @@ class Probes:
         mod = sys.modules[type(model).__module__]
         self.rope_interleave = mod.apply_rotary_pos_emb_interleave
         self.rope_half = getattr(mod, "apply_rotary_pos_emb", None)
-        for name, m in model.named_modules():
+        for _name, m in model.named_modules():
             cls = type(m).__name__
             if cls.endswith("Indexer"):
                 self.handles.append(m.register_forward_hook(self._indexer_hook, with_kwargs=True))
@@ -1106,9 +1106,7 @@ def verify_reload(directory: Path, spec, cfg, res, presets_mod, model) -> dict[s
     return info
 
 
-def verify_int4(
-    files: dict[str, torch.Tensor], opts: dict[str, Any], model, info: dict
-) -> dict[str, Any]:
+def verify_int4(files: dict[str, torch.Tensor], opts: dict[str, Any], model, info: dict) -> dict[str, Any]:
     """The files decompressed by the library (bf16 tensors widened) are exactly the goldens' weights,
     and the packed modules are the ones the library's matching picks (jaxdsa's loader refuses a
     file whose packed modules disagree with its own reading of the config, so loading the fixture
@@ -1329,7 +1327,8 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
         "# Golden fixtures (Hugging Face transformers reference)",
         "",
         "Made by `tests/reference/make_goldens.py` (see `tests/reference/README.md` to recreate the venv and",
-        f"rerun it) with transformers {transformers.__version__} and torch {torch.__version__} on CPU, float32.",
+        f"rerun it) with transformers {transformers.__version__} and torch {torch.__version__} on CPU, "
+        "float32.",
         "Do not edit by hand; rerun the script. The fixtures match **HF transformers**, which differs from",
         "DeepSeek's official inference code in places (see below).",
         "",
@@ -1345,10 +1344,13 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
         "| `logits_long` | float32 [Tl, 256] | HF full forward, no cache |",
         f"| `greedy_prompt` | int32 [{TG}] | prompt for generation (already > index_topk) |",
         f"| `greedy_tokens` | int32 [{NEW}] | HF `generate`, greedy, KV cache, no early stop |",
-        f"| `greedy_logits` | float32 [{NEW}, 256] | raw per-step logits from `generate` (`output_logits`); row i is the distribution that picked `greedy_tokens[i]`, i.e. position Tg-1+i |",
-        "| `seed` | int64 | seed that passed all checks (weights: torch.Generator(seed); prompts: seed + 10000; MTP: seed + 20000; FP8 block factors: seed + 30000 / + 40000 for MTP) |",
+        f"| `greedy_logits` | float32 [{NEW}, 256] | raw per-step logits from `generate` (`output_logits`); "
+        "row i is the distribution that picked `greedy_tokens[i]`, i.e. position Tg-1+i |",
+        "| `seed` | int64 | seed that passed all checks (weights: torch.Generator(seed); prompts: seed + "
+        "10000; MTP: seed + 20000; FP8 block factors: seed + 30000 / + 40000 for MTP) |",
         "| `hf_version`, `torch_version` | str | versions used |",
-        "| `greedy_min_margin`, `indexer_min_rel_gap`, `router_min_expert_gap`, `router_min_group_gap` | float64 | measured robustness margins (below) |",
+        "| `greedy_min_margin`, `indexer_min_rel_gap`, `router_min_expert_gap`, `router_min_group_gap` | "
+        "float64 | measured robustness margins (below) |",
         "",
         "All prompts use token ids in [2, 256). Positions start at 0, batch size 1, no padding.",
         "",
@@ -1368,39 +1370,54 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
         "",
         "## Weights",
         "",
-        f"Random, deterministic: Linear weights ~ N(0, {GAIN}^2 / fan_in) (fused experts per expert), lm_head",
+        f"Random, deterministic: Linear weights ~ N(0, {GAIN}^2 / fan_in) (fused experts per expert), "
+        "lm_head",
         f"~ N(0, {LM_GAIN}^2 / hidden), embeddings ~ N(0, 1), RMSNorm / k_norm weights ~ 1 + 0.1 N(0, 1),",
-        f"k_norm bias ~ 0.1 N(0, 1), `e_score_correction_bias` ~ {BIAS_STD} N(0, 1) (float32, non-zero: selection",
+        f"k_norm bias ~ 0.1 N(0, 1), `e_score_correction_bias` ~ {BIAS_STD} N(0, 1) (float32, non-zero: "
+        "selection",
         "uses score + bias, the weights use the unbiased score). Then `q_a_proj` and the latent rows",
-        f"[0, kv_lora_rank) of `kv_a_proj_with_mqa` are multiplied by {LATENT_SCALE}, so the pre-norm MLA latents have",
-        "an RMS of about 0.02 and the latent-norm eps matters (see the sensitivity table: GLM's config eps 1e-5",
+        f"[0, kv_lora_rank) of `kv_a_proj_with_mqa` are multiplied by {LATENT_SCALE}, so the pre-norm MLA "
+        "latents have",
+        "an RMS of about 0.02 and the latent-norm eps matters (see the sensitivity table: GLM's config eps "
+        "1e-5",
         "instead of HF's 1e-6 changes the logits by far more than the tolerance). Logits have a std of about",
         "2.5, far from uniform. Stored float32, except the FP8 fixtures' quantized tensors and the INT4",
-        "fixtures, which store every unpacked tensor in bf16 (the releases' dtype; the model is rounded to bf16",
+        "fixtures, which store every unpacked tensor in bf16 (the releases' dtype; the model is rounded to "
+        "bf16",
         "before quantizing) and the router bias in float32.",
         "",
-        "`glm5_fp8` additionally multiplies every 32x32 block of each quantized weight by 2^u, u ~ U(-1.5, 1.5),",
+        "`glm5_fp8` additionally multiplies every 32x32 block of each quantized weight by 2^u, u ~ U(-1.5, "
+        "1.5),",
         "before quantizing, so that the power-of-two scales differ from block to block inside a tensor: a",
         "loader that maps blocks wrongly changes the logits a lot (see below: floor-derived blocks, or one",
         "scale per tensor).",
         "",
-        "MTP layer (`model.layers.4.*`, where present): a full decoder layer (attention + indexer + MoE, names",
+        "MTP layer (`model.layers.4.*`, where present): a full decoder layer (attention + indexer + MoE, "
+        "names",
         "as the main layers) plus `enorm.weight`, `hnorm.weight`, `eh_proj.weight` [64, 128],",
-        "`shared_head.norm.weight`; random, never run by HF (HF 5.23 has no MTP and drops these keys on load:",
+        "`shared_head.norm.weight`; random, never run by HF (HF 5.23 has no MTP and drops these keys on "
+        "load:",
         "its `_keys_to_ignore_on_load_unexpected` names only layer 78 / 61, so it logs them as unexpected).",
         "There are no goldens for MTP.",
         "",
         "## Checks made for every fixture (a seed failing one is skipped)",
         "",
-        f"- greedy margin: at each of the {NEW} generate steps, (top1 - top2) / max(1, std(logits)) >= {MIN_GREEDY_MARGIN};",
-        "- indexer: for every full indexer layer and every query row with more valid keys than index_topk (long",
-        "  prompt, generate prefill and every decode step), (s_k - s_{k+1}) / max |valid scores of the row| >=",
-        f"  {MIN_INDEXER_REL_GAP} (scores recomputed from the indexer inputs in a forward hook; the recomputed",
+        f"- greedy margin: at each of the {NEW} generate steps, (top1 - top2) / max(1, std(logits)) >= "
+        f"{MIN_GREEDY_MARGIN};",
+        "- indexer: for every full indexer layer and every query row with more valid keys than index_topk "
+        "(long",
+        "  prompt, generate prefill and every decode step), (s_k - s_{k+1}) / max |valid scores of the row| "
+        ">=",
+        f"  {MIN_INDEXER_REL_GAP} (scores recomputed from the indexer inputs in a forward hook; the "
+        "recomputed",
         "  top-k must equal HF's);",
-        f"- router: for every MoE layer and token, last selected minus first unselected biased score >= {MIN_ROUTER_GAP},",
+        "- router: for every MoE layer and token, last selected minus first unselected biased score >= "
+        f"{MIN_ROUTER_GAP},",
         f"  and topk_group-th minus next group score >= {MIN_ROUTER_GAP};",
-        f"- HF cached `generate` logits equal an uncached forward over prompt + generated tokens (rel L2 <= {MAX_CACHE_REL});",
-        f"- the same HF model in float64 gives the same greedy tokens and logits within rel L2 {MAX_FP64_REL} per",
+        "- HF cached `generate` logits equal an uncached forward over prompt + generated tokens (rel L2 <= "
+        f"{MAX_CACHE_REL});",
+        "- the same HF model in float64 gives the same greedy tokens and logits within rel L2 "
+        f"{MAX_FP64_REL} per",
         "  position (HF keeps router and indexer scores in fp32 even then);",
         "- the written checkpoint reloads into HF (eager: bit-identical logits; sdpa: rel L2 <= 1e-5, same",
         "  tokens). For `glm5_fp8` the files are dequantized",
@@ -1408,7 +1425,8 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
         "",
         "Measured (minimum over everything checked; rel = relative L2 per position, max over positions):",
         "",
-        "| name | greedy margin | indexer rel gap (rows) | router expert gap | router group gap | fp32 vs fp64 | cache vs recompute | sdpa reload |",
+        "| name | greedy margin | indexer rel gap (rows) | router expert gap | router group gap | fp32 vs "
+        "fp64 | cache vs recompute | sdpa reload |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -1417,9 +1435,11 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
             continue
         c, i = r["checks"], r["info"]
         lines.append(
-            f"| `{r['name']}` | {fmt(c['greedy_min_margin'])} | {fmt(c['indexer_min_rel_gap'])} ({c['indexer_rows']}) | "
+            f"| `{r['name']}` | {fmt(c['greedy_min_margin'])} | {fmt(c['indexer_min_rel_gap'])} "
+            f"({c['indexer_rows']}) | "
             f"{fmt(c['router_min_expert_gap'])} | {fmt(c['router_min_group_gap'])} | "
-            f"{fmt(max(c['fp64_rel_long'], c['fp64_rel_short'], c['fp64_rel_greedy']))} | {fmt(c['cache_vs_recompute_rel'])} | "
+            f"{fmt(max(c['fp64_rel_long'], c['fp64_rel_short'], c['fp64_rel_greedy']))} | "
+            f"{fmt(c['cache_vs_recompute_rel'])} | "
             f"{fmt(i['reload_sdpa_rel']) if 'reload_sdpa_rel' in i else 'n/a (quantized)'} |"
         )
     lines += [
@@ -1428,7 +1448,9 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
         "positions) when one detail is changed: a parity test with tolerance 1e-4 can only catch a detail",
         "whose number is well above 1e-4.",
         "",
-        "| name | latent-norm eps (decoder eps) | softmax scale (qk_head_dim^-0.5) | cos/sin factor | dense instead of top-k | indexer RoPE layout swapped | router bias zeroed | latent eps = config eps | cos/sin unscaled | no mscale^2 |",
+        "| name | latent-norm eps (decoder eps) | softmax scale (qk_head_dim^-0.5) | cos/sin factor | dense "
+        "instead of top-k | indexer RoPE layout swapped | router bias zeroed | latent eps = config eps | "
+        "cos/sin unscaled | no mscale^2 |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -1436,9 +1458,10 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
             lines.append(r["carried"]["rows"][2])
             continue
         h, z = r["internals"], r["sensitivity"]
-        get = lambda k: fmt(z[k]) if k in z else "-"  # noqa: E731
+        get = lambda k, z=z: fmt(z[k]) if k in z else "-"  # noqa: E731
         lines.append(
-            f"| `{r['name']}` | {h['latent_norm_eps']:g} ({h['decoder_norm_eps']:g}) | {h['softmax_scale']:.6g} "
+            f"| `{r['name']}` | {h['latent_norm_eps']:g} ({h['decoder_norm_eps']:g}) | "
+            f"{h['softmax_scale']:.6g} "
             f"({h['qk_head_dim^-0.5']:.6g}) | {h['rope_attention_scaling']:.6g} | {get('dense_attention')} | "
             f"{get('indexer_rope_layout_swapped')} | "
             f"{get('no_router_bias')} | {get('latent_norm_eps_from_config')} | {get('cos_sin_unscaled')} | "
@@ -1453,67 +1476,88 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
         if "fp8_floor_blocks" in z:
             lines += [
                 "",
-                f"`{r['name']}`: dequantizing with floor-derived blocks (what HF's loader derives from the scale grid)",
+                f"`{r['name']}`: dequantizing with floor-derived blocks (what HF's loader derives from the "
+                "scale grid)",
                 f"moves logits_long by {fmt(z['fp8_floor_blocks'])}; one scale per tensor by "
                 f"{fmt(z['fp8_one_scale_per_tensor'])}.",
             ]
         if "int4_float32_product" in z:
             lines += [
                 "",
-                f"`{r['name']}`: dequantizing the INT4 weights with a float32 product instead of the library's",
+                f"`{r['name']}`: dequantizing the INT4 weights with a float32 product instead of the "
+                "library's",
                 f"bf16 one moves logits_long by {fmt(z['int4_float32_product'])}.",
             ]
     lines += [
         "",
         "## Generation",
         "",
-        "`generate(input_ids, max_new_tokens=16, do_sample=False, output_logits=True)` with HF's DynamicCache",
-        "(prefill of the 12-token prompt is already sparse; decode steps run the indexer over all cached keys).",
-        "`generation_config.json` sets `eos_token_id: null` (models.md §8.12); the script asserts that 16 tokens",
+        "`generate(input_ids, max_new_tokens=16, do_sample=False, output_logits=True)` with HF's "
+        "DynamicCache",
+        "(prefill of the 12-token prompt is already sparse; decode steps run the indexer over all cached "
+        "keys).",
+        "`generation_config.json` sets `eos_token_id: null` (models.md §8.12); the script asserts that 16 "
+        "tokens",
         "came back and that the processed scores equal the raw logits (no logits processor active). The",
         "`dsv32` / `dsv32_yarn` config.json keep the preset's `eos_token_id: 1`; no prompt contains ids 0/1.",
         "",
         "## HF transformers 5.23 behaviour these goldens encode (vs DeepSeek official code)",
         "",
         "- MLA latent norms `q_a_layernorm` / `kv_a_layernorm` use eps **1e-6** whatever `rms_norm_eps` says",
-        "  (GLM configs say 1e-5; decoder norms and the final norm do use `rms_norm_eps`). DeepSeek's reference",
+        "  (GLM configs say 1e-5; decoder norms and the final norm do use `rms_norm_eps`). DeepSeek's "
+        "reference",
         "  code uses 1e-6 (= its config) and vLLM uses `rms_norm_eps`, so this only matters for GLM.",
-        "- Indexer: exact fp32 scores `sum_h w_h relu(q_h . k / sqrt(d_I))`, `w = weights_proj(x) / sqrt(n_I)`;",
+        "- Indexer: exact fp32 scores `sum_h w_h relu(q_h . k / sqrt(d_I))`, `w = weights_proj(x) / "
+        "sqrt(n_I)`;",
         "  **no Hadamard rotation and no FP8 quantize/dequantize simulation** of indexer q/k (official code",
-        "  simulates both), `k_norm` LayerNorm eps 1e-6, RoPE on the first qk_rope_head_dim channels of each index",
+        "  simulates both), `k_norm` LayerNorm eps 1e-6, RoPE on the first qk_rope_head_dim channels of "
+        "each index",
         "  head. GLM (`glm_moe_dsa`) indexer RoPE is interleaved and DeepSeek-V3.2's is half-split, both",
         "  hard-coded per class: HF 5.23 reads neither `indexer_rope_interleave` nor `rope_interleave` (the",
         "  GLM presets set `indexer_rope_interleave: true`, which agrees).",
         "- No FP8 simulation of the MLA latent KV cache either (official code quantizes/dequantizes it).",
         "- Prefill is sparse: the top-k selection is applied as an attention mask in prefill and decode;",
         "  with T <= index_topk every key is selected.",
-        "- Main-attention RoPE is interleaved pairs, both families (HF writes the rotated result de-interleaved;",
+        "- Main-attention RoPE is interleaved pairs, both families (HF writes the rotated result "
+        "de-interleaved;",
         "  scores unchanged).",
         "- YaRN: inv_freq with beta_fast / beta_slow and truncated correction range over qk_rope_head_dim;",
-        "  **cos and sin are multiplied by attention_factor = mscale(factor, mscale) / mscale(factor, mscale_all_dim)**",
-        "  (1 for `dsv32`, about 0.9656 for `dsv32_yarn`), in the main attention and in the indexer (they share",
-        "  cos/sin); the softmax scale is qk_head_dim^-0.5 * mscale(factor, mscale_all_dim)^2. Official code uses",
+        "  **cos and sin are multiplied by attention_factor = mscale(factor, mscale) / mscale(factor, "
+        "mscale_all_dim)**",
+        "  (1 for `dsv32`, about 0.9656 for `dsv32_yarn`), in the main attention and in the indexer (they "
+        "share",
+        "  cos/sin); the softmax scale is qk_head_dim^-0.5 * mscale(factor, mscale_all_dim)^2. Official "
+        "code uses",
         "  `mscale` for the softmax factor and does not scale cos/sin.",
-        "- Router: sigmoid of fp32 logits, selection on score + bias, group score = sum of the top-2 biased scores",
-        "  of the group, weights = unbiased scores / (sum + 1e-20) * routed_scaling_factor (official: no 1e-20).",
+        "- Router: sigmoid of fp32 logits, selection on score + bias, group score = sum of the top-2 biased "
+        "scores",
+        "  of the group, weights = unbiased scores / (sum + 1e-20) * routed_scaling_factor (official: no "
+        "1e-20).",
         "- GLM-5.2 shared layers reuse the previous full layer's top-k indices, also during decode.",
-        "- FP8: goldens use W[i, j] = fp32(q[i, j]) * s[i // b0, j // b1] with ceil blocks. HF's own FP8 loader",
+        "- FP8: goldens use W[i, j] = fp32(q[i, j]) * s[i // b0, j // b1] with ceil blocks. HF's own FP8 "
+        "loader",
         "  is not used (models.md §8.11). What it did with the fixtures on CPU:",
         *(
             f"  `{r['name']}`: {FP8_LOAD_NOTE} {r['info']['hf_fp8_load']}."
             for r in results
             if "hf_fp8_load" in r["info"]
         ),
-        "- INT4: goldens use the compressed-tensors library's own `decompress` (W = (q - zp) * scale computed",
+        "- INT4: goldens use the compressed-tensors library's own `decompress` (W = (q - zp) * scale "
+        "computed",
         "  and rounded in bf16); HF's compressed-tensors loading is not used.",
         "",
         "## FP8 fixture layout",
         "",
-        "Quantized (`X.weight` F8_E4M3 + `X.weight_scale_inv` F32 [ceil(out/b0), ceil(in/b1)]): q_a_proj, q_b_proj,",
-        "kv_a_proj_with_mqa, kv_b_proj, o_proj, indexer wq_b and wk, dense / routed-expert / shared-expert gate, up",
-        "and down projections (main and MTP layers). Kept float32: embeddings, lm_head, all norms (incl. k_norm",
-        "weight and bias), router `gate.weight`, `e_score_correction_bias`, indexer `weights_proj`, MTP `eh_proj`,",
-        "`enorm`, `hnorm`, `shared_head.norm`. Each quantized block is first multiplied by 2^u, u ~ U(-1.5, 1.5).",
+        "Quantized (`X.weight` F8_E4M3 + `X.weight_scale_inv` F32 [ceil(out/b0), ceil(in/b1)]): q_a_proj, "
+        "q_b_proj,",
+        "kv_a_proj_with_mqa, kv_b_proj, o_proj, indexer wq_b and wk, dense / routed-expert / shared-expert "
+        "gate, up",
+        "and down projections (main and MTP layers). Kept float32: embeddings, lm_head, all norms (incl. "
+        "k_norm",
+        "weight and bias), router `gate.weight`, `e_score_correction_bias`, indexer `weights_proj`, MTP "
+        "`eh_proj`,",
+        "`enorm`, `hnorm`, `shared_head.norm`. Each quantized block is first multiplied by 2^u, u ~ U(-1.5, "
+        "1.5).",
         "",
     ]
     for r in results:
@@ -1529,9 +1573,12 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
             )
     lines += [
         "",
-        "`glm5_fp8`: kv_a_proj_with_mqa [136, 64] has a partial last row block (rows 128..135, scale grid [5, 2]);",
-        "every input width is a multiple of 32, so there is no partial column block. `dsv32_fp8`: 128x128 blocks,",
-        "so every weight's K (32..128) is one block, partial below 128; kv_a_proj_with_mqa's 136 rows are two",
+        "`glm5_fp8`: kv_a_proj_with_mqa [136, 64] has a partial last row block (rows 128..135, scale grid "
+        "[5, 2]);",
+        "every input width is a multiple of 32, so there is no partial column block. `dsv32_fp8`: 128x128 "
+        "blocks,",
+        "so every weight's K (32..128) is one block, partial below 128; kv_a_proj_with_mqa's 136 rows are "
+        "two",
         "row blocks (the second 8 rows), the indexer's wq_b [512, 32] four.",
         "",
         "## INT4 fixture layout (compressed-tensors pack-quantized)",
@@ -1539,13 +1586,17 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
         "Made with the `compressed-tensors` library "
         + (f"{_ct_version()} " if PackedQuantizationCompressor is not None else "")
         + "itself: per targeted Linear (HF [out, in], bf16) the scale and",
-        "zero point of each group of input columns come from `calculate_qparams(min, max)` (a min-max observer),",
+        "zero point of each group of input columns come from `calculate_qparams(min, max)` (a min-max "
+        "observer),",
         "`PackedQuantizationCompressor.compress` packs them; the stored tensors are `X.weight_packed` I32",
         "[out, in / 8], `X.weight_scale` BF16 [out, in / group], `X.weight_zero_point` I32 [ceil(out / 8),",
-        "in / group] (asymmetric only) and `X.weight_shape` I64 [2]. Routed experts are stored per expert. The",
+        "in / group] (asymmetric only) and `X.weight_shape` I64 [2]. Routed experts are stored per expert. "
+        "The",
         "goldens run on `PackedQuantizationCompressor.decompress`, and the written files are checked to",
-        "decompress to exactly those weights; the packed modules are those the library's matching picks (exact",
-        "names, `Linear`, `re:` patterns), and jaxdsa's loader refuses files that disagree with its own matching.",
+        "decompress to exactly those weights; the packed modules are those the library's matching picks "
+        "(exact",
+        "names, `Linear`, `re:` patterns), and jaxdsa's loader refuses files that disagree with its own "
+        "matching.",
         "",
     ]
     for r in results:
@@ -1575,7 +1626,8 @@ def main() -> None:
 
     if transformers.__version__ != "5.23.0" or not torch.__version__.startswith("2.13.0"):
         print(
-            f"WARNING: expected transformers 5.23.0 / torch 2.13.0, got {transformers.__version__} / {torch.__version__}"
+            f"WARNING: expected transformers 5.23.0 / torch 2.13.0, got {transformers.__version__} / "
+            f"{torch.__version__}"
         )
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -1597,10 +1649,12 @@ def main() -> None:
         log(
             f"  seed {r['seed']}  {r['bytes'] / 1e6:.2f} MB  greedy margin {fmt(c['greedy_min_margin'])} "
             f"(abs {fmt(c['greedy_min_margin_abs'])})  indexer gap {fmt(c['indexer_min_rel_gap'])} "
-            f"({c['indexer_rows']} rows)  router gaps {fmt(c['router_min_expert_gap'])} / {fmt(c['router_min_group_gap'])}"
+            f"({c['indexer_rows']} rows)  router gaps {fmt(c['router_min_expert_gap'])} / "
+            f"{fmt(c['router_min_group_gap'])}"
         )
         log(
-            f"  fp64 rel long {fmt(c['fp64_rel_long'])} short {fmt(c['fp64_rel_short'])} greedy {fmt(c['fp64_rel_greedy'])}  "
+            f"  fp64 rel long {fmt(c['fp64_rel_long'])} short {fmt(c['fp64_rel_short'])} greedy "
+            f"{fmt(c['fp64_rel_greedy'])}  "
             f"cache vs recompute {fmt(c['cache_vs_recompute_rel'])}  logit std {c['logit_std_long']:.2f} "
             f"max|logit| {c['logit_max_abs']:.1f}  long argmax margin {fmt(c['long_argmax_min_margin'])}"
         )
