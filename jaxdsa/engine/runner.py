@@ -357,6 +357,11 @@ class ModelRunner:
         p = self.penalty
         p.counts, p.in_prompt, p.bias = _compiled_fill(self.mesh)({}, p.counts, p.in_prompt, p.bias, *args)
 
+    def reset_penalty_rows(self) -> None:
+        """Zeroed rows that no request owns, so each penalized request refills its own before it
+        samples again: after a failed step, which may have counted tokens in them or consumed them."""
+        self.penalty = self._penalty_state()
+
     def _penalty_state(self) -> PenaltyState:
         """Zeroed penalty rows for every slot (9 bytes per slot and vocabulary entry), on the
         device, split over the dp groups like the cache."""
