@@ -46,6 +46,10 @@ class AsyncEngine:
         self._commands.put(("wake",))
         self._thread.join(timeout=10)
 
+    def is_alive(self) -> bool:
+        """Whether the engine thread is running (started and not shut down)."""
+        return self._thread.is_alive() and not self._stop.is_set()
+
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)

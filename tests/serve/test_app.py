@@ -4,7 +4,6 @@ engine failures and every request-validation error through the official ``openai
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import numpy as np
@@ -16,7 +15,7 @@ from serve.app import ServingContext, create_app
 from serve.chat_format import load_chat_format
 from serve.deepseek_encoding import render_tool_calls
 from serve.tokenizer import Tokenizer
-from tests.serve.conftest import ScriptedEngine, scripted_logprobs, serving
+from tests.serve.conftest import ScriptedEngine, scripted_logprobs, serving, wait_until
 
 OBSERVATION = 501  # GLM's <|observation|>: ends an assistant turn that handed over to tools
 TOOLS = [
@@ -117,9 +116,11 @@ def test_tool_call_round_trip(stub):
     assert r2.choices[0].message.content == "It is sunny in Paris." and r2.choices[0].finish_reason == "stop"
     prompt = stub.tok.decode(stub.engine.prompts[-1], skip_special_tokens=False)
     assert (
-        "<|assistant|></think>Let me check.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+        "<|assistant|></think>Let me check.<tool_call>get_weather"
+        "<arg_key>city</arg_key><arg_value>Paris</arg_value>"
         "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call><tool_call>get_time</tool_call>"
-        "<|observation|><tool_response>sunny</tool_response><tool_response>12:00</tool_response><|assistant|><think>"
+        "<|observation|><tool_response>sunny</tool_response><tool_response>12:00</tool_response>"
+        "<|assistant|><think>"
     ) in prompt
 
 
@@ -255,10 +256,9 @@ def test_batched_prompts_stream_with_indices(stub):
 
 
 def test_closing_a_batched_stream_releases_every_request(glm_dir):
-    # 200 tokens at 0.1 s each: the client reads one line and leaves long before either ends, even
-    # when a loaded CI machine stalls this thread for seconds. The line iterator is kept: dropping it
-    # closes the response, so the requests would end before the check below.
-    engine = ScriptedEngine(token_delay=0.1)
+    # Each request stops after its first token until it is closed, so both are surely running when
+    # the client leaves. The line iterator is kept: dropping it closes the response.
+    engine = ScriptedEngine(hold_after=1)
     ctx = make_context(glm_dir, engine)
     with serving(create_app(ctx)) as url:
         engine.scripts += [ctx.tokenizer.encode("word " * 200)] * 2
@@ -267,10 +267,7 @@ def test_closing_a_batched_stream_releases_every_request(glm_dir):
             lines = r.iter_lines()
             next(lines)
             assert engine.active == 2
-        deadline = time.monotonic() + 5
-        while engine.active:
-            assert time.monotonic() < deadline, "engine requests still open after the client left"
-            time.sleep(0.01)
+        wait_until(lambda: engine.active == 0, "the engine requests to close after the client left")
 
 
 def test_include_usage_chunk(stub):
@@ -648,5 +645,8 @@ def test_deepseek_v32_reasoning_and_dsml_tool_calls(dsv32_dir):
         assert r2.choices[0].message.content == "Sunny." and r2.choices[0].message.reasoning_content is None
         prompt = tok.decode(engine.prompts[-1], skip_special_tokens=False)
         assert prompt.endswith(
-            '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls><｜end▁of▁sentence｜>\n\n<function_results>\n<result>sunny</result>\n</function_results>\n\n</think>'
+            '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+            '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+            "</｜DSML｜function_calls><｜end▁of▁sentence｜>\n\n<function_results>\n<result>sunny</result>\n"
+            "</function_results>\n\n</think>"
         )
