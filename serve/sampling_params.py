@@ -101,7 +101,7 @@ def sampling_params(
     if sp.min_tokens and len(held_back) > MAX_BANNED_TOKENS:
         raise ApiError(
             400,
-            f"min_tokens holds back at most {MAX_BANNED_TOKENS} EOS and stop token ids; "
+            f"stop_token_ids: min_tokens holds back at most {MAX_BANNED_TOKENS} EOS and stop token ids; "
             f"this request has {len(held_back)}",
             param="stop_token_ids",
         )

@@ -572,6 +572,49 @@ def test_engine_failure_is_503_or_an_error_event(stub):
         ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
         ("/v1/completions", {"prompt": "x", "min_tokens": -1}, "min_tokens"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+        # Numbers the engine cannot represent (issue 13): each a 400 naming its field, never a 500.
+        (
+            "/v1/completions",
+            {"prompt": "x", "min_tokens": 1, "stop_token_ids": [2147483653]},
+            "stop_token_ids",
+        ),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [1000]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": ["a"]}, "stop_token_ids.0"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "min_tokens": 1, "stop_token_ids": list(range(40))},
+            "stop_token_ids",
+        ),
+        ("/v1/completions", {"prompt": [-1]}, "prompt"),
+        ("/v1/completions", {"prompt": [5, 2**63]}, "prompt"),
+        ("/v1/completions", {"prompt": [[5], [2**64 + 1]]}, "prompt"),
+        ("/v1/completions", {"prompt": [5.5]}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "seed": 2**63}, "seed"),
+        ("/v1/completions", {"prompt": "x", "seed": -(2**63) - 1}, "seed"),
+        ("/v1/completions", {"prompt": "x", "top_k": -2}, "top_k"),
+        ("/v1/completions", {"prompt": "x", "top_k": "many"}, "top_k"),
+        ("/v1/completions", {"prompt": "x", "n": 2**70}, "n"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2**64}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_completion_tokens": 2000}, "max_completion_tokens"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": 2**64}, "min_tokens"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 2**64}, "logprobs"),
+        ("/v1/completions", '{"prompt": "x", "temperature": NaN}', "temperature"),
+        ("/v1/completions", '{"prompt": "x", "top_p": Infinity}', "top_p"),
+        ("/v1/completions", '{"prompt": "x", "repetition_penalty": Infinity}', "repetition_penalty"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {str(2**70): 1}}, "logit_bias"),
+        ("/v1/completions", '{"prompt": "x", "logit_bias": {"5": NaN}}', "logit_bias.5"),
+        ("/v1/chat/completions", {"messages": user("x"), "stop_token_ids": [2**64]}, "stop_token_ids"),
+        ("/v1/chat/completions", {"messages": user("x"), "seed": 1.5}, "seed"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/detokenize", {"tokens": [2**64]}, "tokens"),
+        ("/detokenize", {"tokens": [1000]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/detokenize", {"tokens": [1.5]}, "tokens.0"),
+        ("/tokenize", {"prompt": "x", "messages": user("x")}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
     ],
 )
 def test_invalid_requests_are_400_naming_the_field(stub, path, body, param):
@@ -650,3 +693,57 @@ def test_deepseek_v32_reasoning_and_dsml_tool_calls(dsv32_dir):
             "</｜DSML｜function_calls><｜end▁of▁sentence｜>\n\n<function_results>\n<result>sunny</result>\n"
             "</function_results>\n\n</think>"
         )
+
+
+def test_numbers_the_engine_reads_its_own_way_pass_through(stub):
+    """top_k past the vocabulary (the engine takes it as off, as vLLM does) and any int64 seed (the
+    engine reduces it to its 31 bits) are not errors."""
+    stub.script("ok", stop_id=None)
+    stub.script("ok", stop_id=None)
+    stub.client.completions.create(
+        model="stub", prompt="x", max_tokens=2, n=2, seed=2**63 - 1, extra_body={"top_k": 1099511627776}
+    )
+    assert [(sp.top_k, sp.seed) for sp in stub.engine.sampling[-2:]] == [
+        (1099511627776, 2**63 - 1),
+        (1099511627776, 2**63),  # choice j: seed + j, reduced by the engine like any other
+    ]
+
+
+def test_health_answers_json_and_503_once_the_engine_stops(glm_dir):
+    running = [True]
+    ctx = make_context(glm_dir, ScriptedEngine(), alive=lambda: running[0])
+    with serving(create_app(ctx)) as url:
+        r = httpx.get(f"{url}/health")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        assert r.headers["content-type"] == "application/json"
+        running[0] = False
+        r = httpx.get(f"{url}/health")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
+
+
+def test_openapi_documents_every_answer_with_the_error_schema(stub):
+    doc = httpx.get(f"{stub.url}/openapi.json").json()
+    error = {"$ref": "#/components/schemas/ErrorResponse"}
+    expected = {
+        ("get", "/health"): {"200", "503"},
+        ("get", "/metrics"): {"200"},
+        ("get", "/v1/models"): {"200", "401"},
+        ("get", "/v1/models/{name}"): {"200", "401", "404"},
+        ("post", "/tokenize"): {"200", "400", "401", "404"},
+        ("post", "/detokenize"): {"200", "400", "401", "404"},
+        ("post", "/v1/completions"): {"200", "400", "401", "404", "429", "503"},
+        ("post", "/v1/chat/completions"): {"200", "400", "401", "404", "429", "503"},
+    }
+    operations = {(m, p): op for p, ops in doc["paths"].items() for m, op in ops.items()}
+    assert set(operations) == set(expected)
+    for key, op in operations.items():
+        assert set(op["responses"]) == expected[key], key
+        for status, answer in op["responses"].items():
+            if status != "200":
+                assert answer["content"]["application/json"]["schema"] == error, (key, status)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert set(doc["paths"][path]["post"]["responses"]["200"]["content"]) == {
+            "application/json",
+            "text/event-stream",
+        }
+    assert "HTTPValidationError" not in doc["components"]["schemas"]

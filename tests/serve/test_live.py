@@ -386,6 +386,39 @@ def test_engine_failure_is_503_and_the_server_recovers(live, monkeypatch):
     live.wait_idle()
 
 
+def test_issue_13_bad_numbers_beside_a_running_request(live, control):
+    """The issue's reproductions on the real engine: ``min_tokens: 1`` with stop id 2147483653 and
+    ``/detokenize [-1]`` (which failed the engine step for every request in flight, or answered
+    500) are 400s naming the field while a 100-token request runs beside them, and that request
+    finishes with the text it has alone; ``top_k: 2^40`` samples as top-k off."""
+    kwargs = dict(
+        model="tiny", prompt="The weather in Paris", max_tokens=100, extra_body={"ignore_eos": True}, **GREEDY
+    )
+    alone = live.client.completions.create(**kwargs).choices[0].text
+    failed_steps = live.metrics()["jaxdsa:failed_steps_total"]
+    control.hold_when(lambda engine: any(r.output for r in engine.requests.values()))  # surely running
+    stream = live.client.completions.create(stream=True, **kwargs)
+    with pytest.raises(openai.BadRequestError) as e:
+        live.client.completions.create(
+            model="tiny",
+            prompt="x",
+            max_tokens=4,
+            extra_body={"min_tokens": 1, "stop_token_ids": [2147483653]},
+        )
+    assert e.value.body["param"] == "stop_token_ids"
+    r = httpx.post(f"{live.url}/detokenize", json={"tokens": [-1]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    control.release()
+    assert "".join(c.choices[0].text for c in stream) == alone
+    sampled = dict(model="tiny", prompt="x", max_tokens=8, temperature=1.0, seed=3)
+    texts = [
+        live.client.completions.create(**sampled, extra_body={"top_k": k, "ignore_eos": True}).choices[0].text
+        for k in (1099511627776, 0)
+    ]
+    assert texts[0] == texts[1]
+    assert live.wait_idle()["jaxdsa:failed_steps_total"] == failed_steps
+
+
 def test_a_repeated_long_prompt_hits_the_prefix_cache(live):
     ids = httpx.post(f"{live.url}/tokenize", json={"prompt": " ".join(PROMPTS)}).json()["tokens"][
         :160
