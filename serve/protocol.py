@@ -248,8 +248,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return value
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as templates expect them: unset fields absent, but ``content`` always there."""
-        return [{"content": m.content, **m.model_dump(exclude_none=True)} for m in self.messages]
+        return template_messages(self.messages)
 
     def template_kwargs(self) -> dict[str, Any]:
         kwargs = dict(self.chat_template_kwargs or {})
@@ -258,13 +257,18 @@ class ChatCompletionRequest(_GenerationRequest):
         return kwargs
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as templates expect them: unset fields absent, but ``content`` always there."""
+    return [{"content": m.content, **m.model_dump(exclude_none=True)} for m in messages]
+
+
 class TokenizeRequest(BaseModel):
     """vLLM's ``/tokenize``: a prompt, or chat messages rendered with the chat template."""
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
 
 

@@ -120,12 +120,20 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+# One server-sent event of a stream: its data is a JSON chunk, an error object, or [DONE] last.
+_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string", "description": "a JSON chunk, an error, or [DONE]"}},
+    "required": ["data"],
+}
+
+
 def generation_responses(model: type[BaseModel], stream_description: str) -> dict[int | str, dict]:
     """The 200 of a generation route: ``model`` as JSON, or (``stream: true``) server-sent events."""
     return {
         200: {
             "model": model,
             "description": f"The reply; with `stream: true`, {stream_description}",
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            "content": {"text/event-stream": {"schema": _EVENT}},
         }
     }

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends
 
 from serve.context import State, authorized
 from serve.errors import ApiError, error_responses
-from serve.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from serve.protocol import DetokenizeRequest, TokenizeRequest, template_messages
 from serve.response_models import Detokenized, Tokenized
 from serve.sampling_params import check_token_ids
 
@@ -23,8 +23,7 @@ async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:
-        messages = ChatCompletionRequest(messages=body.messages).template_messages()
-        ids = ctx.tokenizer.encode(ctx.render_chat(messages, None, {}).text)
+        ids = ctx.tokenizer.encode(ctx.render_chat(template_messages(body.messages), None, {}).text)
     else:
         ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}

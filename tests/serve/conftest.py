@@ -27,7 +27,7 @@ from jaxdsa.engine import (
     SamplingParams,
     TokenLogprobs,
 )
-from serve.cli import bind
+from serve.cli import Server, bind, build, parse_args
 
 ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
@@ -221,3 +221,23 @@ class EngineControl:
             assert self._condition.wait_for(lambda: len(self.aborted) >= n, WAIT_S), (
                 f"{len(self.aborted)} of {n} aborts arrived"
             )
+
+
+# A real engine small enough that generated and soak requests stay cheap: 32-token contexts, 16
+# slots over 12 pages of 8 tokens (a quarter of what 16 full contexts need, so requests wait and
+# get preempted), steps of at most 32 tokens. The soak and the schema tests share it (and so its
+# compiled step shapes).
+SMALL_SERVER_ARGS = [
+    "--served-model-name", "small", "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "32",
+    "--max-num-seqs", "16", "--max-num-batched-tokens", "32", "--page-size", "8", "--num-pages", "12",
+    "--max-queue-len", "256", "--no-warmup",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def small_server(glm_dir) -> Iterator[tuple[str, Server]]:
+    """(base URL, server) of the small real-engine server on 127.0.0.1."""
+    server = build(parse_args([glm_dir, *SMALL_SERVER_ARGS]))
+    with serving(server.app) as url:
+        yield url, server
+    server.engine.shutdown()

@@ -615,6 +615,7 @@ def test_engine_failure_is_503_or_an_error_event(stub):
         ("/tokenize", {"prompt": "x", "messages": user("x")}, "prompt"),
         ("/tokenize", {}, "prompt"),
         ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"messages": []}, "messages"),  # was a 500 (schemathesis)
     ],
 )
 def test_invalid_requests_are_400_naming_the_field(stub, path, body, param):
