@@ -153,7 +153,7 @@ def test_random_load_completes(seed):
     rng = random.Random(seed)
     sched = Scheduler(num_pages=12, page_size=4, max_num_seqs=3, max_num_batched_tokens=10)
     reqs = []
-    for step in range(200):
+    for _ in range(200):
         if rng.random() < 0.3 and len(reqs) < 25:
             reqs.append(make(rng.randint(1, 20), rng.randint(1, 12)))
             sched.add(reqs[-1])
@@ -280,7 +280,7 @@ def test_random_load_with_shared_prefixes_completes(seed):
     sched = cached(n_pages=12, seqs=3, budget=10)
     prefixes = [[rng.randrange(50) for _ in range(rng.randint(1, 12))] for _ in range(3)]
     reqs = []
-    for step in range(300):
+    for _ in range(300):
         if rng.random() < 0.3 and len(reqs) < 30:
             tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(1, 8))]
             reqs.append(request(tokens, rng.randint(1, 12)))

@@ -282,8 +282,10 @@ def test_concurrent_requests_equal_sequential_ones(live):
 
 def test_cancelled_stream_frees_its_pages(live, control):
     """The engine holds after the request's first token (the stream has begun: its headers come
-    after that token), so the request is surely running, with its pages, when the client leaves;
-    released once the abort has arrived, the engine makes one more token before applying it."""
+    after that token), so the request is surely running, with its pages, when the client leaves,
+    and is released once the abort has arrived. The engine thread reads its commands before each
+    step: the abort stops the request before the held step or right after it, depending on whether
+    it came before the thread last read them, so one or two tokens, never more."""
     before = live.metrics()["jaxdsa:generation_tokens_total"]
     control.hold_when(lambda engine: any(r.output for r in engine.requests.values()))
     stream = live.client.completions.create(
@@ -294,7 +296,7 @@ def test_cancelled_stream_frees_its_pages(live, control):
     control.wait_for_aborts(1)
     control.release()
     after = live.wait_idle()["jaxdsa:generation_tokens_total"]
-    assert after - before == 2
+    assert 1 <= after - before <= 2
 
 
 def test_disconnected_non_streaming_request_is_aborted(live, control):
