@@ -9,6 +9,7 @@ with ``ml_dtypes`` for bf16 / fp8. Nothing is read until a tensor is sliced.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from functools import cached_property
@@ -37,6 +38,57 @@ DTYPES: dict[str, np.dtype] = {
 INDEX_FILE = "model.safetensors.index.json"
 
 
+def _checked_entries(path: str, header, data_size: int) -> dict[str, dict]:
+    """The header's tensor entries, each checked against the format (a JSON object of ``{name:
+    {"dtype", "shape", "data_offsets"}}``, offsets inside the data and not overlapping), so that
+    a malformed header is a :class:`CheckpointError` naming the file and the tensor rather than a
+    KeyError or TypeError later."""
+    if not isinstance(header, dict):
+        raise CheckpointError(
+            path, "<header>", f"the header is a JSON {type(header).__name__}, not an object"
+        )
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict):
+        raise CheckpointError(path, "__metadata__", "must be an object of strings")
+    entries = {name: entry for name, entry in header.items() if name != "__metadata__"}
+    for name, entry in entries.items():
+        _check_entry(path, name, entry, data_size)
+    spans = sorted((e["data_offsets"][0], e["data_offsets"][1], n) for n, e in entries.items())
+    for (_, end, before), (begin, _, name) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CheckpointError(path, name, f"its bytes overlap those of '{before}' (data_offsets)")
+    return entries
+
+
+def _check_entry(path: str, name: str, entry, data_size: int) -> None:
+    if not isinstance(entry, dict):
+        raise CheckpointError(path, name, f"the entry is a JSON {type(entry).__name__}, not an object")
+    missing = [key for key in ("dtype", "shape", "data_offsets") if key not in entry]
+    if missing:
+        raise CheckpointError(path, name, f"the entry has no {', '.join(missing)}")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise CheckpointError(path, name, f"unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise CheckpointError(path, name, f"shape {shape!r} is not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+        raise CheckpointError(path, name, f"data_offsets {offsets!r} is not [begin, end] in bytes")
+    begin, end = offsets
+    if not begin <= end <= data_size:
+        raise CheckpointError(
+            path,
+            name,
+            f"data_offsets [{begin}, {end}] do not lie in the file's {data_size} data bytes: truncated?",
+        )
+    expected = math.prod(shape) * DTYPES[dtype].itemsize
+    if end - begin != expected:
+        raise CheckpointError(path, name, f"holds {end - begin} bytes, shape {shape} needs {expected}")
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 class SafetensorsFile:
     """One ``.safetensors`` file: header parsed eagerly, tensors mapped on demand."""
 
@@ -56,26 +108,10 @@ class SafetensorsFile:
                 )
             try:
                 header = json.loads(fh.read(header_len))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, a 5000-digit number, deep nesting
                 raise CheckpointError(path, "<header>", f"unreadable header: {e}") from None
-        header.pop("__metadata__", None)
         self._data_start = 8 + header_len
-        self._entries = header
-        for name, entry in header.items():
-            if entry.get("dtype") not in DTYPES:
-                raise CheckpointError(path, name, f"unsupported dtype {entry.get('dtype')!r}")
-            begin, end = entry["data_offsets"]
-            expected = int(np.prod(entry["shape"], dtype=np.int64)) * DTYPES[entry["dtype"]].itemsize
-            if end - begin != expected:
-                raise CheckpointError(
-                    path, name, f"holds {end - begin} bytes, shape {entry['shape']} needs {expected}"
-                )
-            if self._data_start + end > size:
-                raise CheckpointError(
-                    path,
-                    name,
-                    f"ends at byte {self._data_start + end} but the file has {size} bytes: truncated",
-                )
+        self._entries = _checked_entries(path, header, size - self._data_start)
 
     def keys(self) -> list[str]:
         return list(self._entries)
@@ -125,7 +161,7 @@ class CheckpointReader:
                 raise CheckpointError(path, "*", f"listed in {INDEX_FILE} but missing")
             self._files[f] = SafetensorsFile(path)
         self._where: dict[str, SafetensorsFile] = {}
-        for _f, st in self._files.items():
+        for st in self._files.values():
             for name in st.keys():
                 self._where[name] = st
         if weight_map is not None:

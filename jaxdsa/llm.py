@@ -216,6 +216,10 @@ class LLM:
         logits: dict[str, list[np.ndarray]] = {r: [] for r in ids}
         while any(r in engine.requests for r in ids):
             for out in engine.step():
+                if out.request_id in tokens and out.error is not None:
+                    for r in ids:
+                        engine.abort(r)
+                    raise RuntimeError(f"prompt {ids.index(out.request_id)}: {out.error}")
                 if out.request_id in tokens:
                     tokens[out.request_id] += out.new_token_ids
                     if out.logits is not None:

@@ -153,7 +153,8 @@ def resolve_model_dir(model: str) -> str:
     if os.path.isdir(snapshot):
         return snapshot
     raise StartupError(
-        f"model {model!r} is neither a directory nor in the Hugging Face cache at {hub} (jaxdsa does not download; fetch it first)"
+        f"model {model!r} is neither a directory nor in the Hugging Face cache at {hub} "
+        "(jaxdsa does not download; fetch it first)"
     )
 
 
@@ -198,13 +199,14 @@ class Server:
 
 
 def build(args: argparse.Namespace) -> Server:
-    """Load the model, compile (unless --no-warmup), start the engine thread; raise StartupError on bad input."""
+    """Load the model, compile (unless --no-warmup), start the engine thread; StartupError on bad input."""
     parallel = _check_flags(args)
     if args.model:
         model_dir, names = resolve_model_dir(args.model), args.served_model_name or [args.model]
     else:
         _log(
-            f"no model given: serving the bundled tiny GLM-5 model (random weights) from {default_model.cache_root()}"
+            "no model given: serving the bundled tiny GLM-5 model (random weights) "
+            f"from {default_model.cache_root()}"
         )
         model_dir, names = (
             default_model.ensure_default_model(),
@@ -235,7 +237,8 @@ def build(args: argparse.Namespace) -> Server:
     except (ValueError, OSError) as e:  # ConfigError / CheckpointError are ValueErrors
         raise StartupError(str(e)) from e
     _log(
-        f"loaded in {time.perf_counter() - start:.1f}s; max_model_len {engine.max_model_len}, cache {engine.stats()['cache_pages_total']} pages of {args.page_size}"
+        f"loaded in {time.perf_counter() - start:.1f}s; max_model_len {engine.max_model_len}, "
+        f"cache {engine.stats()['cache_pages_total']} pages of {args.page_size}"
     )
     if not args.no_warmup:
         engine.warmup(progress=True)
@@ -261,6 +264,7 @@ def build(args: argparse.Namespace) -> Server:
         api_key=args.api_key,
         max_logprobs=args.max_logprobs,
         vocab_size=llm.config.vocab_size,
+        alive=aengine.is_alive,
     )
     return Server(create_app(context), aengine, context)
 

@@ -2,6 +2,7 @@
 
 Every failure a client can cause or meet is an :class:`ApiError`; FastAPI's own validation
 errors (422 by default) are turned into 400s that name the offending field, as OpenAI does.
+:func:`error_responses` documents them in the OpenAPI document with :class:`ErrorResponse`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -25,6 +27,33 @@ _TYPES = {
     500: "internal_error",
     503: "service_unavailable_error",
 }
+
+
+_WHEN = {
+    400: "Invalid request: bad JSON, a field out of range (`param` names it) or a prompt too long.",
+    401: "Missing or wrong API key (the server runs with --api-key).",
+    404: "No such model (`param`: model).",
+    429: "More requests in flight than --max-num-seqs + --max-queue-len; retry after `Retry-After`.",
+    503: "The engine could not run this request (other requests are unaffected), or it stopped.",
+}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body."""
+
+    error: ErrorDetail
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """FastAPI ``responses=`` entries documenting these error statuses with OpenAI's error body."""
+    return {status: {"model": ErrorResponse, "description": _WHEN[status]} for status in statuses}
 
 
 class ApiError(Exception):

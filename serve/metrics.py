@@ -74,6 +74,16 @@ class _EngineCollector(Collector):
             "Of those, tokens found in the prefix cache.",
             value=s["prefix_cache_hits"],
         )
+        yield CounterMetricFamily(
+            "jaxdsa:num_preemptions",
+            "Running requests sent back to wait for cache pages (recomputed later).",
+            value=s["preemptions"],
+        )
+        yield CounterMetricFamily(
+            "jaxdsa:failed_steps",
+            "Engine steps that raised; only the requests behind them failed.",
+            value=s["failed_steps"],
+        )
 
 
 class Metrics:

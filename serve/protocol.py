@@ -3,7 +3,9 @@
 Unknown fields are ignored, as OpenAI-compatible servers do. Fields the engine cannot honour
 (beam search, ``best_of``, ...) are rejected with a 400 naming the
 field rather than being silently ignored, because ignoring them would change what the client
-gets without telling it.
+gets without telling it. Numbers must be finite (JSON's ``NaN`` / ``Infinity`` extensions are
+400s). What depends on the model (token ids within its vocabulary, the context length) is
+checked in :mod:`serve.sampling_params`.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # vLLM's bounds for seeds
+
+
 class _GenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -35,7 +40,7 @@ class _GenerationRequest(BaseModel):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # -1 and 0 both mean "off" (vLLM uses -1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # reduced to the engine's 31 bits
     stop: str | list[str] | None = Field(None, validate_default=True)
     stop_token_ids: list[int] | None = None
     stream: bool = False
@@ -67,8 +72,11 @@ class _GenerationRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """(the completion length asked for, or None; the field that asked)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
     @field_validator("stop")
     @classmethod
@@ -123,7 +131,8 @@ class CompletionRequest(_GenerationRequest):
         )
         if not ok:
             raise ValueError(
-                "must be a string, a non-empty list of strings, a list of token ids or a list of token-id lists"
+                "must be a string, a non-empty list of strings, a list of token ids "
+                "or a list of token-id lists"
             )
         return value
 
@@ -239,8 +248,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return value
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as templates expect them: unset fields absent, but ``content`` always there."""
-        return [{"content": m.content, **m.model_dump(exclude_none=True)} for m in self.messages]
+        return template_messages(self.messages)
 
     def template_kwargs(self) -> dict[str, Any]:
         kwargs = dict(self.chat_template_kwargs or {})
@@ -249,13 +257,18 @@ class ChatCompletionRequest(_GenerationRequest):
         return kwargs
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as templates expect them: unset fields absent, but ``content`` always there."""
+    return [{"content": m.content, **m.model_dump(exclude_none=True)} for m in messages]
+
+
 class TokenizeRequest(BaseModel):
     """vLLM's ``/tokenize``: a prompt, or chat messages rendered with the chat template."""
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
 
 

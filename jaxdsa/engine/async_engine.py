@@ -15,7 +15,7 @@ import threading
 from collections.abc import AsyncIterator
 
 from jaxdsa.engine.engine import Engine
-from jaxdsa.engine.request import RequestOutput, SamplingParams
+from jaxdsa.engine.request import FinishReason, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ class QueueFullError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine step failed for this request (HTTP 503)."""
+    """The engine could not run this request (HTTP 503); the engine itself serves on."""
 
 
 class AsyncEngine:
@@ -45,6 +45,10 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put(("wake",))
         self._thread.join(timeout=10)
+
+    def is_alive(self) -> bool:
+        """Whether the engine thread is running (started and not shut down)."""
+        return self._thread.is_alive() and not self._stop.is_set()
 
     @property
     def num_in_flight(self) -> int:
@@ -66,6 +70,9 @@ class AsyncEngine:
                 self.engine.add_request(request_id, prompt, sampling)
             except ValueError as e:
                 self._deliver(request_id, e)
+            except Exception as e:  # a bug, not bad input: still only this request fails
+                log.exception("adding request %s failed", request_id)
+                self._deliver(request_id, EngineDeadError(f"could not add the request: {e}"))
         elif kind == "abort":
             self.engine.abort(args[0])
 
@@ -82,14 +89,15 @@ class AsyncEngine:
                 break
             try:
                 outputs = self.engine.step()
-            except Exception as e:  # a failed step must not take the server down
-                log.exception("engine step failed; failing the requests in flight")
+            except Exception as e:  # the step isolates its own failures; this is the last resort
+                log.exception("engine step failed outside its isolation; failing the requests in flight")
                 for request_id in list(self.engine.requests):
                     self.engine.abort(request_id)
                     self._deliver(request_id, EngineDeadError(str(e)))
                 continue
             for out in outputs:
-                self._deliver(out.request_id, out)
+                failed = out.finish_reason is FinishReason.ERROR
+                self._deliver(out.request_id, EngineDeadError(out.error) if failed else out)
 
     # -- caller side -------------------------------------------------------------------------------
     async def generate(

@@ -4,15 +4,25 @@
 budget), runs it on the device, samples, applies stop conditions and frees finished requests'
 pages. It is synchronous and single-threaded; :class:`jaxdsa.engine.async_engine.AsyncEngine`
 drives it from a background thread for the HTTP server.
+
+One request never fails another: ``add_request`` rejects inputs the step cannot represent, and
+a step that raises anyway commits nothing; the engine then finds the request(s) that break it
+(:mod:`.isolation`) and fails only those, with a ``FinishReason.ERROR`` output. The step donates
+the cache to the device, so a failure after the step started leaves every running request's
+pages unknown: those requests are then recomputed from their tokens, as after a preemption.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import logging
+import operator
 import os
 import sys
 import time
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +31,7 @@ from jax.sharding import NamedSharding
 
 from jaxdsa import sharding
 from jaxdsa.cache import CacheSpec, init_cache
+from jaxdsa.engine.isolation import Quarantine
 from jaxdsa.engine.request import (
     MAX_BANNED_TOKENS,
     FinishReason,
@@ -33,6 +44,10 @@ from jaxdsa.engine.request import (
 from jaxdsa.engine.runner import ModelRunner, StepResult
 from jaxdsa.engine.sampling import Scored
 from jaxdsa.engine.scheduler import Scheduler, Segment
+
+log = logging.getLogger(__name__)
+
+SEED_MASK = 0x7FFFFFFF  # request seeds are reduced to the sampler's width: 31 bits, non-negative
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,11 +140,14 @@ class Engine:
             if mesh is None
             else {k: NamedSharding(mesh, sharding.spec(a)) for k, a in cache_spec.axes().items()}
         )
+        self._new_cache = functools.partial(
+            init_cache, cache_spec, num_pages, config.page_size, dtype, sharding=placed
+        )
         self.runner = ModelRunner(
             family,
             cfg,
             model,
-            init_cache(cache_spec, num_pages, config.page_size, dtype, sharding=placed),
+            self._new_cache(),
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -142,17 +160,24 @@ class Engine:
         self._seeds: dict[str, int] = {}
         self._want_logits: set[str] = set()
         self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}  # filled while the prompt runs
+        self._quarantine = Quarantine()
         self.num_generated_tokens = 0
+        self.num_failed_steps = 0
 
     # -- requests ------------------------------------------------------------------------------
     def check(self, prompt: list[int], sampling: SamplingParams) -> None:
-        """Raise ValueError if the request can never run (callers may check before queueing)."""
+        """Raise ValueError if the request can never run, or holds a number the step cannot
+        represent (callers may check before queueing; ``add_request`` always does)."""
         if not prompt:
             raise ValueError("the prompt is empty")
-        if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
-        if any(not 0 <= t < self.cfg.vocab_size for t, _ in sampling.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {self.cfg.vocab_size})")
+        vocab = self.cfg.vocab_size
+        _check_token_ids(prompt, vocab, "prompt token ids")
+        _check_token_ids(sampling.stop_token_ids, vocab, "stop_token_ids")
+        _check_token_ids((t for t, _ in sampling.logit_bias), vocab, "logit_bias token ids")
+        for name in ("max_tokens", "min_tokens", "top_k"):
+            _integer(getattr(sampling, name), name)
+        if sampling.seed is not None:
+            _integer(sampling.seed, "seed")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(sampling, name)
             if n is not None and n > self.config.max_logprobs:
@@ -168,12 +193,15 @@ class Engine:
     def add_request(
         self, request_id: str, prompt: list[int], sampling: SamplingParams, *, return_logits: bool = False
     ) -> None:
+        """Queue a request; raises ValueError (and queues nothing) for one that cannot run."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.check(prompt, sampling)
-        request = Request(request_id, list(prompt), sampling)
+        if sampling.top_k >= self.cfg.vocab_size:  # keeps every token: off, as vLLM takes it
+            sampling = dataclasses.replace(sampling, top_k=0)
+        request = Request(request_id, [int(t) for t in prompt], sampling)
         seed = sampling.seed if sampling.seed is not None else self._derived_seed(request_id)
-        self._seeds[request_id] = seed & 0x7FFFFFFF
+        self._seeds[request_id] = seed & SEED_MASK
         if return_logits:
             self._want_logits.add(request_id)
         if sampling.prompt_logprobs is not None:
@@ -222,30 +250,43 @@ class Engine:
         }
 
     def step(self) -> list[RequestOutput]:
-        segments = self.scheduler.schedule()
+        """Run one step; returns an output per request that sampled, or that the engine failed."""
+        under_test = self._quarantine.under_test()
+        running_before = set(self.scheduler.running)
+        segments = self.scheduler.schedule(only=under_test)
+        if not segments and under_test is not None:
+            segments = self.scheduler.schedule()  # the suspects cannot run now: let the others
         if not segments:
             return []
+        cache_before = self.runner.cache
+        try:
+            result = self._run(segments)
+        except Exception as error:  # whatever raised, only the request(s) behind it fail
+            return self._step_failed(segments, running_before, cache_before, error)
+        return self._finish_step(segments, result)
+
+    def _run(self, segments: list[Segment]) -> StepResult:
         sampling = [s for s in segments if s.samples]
-        with_logits = any(s.request.request_id in self._want_logits for s in sampling)
-        with_logprobs = any(s.request.sampling.logprobs is not None for s in sampling)
         score = frozenset(
             s.request.request_id for s in segments if s.request.request_id in self._prompt_logprobs
         )
-        result = self.runner.run(
+        return self.runner.run(
             segments,
             self._seeds,
-            with_logits=with_logits,
-            with_logprobs=with_logprobs,
+            with_logits=any(s.request.request_id in self._want_logits for s in sampling),
+            with_logprobs=any(s.request.sampling.logprobs is not None for s in sampling),
             score=score,
             banned=self._banned(segments),
         )
+
+    def _finish_step(self, segments: list[Segment], result: StepResult) -> list[RequestOutput]:
         for s, scored in zip(segments, result.scores or ()):
             if scored is not None:
                 self._record_prompt_logprobs(s, scored)
         self.scheduler.commit(segments)
         outputs = []
-        for i, s in enumerate(sampling):
-            request, token = s.request, int(result.ids[i])
+        for i, request in enumerate(s.request for s in segments if s.samples):
+            token = int(result.ids[i])
             request.output.append(token)
             self.num_generated_tokens += 1
             wants_logits = request.request_id in self._want_logits
@@ -270,6 +311,57 @@ class Engine:
                 )
             )
         return outputs
+
+    def _step_failed(
+        self, segments: list[Segment], running_before: set[Request], cache_before, error: Exception
+    ) -> list[RequestOutput]:
+        """A step raised and committed nothing: restore the device state, then fail the request it
+        was narrowed down to, or test the step's requests in groups (:class:`.Quarantine`)."""
+        self.num_failed_steps += 1
+        requests = list({id(s.request): s.request for s in segments}.values())
+        log.warning(
+            "engine step over %d request(s) failed (%s: %s); isolating the cause",
+            len(requests),
+            type(error).__name__,
+            error,
+        )
+        self._restore_device_state(cache_before)
+        culprit = self._quarantine.step_failed(requests, [r for r in requests if r not in running_before])
+        if culprit is None:
+            return []
+        log.error("request %s fails the engine step on its own; failing it", culprit.request_id)
+        self.scheduler.finish(culprit, FinishReason.ERROR)
+        self._forget(culprit.request_id)
+        message = f"the engine step failed for this request ({type(error).__name__}: {error})"
+        return [
+            RequestOutput(
+                culprit.request_id,
+                [],
+                True,
+                FinishReason.ERROR,
+                len(culprit.prompt),
+                len(culprit.output),
+                error=message,
+            )
+        ]
+
+    def _restore_device_state(self, cache_before) -> None:
+        """After a failed step: penalty rows are refilled (the step may have counted tokens in
+        them or consumed them), and if the cache went to the device (donated, so its buffers are
+        gone or hold a half-run step), a fresh one replaces it and every running request is
+        recomputed from its tokens; cached prefixes go too, since their pages went with it."""
+        self.runner.reset_penalty_rows()
+        cache = self.runner.cache
+        if cache is cache_before and not any(a.is_deleted() for a in jax.tree.leaves(cache)):
+            return
+        log.warning(
+            "the failed step consumed the cache: recomputing %d request(s)", len(self.scheduler.running)
+        )
+        for a in jax.tree.leaves((cache_before, cache)):
+            if not a.is_deleted():
+                a.delete()  # free the device memory before the fresh cache takes it
+        self.runner.cache = self._new_cache()
+        self.scheduler.recompute_all()
 
     def _record_prompt_logprobs(self, segment: Segment, scored: Scored) -> None:
         """Entry p of the prompt: log p(prompt[p] | prompt[:p]), from the token before it."""
@@ -310,7 +402,23 @@ class Engine:
             "cache_usage": used / total,
             "prefix_cache_queries": self.scheduler.prefix_queried,
             "prefix_cache_hits": self.scheduler.prefix_hit,
+            "preemptions": self.scheduler.num_preemptions,
+            "failed_steps": self.num_failed_steps,
         }
+
+
+def _integer(value, name: str) -> int:
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _check_token_ids(ids: Iterable, vocab_size: int, name: str) -> None:
+    """Token ids must be integers in [0, vocab_size): the step holds them as int32."""
+    for t in ids:
+        if not 0 <= _integer(t, name) < vocab_size:
+            raise ValueError(f"{name} must be in [0, {vocab_size}), got {t}")
 
 
 def _token_logprobs(result: StepResult, row: int, n: int | None) -> list[TokenLogprobs] | None:

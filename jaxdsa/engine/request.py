@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import time
 from typing import Any
 
@@ -12,6 +13,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id, or a stop string (decided by the caller)
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # the engine could not run it (RequestOutput.error says why); other requests go on
 
 
 # Tokens a step can keep a request from sampling (its EOS ids and stop_token_ids while under
@@ -41,6 +43,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
 
     def __post_init__(self):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         if self.temperature < 0:
@@ -140,3 +145,4 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = (
         None  # with the first token, when asked: one per prompt token
     )
+    error: str | None = None  # why the engine failed the request (finish_reason ERROR)

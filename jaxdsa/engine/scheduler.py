@@ -15,12 +15,16 @@ With ``prefix_caching`` a request is admitted with the longest run of full pages
 with cached ones (:mod:`.allocator`), in the group that has the longest such run, and starts
 computing after them; at least its last token always runs, so it has logits to sample from.
 Every page that fills up with computed tokens is registered for later requests.
+
+A step can be restricted to some requests (``schedule(only=...)``): the engine does this while it
+looks for the request that breaks its steps (:mod:`.isolation`); the others keep their state.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Collection
 
 from jaxdsa.engine.allocator import PageAllocator
 from jaxdsa.engine.request import FinishReason, Request, Status
@@ -61,6 +65,7 @@ class Scheduler:
         self.prefix_caching = prefix_caching
         self.prefix_queried = 0  # tokens of admitted requests looked up in the prefix cache
         self.prefix_hit = 0  # of those, tokens found there (not computed again)
+        self.num_preemptions = 0  # running requests sent back to wait (their pages recomputed later)
         self.slots_per_group = max_num_seqs // groups
         self.allocators = [PageAllocator(num_pages // groups) for _ in range(groups)]
         self.waiting: collections.deque[Request] = collections.deque()
@@ -149,18 +154,29 @@ class Scheduler:
         victim.num_computed = 0
         victim.status = Status.WAITING
         victim.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(victim)
 
+    def recompute_all(self) -> None:
+        """Send every running request back to wait, to be recomputed from its tokens, and forget the
+        prefix cache: for when the cache contents are lost (a failed step consumed them). The
+        oldest request stays first in line."""
+        for request in reversed(self.running):
+            self._preempt(request)
+        self.allocators = [PageAllocator(a.num_pages) for a in self.allocators]
+
     # -- the step -------------------------------------------------------------------------------
-    def schedule(self) -> list[Segment]:
+    def schedule(self, only: Collection[Request] | None = None) -> list[Segment]:
+        """The next step's segments; with ``only``, just those requests run (the others keep their
+        place: running ones their pages unless preempted, waiting ones their turn)."""
         budget = self.max_num_batched_tokens
         segments: list[Segment] = []
         scheduled: set[int] = set()
         for request in list(self.running):
             if budget == 0:
                 break
-            if request.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status is not Status.RUNNING or (only is not None and request not in only):
+                continue  # preempted earlier in this loop, or held back
             n = min(request.remaining, budget)
             group = self.group_of(request)
             while not self._grow(request, request.num_computed + n, group):
@@ -182,8 +198,9 @@ class Scheduler:
             segments.append(Segment(request, request.num_computed, n))
             scheduled.add(id(request))
             budget -= n
-        while self.waiting and budget > 0:
-            request = self.waiting[0]
+        for request in [r for r in self.waiting if only is None or r in only]:
+            if budget == 0:
+                break
             admission = self._admission(request, budget)
             if admission is None:
                 break  # first come, first served: do not let later requests overtake
@@ -194,7 +211,7 @@ class Scheduler:
             self.prefix_queried += request.num_tokens
             self.prefix_hit += request.num_computed
             self._grow(request, request.num_computed + n, group)
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.slot = self._free_slots[group].pop()
             request.status = Status.RUNNING
             self.running.append(request)

@@ -153,7 +153,7 @@ def test_random_load_completes(seed):
     rng = random.Random(seed)
     sched = Scheduler(num_pages=12, page_size=4, max_num_seqs=3, max_num_batched_tokens=10)
     reqs = []
-    for _step in range(200):
+    for _ in range(200):
         if rng.random() < 0.3 and len(reqs) < 25:
             reqs.append(make(rng.randint(1, 20), rng.randint(1, 12)))
             sched.add(reqs[-1])
@@ -280,7 +280,7 @@ def test_random_load_with_shared_prefixes_completes(seed):
     sched = cached(n_pages=12, seqs=3, budget=10)
     prefixes = [[rng.randrange(50) for _ in range(rng.randint(1, 12))] for _ in range(3)]
     reqs = []
-    for _step in range(300):
+    for _ in range(300):
         if rng.random() < 0.3 and len(reqs) < 30:
             tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(1, 8))]
             reqs.append(request(tokens, rng.randint(1, 12)))
@@ -291,3 +291,40 @@ def test_random_load_with_shared_prefixes_completes(seed):
     drain(sched)
     assert all(r.status is Status.FINISHED and len(r.output) == r.sampling.max_tokens for r in reqs)
     assert sched.allocator.num_used == 0 and sched.prefix_hit > 0
+
+
+def test_a_restricted_step_holds_the_others_back_in_place():
+    """``schedule(only=...)`` runs just those requests: running ones outside keep their pages,
+    waiting ones their place in line, and an unrestricted step takes them all up again."""
+    sched = Scheduler(num_pages=16, page_size=4, max_num_seqs=2, max_num_batched_tokens=32)
+    a, b, c, d = (make(6, 4, name) for name in "abcd")
+    for r in (a, b, c, d):
+        sched.add(r)
+    run_step(sched)  # a and b run; c and d wait
+    pages = list(a.pages)
+    assert [s.request for s in sched.schedule(only={b})] == [b]
+    assert a.pages == pages and a.status is Status.RUNNING and list(sched.waiting) == [c, d]
+    sched.finish(b, FinishReason.ABORT)
+    assert [s.request for s in sched.schedule(only={d})] == [d]  # past c, which is held back
+    assert list(sched.waiting) == [c]
+    sched.finish(d, FinishReason.ABORT)
+    assert [s.request for s in sched.schedule()] == [a, c]
+
+
+def test_recompute_all_frees_every_page_and_forgets_cached_prefixes():
+    sched = Scheduler(
+        num_pages=16, page_size=4, max_num_seqs=3, max_num_batched_tokens=32, prefix_caching=True
+    )
+    first, second = make(9, 3, "first"), make(9, 3, "second")
+    for r in (first, second):
+        sched.add(r)
+    run_step(sched)
+    assert first.block_ids and sched.pages_used > 0
+    sched.recompute_all()
+    assert sched.pages_used == 0 and not sched.running and list(sched.waiting) == [first, second]
+    assert first.num_computed == 0 and first.output == [7] and sched.num_preemptions == 2
+    again = make(9, 3, "again")  # the same tokens: its first two pages would come from the cache
+    sched.waiting.clear()
+    sched.add(again)
+    run_step(sched)
+    assert sched.prefix_hit == 0 and again.num_computed == 9

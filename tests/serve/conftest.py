@@ -6,10 +6,11 @@ import asyncio
 import contextlib
 import os
 import pathlib
+import re
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import httpx
 import pytest
@@ -17,30 +18,57 @@ import uvicorn
 from fastapi import FastAPI
 
 from checkpoints.make_tiny import make_tiny
-from jaxdsa.engine import EngineDeadError, FinishReason, RequestOutput, SamplingParams, TokenLogprobs
-from serve.cli import bind
+from jaxdsa.engine import (
+    AsyncEngine,
+    Engine,
+    EngineDeadError,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprobs,
+)
+from serve.cli import Server, bind, build, parse_args
 
 ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
 
-def free_port() -> int:
-    sock = bind("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
+WAIT_S = 60.0  # the bound on every wait below: a condition that does not come fails the test
 
 
-def wait_healthy(proc: subprocess.Popen, port: int, log: os.PathLike, timeout: float = 600) -> str:
-    """Poll /health of a ``python -m serve`` subprocess; its log in the failure message."""
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    """:func:`wait_until` for coroutines."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def wait_ready(proc: subprocess.Popen, log: os.PathLike, timeout: float = 600) -> str:
+    """The URL of a ``python -m serve --port 0`` subprocess once it answers /health: the port is the
+    one its "ready:" line names (the server binds port 0 itself, so no other process can take it
+    between a test choosing a port and the server binding it)."""
+    log = pathlib.Path(log)
+    deadline = time.monotonic() + timeout
+    url = None
     while True:
-        assert proc.poll() is None, pathlib.Path(log).read_text()
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return f"http://127.0.0.1:{port}"
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server did not become healthy:\n" + pathlib.Path(log).read_text()
+        assert proc.poll() is None, log.read_text()
+        if url is None and (ready := re.search(r"ready: serving .* at (http://[\d.:]+)/v1", log.read_text())):
+            url = ready.group(1)
+        if url is not None:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    return url
+            except httpx.TransportError:
+                pass
+        assert time.monotonic() < deadline, "server did not become healthy:\n" + log.read_text()
         time.sleep(0.5)
 
 
@@ -61,10 +89,8 @@ def serving(app: FastAPI) -> Iterator[str]:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
+    wait_until(lambda: server.started or not thread.is_alive(), "uvicorn to start")
+    assert server.started, "uvicorn did not start"
     try:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
@@ -83,11 +109,13 @@ class ScriptedEngine:
 
     Lets tests force exactly what the "model" says (tool calls, reasoning) and see the prompts the
     server rendered. A script entry of ``EngineDeadError`` fails the request after its first token.
-    Requests that ask for logprobs or prompt logprobs get :func:`scripted_logprobs`.
+    Requests that ask for logprobs or prompt logprobs get :func:`scripted_logprobs`. With
+    ``hold_after`` each request stops after that many tokens until it is closed, so a test can act
+    on a request that is surely still running (no race against its speed).
     """
 
-    def __init__(self, max_model_len: int = 256, token_delay: float = 0.0):
-        self.token_delay = token_delay
+    def __init__(self, max_model_len: int = 256, hold_after: int | None = None):
+        self.hold_after = hold_after
         self.scripts: list[list[int] | type[EngineDeadError]] = []
         self.prompts: list[list[int]] = []
         self.sampling: list[SamplingParams] = []
@@ -111,7 +139,8 @@ class ScriptedEngine:
                 raise EngineDeadError("scripted failure")
             ids = script[: sampling.max_tokens]
             for i, token in enumerate(ids):
-                await asyncio.sleep(self.token_delay)
+                if i == self.hold_after:
+                    await asyncio.Event().wait()  # never set: held until the request is closed
                 last = i == len(ids) - 1
                 reason = (
                     (
@@ -146,7 +175,69 @@ class ScriptedEngine:
             self._running.discard(request_id)
 
     def stats(self) -> dict[str, float]:
-        return {
-            "running": self.active, "waiting": 0, "generated_tokens": 0, "cache_pages_used": 0, "cache_pages_total": 1, "cache_usage": 0.0,
-            "prefix_cache_queries": 0, "prefix_cache_hits": 0,
-        }  # fmt: skip
+        counters = ("waiting", "generated_tokens", "cache_pages_used", "prefix_cache_queries")
+        counters += ("prefix_cache_hits", "preemptions", "failed_steps")
+        return {"running": self.active, "cache_pages_total": 1, "cache_usage": 0.0} | dict.fromkeys(
+            counters, 0
+        )
+
+
+class EngineControl:
+    """A test's handles on a live server's engine thread, so tests decide how far generation gets
+    instead of racing it: ``hold_when(predicate)`` holds the thread before each step while
+    ``predicate(engine)`` is true (it is evaluated on the engine thread, which owns that state), and
+    ``wait_for_aborts`` returns once the server has sent that many aborts to the engine."""
+
+    def __init__(self, aengine: AsyncEngine, monkeypatch: pytest.MonkeyPatch):
+        self._condition = threading.Condition()
+        self._hold: Callable[[Engine], bool] | None = None
+        self.aborted: list[str] = []
+        engine, step, abort = aengine.engine, aengine.engine.step, aengine.abort
+
+        def held_step():
+            with self._condition:
+                self._condition.wait_for(lambda: self._hold is None or not self._hold(engine), WAIT_S)
+            return step()
+
+        def counted_abort(request_id: str) -> None:
+            abort(request_id)
+            with self._condition:
+                self.aborted.append(request_id)
+                self._condition.notify_all()
+
+        monkeypatch.setattr(engine, "step", held_step)
+        monkeypatch.setattr(aengine, "abort", counted_abort)
+
+    def hold_when(self, predicate: Callable[[Engine], bool]) -> None:
+        with self._condition:
+            self._hold = predicate
+            self._condition.notify_all()
+
+    def release(self) -> None:
+        self.hold_when(None)
+
+    def wait_for_aborts(self, n: int) -> None:
+        with self._condition:
+            assert self._condition.wait_for(lambda: len(self.aborted) >= n, WAIT_S), (
+                f"{len(self.aborted)} of {n} aborts arrived"
+            )
+
+
+# A real engine small enough that generated and soak requests stay cheap: 32-token contexts, 16
+# slots over 12 pages of 8 tokens (a quarter of what 16 full contexts need, so requests wait and
+# get preempted), steps of at most 32 tokens. The soak and the schema tests share it (and so its
+# compiled step shapes).
+SMALL_SERVER_ARGS = [
+    "--served-model-name", "small", "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "32",
+    "--max-num-seqs", "16", "--max-num-batched-tokens", "32", "--page-size", "8", "--num-pages", "12",
+    "--max-queue-len", "256", "--no-warmup",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def small_server(glm_dir) -> Iterator[tuple[str, Server]]:
+    """(base URL, server) of the small real-engine server on 127.0.0.1."""
+    server = build(parse_args([glm_dir, *SMALL_SERVER_ARGS]))
+    with serving(server.app) as url:
+        yield url, server
+    server.engine.shutdown()

@@ -4,7 +4,6 @@ engine failures and every request-validation error through the official ``openai
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import numpy as np
@@ -16,7 +15,7 @@ from serve.app import ServingContext, create_app
 from serve.chat_format import load_chat_format
 from serve.deepseek_encoding import render_tool_calls
 from serve.tokenizer import Tokenizer
-from tests.serve.conftest import ScriptedEngine, scripted_logprobs, serving
+from tests.serve.conftest import ScriptedEngine, scripted_logprobs, serving, wait_until
 
 OBSERVATION = 501  # GLM's <|observation|>: ends an assistant turn that handed over to tools
 TOOLS = [
@@ -117,9 +116,11 @@ def test_tool_call_round_trip(stub):
     assert r2.choices[0].message.content == "It is sunny in Paris." and r2.choices[0].finish_reason == "stop"
     prompt = stub.tok.decode(stub.engine.prompts[-1], skip_special_tokens=False)
     assert (
-        "<|assistant|></think>Let me check.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+        "<|assistant|></think>Let me check.<tool_call>get_weather"
+        "<arg_key>city</arg_key><arg_value>Paris</arg_value>"
         "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call><tool_call>get_time</tool_call>"
-        "<|observation|><tool_response>sunny</tool_response><tool_response>12:00</tool_response><|assistant|><think>"
+        "<|observation|><tool_response>sunny</tool_response><tool_response>12:00</tool_response>"
+        "<|assistant|><think>"
     ) in prompt
 
 
@@ -255,10 +256,9 @@ def test_batched_prompts_stream_with_indices(stub):
 
 
 def test_closing_a_batched_stream_releases_every_request(glm_dir):
-    # 200 tokens at 0.1 s each: the client reads one line and leaves long before either ends, even
-    # when a loaded CI machine stalls this thread for seconds. The line iterator is kept: dropping it
-    # closes the response, so the requests would end before the check below.
-    engine = ScriptedEngine(token_delay=0.1)
+    # Each request stops after its first token until it is closed, so both are surely running when
+    # the client leaves. The line iterator is kept: dropping it closes the response.
+    engine = ScriptedEngine(hold_after=1)
     ctx = make_context(glm_dir, engine)
     with serving(create_app(ctx)) as url:
         engine.scripts += [ctx.tokenizer.encode("word " * 200)] * 2
@@ -267,10 +267,7 @@ def test_closing_a_batched_stream_releases_every_request(glm_dir):
             lines = r.iter_lines()
             next(lines)
             assert engine.active == 2
-        deadline = time.monotonic() + 5
-        while engine.active:
-            assert time.monotonic() < deadline, "engine requests still open after the client left"
-            time.sleep(0.01)
+        wait_until(lambda: engine.active == 0, "the engine requests to close after the client left")
 
 
 def test_include_usage_chunk(stub):
@@ -575,6 +572,50 @@ def test_engine_failure_is_503_or_an_error_event(stub):
         ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
         ("/v1/completions", {"prompt": "x", "min_tokens": -1}, "min_tokens"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+        # Numbers the engine cannot represent (issue 13): each a 400 naming its field, never a 500.
+        (
+            "/v1/completions",
+            {"prompt": "x", "min_tokens": 1, "stop_token_ids": [2147483653]},
+            "stop_token_ids",
+        ),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [1000]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": ["a"]}, "stop_token_ids.0"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "min_tokens": 1, "stop_token_ids": list(range(40))},
+            "stop_token_ids",
+        ),
+        ("/v1/completions", {"prompt": [-1]}, "prompt"),
+        ("/v1/completions", {"prompt": [5, 2**63]}, "prompt"),
+        ("/v1/completions", {"prompt": [[5], [2**64 + 1]]}, "prompt"),
+        ("/v1/completions", {"prompt": [5.5]}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "seed": 2**63}, "seed"),
+        ("/v1/completions", {"prompt": "x", "seed": -(2**63) - 1}, "seed"),
+        ("/v1/completions", {"prompt": "x", "top_k": -2}, "top_k"),
+        ("/v1/completions", {"prompt": "x", "top_k": "many"}, "top_k"),
+        ("/v1/completions", {"prompt": "x", "n": 2**70}, "n"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2**64}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_completion_tokens": 2000}, "max_completion_tokens"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": 2**64}, "min_tokens"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 2**64}, "logprobs"),
+        ("/v1/completions", '{"prompt": "x", "temperature": NaN}', "temperature"),
+        ("/v1/completions", '{"prompt": "x", "top_p": Infinity}', "top_p"),
+        ("/v1/completions", '{"prompt": "x", "repetition_penalty": Infinity}', "repetition_penalty"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {str(2**70): 1}}, "logit_bias"),
+        ("/v1/completions", '{"prompt": "x", "logit_bias": {"5": NaN}}', "logit_bias.5"),
+        ("/v1/chat/completions", {"messages": user("x"), "stop_token_ids": [2**64]}, "stop_token_ids"),
+        ("/v1/chat/completions", {"messages": user("x"), "seed": 1.5}, "seed"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/detokenize", {"tokens": [2**64]}, "tokens"),
+        ("/detokenize", {"tokens": [1000]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/detokenize", {"tokens": [1.5]}, "tokens.0"),
+        ("/tokenize", {"prompt": "x", "messages": user("x")}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"messages": []}, "messages"),  # was a 500 (schemathesis)
     ],
 )
 def test_invalid_requests_are_400_naming_the_field(stub, path, body, param):
@@ -648,5 +689,62 @@ def test_deepseek_v32_reasoning_and_dsml_tool_calls(dsv32_dir):
         assert r2.choices[0].message.content == "Sunny." and r2.choices[0].message.reasoning_content is None
         prompt = tok.decode(engine.prompts[-1], skip_special_tokens=False)
         assert prompt.endswith(
-            '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls><｜end▁of▁sentence｜>\n\n<function_results>\n<result>sunny</result>\n</function_results>\n\n</think>'
+            '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+            '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+            "</｜DSML｜function_calls><｜end▁of▁sentence｜>\n\n<function_results>\n<result>sunny</result>\n"
+            "</function_results>\n\n</think>"
         )
+
+
+def test_numbers_the_engine_reads_its_own_way_pass_through(stub):
+    """top_k past the vocabulary (the engine takes it as off, as vLLM does) and any int64 seed (the
+    engine reduces it to its 31 bits) are not errors."""
+    stub.script("ok", stop_id=None)
+    stub.script("ok", stop_id=None)
+    stub.client.completions.create(
+        model="stub", prompt="x", max_tokens=2, n=2, seed=2**63 - 1, extra_body={"top_k": 1099511627776}
+    )
+    assert [(sp.top_k, sp.seed) for sp in stub.engine.sampling[-2:]] == [
+        (1099511627776, 2**63 - 1),
+        (1099511627776, 2**63),  # choice j: seed + j, reduced by the engine like any other
+    ]
+
+
+def test_health_answers_json_and_503_once_the_engine_stops(glm_dir):
+    running = [True]
+    ctx = make_context(glm_dir, ScriptedEngine(), alive=lambda: running[0])
+    with serving(create_app(ctx)) as url:
+        r = httpx.get(f"{url}/health")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        assert r.headers["content-type"] == "application/json"
+        running[0] = False
+        r = httpx.get(f"{url}/health")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
+
+
+def test_openapi_documents_every_answer_with_the_error_schema(stub):
+    doc = httpx.get(f"{stub.url}/openapi.json").json()
+    error = {"$ref": "#/components/schemas/ErrorResponse"}
+    expected = {
+        ("get", "/health"): {"200", "503"},
+        ("get", "/metrics"): {"200"},
+        ("get", "/v1/models"): {"200", "401"},
+        ("get", "/v1/models/{name}"): {"200", "401", "404"},
+        ("post", "/tokenize"): {"200", "400", "401", "404"},
+        ("post", "/detokenize"): {"200", "400", "401", "404"},
+        ("post", "/v1/completions"): {"200", "400", "401", "404", "429", "503"},
+        ("post", "/v1/chat/completions"): {"200", "400", "401", "404", "429", "503"},
+    }
+    operations = {(m, p): op for p, ops in doc["paths"].items() for m, op in ops.items()}
+    assert set(operations) == set(expected)
+    for key, op in operations.items():
+        assert set(op["responses"]) == expected[key], key
+        for status, answer in op["responses"].items():
+            if status != "200":
+                assert answer["content"]["application/json"]["schema"] == error, (key, status)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert set(doc["paths"][path]["post"]["responses"]["200"]["content"]) == {
+            "application/json",
+            "text/event-stream",
+        }
+    assert "HTTPValidationError" not in doc["components"]["schemas"]

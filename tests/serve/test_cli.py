@@ -14,7 +14,7 @@ import pytest
 
 from jaxdsa.engine.engine import enable_compilation_cache
 from serve import cli
-from tests.serve.conftest import ROOT, free_port, wait_healthy
+from tests.serve.conftest import ROOT, wait_ready
 
 LOCAL = ["--host", "127.0.0.1", "--port", "0"]
 
@@ -106,14 +106,13 @@ def test_readme_line_serves_the_default_model(tmp_path):
             "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         }
-    port = free_port()
-    argv = [sys.executable, "-m", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    argv = [sys.executable, "-m", "serve", "--host", "127.0.0.1", "--port", "0"]
     with (
         open(tmp_path / "serve.log", "w+") as log,
         subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT) as proc,
     ):
         try:
-            url = wait_healthy(proc, port, tmp_path / "serve.log")
+            url = wait_ready(proc, tmp_path / "serve.log")
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             assert [m.id for m in client.models.list().data] == ["jaxdsa-tiny-glm5"]
             r = client.chat.completions.create(

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import jax
@@ -24,12 +23,12 @@ import pytest
 from jaxdsa.engine.engine import enable_compilation_cache
 from serve import bench
 from serve.cli import build, parse_args
-from tests.serve.conftest import ROOT, free_port, serving, wait_healthy
+from tests.serve.conftest import ROOT, EngineControl, serving, until, wait_ready, wait_until
 
 ARGS = [
     "--served-model-name", "tiny", "--host", "127.0.0.1", "--max-model-len", "256", "--max-num-seqs", "16",
-    "--max-queue-len", "0", "--reasoning-parser", "glm45", "--tool-call-parser", "glm47", "--enable-auto-tool-choice",
-    "--no-warmup",
+    "--max-queue-len", "0", "--reasoning-parser", "glm45", "--tool-call-parser", "glm47",
+    "--enable-auto-tool-choice", "--no-warmup",
 ]  # fmt: skip
 GREEDY = {"temperature": 0.0}
 PROMPTS = [
@@ -69,19 +68,20 @@ class Live:
             )
         }
 
-    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
-        """Metrics once nothing runs and no cache page is held (fails after ``timeout``)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            if (
+    def wait_idle(self) -> dict[str, float]:
+        """Metrics once nothing runs and no cache page is held."""
+        m = {}
+
+        def idle() -> bool:
+            m.update(self.metrics())
+            return (
                 m["jaxdsa:num_requests_running"] == 0
                 and m["jaxdsa:num_requests_waiting"] == 0
                 and m["jaxdsa:kv_cache_pages_used"] == 0
-            ):
-                return m
-            assert time.monotonic() < deadline, f"engine still busy: {m}"
-            time.sleep(0.05)
+            )
+
+        wait_until(idle, "the engine to be idle")
+        return m
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +90,13 @@ def live(glm_dir):
     with serving(server.app) as url:
         yield Live(url, server)
     server.engine.shutdown()
+
+
+@pytest.fixture
+def control(live, monkeypatch):
+    control = EngineControl(live.server.engine, monkeypatch)
+    yield control
+    control.release()  # before monkeypatch restores the engine: its thread may be held
 
 
 def user(text: str) -> list[dict]:
@@ -273,49 +280,74 @@ def test_concurrent_requests_equal_sequential_ones(live):
     assert concurrent == sequential
 
 
-def test_cancelled_stream_frees_its_pages(live):
+def test_cancelled_stream_frees_its_pages(live, control):
+    """The engine holds after the request's first token (the stream has begun: its headers come
+    after that token), so the request is surely running, with its pages, when the client leaves,
+    and is released once the abort has arrived. The engine thread reads its commands before each
+    step: the abort stops the request before the held step or right after it, depending on whether
+    it came before the thread last read them, so one or two tokens, never more."""
     before = live.metrics()["jaxdsa:generation_tokens_total"]
+    control.hold_when(lambda engine: any(r.output for r in engine.requests.values()))
     stream = live.client.completions.create(
         model="tiny", prompt="Once upon a time", max_tokens=240, stream=True, extra_body={"ignore_eos": True}
     )
-    for i, _ in enumerate(stream):
-        if i == 3:
-            break
     assert live.metrics()["jaxdsa:kv_cache_pages_used"] > 0
     stream.close()
+    control.wait_for_aborts(1)
+    control.release()
     after = live.wait_idle()["jaxdsa:generation_tokens_total"]
-    assert after - before < 240  # it was stopped, not run to the end
+    assert 1 <= after - before <= 2
 
 
-def test_disconnected_non_streaming_request_is_aborted(live):
+def test_disconnected_non_streaming_request_is_aborted(live, control):
+    """The engine holds before the request's first step; the client leaves; the server aborts it."""
     before = live.metrics()["jaxdsa:generation_tokens_total"]
+    control.hold_when(lambda engine: bool(engine.requests))
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{live.url}/v1/completions", json=body, timeout=httpx.Timeout(30.0, read=0.5))
+
+    async def leave_early() -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            post = asyncio.ensure_future(client.post(f"{live.url}/v1/completions", json=body))
+            await until(lambda: live.server.engine.num_in_flight == 1, "the request to reach the engine")
+            post.cancel()  # the client leaves: its connection closes
+            await asyncio.gather(post, return_exceptions=True)
+
+    asyncio.run(leave_early())
+    control.wait_for_aborts(1)
+    control.release()
     after = live.wait_idle()["jaxdsa:generation_tokens_total"]
-    assert after - before < 240
+    assert after - before <= 1  # the step it was held before; the abort came next
 
 
-def test_queue_full_is_429_and_held_streams_release_everything(live):
+def test_queue_full_is_429_and_requests_in_flight_release_everything(live, control):
+    """16 requests in flight (max_num_seqs + max_queue_len 0) while the engine holds: the 17th gets
+    429 at once; the 16 clients leave and every slot and page comes back."""
+    control.hold_when(lambda engine: True)
+
     async def scenario() -> None:
         client = live.aclient()
         held = [
-            await client.completions.create(
-                model="tiny", prompt=p, max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+            asyncio.ensure_future(
+                client.completions.create(
+                    model="tiny", prompt=p, max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+                )
             )
             for p in PROMPTS
         ]
         try:
-            for s in held:  # each is now in flight (16 = max_num_seqs + max_queue_len 0)
-                await anext(aiter(s))
+            await until(lambda: live.server.engine.num_in_flight == len(PROMPTS), "16 requests in flight")
             with pytest.raises(openai.RateLimitError) as e:
                 await client.completions.create(model="tiny", prompt="one too many", max_tokens=4)
             assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
         finally:
-            for s in held:
-                await s.close()
+            for request in held:
+                request.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+            await client.close()
 
     asyncio.run(scenario())
+    control.wait_for_aborts(len(PROMPTS))
+    control.release()
     live.wait_idle()
 
 
@@ -329,8 +361,9 @@ def test_client_errors(live):
     with pytest.raises(openai.BadRequestError) as e:
         live.client.chat.completions.create(model="tiny", messages=user("x"), temperature=-0.5)
     assert e.value.body["param"] == "temperature"
-    with pytest.raises(openai.BadRequestError, match="token ids"):
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary") as e:
         live.client.completions.create(model="tiny", prompt=[10**6])
+    assert e.value.body["param"] == "prompt"
     with pytest.raises(openai.NotFoundError):
         live.client.completions.create(model="not-served", prompt="x")
     r = httpx.post(
@@ -343,18 +376,49 @@ def test_engine_failure_is_503_and_the_server_recovers(live, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(live.server.engine.engine.runner, "run", broken)
-    with pytest.raises(openai.InternalServerError) as e:
-        live.client.completions.create(model="tiny", prompt="x y z", max_tokens=4)
+    with monkeypatch.context() as m:
+        m.setattr(live.server.engine.engine.runner, "run", broken)
+        with pytest.raises(openai.InternalServerError) as e:
+            live.client.completions.create(model="tiny", prompt="x y z", max_tokens=4)
     assert e.value.status_code == 503 and "device lost" in e.value.message
-    monkeypatch.undo()
     again = live.client.completions.create(
-        model="tiny", prompt="x y z", max_tokens=4, extra_body={"ignore_eos": True}
+        model="tiny", prompt="x y z", max_tokens=4, extra_body={"ignore_eos": True}, **GREEDY
     )
-    assert (
-        again.usage.completion_tokens == 4
-    )  # sampled (temperature 1): without ignore_eos an EOS may end it early
+    assert again.usage.completion_tokens == 4
     live.wait_idle()
+
+
+def test_issue_13_bad_numbers_beside_a_running_request(live, control):
+    """The issue's reproductions on the real engine: ``min_tokens: 1`` with stop id 2147483653 and
+    ``/detokenize [-1]`` (which failed the engine step for every request in flight, or answered
+    500) are 400s naming the field while a 100-token request runs beside them, and that request
+    finishes with the text it has alone; ``top_k: 2^40`` samples as top-k off."""
+    kwargs = dict(
+        model="tiny", prompt="The weather in Paris", max_tokens=100, extra_body={"ignore_eos": True}, **GREEDY
+    )
+    alone = live.client.completions.create(**kwargs).choices[0].text
+    failed_steps = live.metrics()["jaxdsa:failed_steps_total"]
+    control.hold_when(lambda engine: any(r.output for r in engine.requests.values()))  # surely running
+    stream = live.client.completions.create(stream=True, **kwargs)
+    with pytest.raises(openai.BadRequestError) as e:
+        live.client.completions.create(
+            model="tiny",
+            prompt="x",
+            max_tokens=4,
+            extra_body={"min_tokens": 1, "stop_token_ids": [2147483653]},
+        )
+    assert e.value.body["param"] == "stop_token_ids"
+    r = httpx.post(f"{live.url}/detokenize", json={"tokens": [-1]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    control.release()
+    assert "".join(c.choices[0].text for c in stream) == alone
+    sampled = dict(model="tiny", prompt="x", max_tokens=8, temperature=1.0, seed=3)
+    texts = [
+        live.client.completions.create(**sampled, extra_body={"top_k": k, "ignore_eos": True}).choices[0].text
+        for k in (1099511627776, 0)
+    ]
+    assert texts[0] == texts[1]
+    assert live.wait_idle()["jaxdsa:failed_steps_total"] == failed_steps
 
 
 def test_a_repeated_long_prompt_hits_the_prefix_cache(live):
@@ -424,14 +488,13 @@ def test_tensor_parallel_server_gives_the_same_text(live, glm_dir, tmp_path):
             "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         }
-    port = free_port()
-    argv = [sys.executable, "-m", "serve", glm_dir, *ARGS, "--port", str(port), "--tensor-parallel-size", "2"]
+    argv = [sys.executable, "-m", "serve", glm_dir, *ARGS, "--port", "0", "--tensor-parallel-size", "2"]
     with (
         open(tmp_path / "tp.log", "w+") as log,
         subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT) as proc,
     ):
         try:
-            url = wait_healthy(proc, port, tmp_path / "tp.log")
+            url = wait_ready(proc, tmp_path / "tp.log")
             tp = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             for prompt in PROMPTS[:2]:
                 expected = (
