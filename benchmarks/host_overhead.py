@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    llm = jaxdsa.LLM(args.model, dtype="float32", page_size=8, progress=False, max_model_len=512)
+    llm = jaxdsa.LLM(args.model, dtype="float32", page_size=8, progress=False, max_model_len=256)
     llm.engine.warmup(progress=False)
     decode_ms(llm, args.batch, 16)  # compile anything warm-up left out
     runs = [decode_ms(llm, args.batch, args.steps) for _ in range(args.repeats)]

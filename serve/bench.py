@@ -78,7 +78,8 @@ async def _prompts(
             )
             if r.status_code == 404:
                 raise SystemExit(
-                    f"bench: {url} has no /tokenize endpoint, which the benchmark needs to build exact-length prompts"
+                    f"bench: {url} has no /tokenize endpoint, which the benchmark needs to build "
+                    "exact-length prompts"
                 )
             r.raise_for_status()
             ids = r.json()["tokens"]
@@ -239,7 +240,8 @@ async def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
         model, max_model_len = await _model_info(client, url, args.model)
         if max_model_len and args.input_len + args.output_len > max_model_len:
             raise SystemExit(
-                f"bench: --input-len + --output-len = {args.input_len + args.output_len} exceeds the server's max_model_len {max_model_len}"
+                f"bench: --input-len + --output-len = {args.input_len + args.output_len} exceeds the "
+                f"server's max_model_len {max_model_len}"
             )
         num = args.num_prompts or 4 * max(levels)
         prompts = await _prompts(client, url, model, num, args.input_len, args.seed)

@@ -57,7 +57,7 @@ Here are the functions available in JSONSchema format:
 <functions>
 {{schemas}}
 </functions>
-"""
+"""  # noqa: E501 (DeepSeek's own prompt text, byte for byte)
 
 THINKING_MODES = ("chat", "thinking")
 
@@ -67,7 +67,7 @@ def _to_json(value: Any) -> str:
 
 
 def render_tools(tools: Sequence[Mapping[str, Any]]) -> str:
-    """The tools block appended to the system prompt (OpenAI ``{"type": "function", "function": ...}`` tools)."""
+    """The tools block appended to the system prompt (OpenAI ``{"type": "function", ...}`` tools)."""
     return TOOLS_TEMPLATE.replace("{schemas}", "\n".join(_to_json(t.get("function", t)) for t in tools))
 
 

@@ -168,7 +168,9 @@ class ModelRunner:
     def reset_penalty_rows(self) -> None:
         """Zeroed rows that no request owns, so each penalized request refills its own before it
         samples again: after a failed step, which may have counted tokens in them or consumed them."""
-        self.penalty = PenaltyRows(self.max_num_seqs, self.cfg.vocab_size, self.groups, self.mesh, self._place)
+        self.penalty = PenaltyRows(
+            self.max_num_seqs, self.cfg.vocab_size, self.groups, self.mesh, self._place
+        )
 
     def _compiled(self, mode, with_logits: bool):
         """The jitted step of one (mode, with_logits) variant: compiled once per bucket shape."""

@@ -58,9 +58,9 @@ def test_tokenizer_is_deterministic(family_tok):
 @pytest.mark.parametrize(
     "family, expected",
     [
-        ("glm_moe_dsa", {"<|endoftext|>": 492, "[gMASK]": 494, "<sop>": 496, "<|system|>": 498, "<|user|>": 499,
-                         "<|assistant|>": 500, "<|observation|>": 501, "<think>": 502, "</think>": 503,
-                         "<tool_call>": 504, "</arg_value>": 511}),
+        ("glm_moe_dsa", {"<|endoftext|>": 492, "[gMASK]": 494, "<sop>": 496, "<|system|>": 498,
+                         "<|user|>": 499, "<|assistant|>": 500, "<|observation|>": 501, "<think>": 502,
+                         "</think>": 503, "<tool_call>": 504, "</arg_value>": 511}),
         ("deepseek_v32", {"<｜begin▁of▁sentence｜>": 0, "<｜end▁of▁sentence｜>": 1, "<｜User｜>": 507,
                           "<｜Assistant｜>": 508, "<think>": 509, "</think>": 510, "｜DSML｜": 511}),
     ],
@@ -105,7 +105,10 @@ HISTORY = [
 
 def test_glm_models_md_example_thinking_off():
     out = glm(HISTORY, add_generation_prompt=True, enable_thinking=False)
-    expected = "[gMASK]<sop><|system|>Be brief.<|user|>Hi<|assistant|></think>Hello!<|user|>Again<|assistant|></think>"
+    expected = (
+        "[gMASK]<sop><|system|>Be brief.<|user|>Hi<|assistant|></think>Hello!"
+        "<|user|>Again<|assistant|></think>"
+    )
     assert out == expected
 
 
@@ -127,7 +130,8 @@ GLM_TOOLS_SYSTEM = (
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
     '{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", '
     '"parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}\n'
-    "</tools>\n\nFor each function call, output the function name and arguments within the following XML format:\n"
+    "</tools>\n\nFor each function call, output the function name and arguments within the following "
+    "XML format:\n"
     "<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}</arg_value>"
     "<arg_key>{arg-key-2}</arg_key><arg_value>{arg-value-2}</arg_value>...</tool_call>"
 )
@@ -231,7 +235,8 @@ RESULTS = "\n\n<function_results>\n<result>sunny</result>\n<result>noon</result>
 
 def test_deepseek_tool_calls_and_results():
     assert encode_messages(TOOL_TURNS, "thinking") == (
-        f"{BOS}<｜User｜>Weather?<｜Assistant｜><think>Need data.</think>Checking.{DSML_CALLS}{EOS}{RESULTS}<think>"
+        f"{BOS}<｜User｜>Weather?<｜Assistant｜><think>Need data.</think>Checking."
+        f"{DSML_CALLS}{EOS}{RESULTS}<think>"
     )
     assert encode_messages(TOOL_TURNS, "chat") == (
         f"{BOS}<｜User｜>Weather?<｜Assistant｜></think>Checking.{DSML_CALLS}{EOS}{RESULTS}</think>"

@@ -90,7 +90,8 @@ GLM_CASES = [
         ("", "Let me check.", [("get_weather", {"city": "Paris", "days": 3, "code": "007"})]),
     ),
     (  # several calls, a zero-argument call, JSON values, GLM-4.5's newlines, text between calls dropped
-        "<tool_call>get_time</tool_call>\n<tool_call>search\n<arg_key>q</arg_key>\n<arg_value>a <b></arg_value>\n"
+        "<tool_call>get_time</tool_call>\n<tool_call>search\n<arg_key>q</arg_key>\n"
+        "<arg_value>a <b></arg_value>\n"
         '<arg_key>filters</arg_key>\n<arg_value>{"n": [1, 2]}</arg_value>\n</tool_call> trailing',
         ("", "", [("get_time", {}), ("search", {"q": "a <b>", "filters": {"n": [1, 2]}})]),
     ),
@@ -125,7 +126,10 @@ def test_glm47_streaming_emits_each_call_once_when_it_closes():
 
 
 def test_reasoning_then_tool_calls():
-    text = "weather needed</think>Checking.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>"
+    text = (
+        "weather needed</think>Checking.<tool_call>get_weather<arg_key>city</arg_key>"
+        "<arg_value>Oslo</arg_value></tool_call>"
+    )
     for chunks in splits(text):
         d = run(ReplyParser(ReasoningSplitter(True), Glm47ToolParser(WEATHER_TOOLS)), chunks)
         assert summary(d) == ("weather needed", "Checking.", [("get_weather", {"city": "Oslo"})])
