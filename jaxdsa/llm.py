@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxdsa import sharding
+from jaxdsa import ops, sharding
 from jaxdsa.cache import StepMeta, init_cache
 from jaxdsa.engine import Engine, EngineConfig, SamplingParams
 from jaxdsa.engine.buckets import bucket
@@ -64,6 +64,11 @@ class LLM:
     counts the shards over all of them). Weights load straight into their sharded layout.
     ``max_logprobs``: the most top logprobs a request served by :attr:`engine` may ask for;
     ``enable_prefix_caching``: its requests reuse the cache pages of token prefixes computed before.
+    ``scan_layers``: stack layers of one kind and run them under ``lax.scan`` (compile time
+    independent of depth). The default scans except with the Pallas kernels: a kernel is an XLA
+    custom call, so inside a scan XLA copies the slice of each stacked weight it reads out of the
+    stack every step (on an H100, one GLM-5 MoE layer's bf16 experts: an 18 GiB temporary), until
+    the kernels index the stacks themselves.
     """
 
     def __init__(
@@ -85,6 +90,7 @@ class LLM:
         seed: int = 0,
         load_format: str = "safetensors",
         progress: bool = True,
+        scan_layers: bool | None = None,
     ):
         """``load_format="dummy"``: random weights of the checkpoint's config, made on the device
         (benchmarking real shapes without the files, like vLLM's ``--load-format dummy``)."""
@@ -103,6 +109,7 @@ class LLM:
             load_format=load_format,
             seed=seed,
             progress=progress,
+            scan_layers=ops.get_kernels() != "pallas" if scan_layers is None else scan_layers,
         )
         self.eos_token_ids = generation_eos_ids(self.path, self.config.eos_token_ids)
         self.engine_config = EngineConfig(

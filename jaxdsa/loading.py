@@ -32,12 +32,13 @@ def load_model(
     mtp: bool = True,
     seed: int = 0,
     progress: bool = True,
+    scan_layers: bool = True,
 ) -> tuple[ModelFamily, Any, nnx.Module]:
     """-> (family, config, model) of the checkpoint at ``path``, placed on ``mesh``.
 
     ``mtp``: also load the next-n layers the checkpoint ships (dummy weights: the config's).
     ``load_format="dummy"``: random weights of the config's shapes (``config.json`` is all that
-    is read), like vLLM's ``--load-format dummy``.
+    is read), like vLLM's ``--load-format dummy``. ``scan_layers``: see :class:`jaxdsa.LLM`.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r}: choose one of {', '.join(LOAD_FORMATS)}")
@@ -49,7 +50,9 @@ def load_model(
         n_mtp = (
             family.mtp_layers(cfg, reader.__contains__) if reader else family.mtp_layers(cfg, lambda _: True)
         )
-    model = families.abstract(family, cfg, dtype=dtype, parallelism=parallelism, mtp=n_mtp)
+    model = families.abstract(
+        family, cfg, dtype=dtype, parallelism=parallelism, mtp=n_mtp, scan_layers=scan_layers
+    )
     specs, targets = family.param_spec(cfg, model), families.targets(model, mesh)
     if reader is None:
         arrays = walker.random(specs, targets, seed=seed)

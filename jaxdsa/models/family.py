@@ -36,8 +36,11 @@ class ModelFamily(Protocol):
     def quantization(self, cfg) -> QuantConfig | None:
         """The checkpoint's weight format (None: plain floats)."""
 
-    def build(self, cfg, *, dtype, rngs: nnx.Rngs, parallelism: Parallelism | None, mtp: int) -> nnx.Module:
-        """The module tree (heads padded for ``parallelism``'s shards); ``mtp`` next-n layers."""
+    def build(
+        self, cfg, *, dtype, rngs: nnx.Rngs, parallelism: Parallelism | None, mtp: int, scan_layers: bool
+    ) -> nnx.Module:
+        """The module tree (heads padded for ``parallelism``'s shards); ``mtp`` next-n layers;
+        ``scan_layers``: layers of one kind stacked and scanned, else one module per layer."""
 
     def mtp_layers(self, cfg, has_tensor) -> int:
         """How many next-n layers the checkpoint ships (``has_tensor(name)`` asks the files)."""
@@ -79,12 +82,21 @@ def param_axes(model: nnx.Module) -> dict[Path, Axes]:
     return out
 
 
-def abstract(family: ModelFamily, cfg, *, dtype, parallelism: Parallelism | None, mtp: int) -> nnx.Module:
+def abstract(
+    family: ModelFamily,
+    cfg,
+    *,
+    dtype,
+    parallelism: Parallelism | None,
+    mtp: int,
+    scan_layers: bool = True,
+) -> nnx.Module:
     """The model with ShapeDtypeStruct leaves: its structure, shapes and axes, no memory."""
+    build = lambda: family.build(
+        cfg, dtype=dtype, rngs=nnx.Rngs(0), parallelism=parallelism, mtp=mtp, scan_layers=scan_layers
+    )
     with nnx.use_eager_sharding(False):
-        return nnx.eval_shape(
-            lambda: family.build(cfg, dtype=dtype, rngs=nnx.Rngs(0), parallelism=parallelism, mtp=mtp)
-        )
+        return nnx.eval_shape(build)
 
 
 def targets(model: nnx.Module, mesh) -> dict[Path, jax.ShapeDtypeStruct]:

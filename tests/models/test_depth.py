@@ -78,3 +78,24 @@ def test_group_layers():
         LayerGroup(76, 1, 2),
     ]
     assert group_layers(["a", "b", "c"]) == [LayerGroup(i, 1, 1) for i in range(3)]  # nothing repeats
+
+
+def test_unrolled_layers_compute_the_same_model():
+    """``scan_layers=False`` (the Pallas default until the kernels index stacked weights): one
+    module per layer, loaded from the same files, the same logits."""
+    import numpy as np
+
+    import jaxdsa
+    from jaxdsa.models.layer_groups import UnrolledLayers
+    from tests.conftest import FIXTURES
+
+    kw = dict(dtype="float32", page_size=8, progress=False, max_model_len=64)
+    scanned = jaxdsa.LLM(FIXTURES / "glm52", scan_layers=True, **kw)
+    unrolled = jaxdsa.LLM(FIXTURES / "glm52", scan_layers=False, **kw)
+    assert [type(g) for g in unrolled.model.groups] == [UnrolledLayers]
+    assert len(unrolled.model.groups[0].layers) == unrolled.config.num_hidden_layers
+    prompt = np.load(FIXTURES / "glm52" / "golden.npz")["prompt_long"].tolist()
+    np.testing.assert_allclose(unrolled.score(prompt), scanned.score(prompt), rtol=1e-5, atol=1e-5)
+    assert unrolled.generate([prompt[:8]], max_new_tokens=4) == scanned.generate(
+        [prompt[:8]], max_new_tokens=4
+    )

@@ -35,9 +35,18 @@ class DsaFamily:
         return cfg.quantization
 
     def build(
-        self, cfg: DsaConfig, *, dtype, rngs: nnx.Rngs, parallelism: Parallelism | None, mtp: int
+        self,
+        cfg: DsaConfig,
+        *,
+        dtype,
+        rngs: nnx.Rngs,
+        parallelism: Parallelism | None,
+        mtp: int,
+        scan_layers: bool = True,
     ) -> DsaModel:
-        return DsaModel(cfg, dtype=dtype, rngs=rngs, parallelism=parallelism, mtp=mtp)
+        return DsaModel(
+            cfg, dtype=dtype, rngs=rngs, parallelism=parallelism, mtp=mtp, scan_layers=scan_layers
+        )
 
     def mtp_layers(self, cfg: DsaConfig, has_tensor: Callable[[str], bool]) -> int:
         layers = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)

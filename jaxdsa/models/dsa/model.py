@@ -122,17 +122,29 @@ class DsaModel(nnx.Module):
     """Embedding, scanned layer groups, final norm, LM head and (optionally) the MTP layers.
 
     ``parallelism``: attention and indexer heads are zero-padded to split evenly over its TP shards.
+    ``scan_layers=False``: one module per layer, run unrolled (compile time grows with depth).
     """
 
     def __init__(
-        self, cfg: DsaConfig, *, dtype, rngs: nnx.Rngs, parallelism: Parallelism | None = None, mtp: int = 0
+        self,
+        cfg: DsaConfig,
+        *,
+        dtype,
+        rngs: nnx.Rngs,
+        parallelism: Parallelism | None = None,
+        mtp: int = 0,
+        scan_layers: bool = True,
     ):
         tp = parallelism.shards("heads") if parallelism else 1
         heads = dict(heads=padded(cfg.num_attention_heads, tp), index_heads=padded(cfg.index_n_heads, tp))
         make_layer = lambda layer, rngs: DecoderLayer(cfg, layer, **heads, dtype=dtype, rngs=rngs)
         kinds = [(cfg.is_moe_layer(i), cfg.has_indexer(i)) for i in range(cfg.num_hidden_layers)]
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.groups = nnx.List([ScannedLayers.build(g, make_layer, rngs) for g in group_layers(kinds)])
+        if scan_layers:
+            groups = [ScannedLayers.build(g, make_layer, rngs) for g in group_layers(kinds)]
+        else:
+            groups = [UnrolledLayers([make_layer(i, rngs) for i in range(cfg.num_hidden_layers)], 0)]
+        self.groups = nnx.List(groups)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = Linear(
             (cfg.hidden_size,),
