@@ -39,6 +39,9 @@ class DsaFamily:
     ) -> DsaModel:
         return DsaModel(cfg, dtype=dtype, rngs=rngs, parallelism=parallelism, mtp=mtp)
 
+    def tensor_name(self, stored: str) -> str:
+        return stored
+
     def mtp_layers(self, cfg: DsaConfig, has_tensor: Callable[[str], bool]) -> int:
         layers = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
         return sum(1 for layer in layers if has_tensor(params.mtp_marker(layer)))
