@@ -84,3 +84,26 @@ def test_mtp_block(llm, golden):
     mtp_cache = init_cache(family.mtp_cache_spec(cfg), pages, PAGE, jnp.float32)
     logits, _ = model.draft(streams[:n], jnp.asarray(ids[1:]), positions[:n], mtp_cache, meta_n)
     assert rel_l2(np.asarray(logits), golden["mtp_logits"]).max() <= TOLERANCE
+
+
+def test_engine_chunks_decodes_and_prefix_pages(golden):
+    """Through the engine: a 6-token budget splits prompts inside windows and mixes prefill chunks
+    with decodes of another request; a repeated prompt then reuses the first one's cached pages."""
+    llm = jaxdsa.LLM(
+        FIXTURES / "dsv4",
+        dtype="float32",
+        page_size=PAGE,
+        max_num_seqs=2,
+        max_num_batched_tokens=6,
+        progress=False,
+    )
+    greedy, long = golden["greedy_prompt"].tolist(), golden["prompt_long"].tolist()
+    n = len(golden["greedy_tokens"])
+    tokens, logits = llm.generate([greedy, long], max_new_tokens=n, return_logits=True)
+    assert tokens[0] == golden["greedy_tokens"].tolist()
+    assert rel_l2(logits[0], golden["greedy_logits"]).max() <= TOLERANCE
+    assert rel_l2(logits[1][:1], golden["logits_long"][-1:]).max() <= TOLERANCE
+    hits = llm.engine.stats()["prefix_cache_hits"]
+    again, logits = llm.generate([greedy], max_new_tokens=n, return_logits=True)
+    assert llm.engine.stats()["prefix_cache_hits"] > hits
+    assert again[0] == tokens[0] and rel_l2(logits[0], golden["greedy_logits"]).max() <= TOLERANCE
