@@ -73,13 +73,20 @@ class V4Family:
         return params.tensor_name(stored)
 
     def build(
-        self, cfg: V4Config, *, dtype, rngs: nnx.Rngs, parallelism: Parallelism | None, mtp: int
+        self,
+        cfg: V4Config,
+        *,
+        dtype,
+        rngs: nnx.Rngs,
+        parallelism: Parallelism | None,
+        mtp: int,
+        scan_layers: bool = True,
     ) -> V4Model:
         if parallelism is not None and parallelism.num_devices > 1:
             raise NotImplementedError(
                 "DeepSeek-V4 runs on one device for now (its meshes are issue 14's next step)"
             )
-        return V4Model(cfg, dtype=dtype, rngs=rngs, mtp=mtp)
+        return V4Model(cfg, dtype=dtype, rngs=rngs, mtp=mtp, scan_layers=scan_layers)
 
     def mtp_layers(self, cfg: V4Config, has_tensor: Callable[[str], bool]) -> int:
         return int(cfg.num_nextn_predict_layers > 0 and has_tensor(params.MTP_MARKER))

@@ -26,7 +26,7 @@ from jaxdsa.models.deepseek_v4.config import V4Config
 from jaxdsa.models.deepseek_v4.context import V4Context
 from jaxdsa.models.deepseek_v4.hyper import HyperHead, HyperSite, expand, site_out
 from jaxdsa.models.deepseek_v4.moe import MoE
-from jaxdsa.models.layer_groups import ScannedLayers, group_layers, take_layer
+from jaxdsa.models.layer_groups import ScannedLayers, UnrolledLayers, group_layers, take_layer
 
 
 class Block(nnx.Module):
@@ -71,14 +71,21 @@ def kind_rows(kinds: list[str]) -> tuple[int, ...]:
 
 
 class V4Model(nnx.Module):
-    """Embedding, scanned blocks, HC head, final norm, head and (optionally) the MTP block."""
+    """Embedding, scanned blocks, HC head, final norm, head and (optionally) the MTP block.
 
-    def __init__(self, cfg: V4Config, *, dtype, rngs: nnx.Rngs, mtp: int = 0):
+    ``scan_layers=False``: one module per layer, run unrolled (compile time grows with depth).
+    """
+
+    def __init__(self, cfg: V4Config, *, dtype, rngs: nnx.Rngs, mtp: int = 0, scan_layers: bool = True):
         D = cfg.hidden_size
         make_layer = lambda layer, rngs: Block(cfg, layer, dtype=dtype, rngs=rngs)  # noqa: E731
         kinds = [(cfg.layer_type(i), cfg.is_hash_layer(i)) for i in range(cfg.num_hidden_layers)]
         self.embed = Embed(cfg.vocab_size, D, dtype=dtype, rngs=rngs)
-        self.groups = nnx.List([ScannedLayers.build(g, make_layer, rngs) for g in group_layers(kinds)])
+        if scan_layers:
+            groups = [ScannedLayers.build(g, make_layer, rngs) for g in group_layers(kinds)]
+        else:
+            groups = [UnrolledLayers([make_layer(i, rngs) for i in range(cfg.num_hidden_layers)], 0)]
+        self.groups = nnx.List(groups)
         self.hc_head = HyperHead(cfg)
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
         self.head = Linear(
