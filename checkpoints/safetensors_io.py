@@ -12,6 +12,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable
 from functools import cached_property
 
 import ml_dtypes
@@ -135,9 +136,13 @@ class SafetensorsFile:
 
 
 class CheckpointReader:
-    """All tensors of a checkpoint directory: ``model.safetensors`` or a sharded index."""
+    """All tensors of a checkpoint directory: ``model.safetensors`` or a sharded index.
 
-    def __init__(self, directory: str):
+    ``rename`` maps a stored name to the name readers ask for (a family whose checkpoints come in
+    several naming forms reads them all under one); two stored tensors with one name are an error.
+    """
+
+    def __init__(self, directory: str, rename: Callable[[str], str] | None = None):
         self.directory = directory
         index = os.path.join(directory, INDEX_FILE)
         if os.path.exists(index):
@@ -170,6 +175,17 @@ class CheckpointReader:
                     raise CheckpointError(
                         os.path.join(directory, f), name, f"listed in {INDEX_FILE} but not in that file"
                     )
+        self._stored = {name: name for name in self._where}
+        if rename is not None:
+            where, self._stored = {}, {}
+            for stored, st in self._where.items():
+                name = rename(stored)
+                if name in self._stored:
+                    raise CheckpointError(
+                        st.path, stored, f"is the same tensor as '{self._stored[name]}' ({name})"
+                    )
+                where[name], self._stored[name] = st, stored
+            self._where = where
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -186,10 +202,10 @@ class CheckpointReader:
         return self._where[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._file(name).shape(name)
+        return self._file(name).shape(self._stored[name])
 
     def dtype(self, name: str) -> np.dtype:
-        return self._file(name).dtype(name)
+        return self._file(name).dtype(self._stored[name])
 
     def get(self, name: str) -> np.ndarray:
-        return self._file(name).get(name)
+        return self._file(name).get(self._stored[name])

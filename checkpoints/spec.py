@@ -64,30 +64,54 @@ class Tensor:
     view: View | None = None
 
 
+# Per-expert module names of (gate, up, down): HF's, and DeepSeek-V4's release names (w1, w3, w2).
+HF_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+V4_EXPERT_NAMES = ("w1", "w3", "w2")
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertGateUp:
     """Routed experts' gate and up projections ``{prefix}.{e}.{gate,up}_proj.weight`` [N, D], packed
     ``[E, D, 2N]``. A device holding columns ``[c0, c1)`` of the packed axis split in ``s`` equal
     pieces holds ``[gate_j | up_j]`` for piece ``j``: expert tensor parallelism keeps each shard's
-    gate and up columns side by side, the layout the kernel expects locally."""
+    gate and up columns side by side, the layout the kernel expects locally.
+
+    ``names``: the per-expert module names (gate, up, down). ``fp4``: the checkpoint may store them
+    as DeepSeek-V4 FP4 (packed e2m1 bytes plus ue8m0 scales per 32 inputs, models.md §4.6)."""
 
     prefix: str
     num: int
     inter: int
     hidden: int
+    names: tuple[str, str, str] = HF_EXPERT_NAMES
+    fp4: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class ExpertDown:
-    """Routed experts' down projections ``{prefix}.{e}.down_proj.weight`` [D, N] as ``[E, N, D]``."""
+    """Routed experts' down projections ``{prefix}.{e}.down_proj.weight`` [D, N] as ``[E, N, D]``
+    (``names``, ``fp4`` as in :class:`ExpertGateUp`)."""
 
     prefix: str
     num: int
     inter: int
     hidden: int
+    names: tuple[str, str, str] = HF_EXPERT_NAMES
+    fp4: bool = False
 
 
-Leaf = Linear | Tensor | ExpertGateUp | ExpertDown
+@dataclasses.dataclass(frozen=True)
+class IndexTable:
+    """An integer table stored as is and held as int32 with every value in ``[0, bound)``
+    (DeepSeek-V4's hash routing ``tid2eid`` [vocab, k]: expert ids per token). Dummy tables hold
+    ``k`` distinct values per row."""
+
+    name: str
+    shape: tuple[int, ...]
+    bound: int
+
+
+Leaf = Linear | Tensor | ExpertGateUp | ExpertDown | IndexTable
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,12 +31,14 @@ import ml_dtypes
 import numpy as np
 
 from checkpoints.errors import CheckpointError
-from checkpoints.quant import QuantConfig, dequantize_fp8_block, dequantize_int4_packed
+from checkpoints.quant import QuantConfig, dequantize_fp4, dequantize_fp8_block, dequantize_int4_packed
 from checkpoints.safetensors_io import CheckpointReader
-from checkpoints.spec import ExpertDown, ExpertGateUp, Leaf, Linear, Spec, Stacked
+from checkpoints.spec import ExpertDown, ExpertGateUp, IndexTable, Leaf, Linear, Spec, Stacked
 
 Path = tuple[Any, ...]
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float64))
+_INTS = (np.dtype(np.int64), np.dtype(np.int32))
+_PACKED_FP4 = (np.dtype(np.int8), np.dtype(np.uint8))
 
 
 def path_name(path: Path) -> str:
@@ -69,20 +71,38 @@ class _Source:
             raise self.fail(tensor, f"dtype {self.reader.dtype(tensor)} is not a float type")
         return self.reader.get(tensor)
 
-    def linear(self, name: str, out: int, inp: int) -> np.ndarray:
-        """The [out, in] matrix of an HF linear layer: a mapped view, or dequantized float32."""
+    def index_table(self, leaf: IndexTable) -> np.ndarray:
+        if leaf.name not in self.reader:
+            raise self.missing(leaf.name)
+        if self.reader.dtype(leaf.name) not in _INTS or self.reader.shape(leaf.name) != leaf.shape:
+            raise self.fail(leaf.name, f"expected integers of shape {list(leaf.shape)}")
+        table = np.asarray(self.reader.get(leaf.name))
+        if table.min() < 0 or table.max() >= leaf.bound:
+            raise self.fail(leaf.name, f"values outside [0, {leaf.bound})")
+        return table.astype(np.int32)
+
+    def linear(self, name: str, out: int, inp: int, *, fp4: bool = False) -> np.ndarray:
+        """The [out, in] matrix of an HF linear layer: a mapped view, or dequantized float32.
+        ``fp4``: the weight may be stored as DeepSeek-V4 FP4 (packed e2m1 bytes)."""
         weight, packed = name + ".weight", name + ".weight_packed"
         if weight not in self.reader and packed not in self.reader:
             raise self.missing(weight)
         if self.quant is not None and self.quant.method == "compressed-tensors":
             self._check_quantized_as_configured(name)
-        is_fp8 = weight in self.reader and self.reader.dtype(weight) == np.dtype(ml_dtypes.float8_e4m3fn)
-        if weight in self.reader and not is_fp8:
+        stored = self.reader.dtype(weight) if weight in self.reader else None
+        is_fp8 = stored == np.dtype(ml_dtypes.float8_e4m3fn)
+        is_fp4 = stored in _PACKED_FP4
+        if is_fp4 and not fp4:
+            raise self.fail(weight, f"packed {stored} weight, but config.json does not say expert_dtype fp4")
+        if weight in self.reader and not (is_fp8 or is_fp4):
             return self.plain(weight, (out, inp))
         if name in self._dequantized:
             self._dequantized.move_to_end(name)
             return self._dequantized[name]
-        value = self._fp8(name, out, inp) if is_fp8 else self._int4(name, out, inp)
+        if is_fp4:
+            value = self._fp4(name, out, inp)
+        else:
+            value = self._fp8(name, out, inp) if is_fp8 else self._int4(name, out, inp)
         self._dequantized[name] = value
         if len(self._dequantized) > 4:
             self._dequantized.popitem(last=False)
@@ -103,16 +123,32 @@ class _Source:
         weight = name + ".weight"
         if self.quant is None or self.quant.method != "fp8":
             raise self.fail(weight, "float8 weight but config.json has no fp8 quantization_config")
-        scale = name + ".weight_scale_inv"
-        if scale not in self.reader:
-            raise self.missing(scale, f"missing: needed to dequantize {weight}")
+        scale = self._scale_of(weight)
         w = self.reader.get(weight)
         if w.shape != (out, inp):
             raise self.fail(weight, f"shape {list(w.shape)} != expected {[out, inp]}")
         try:
-            return dequantize_fp8_block(w, self.reader.get(scale), self.quant.weight_block_size)
+            return dequantize_fp8_block(w, scale, self.quant.weight_block_size)
         except ValueError as e:
-            raise self.fail(scale, str(e)) from None
+            raise self.fail(weight + "_scale_inv", str(e)) from None
+
+    def _scale_of(self, weight: str) -> np.ndarray:
+        scale = weight + "_scale_inv"
+        if scale not in self.reader:
+            raise self.missing(scale, f"missing: needed to dequantize {weight}")
+        return self.reader.get(scale)
+
+    def _fp4(self, name: str, out: int, inp: int) -> np.ndarray:
+        weight = name + ".weight"
+        w = self.reader.get(weight)
+        if w.shape != (out, -(-inp // 2)):
+            raise self.fail(
+                weight, f"shape {list(w.shape)} != expected {[out, -(-inp // 2)]} (FP4, 2 per byte)"
+            )
+        try:
+            return dequantize_fp4(w, self._scale_of(weight))[:, :inp]
+        except ValueError as e:
+            raise self.fail(weight + "_scale_inv", str(e)) from None
 
     def _int4(self, name: str, out: int, inp: int) -> np.ndarray:
         packed = name + ".weight_packed"
@@ -142,15 +178,16 @@ class _Source:
 
     def expert(self, spec: ExpertGateUp | ExpertDown, proj: str, e: int) -> np.ndarray:
         """One expert's HF [out, in] matrix (``proj`` gate / up / down)."""
+        module = spec.names[("gate", "up", "down").index(proj)]
         fused = spec.prefix + (".down_proj" if proj == "down" else ".gate_up_proj")
-        if f"{spec.prefix}.0.{proj}_proj.weight" not in self.reader and fused in self.reader:
+        if f"{spec.prefix}.0.{module}.weight" not in self.reader and fused in self.reader:
             # transformers 5.x in-memory layout: gate_up [E, 2N, D] (gate rows first), down [E, D, N].
             if proj == "down":
                 return self.plain(fused, (spec.num, spec.hidden, spec.inter))[e]
             rows = self.plain(fused, (spec.num, 2 * spec.inter, spec.hidden))[e]
             return rows[: spec.inter] if proj == "gate" else rows[spec.inter :]
         out, inp = (spec.hidden, spec.inter) if proj == "down" else (spec.inter, spec.hidden)
-        return self.linear(f"{spec.prefix}.{e}.{proj}_proj", out, inp)
+        return self.linear(f"{spec.prefix}.{e}.{module}", out, inp, fp4=spec.fp4)
 
 
 def _slice_padded(value: np.ndarray, index: tuple[slice, ...], shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -181,6 +218,8 @@ def _leaf_slice(source: _Source, leaf: Leaf, index: tuple[slice, ...], shape: tu
         return np.asarray(
             np.stack([source.expert(leaf, "down", e).T[index[1:]] for e in range(*experts[:2])]), dtype
         )
+    if isinstance(leaf, IndexTable):
+        return np.asarray(source.index_table(leaf)[index], dtype)
     if isinstance(leaf, Linear):
         value = leaf.view(source.linear(leaf.name, leaf.out, leaf.inp))
         name = leaf.name + ".weight"
@@ -293,6 +332,8 @@ def _distribution(leaf: Leaf) -> tuple[str, float]:
         return "gate_up", leaf.hidden**-0.5
     if isinstance(leaf, ExpertDown):
         return "normal", leaf.inter**-0.5
+    if isinstance(leaf, IndexTable):
+        return "index", float(leaf.bound)
     return {"embed": ("normal", 1.0), "norm": ("one_plus", 0.1), "bias": ("normal", 0.1)}[leaf.init]
 
 
@@ -312,6 +353,9 @@ def _init(
     ``real`` shape, zero-padded to ``shape`` (padded heads stay zero, as when loading)."""
 
     def draw(key):
+        if kind == "index":  # shape[-1] distinct values in [0, scale) per row
+            noise = jax.random.uniform(key, (*shape[:-1], int(scale)))
+            return jnp.argsort(noise, axis=-1)[..., : shape[-1]].astype(dtype)
         if kind != "gate_up":
             x = jax.random.normal(key, real, dtype) * jnp.asarray(scale, dtype)
             x = x + jnp.asarray(1, dtype) if kind == "one_plus" else x

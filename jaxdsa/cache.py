@@ -26,10 +26,12 @@ Cache = dict[str, jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class CacheEntry:
-    """One kind of per-token row: ``width`` values in each of ``layers`` layers."""
+    """One kind of per-token row: ``width`` values in each of ``layers`` layers, stored in ``dtype``
+    (None: the cache's dtype, i.e. the model's; a family pins float32 for state it must keep exact)."""
 
     layers: int
     width: int
+    dtype: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +41,8 @@ class CacheSpec:
     entries: dict[str, CacheEntry]
 
     def bytes_per_token(self, dtype) -> int:
-        itemsize = jnp.dtype(dtype).itemsize
-        return itemsize * sum(e.layers * e.width for e in self.entries.values() if e.layers)
+        itemsize = lambda e: jnp.dtype(e.dtype or dtype).itemsize  # noqa: E731
+        return sum(itemsize(e) * e.layers * e.width for e in self.entries.values() if e.layers)
 
     def axes(self) -> dict[str, Axes]:
         return {name: CACHE_AXES for name, e in self.entries.items() if e.layers}
@@ -52,7 +54,7 @@ def init_cache(spec: CacheSpec, num_pages: int, page_size: int, dtype, *, shardi
 
     def make() -> Cache:
         return {
-            name: jnp.zeros((e.layers, num_pages, page_size, e.width), dtype)
+            name: jnp.zeros((e.layers, num_pages, page_size, e.width), e.dtype or dtype)
             for name, e in spec.entries.items()
             if e.layers
         }

@@ -44,7 +44,7 @@ def load_model(
         raise ValueError(f"load_format {load_format!r}: choose one of {', '.join(LOAD_FORMATS)}")
     cfg = load_config(path)
     family = family_for(cfg.model_type)
-    reader = CheckpointReader(os.fspath(path)) if load_format == "safetensors" else None
+    reader = CheckpointReader(os.fspath(path), family.tensor_name) if load_format == "safetensors" else None
     n_mtp = 0
     if mtp:
         n_mtp = (

@@ -12,15 +12,24 @@ from jaxdsa.layers.params import normal, zeros
 
 
 class MLP(nnx.Module):
-    """down(silu(gate x) * up x): the dense feed-forward and the shared expert."""
+    """down(silu(gate x) * up x): the dense feed-forward and the shared expert.
 
-    def __init__(self, hidden: int, inter: int, *, dtype, rngs: nnx.Rngs):
+    ``swiglu_limit`` (DeepSeek-V4): the gate is clamped above and the up projection on both sides
+    at the limit before the product (models.md §3.9); None leaves both as they are.
+    """
+
+    def __init__(self, hidden: int, inter: int, *, dtype, rngs: nnx.Rngs, swiglu_limit: float | None = None):
         self.gate = Linear((hidden,), (inter,), ("embed", "mlp"), dtype=dtype, rngs=rngs)
         self.up = Linear((hidden,), (inter,), ("embed", "mlp"), dtype=dtype, rngs=rngs)
         self.down = Linear((inter,), (hidden,), ("mlp", "embed"), dtype=dtype, rngs=rngs)
+        self.swiglu_limit = swiglu_limit
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        gate, up = self.gate(x), self.up(x)
+        if self.swiglu_limit is not None:
+            gate = jnp.minimum(gate, self.swiglu_limit)
+            up = jnp.clip(up, -self.swiglu_limit, self.swiglu_limit)
+        return self.down(jax.nn.silu(gate) * up)
 
 
 class Router(nnx.Module):
@@ -63,16 +72,21 @@ class Router(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Routed experts packed for :func:`jaxdsa.ops.moe_experts`: gate_up [E, D, 2N], down [E, N, D]."""
+    """Routed experts packed for :func:`jaxdsa.ops.moe_experts`: gate_up [E, D, 2N], down [E, N, D]
+    (``swiglu_limit`` as in :class:`MLP`)."""
 
-    def __init__(self, num: int, hidden: int, inter: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(
+        self, num: int, hidden: int, inter: int, *, dtype, rngs: nnx.Rngs, swiglu_limit: float | None = None
+    ):
         self.gate_up = normal(
             rngs, (num, hidden, 2 * inter), hidden, dtype, ("experts", "embed", "expert_mlp")
         )
         self.down = normal(rngs, (num, inter, hidden), inter, dtype, ("experts", "expert_mlp", "embed"))
+        self.swiglu_limit = swiglu_limit
 
     def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
-        return ops.moe_experts(x, ids, weights, {"gate_up": self.gate_up[...], "down": self.down[...]})
+        experts = {"gate_up": self.gate_up[...], "down": self.down[...]}
+        return ops.moe_experts(x, ids, weights, experts, swiglu_limit=self.swiglu_limit)
 
 
 class MoE(nnx.Module):

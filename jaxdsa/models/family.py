@@ -42,6 +42,10 @@ class ModelFamily(Protocol):
         """The module tree (heads padded for ``parallelism``'s shards); ``mtp`` next-n layers;
         ``scan_layers``: layers of one kind stacked and scanned, else one module per layer."""
 
+    def tensor_name(self, stored: str) -> str:
+        """The name the parameter spec asks for of a tensor stored as ``stored`` (checkpoints that
+        come in several naming forms are read under one; most families return ``stored``)."""
+
     def mtp_layers(self, cfg, has_tensor) -> int:
         """How many next-n layers the checkpoint ships (``has_tensor(name)`` asks the files)."""
 

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from checkpoints.spec import Leaf, Spec, Stacked
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerGroup:
@@ -133,3 +135,40 @@ class UnrolledLayers(nnx.Module):
         for j, layer in enumerate(self.layers):
             carry = run_layer(layer, carry, self.first + j)
         return carry
+
+
+def group_specs(
+    groups: Sequence[nnx.Module], layer_spec: Callable[[int], dict[tuple, Leaf]]
+) -> dict[tuple, Spec]:
+    """The parameter spec of a model's ``groups`` (held as ``model.groups``) from the sources of one
+    layer (``layer_spec(i)``: paths relative to the layer): a scanned group's parameter lists one
+    source per layer it stacks, an unrolled layer's is its own."""
+    spec: dict[tuple, Spec] = {}
+    for k, group in enumerate(groups):
+        if isinstance(group, ScannedLayers):
+            g = group.group
+            for j in range(g.period):
+                layers = tuple(g.first + b * g.period + j for b in range(g.repeats))
+                per_layer = [layer_spec(i) for i in layers]
+                for path in per_layer[0]:
+                    items = tuple(s[path] for s in per_layer)
+                    spec[("groups", k, "blocks", "layers", j, *path)] = Stacked(items, layers)
+        else:
+            for j in range(len(group.layers)):
+                for path, leaf in layer_spec(group.first + j).items():
+                    spec[("groups", k, "layers", j, *path)] = leaf
+    return spec
+
+
+def take_layer(groups: nnx.List, i: int) -> tuple[nnx.List, nnx.Module]:
+    """Layer ``i`` as a module of its own: ``(groups, layer)`` where ``groups`` holds the block of
+    layer ``i`` unrolled (its scanned group split around it, sharing arrays), so a notebook can
+    read, call or replace the layer's submodules and the model runs with the change."""
+    for k, group in enumerate(groups):
+        if isinstance(group, UnrolledLayers) and group.first <= i < group.first + len(group.layers):
+            return groups, group.layers[i - group.first]
+        if isinstance(group, ScannedLayers) and group.group.first <= i < group.group.stop:
+            g = group.group
+            parts = group.split_at((i - g.first) // g.period)
+            return take_layer(nnx.List([*groups[:k], *parts, *groups[k + 1 :]]), i)
+    raise IndexError(f"layer {i} out of range")

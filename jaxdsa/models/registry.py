@@ -7,11 +7,12 @@ from typing import Any
 
 from checkpoints.tiny_presets import TINY_PRESETS
 from jaxdsa.config import ConfigError, read_config_json
+from jaxdsa.models.deepseek_v4.family import FAMILY as DEEPSEEK_V4
 from jaxdsa.models.dsa.family import FAMILY as DSA
 from jaxdsa.models.family import ModelFamily
 
 FAMILIES: dict[str, ModelFamily] = {
-    model_type: family for family in (DSA,) for model_type in family.model_types
+    model_type: family for family in (DSA, DEEPSEEK_V4) for model_type in family.model_types
 }
 
 

@@ -2,42 +2,40 @@
 
 Per query at position p the keys are the window's tokens ``(p - W, p]`` and, on compressed
 layers, compressed entries: the indexer's top-k (CSA) or all complete ones (HCA). Each key subset
-is attended separately through :func:`jaxdsa.ops.sparse_mla` (the value is the whole 512-wide key
-row), and :func:`jaxdsa.ops.merge_states` joins the subsets' normalized outputs by their
-log-sum-exps with the per-head sink in the denominator, once:
+is attended separately through :func:`jaxdsa.ops.sparse_mla` (the value is the whole key row), and
+:func:`jaxdsa.ops.merge_states` joins the subsets' normalized outputs by their log-sum-exps with
+the per-head sink in the denominator, once:
 
     o = (e^{L_win} o_win + e^{L_cmp} o_cmp) / (e^{L_win} + e^{L_cmp} + e^{sink})
 
 which is the single softmax over window + compressed keys + sink that HF computes. The output's
 rotary dims are rotated back at the query position, then the grouped low-rank projection
 (``wo_a`` per group of heads, ``wo_b`` over the concatenation) maps to the hidden size.
+
+Cache (per layer, every row at the slot of the token it belongs to; :mod:`.family` lists it):
+``window`` holds each token's K = V row; the compressor's ``*_state`` and ``*_entries`` pages
+and, on CSA layers, the indexer's ``index_state`` / ``index_keys`` (see :mod:`.compressor`).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxdsa import ops
-from jaxdsa.layers.norms import rms_norm
-from jaxdsa.models.deepseek_v4 import compressor, indexer
-from jaxdsa.models.deepseek_v4.config import CSA, SWA, V4Config
-from jaxdsa.models.deepseek_v4.rotary import layer_rope_tables, rotate_tail
+from jaxdsa.cache import Cache, LayerPages
+from jaxdsa.layers.linear import Linear
+from jaxdsa.layers.norms import RMSNorm
+from jaxdsa.layers.params import normal, zeros
+from jaxdsa.models.deepseek_v4.compressor import Compressor
+from jaxdsa.models.deepseek_v4.config import CSA, HCA, SWA, V4Config
+from jaxdsa.models.deepseek_v4.context import V4Context
+from jaxdsa.models.deepseek_v4.indexer import Indexer
+from jaxdsa.models.deepseek_v4.rotary import rotate_tail
 
-
-def queries(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, cfg: V4Config):
-    """-> (q [T, H, d]: per-head RMS-normalized (no weight) and roped, q latent [T, q_lora])."""
-    q_lat = rms_norm(jnp.matmul(x, p["wq_a"], precision="highest"), p["q_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("tr,rhd->thd", q_lat, p["wq_b"], precision="highest")
-    q32 = q.astype(jnp.float32)
-    q = (q32 * jax.lax.rsqrt(jnp.mean(q32 * q32, axis=-1, keepdims=True) + cfg.rms_norm_eps)).astype(q.dtype)
-    return rotate_tail(q, cos, sin), q_lat
-
-
-def window_keys(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, cfg: V4Config) -> jax.Array:
-    """The shared K = V row of each token [T, d]: RMSNorm(x wkv), rotary dims roped."""
-    kv = rms_norm(jnp.matmul(x, p["wkv"], precision="highest"), p["kv_norm"], cfg.rms_norm_eps)
-    return rotate_tail(kv, cos, sin)
+# Cache entries of a compressed layer of each kind: (compressor state, compressed entries).
+COMPRESSED_ENTRIES = {CSA: ("csa_state", "csa_entries"), HCA: ("hca_state", "hca_entries")}
 
 
 def window_positions(positions: jax.Array, window: int) -> jax.Array:
@@ -46,37 +44,91 @@ def window_positions(positions: jax.Array, window: int) -> jax.Array:
     return jnp.where(keys >= 0, keys, -1)
 
 
-def complete_entries(positions: jax.Array, n_entries: int, ratio: int) -> jax.Array:
-    """[T, E] every compressed entry a query may see (HCA): j < (p + 1) // m, else -1."""
-    j = jnp.arange(n_entries, dtype=jnp.int32)[None, :]
-    return jnp.where(j < ((positions + 1) // ratio)[:, None], j, -1)
+def complete_entries(positions: jax.Array, context: int, ratio: int) -> jax.Array:
+    """[T, context // m] the positions completing every window a query may see (HCA): entry j sits
+    at ``(j + 1) m - 1``, visible when that is <= p; -1 otherwise."""
+    ends = (jnp.arange(context // ratio, dtype=jnp.int32) + 1) * ratio - 1
+    return jnp.where(ends[None, :] <= positions[:, None], ends[None, :], -1)
 
 
-def output(p: dict, o: jax.Array, cos: jax.Array, sin: jax.Array, cfg: V4Config) -> jax.Array:
-    """Undo the value rows' RoPE at the query position, then the grouped low-rank projection."""
-    o = rotate_tail(o, cos, sin, inverse=True)
-    t, g = o.shape[0], cfg.o_groups
-    z = jnp.einsum("tgi,gir->tgr", o.reshape(t, g, -1), p["wo_a"], precision="highest")
-    return jnp.matmul(z.reshape(t, -1), p["wo_b"], precision="highest")
+class Attention(nnx.Module):
+    def __init__(self, cfg: V4Config, kind: str, ratio: int, *, dtype, rngs: nnx.Rngs):
+        D, H, d, g = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
+        q_lora, eps = cfg.q_lora_rank, cfg.rms_norm_eps
+        self.wq_a = Linear((D,), (q_lora,), ("embed", "q_lora"), dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(q_lora, eps, axis="q_lora", dtype=dtype)
+        self.wq_b = Linear((q_lora,), (H, d), ("q_lora", "heads", "head_dim"), dtype=dtype, rngs=rngs)
+        self.wkv = Linear((D,), (d,), ("embed", "head_dim"), dtype=dtype, rngs=rngs)
+        self.kv_norm = RMSNorm(d, eps, axis="head_dim", dtype=dtype)
+        group_in = H * d // g
+        self.wo_a = normal(
+            rngs, (g, group_in, cfg.o_lora_rank), group_in, dtype, ("o_groups", "o_group_in", "o_lora")
+        )
+        self.wo_b = Linear((g * cfg.o_lora_rank,), (D,), ("o_lora", "embed"), dtype=dtype, rngs=rngs)
+        self.sink = zeros((H,), jnp.float32, ("heads",))
+        self.compressor = (
+            None
+            if kind == SWA
+            else Compressor(
+                D,
+                d,
+                ratio,
+                overlap=kind == CSA,
+                rope=cfg.compress_rope,
+                rope_dims=cfg.qk_rope_head_dim,
+                eps=eps,
+                width_axis="head_dim",
+                dtype=dtype,
+                rngs=rngs,
+            )
+        )
+        self.indexer = Indexer(cfg, ratio, dtype=dtype, rngs=rngs) if kind == CSA else None
+        self.kind, self.ratio, self.window, self.eps = kind, ratio, cfg.sliding_window, eps
+        self.softmax_scale = cfg.softmax_scale
 
+    def __call__(self, x: jax.Array, ctx: V4Context, cache: Cache, rows: tuple) -> tuple[jax.Array, Cache]:
+        """[T, D] normed input -> ([T, D], cache). ``rows`` = (this layer's row of ``window``, its row
+        among the layers of its kind)."""
+        cos, sin = ctx.main if self.kind == SWA else ctx.compress
+        q_lat = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_lat)
+        q32 = q.astype(jnp.float32)  # per-head RMS without weight
+        q = (q32 * jax.lax.rsqrt(jnp.mean(q32 * q32, axis=-1, keepdims=True) + self.eps)).astype(q.dtype)
+        q = rotate_tail(q, cos, sin)
+        kv = rotate_tail(self.kv_norm(self.wkv(x)), cos, sin)
+        window = LayerPages(cache["window"], rows[0])
+        page = window.page_size
+        window = window.write(ctx.slots(ctx.positions, page), kv)
+        cache = {**cache, "window": window.stacked}
+        attend = lambda pages, positions: ops.sparse_mla(  # noqa: E731
+            q, *pages.rows(ctx.slots(positions, page)), sm_scale=self.softmax_scale, v_dim=q.shape[-1]
+        )
+        parts = [attend(window, window_positions(ctx.positions, self.window))]
+        if self.compressor is not None:
+            state_name, entries_name = COMPRESSED_ENTRIES[self.kind]
+            state, entries = self.compressor(
+                x, ctx, LayerPages(cache[state_name], rows[1]), LayerPages(cache[entries_name], rows[1])
+            )
+            cache |= {state_name: state.stacked, entries_name: entries.stacked}
+            if self.indexer is not None:
+                picked, index_state, index_keys = self.indexer(
+                    x,
+                    q_lat,
+                    ctx,
+                    LayerPages(cache["index_state"], rows[1]),
+                    LayerPages(cache["index_keys"], rows[1]),
+                )
+                cache |= {"index_state": index_state.stacked, "index_keys": index_keys.stacked}
+            else:
+                picked = complete_entries(ctx.positions, ctx.meta.page_table.shape[1] * page, self.ratio)
+            parts.append(attend(entries, picked))
+        outs, lses = zip(*parts)
+        o, _ = ops.merge_states(jnp.stack(outs), jnp.stack(lses), sink=self.sink[...])
+        return self.output(o, cos, sin), cache
 
-def attention_sequence(p: dict, x: jax.Array, cfg: V4Config, layer: int) -> jax.Array:
-    """Attention of a whole sequence starting at position 0 (no cache): [T, D] -> [T, D]."""
-    positions = jnp.arange(x.shape[0], dtype=jnp.int32)
-    cos, sin = layer_rope_tables(cfg, layer, positions)
-    q, q_lat = queries(p, x, cos, sin, cfg)
-    kv = window_keys(p, x, cos, sin, cfg)
-    scale, d = cfg.softmax_scale, cfg.head_dim
-    # Window keys are the token rows themselves: key position == row.
-    parts = [ops.sparse_mla(q, kv, window_positions(positions, cfg.sliding_window), sm_scale=scale, v_dim=d)]
-    kind, ratio = cfg.layer_type(layer), cfg.compress_ratio(layer)
-    if kind != SWA and x.shape[0] >= ratio:
-        entries = compressor.compress_sequence(p["compressor"], x, cfg)
-        if kind == CSA:
-            picked = indexer.select_for_sequence(p["indexer"], x, q_lat, cfg, ratio)
-        else:
-            picked = complete_entries(positions, entries.shape[0], ratio)
-        parts.append(ops.sparse_mla(q, entries, picked, sm_scale=scale, v_dim=d))
-    outs, lses = zip(*parts)
-    o, _ = ops.merge_states(jnp.stack(outs), jnp.stack(lses), sink=p["sink"])
-    return output(p, o, cos, sin, cfg)
+    def output(self, o: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """Undo the value rows' RoPE at the query position, then the grouped low-rank projection."""
+        o = rotate_tail(o, cos, sin, inverse=True)
+        wo_a = self.wo_a[...]
+        z = jnp.einsum("tgi,gir->tgr", o.reshape(o.shape[0], wo_a.shape[0], -1), wo_a)
+        return self.wo_b(z.reshape(o.shape[0], -1))

@@ -3,43 +3,68 @@
 It scores its own compressed keys (an overlapping compressor of width ``index_head_dim``) against
 per-head queries from the attention's q latent: ``I(p, j) = sum_h w_h relu(q_h . K_j)`` with
 ``w = weights_proj(x) * index_head_dim^-0.5 * index_n_heads^-0.5``, over the entries complete at
-position p (``j < (p + 1) // m``), and keeps the top ``index_topk``; -1 marks empty picks.
-The existing :func:`jaxdsa.ops.indexer_logits` computes exactly this when a query's "position" is
-its last visible entry, ``(p + 1) // m - 1``.
+position p, and keeps the top ``index_topk``; -1 marks empty picks.
+
+Key j sits at the slot of the token that completed its window, position ``(j + 1) m - 1`` (see
+:mod:`.compressor`), so the paged indexer op scores every position ``s <= p`` of the query's
+sequence and the positions that complete no window are masked out: the selection is returned as
+those positions, which address the compressed entries the same way.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxdsa import ops
-from jaxdsa.models.deepseek_v4 import compressor
+from jaxdsa.cache import LayerPages
+from jaxdsa.layers.linear import Linear
+from jaxdsa.models.deepseek_v4.compressor import Compressor
 from jaxdsa.models.deepseek_v4.config import V4Config
-from jaxdsa.models.deepseek_v4.rotary import compress_rope_tables, rotate_tail
+from jaxdsa.models.deepseek_v4.context import V4Context
+from jaxdsa.models.deepseek_v4.rotary import rotate_tail
 
 
-def queries(p: dict, x: jax.Array, q_lat: jax.Array, positions: jax.Array, cfg: V4Config):
-    """-> (q [T, nI, dI] roped at the query positions, head weights w [T, nI] float32)."""
-    q = jnp.einsum("tr,rhd->thd", q_lat, p["wq_b"], precision="highest")
-    q = rotate_tail(q, *compress_rope_tables(cfg, positions))
-    scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
-    w = jnp.matmul(x.astype(jnp.float32), p["weights_proj"].astype(jnp.float32), precision="highest") * scale
-    return q, w
+class Indexer(nnx.Module):
+    def __init__(self, cfg: V4Config, ratio: int, *, dtype, rngs: nnx.Rngs):
+        n, d = cfg.index_n_heads, cfg.index_head_dim
+        self.wq_b = Linear(
+            (cfg.q_lora_rank,), (n, d), ("q_lora", "index_heads", "index_head_dim"), dtype=dtype, rngs=rngs
+        )
+        self.weights_proj = Linear(
+            (cfg.hidden_size,),
+            (n,),
+            ("embed", "index_heads"),
+            dtype=dtype,
+            rngs=rngs,
+            compute_dtype=jnp.float32,
+        )
+        self.compressor = Compressor(
+            cfg.hidden_size,
+            d,
+            ratio,
+            overlap=True,
+            rope=cfg.compress_rope,
+            rope_dims=cfg.qk_rope_head_dim,
+            eps=cfg.rms_norm_eps,
+            width_axis="index_head_dim",
+            dtype=dtype,
+            rngs=rngs,
+        )
+        self.scale = d**-0.5 * n**-0.5
+        self.ratio, self.topk = ratio, cfg.index_topk
 
-
-def select(
-    q: jax.Array, w: jax.Array, keys: jax.Array, positions: jax.Array, ratio: int, topk: int
-) -> jax.Array:
-    """Top ``min(topk, #keys)`` compressed entries per query [T, K] int32, -1 where fewer are complete."""
-    last_visible = (positions + 1) // ratio - 1
-    logits = ops.indexer_logits(q, w, keys, q_pos=last_visible)
-    return ops.topk_indices(logits, min(topk, keys.shape[0]))
-
-
-def select_for_sequence(p: dict, x: jax.Array, q_lat: jax.Array, cfg: V4Config, ratio: int) -> jax.Array:
-    """The indexer of a sequence starting at position 0: its keys, queries and selection."""
-    positions = jnp.arange(x.shape[0], dtype=jnp.int32)
-    keys = compressor.compress_sequence(p["compressor"], x, cfg)
-    q, w = queries(p, x, q_lat, positions, cfg)
-    return select(q, w, keys, positions, ratio, cfg.index_topk)
+    def __call__(
+        self, x: jax.Array, q_lat: jax.Array, ctx: V4Context, state: LayerPages, keys: LayerPages
+    ) -> tuple[jax.Array, LayerPages, LayerPages]:
+        """-> (selected key positions [T, K] int32, -1 = none; the indexer's state and key pages)."""
+        state, keys = self.compressor(x, ctx, state, keys)
+        q = rotate_tail(self.wq_b(q_lat), *ctx.compress)
+        w = self.weights_proj(x) * self.scale
+        k_pages, table = keys.pages(ctx.meta.page_table)
+        logits = ops.indexer_logits_paged(q, w, k_pages, table, ctx.meta.seq_ids, ctx.positions)
+        s = jnp.arange(logits.shape[1], dtype=jnp.int32)
+        logits = jnp.where((s + 1) % self.ratio == 0, logits, -jnp.inf)
+        k = max(1, min(self.topk, logits.shape[1] // self.ratio))
+        return ops.topk_indices(logits, k), state, keys

@@ -1,102 +1,141 @@
-"""The DeepSeek-V4 forward over a whole sequence (no cache), as pure functions of a params pytree.
+"""The DeepSeek-V4 decoder as Flax NNX modules, one step over a packed batch and the paged cache.
 
-``forward(params, ids, cfg) -> logits [T, V]`` runs embedding -> hc_mult streams -> blocks -> HC
-head -> norm -> head. A block is two hyper-connection sites around attention and the MoE.
-``mtp_logits`` runs the MTP block on the main model's final streams (DeepSeek's ``MTPBlock``;
-HF has none). ``greedy`` recomputes the whole forward per generated token on a fixed-length buffer:
-every V4 component is causal, so padding after position t never changes the logits at t.
+``V4Model(tokens, positions, cache, meta) -> (streams [T, n, D], cache)`` runs embedding ->
+``hc_mult`` streams -> blocks; :meth:`V4Model.logits` applies the HC head, the final norm and the
+head. A block is two hyper-connection sites around attention and the MoE. Layers of one kind
+(attention type, hash routing) are stacked and scanned (:mod:`jaxdsa.models.layer_groups`). Every
+layer writes its cache rows at its model-layer index (``window``) or at its index among the layers
+of its kind (the compressed layers' entries), see :mod:`.family`.
+
+:meth:`V4Model.draft` runs the MTP block (models.md §3.10; DeepSeek's ``MTPBlock``, HF has none)
+on the main model's final streams with its own cache.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-import numpy as np
+from flax import nnx
 
-from jaxdsa.layers.norms import rms_norm
-from jaxdsa.models.deepseek_v4 import hyper
-from jaxdsa.models.deepseek_v4.attention import attention_sequence
+from jaxdsa.cache import Cache, StepMeta
+from jaxdsa.layers.linear import Embed, Linear
+from jaxdsa.layers.norms import RMSNorm
+from jaxdsa.layers.rope import cos_sin
+from jaxdsa.models.deepseek_v4.attention import Attention
 from jaxdsa.models.deepseek_v4.config import V4Config
-from jaxdsa.models.deepseek_v4.moe import moe
+from jaxdsa.models.deepseek_v4.context import V4Context
+from jaxdsa.models.deepseek_v4.hyper import HyperHead, HyperSite, expand, site_out
+from jaxdsa.models.deepseek_v4.moe import MoE
+from jaxdsa.models.layer_groups import ScannedLayers, UnrolledLayers, group_layers, take_layer
 
 
-def block(lp: dict, x: jax.Array, ids: jax.Array, cfg: V4Config, layer: int) -> jax.Array:
-    """One block on streams ``x [T, n, D]``; ``ids`` are the tokens (hash routing)."""
-    h, post, comb = hyper.site_in(lp["hc_attn"], x, cfg)
-    a = attention_sequence(lp["attn"], rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), cfg, layer)
-    x = hyper.site_out(x, a, post, comb)
-    h, post, comb = hyper.site_in(lp["hc_ffn"], x, cfg)
-    f = moe(
-        lp["ffn"], rms_norm(h, lp["ffn_norm"], cfg.rms_norm_eps), ids, cfg, hashed=cfg.is_hash_layer(layer)
-    )
-    return hyper.site_out(x, f, post, comb)
+class Block(nnx.Module):
+    """HC site -> RMSNorm -> attention, HC site -> RMSNorm -> MoE, on the streams."""
+
+    def __init__(self, cfg: V4Config, layer: int, *, dtype, rngs: nnx.Rngs):
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.hc_attn = HyperSite(cfg)
+        self.attn_norm = RMSNorm(D, eps, dtype=dtype)
+        self.attn = Attention(cfg, cfg.layer_type(layer), cfg.compress_ratio(layer), dtype=dtype, rngs=rngs)
+        self.hc_ffn = HyperSite(cfg)
+        self.ffn_norm = RMSNorm(D, eps, dtype=dtype)
+        self.ffn = MoE(cfg, hashed=cfg.is_hash_layer(layer), dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, ctx: V4Context, cache: Cache, rows: tuple) -> tuple[jax.Array, Cache]:
+        """Streams [T, n, D] -> (streams, cache); ``rows`` as in :meth:`Attention.__call__`."""
+        h, post, comb = self.hc_attn(x)
+        a, cache = self.attn(self.attn_norm(h), ctx, cache, rows)
+        x = site_out(x, a, post, comb)
+        h, post, comb = self.hc_ffn(x)
+        return site_out(x, self.ffn(self.ffn_norm(h), ctx.tokens), post, comb), cache
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def streams(params: dict, ids: jax.Array, cfg: V4Config) -> jax.Array:
-    """The residual streams after the last block [T, n, D] (also the MTP block's input)."""
-    x = hyper.expand(params["embed"][ids], cfg)
-    for layer, lp in enumerate(params["layers"]):
-        x = block(lp, x, ids, cfg, layer)
-    return x
+class MtpBlock(nnx.Module):
+    """``X = e_proj(enorm(E[x_{t+1}]))`` on every stream ``+ h_proj(hnorm(X_t))`` (per stream), one
+    block, then its own HC head and norm (the head is the main model's)."""
+
+    def __init__(self, cfg: V4Config, *, dtype, rngs: nnx.Rngs):
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm = RMSNorm(D, eps, dtype=dtype)
+        self.hnorm = RMSNorm(D, eps, dtype=dtype)
+        self.e_proj = Linear((D,), (D,), ("embed", "embed"), dtype=dtype, rngs=rngs)
+        self.h_proj = Linear((D,), (D,), ("embed", "embed"), dtype=dtype, rngs=rngs)
+        self.block = Block(cfg, cfg.num_hidden_layers, dtype=dtype, rngs=rngs)
+        self.hc_head = HyperHead(cfg)
+        self.norm = RMSNorm(D, eps, dtype=dtype)
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def head_logits(params: dict, x: jax.Array, hc_head: dict, norm: jax.Array, cfg: V4Config) -> jax.Array:
-    """HC head, final norm and the (shared) output head: streams [T, n, D] -> logits [T, V] float32."""
-    y = rms_norm(hyper.head(hc_head, x, cfg), norm, cfg.rms_norm_eps)
-    return jnp.matmul(y, params["head"], preferred_element_type=jnp.float32, precision="highest")
+def kind_rows(kinds: list[str]) -> tuple[int, ...]:
+    """Each layer's row among the layers of its attention kind (the kind's cache entries)."""
+    return tuple(kinds[:i].count(kind) for i, kind in enumerate(kinds))
 
 
-def forward(params: dict, ids: jax.Array, cfg: V4Config) -> jax.Array:
-    """Logits [T, V] float32 of a sequence starting at position 0."""
-    cfg = cfg.architecture()
-    return head_logits(params, streams(params, ids, cfg), params["hc_head"], params["norm"], cfg)
+class V4Model(nnx.Module):
+    """Embedding, scanned blocks, HC head, final norm, head and (optionally) the MTP block.
 
-
-def mtp_logits(params: dict, ids: jax.Array, cfg: V4Config) -> jax.Array:
-    """MTP logits [T - 1, V]: row t predicts token t + 2 from the main streams at t and token t + 1.
-
-    ``e = enorm(E[x_{t+1}])``, ``X = e_proj(e)`` broadcast to every stream ``+ h_proj(hnorm(X_t))``
-    (hnorm per stream), one block at positions 0..T-2, then the MTP's own HC head and norm and the
-    shared head.
+    ``scan_layers=False``: one module per layer, run unrolled (compile time grows with depth).
     """
-    cfg = cfg.architecture()
-    x = mtp_block(params, streams(params, ids, cfg)[:-1], ids[1:], cfg)
-    mp = params["mtp"][0]
-    return head_logits(params, x, mp["hc_head"], mp["norm"], cfg)
 
+    def __init__(self, cfg: V4Config, *, dtype, rngs: nnx.Rngs, mtp: int = 0, scan_layers: bool = True):
+        D = cfg.hidden_size
+        make_layer = lambda layer, rngs: Block(cfg, layer, dtype=dtype, rngs=rngs)  # noqa: E731
+        kinds = [(cfg.layer_type(i), cfg.is_hash_layer(i)) for i in range(cfg.num_hidden_layers)]
+        self.embed = Embed(cfg.vocab_size, D, dtype=dtype, rngs=rngs)
+        if scan_layers:
+            groups = [ScannedLayers.build(g, make_layer, rngs) for g in group_layers(kinds)]
+        else:
+            groups = [UnrolledLayers([make_layer(i, rngs) for i in range(cfg.num_hidden_layers)], 0)]
+        self.groups = nnx.List(groups)
+        self.hc_head = HyperHead(cfg)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        self.head = Linear(
+            (D,), (cfg.vocab_size,), ("embed", "vocab"), dtype=dtype, out_dtype=jnp.float32, rngs=rngs
+        )
+        self.mtp = nnx.List([MtpBlock(cfg, dtype=dtype, rngs=rngs) for _ in range(mtp)])
+        self.cfg = cfg.architecture()  # static in the graph: checkpoints of one architecture share compiles
+        self.kind_rows = kind_rows([kind for kind, _ in kinds])
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def mtp_block(params: dict, x: jax.Array, next_ids: jax.Array, cfg: V4Config) -> jax.Array:
-    """The MTP block's streams from the main streams ``x [T, n, D]`` and the next tokens [T]."""
-    mp = params["mtp"][0]
-    e = rms_norm(params["embed"][next_ids], mp["enorm"], cfg.rms_norm_eps)
-    h = rms_norm(x, mp["hnorm"], cfg.rms_norm_eps)
-    x = jnp.matmul(e, mp["e_proj"], precision="highest")[:, None, :] + jnp.matmul(
-        h, mp["h_proj"], precision="highest"
-    )
-    return block(mp, x, next_ids, cfg, cfg.num_hidden_layers)
+    def context(self, tokens, positions, meta: StepMeta) -> V4Context:
+        cfg = self.cfg
+        main = cos_sin(positions, cfg.rope, cfg.qk_rope_head_dim)
+        compress = cos_sin(positions, cfg.compress_rope, cfg.qk_rope_head_dim)
+        return V4Context(tokens, positions, meta, main, compress)
 
+    def __call__(self, tokens, positions, cache: Cache, meta: StepMeta) -> tuple[jax.Array, Cache]:
+        """Run every block -> (the final streams [T, n, D] of every token, the new cache)."""
+        ctx = self.context(tokens, positions, meta)
+        rows = jnp.asarray(self.kind_rows, jnp.int32)
 
-def greedy(
-    params: dict, prompt: np.ndarray, steps: int, cfg: V4Config, *, length: int | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Greedy continuation: (tokens [steps], logits [steps, V]) recomputing the forward each step on
-    one buffer of ``length`` (default: just long enough) tokens, so it compiles once."""
-    n = len(prompt)
-    length = length or n + steps - 1
-    if length < n + steps - 1:
-        raise ValueError(f"a buffer of {length} tokens cannot hold {n} + {steps} - 1")
-    buf = np.zeros(length, np.int32)
-    buf[:n] = prompt
-    tokens, logits = [], []
-    for i in range(steps):
-        row = np.asarray(forward(params, jnp.asarray(buf), cfg)[n - 1 + i])
-        logits.append(row)
-        tokens.append(int(np.argmax(row)))
-        if i + 1 < steps:
-            buf[n + i] = tokens[-1]
-    return np.array(tokens, np.int32), np.stack(logits)
+        def run_layer(layer, carry, i):
+            x, cache = carry
+            return layer(x, ctx, cache, (i, rows[i]))
+
+        carry = (expand(self.embed(tokens), self.cfg.hc_mult), cache)
+        for group in self.groups:
+            carry = group(carry, run_layer)
+        return carry
+
+    def logits(
+        self, x: jax.Array, hc_head: HyperHead | None = None, norm: RMSNorm | None = None
+    ) -> jax.Array:
+        """Float32 logits [R, vocab] of final streams [R, n, D] (the MTP block passes its own head)."""
+        y = (hc_head or self.hc_head)(x)
+        return self.head((norm or self.norm)(y))
+
+    def draft(self, streams, next_tokens, positions, cache: Cache, meta: StepMeta) -> tuple[jax.Array, Cache]:
+        """The MTP block: logits [R, V] for token t + 2 from the main model's final streams at t and
+        token t + 1 (at ``meta.logits_indices``); ``cache`` is the MTP block's own."""
+        mtp = self.mtp[0]
+        ctx = self.context(next_tokens, positions, meta)
+        e = mtp.e_proj(mtp.enorm(self.embed(next_tokens)))
+        x = e[:, None, :] + mtp.h_proj(mtp.hnorm(streams.astype(e.dtype)))
+        x, cache = mtp.block(x, ctx, cache, (0, 0))
+        return self.logits(x[meta.logits_indices], mtp.hc_head, mtp.norm), cache
+
+    def layer(self, i: int) -> Block:
+        """Block ``i`` as a module of its own (taken out of its stack): a notebook can read it, call
+        it, or replace its submodules, and the model runs with the change."""
+        if not 0 <= i < self.cfg.num_hidden_layers:
+            raise IndexError(f"layer {i} out of range (the model has {self.cfg.num_hidden_layers})")
+        self.groups, layer = take_layer(self.groups, i)
+        return layer

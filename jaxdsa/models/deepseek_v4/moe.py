@@ -8,31 +8,42 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from jaxdsa import ops
+from jaxdsa.layers.mlp import MLP, Experts
+from jaxdsa.layers.params import normal, param, zeros
 from jaxdsa.models.deepseek_v4.config import V4Config
 
 
-def route(p: dict, x: jax.Array, ids: jax.Array, cfg: V4Config, *, hashed: bool):
-    """-> (expert ids [T, k] int32, weights [T, k] float32)."""
-    logits = jnp.matmul(x.astype(jnp.float32), p["gate"].astype(jnp.float32), precision="highest")
-    scores = jnp.sqrt(jax.nn.softplus(logits))
-    if hashed:
-        experts = p["tid2eid"][ids]
-    else:
-        _, experts = jax.lax.top_k(scores + p["bias"], cfg.num_experts_per_tok)
-    weights = jnp.take_along_axis(scores, experts, axis=1)
-    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    return experts.astype(jnp.int32), weights * cfg.routed_scaling_factor
+class Router(nnx.Module):
+    """Score-routed (``bias`` for the choice only) or hash-routed (``tid2eid [V, k]``), in float32."""
+
+    def __init__(self, cfg: V4Config, *, hashed: bool, rngs: nnx.Rngs):
+        D, E, k = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+        self.weight = normal(rngs, (D, E), D, jnp.float32, ("embed", "router_experts"))
+        self.bias = None if hashed else zeros((E,), jnp.float32, ("router_experts",))
+        table = jnp.arange(cfg.vocab_size * k, dtype=jnp.int32).reshape(-1, k) % E  # k distinct per token
+        self.tid2eid = param(table, ("hash_vocab", "experts_per_token")) if hashed else None
+        self.top_k, self.scaling = k, cfg.routed_scaling_factor
+
+    def __call__(self, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """-> (expert ids [T, k] int32, weights [T, k] float32)."""
+        scores = jnp.sqrt(jax.nn.softplus(x.astype(jnp.float32) @ self.weight[...]))
+        if self.tid2eid is not None:
+            ids = self.tid2eid[...][tokens]
+        else:
+            _, ids = jax.lax.top_k(scores + self.bias[...], self.top_k)
+        weights = jnp.take_along_axis(scores, ids, axis=1)
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        return ids.astype(jnp.int32), weights * self.scaling
 
 
-def shared_expert(p: dict, x: jax.Array, limit: float) -> jax.Array:
-    gate = jnp.minimum(jnp.matmul(x, p["w1"], precision="highest"), limit)
-    up = jnp.clip(jnp.matmul(x, p["w3"], precision="highest"), -limit, limit)
-    return jnp.matmul(jax.nn.silu(gate) * up, p["w2"], precision="highest")
+class MoE(nnx.Module):
+    def __init__(self, cfg: V4Config, *, hashed: bool, dtype, rngs: nnx.Rngs):
+        D, N, limit = cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit
+        self.router = Router(cfg, hashed=hashed, rngs=rngs)
+        self.experts = Experts(cfg.n_routed_experts, D, N, dtype=dtype, rngs=rngs, swiglu_limit=limit)
+        self.shared = MLP(D, N, dtype=dtype, rngs=rngs, swiglu_limit=limit)
 
-
-def moe(p: dict, x: jax.Array, ids: jax.Array, cfg: V4Config, *, hashed: bool) -> jax.Array:
-    experts, weights = route(p, x, ids, cfg, hashed=hashed)
-    routed = ops.moe_experts(x, experts, weights, p["experts"], swiglu_limit=cfg.swiglu_limit)
-    return routed + shared_expert(p["shared"], x, cfg.swiglu_limit)
+    def __call__(self, x: jax.Array, tokens: jax.Array) -> jax.Array:
+        return self.experts(x, *self.router(x, tokens)) + self.shared(x)

@@ -1,14 +1,13 @@
-"""The DeepSeek-V4 parameter spec: one declarative map from checkpoint tensors to params leaves.
+"""Where every parameter of :class:`~jaxdsa.models.deepseek_v4.model.V4Model` comes from in a checkpoint.
 
-Every leaf names its tensor by the **release name** (models.md §4.4: ``embed.weight``,
-``layers.N.attn.wq_a.weight``, ``layers.N.ffn.experts.E.w1.weight``, ``hc_head_fn``,
-``mtp.0.*``, ...), the shape the file holds it in (after decoding FP8 / FP4), and the transform
-into the layout the math uses (``x @ W``: linears transposed to ``[in, out]``, heads split out).
-:func:`release_name` maps the other stored form, the names HF transformers 5.23 writes, onto
-release names, so both forms load through the same spec:
+:func:`param_spec` maps each parameter path to a :mod:`checkpoints.spec` leaf read by the one
+walker (:mod:`checkpoints.walker`). Leaves name tensors by the **release name** (models.md §4.4:
+``embed.weight``, ``layers.N.attn.wq_a.weight``, ``layers.N.ffn.experts.E.w1.weight``,
+``hc_head_fn``, ``mtp.0.*``, ...); :func:`tensor_name` maps what a file stores onto those names,
+so both stored forms load through the one spec:
 
 =========================================  ===========================================
-HF-saved name (``save_pretrained``)         release name
+stored name                                 read as
 =========================================  ===========================================
 ``model.embed_tokens.weight``              ``embed.weight``
 ``model.norm.weight``                      ``norm.weight``
@@ -16,198 +15,153 @@ HF-saved name (``save_pretrained``)         release name
 ``model.layers.N.attn.norm.weight``        ``layers.N.attn.kv_norm.weight``
 ``model.layers.N.<rest>``                  ``layers.N.<rest>``
 ``model.mtp.0.<rest>`` (if ever written)   ``mtp.0.<rest>``
+``<module>.scale`` (ue8m0, FP8 and FP4)    ``<module>.weight_scale_inv`` (the walker's scale name)
 =========================================  ===========================================
 
-(``head.weight`` and everything else under a layer already carry release names in HF's files.)
-
-The params pytree (``[in, out]`` linears; n = hc_mult, M = (2 + n) n, g = o_groups):
-
-- ``embed [V, D]``, ``head [D, V]``, ``norm [D]``, ``hc_head {fn [nD, n], base [n], scale [1]}``
-- ``layers[i]`` and ``mtp[0]``: ``attn_norm``, ``ffn_norm [D]``; ``hc_attn``, ``hc_ffn``
-  ``{fn [nD, M], base [M], scale [3]}``; ``attn {wq_a [D, q_lora], q_norm, wq_b [q_lora, H, d],
-  wkv [D, d], kv_norm [d], wo_a [g, H d / g, o_lora], wo_b [g o_lora, D], sink [H]}`` plus, on
-  compressed layers, ``attn.compressor {wkv, wgate [D, c d], ape [m, c d], norm [d]}`` (c = 2 on CSA)
-  and on CSA layers ``attn.indexer {wq_b [q_lora, nI, dI], weights_proj [D, nI], compressor}``;
-  ``ffn {gate [D, E], bias [E] | tid2eid [V, k] int32, experts (ops.pack_experts), shared {w1, w3
-  [D, I], w2 [I, D]}}``
-- ``mtp[0]`` also: ``e_proj``, ``h_proj [D, D]``, ``enorm``, ``hnorm``, ``norm [D]``, ``hc_head``.
+The first five are the names HF transformers 5.23's ``save_pretrained`` writes (``head.weight``
+and everything else under a layer already carry release names in HF's files).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
-from collections.abc import Callable
 
-import numpy as np
-
+from checkpoints.spec import (
+    V4_EXPERT_NAMES,
+    ExpertDown,
+    ExpertGateUp,
+    IndexTable,
+    Leaf,
+    Linear,
+    Spec,
+    Tensor,
+    transpose,
+    transpose_split,
+)
 from jaxdsa.models.deepseek_v4.config import CSA, SWA, V4Config
+from jaxdsa.models.deepseek_v4.model import V4Model
+from jaxdsa.models.layer_groups import group_specs
+
+Path = tuple
 
 
-def _identity(x: np.ndarray) -> np.ndarray:
-    return x
-
-
-def _transpose(x: np.ndarray) -> np.ndarray:
-    return x.T
-
-
-def _transpose_split(*dims: int) -> Callable[[np.ndarray], np.ndarray]:
-    """[out, in] -> [in, *dims] with prod(dims) == out (heads split out of a projection)."""
-    return lambda w: w.T.reshape((w.shape[1], *dims))
-
-
-def _grouped(groups: int) -> Callable[[np.ndarray], np.ndarray]:
+def _grouped(groups: int):
     """wo_a [g * o_lora, in_per_group] -> [g, in_per_group, o_lora] (group g's rows are contiguous)."""
     return lambda w: w.reshape(groups, -1, w.shape[1]).transpose(0, 2, 1)
 
 
-@dataclasses.dataclass(frozen=True)
-class Leaf:
-    """One tensor: its release name, stored shape ([out, in] for linears) and layout transform.
-
-    ``quantizable``: the file may store it as FP8 e4m3 + ``.scale`` (V4's quantized linears).
-    ``keep_fp32``: stays float32 whatever dtype the model runs in (HC, sinks, ape, router bias).
-    ``index``: an integer table (``tid2eid``), loaded as int32.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    post: Callable[[np.ndarray], np.ndarray] = _identity
-    quantizable: bool = False
-    keep_fp32: bool = False
-    index: bool = False
+def _nest(prefix: Path, tree: dict[Path, Leaf]) -> dict[Path, Leaf]:
+    return {prefix + path: leaf for path, leaf in tree.items()}
 
 
-@dataclasses.dataclass(frozen=True)
-class ExpertsLeaf:
-    """Routed experts ``{prefix}.{e}.{w1,w3,w2}.weight`` (w1 = gate, w3 = up, w2 = down), packed
-    with ``ops.pack_experts``; stored plain, FP8 or FP4 (``expert_dtype: fp4``)."""
-
-    prefix: str
-    num: int
-    inter: int
-    hidden: int
-
-
-def _linear(name: str, out: int, inp: int, post=_transpose, quantizable: bool = True) -> Leaf:
-    return Leaf(name, (out, inp), post, quantizable=quantizable)
-
-
-def _hc(prefix: str, cfg: V4Config, site: str) -> dict:
-    n, d = cfg.hc_mult, cfg.hidden_size
-    mix = (2 + n) * n
+def _hc(name: str, cfg: V4Config, mix: int, scales: int) -> dict[Path, Leaf]:
+    """An HC site (``{name}_fn [mix, n D]``, ``_base``, ``_scale``) or head; fn transposed to [n D, mix]."""
+    nd = cfg.hc_mult * cfg.hidden_size
     return {
-        "fn": Leaf(f"{prefix}hc_{site}_fn", (mix, n * d), _transpose, keep_fp32=True),
-        "base": Leaf(f"{prefix}hc_{site}_base", (mix,), keep_fp32=True),
-        "scale": Leaf(f"{prefix}hc_{site}_scale", (3,), keep_fp32=True),
+        ("fn",): Tensor(name + "_fn", (mix, nd), init="bias", view=transpose),
+        ("base",): Tensor(name + "_base", (mix,), init="bias"),
+        ("scale",): Tensor(name + "_scale", (scales,)),
     }
 
 
-def _hc_head(prefix: str, cfg: V4Config) -> dict:
-    n, d = cfg.hc_mult, cfg.hidden_size
+def _compressor(prefix: str, cfg: V4Config, ratio: int, width: int, overlap: bool) -> dict[Path, Leaf]:
+    c, D = 2 if overlap else 1, cfg.hidden_size
     return {
-        "fn": Leaf(f"{prefix}hc_head_fn", (n, n * d), _transpose, keep_fp32=True),
-        "base": Leaf(f"{prefix}hc_head_base", (n,), keep_fp32=True),
-        "scale": Leaf(f"{prefix}hc_head_scale", (1,), keep_fp32=True),
+        ("wkv", "weight"): Linear(prefix + "wkv", c * width, D),
+        ("wgate", "weight"): Linear(prefix + "wgate", c * width, D),
+        ("ape",): Tensor(prefix + "ape", (ratio, c * width), init="bias"),
+        ("norm", "weight"): Tensor(prefix + "norm.weight", (width,)),
     }
 
 
-def _compressor(prefix: str, cfg: V4Config, ratio: int, width: int, overlap: bool) -> dict:
-    c = 2 if overlap else 1
-    D = cfg.hidden_size
-    return {
-        "wkv": _linear(prefix + "wkv.weight", c * width, D, quantizable=False),
-        "wgate": _linear(prefix + "wgate.weight", c * width, D, quantizable=False),
-        "ape": Leaf(prefix + "ape", (ratio, c * width), keep_fp32=True),
-        "norm": Leaf(prefix + "norm.weight", (width,)),
-    }
-
-
-def attention_spec(cfg: V4Config, prefix: str, layer: int) -> dict:
-    D, H, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-    g, q_lora = cfg.o_groups, cfg.q_lora_rank
-    a = prefix + "attn."
-    tree = {
-        "wq_a": _linear(a + "wq_a.weight", q_lora, D),
-        "q_norm": Leaf(a + "q_norm.weight", (q_lora,)),
-        "wq_b": _linear(a + "wq_b.weight", H * d, q_lora, _transpose_split(H, d)),
-        "wkv": _linear(a + "wkv.weight", d, D),
-        "kv_norm": Leaf(a + "kv_norm.weight", (d,)),
-        "wo_a": _linear(a + "wo_a.weight", g * cfg.o_lora_rank, H * d // g, _grouped(g)),
-        "wo_b": _linear(a + "wo_b.weight", D, g * cfg.o_lora_rank),
-        "sink": Leaf(a + "attn_sink", (H,), keep_fp32=True),
+def _attention(cfg: V4Config, a: str, layer: int) -> dict[Path, Leaf]:
+    D, H, d, g = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
+    q_lora = cfg.q_lora_rank
+    tree: dict[Path, Leaf] = {
+        ("wq_a", "weight"): Linear(a + "wq_a", q_lora, D),
+        ("q_norm", "weight"): Tensor(a + "q_norm.weight", (q_lora,)),
+        ("wq_b", "weight"): Linear(a + "wq_b", H * d, q_lora, transpose_split(H, d)),
+        ("wkv", "weight"): Linear(a + "wkv", d, D),
+        ("kv_norm", "weight"): Tensor(a + "kv_norm.weight", (d,)),
+        ("wo_a",): Linear(a + "wo_a", g * cfg.o_lora_rank, H * d // g, _grouped(g)),
+        ("wo_b", "weight"): Linear(a + "wo_b", D, g * cfg.o_lora_rank),
+        ("sink",): Tensor(a + "attn_sink", (H,), init="bias"),
     }
     kind, ratio = cfg.layer_type(layer), cfg.compress_ratio(layer)
     if kind != SWA:
-        tree["compressor"] = _compressor(a + "compressor.", cfg, ratio, d, overlap=kind == CSA)
+        tree |= _nest(("compressor",), _compressor(a + "compressor.", cfg, ratio, d, overlap=kind == CSA))
     if kind == CSA:
-        n, di = cfg.index_n_heads, cfg.index_head_dim
-        tree["indexer"] = {
-            "wq_b": _linear(a + "indexer.wq_b.weight", n * di, q_lora, _transpose_split(n, di)),
-            "weights_proj": _linear(a + "indexer.weights_proj.weight", n, D, quantizable=False),
-            "compressor": _compressor(a + "indexer.compressor.", cfg, ratio, di, overlap=True),
-        }
+        n, di, i = cfg.index_n_heads, cfg.index_head_dim, a + "indexer."
+        tree |= _nest(
+            ("indexer",),
+            {
+                ("wq_b", "weight"): Linear(i + "wq_b", n * di, q_lora, transpose_split(n, di)),
+                ("weights_proj", "weight"): Linear(i + "weights_proj", n, D),
+                **_nest(("compressor",), _compressor(i + "compressor.", cfg, ratio, di, overlap=True)),
+            },
+        )
     return tree
 
 
-def block_spec(cfg: V4Config, prefix: str, layer: int) -> dict:
-    """One block (main layer ``layers.N.`` or the MTP block ``mtp.0.``): HC sites, attention, MoE."""
-    D, E, inter = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+def block_spec(cfg: V4Config, prefix: str, layer: int) -> dict[Path, Leaf]:
+    """One :class:`Block` (main layer ``layers.N.`` or the MTP block's ``mtp.0.``), paths relative to it."""
+    D, E, N, n = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hc_mult
     f = prefix + "ffn."
-    ffn = {
-        "gate": _linear(f + "gate.weight", E, D, quantizable=False),
-        "experts": ExpertsLeaf(f + "experts", E, inter, D),
-        "shared": {
-            "w1": _linear(f + "shared_experts.w1.weight", inter, D),
-            "w3": _linear(f + "shared_experts.w3.weight", inter, D),
-            "w2": _linear(f + "shared_experts.w2.weight", D, inter),
-        },
+    fp4 = cfg.expert_dtype == "fp4"
+    ffn: dict[Path, Leaf] = {
+        ("router", "weight"): Linear(f + "gate", E, D),
+        ("experts", "gate_up"): ExpertGateUp(f + "experts", E, N, D, names=V4_EXPERT_NAMES, fp4=fp4),
+        ("experts", "down"): ExpertDown(f + "experts", E, N, D, names=V4_EXPERT_NAMES, fp4=fp4),
+        ("shared", "gate", "weight"): Linear(f + "shared_experts.w1", N, D),
+        ("shared", "up", "weight"): Linear(f + "shared_experts.w3", N, D),
+        ("shared", "down", "weight"): Linear(f + "shared_experts.w2", D, N),
     }
     if cfg.is_hash_layer(layer):
-        ffn["tid2eid"] = Leaf(f + "gate.tid2eid", (cfg.vocab_size, cfg.num_experts_per_tok), index=True)
+        ffn[("router", "tid2eid")] = IndexTable(
+            f + "gate.tid2eid", (cfg.vocab_size, cfg.num_experts_per_tok), E
+        )
     else:
-        ffn["bias"] = Leaf(f + "gate.bias", (E,), keep_fp32=True)
+        ffn[("router", "bias")] = Tensor(f + "gate.bias", (E,), init="bias")
     return {
-        "attn_norm": Leaf(prefix + "attn_norm.weight", (D,)),
-        "ffn_norm": Leaf(prefix + "ffn_norm.weight", (D,)),
-        "hc_attn": _hc(prefix, cfg, "attn"),
-        "hc_ffn": _hc(prefix, cfg, "ffn"),
-        "attn": attention_spec(cfg, prefix, layer),
-        "ffn": ffn,
+        ("attn_norm", "weight"): Tensor(prefix + "attn_norm.weight", (D,)),
+        ("ffn_norm", "weight"): Tensor(prefix + "ffn_norm.weight", (D,)),
+        **_nest(("hc_attn",), _hc(prefix + "hc_attn", cfg, (2 + n) * n, 3)),
+        **_nest(("hc_ffn",), _hc(prefix + "hc_ffn", cfg, (2 + n) * n, 3)),
+        **_nest(("attn",), _attention(cfg, prefix + "attn.", layer)),
+        **_nest(("ffn",), ffn),
     }
 
 
-def mtp_spec(cfg: V4Config) -> dict:
+def _mtp_spec(cfg: V4Config) -> dict[Path, Leaf]:
     D, p = cfg.hidden_size, "mtp.0."
     return {
-        **block_spec(cfg, p, cfg.num_hidden_layers),
-        "e_proj": _linear(p + "e_proj.weight", D, D),
-        "h_proj": _linear(p + "h_proj.weight", D, D),
-        "enorm": Leaf(p + "enorm.weight", (D,)),
-        "hnorm": Leaf(p + "hnorm.weight", (D,)),
-        "norm": Leaf(p + "norm.weight", (D,)),
-        "hc_head": _hc_head(p, cfg),
+        ("enorm", "weight"): Tensor(p + "enorm.weight", (D,)),
+        ("hnorm", "weight"): Tensor(p + "hnorm.weight", (D,)),
+        ("e_proj", "weight"): Linear(p + "e_proj", D, D),
+        ("h_proj", "weight"): Linear(p + "h_proj", D, D),
+        ("norm", "weight"): Tensor(p + "norm.weight", (D,)),
+        **_nest(("hc_head",), _hc(p + "hc_head", cfg, cfg.hc_mult, 1)),
+        **_nest(("block",), block_spec(cfg, p, cfg.num_hidden_layers)),
     }
 
 
-def model_spec(cfg: V4Config, *, mtp: bool) -> dict:
-    """The whole tree; ``mtp`` adds ``params['mtp'] = [mtp block]``."""
+MTP_MARKER = "mtp.0.e_proj.weight"  # present when the checkpoint ships the MTP block
+
+
+def param_spec(cfg: V4Config, model: V4Model) -> dict[Path, Spec]:
+    """Sources of every parameter of ``model`` (its groups as they are: scanned or taken apart)."""
     V, D = cfg.vocab_size, cfg.hidden_size
-    tree = {
-        "embed": Leaf("embed.weight", (V, D)),
-        "head": _linear("head.weight", V, D, quantizable=False),
-        "norm": Leaf("norm.weight", (D,)),
-        "hc_head": _hc_head("", cfg),
-        "layers": [block_spec(cfg, f"layers.{i}.", i) for i in range(cfg.num_hidden_layers)],
+    spec: dict[Path, Spec] = {
+        ("embed", "weight"): Tensor("embed.weight", (V, D), init="embed"),
+        ("norm", "weight"): Tensor("norm.weight", (D,)),
+        ("head", "weight"): Linear("head", V, D),
+        **_nest(("hc_head",), _hc("hc_head", cfg, cfg.hc_mult, 1)),
     }
-    if mtp:
-        tree["mtp"] = [mtp_spec(cfg)]
-    return tree
+    spec |= group_specs(model.groups, lambda i: block_spec(cfg, f"layers.{i}.", i))
+    for k in range(len(model.mtp)):
+        spec |= _nest(("mtp", k), _mtp_spec(cfg))
+    return spec
 
-
-# ---------------------------------------------------------------------------------------------
-# Names as HF transformers 5.23 saves them
 
 _HF_SAVED_TOP = {
     "model.embed_tokens.weight": "embed.weight",
@@ -218,7 +172,7 @@ _HF_SAVED_TOP = {
 }
 # HF renames the release ``attn.kv_norm`` to its module ``kv_norm`` through a ``.norm.`` ->
 # ``.kv_norm.`` rule and writes the reverse, ``attn.norm``, on save.
-_HF_SAVED_LAYER = [(re.compile(r"^(layers\.\d+\.attn)\.norm\.weight$"), r"\1.kv_norm.weight")]
+_HF_SAVED_KV_NORM = re.compile(r"^(layers\.\d+\.attn)\.norm\.weight$")
 
 
 def release_name(stored: str) -> str:
@@ -226,6 +180,11 @@ def release_name(stored: str) -> str:
     if stored in _HF_SAVED_TOP:
         return _HF_SAVED_TOP[stored]
     name = stored[len("model.") :] if stored.startswith(("model.layers.", "model.mtp.")) else stored
-    for pattern, repl in _HF_SAVED_LAYER:
-        name = pattern.sub(repl, name)
-    return name
+    return _HF_SAVED_KV_NORM.sub(r"\1.kv_norm.weight", name)
+
+
+def tensor_name(stored: str) -> str:
+    """The name :func:`param_spec` reads a stored tensor under: its release name, with a quantized
+    weight's ue8m0 ``.scale`` as the walker's ``.weight_scale_inv``."""
+    name = release_name(stored)
+    return name[: -len(".scale")] + ".weight_scale_inv" if name.endswith(".scale") else name

@@ -11,18 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxdsa.layers.rope import apply_rope, cos_sin
-from jaxdsa.models.deepseek_v4.config import SWA, V4Config
-
-
-def layer_rope_tables(cfg: V4Config, layer: int, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [T, r/2] of a layer's RoPE (main on sliding-only layers, compress otherwise)."""
-    rope = cfg.rope if cfg.layer_type(layer) == SWA else cfg.compress_rope
-    return cos_sin(positions, rope, cfg.qk_rope_head_dim)
-
-
-def compress_rope_tables(cfg: V4Config, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return cos_sin(positions, cfg.compress_rope, cfg.qk_rope_head_dim)
+from jaxdsa.layers.rope import apply_rope
 
 
 def rotate_tail(x: jax.Array, cos: jax.Array, sin: jax.Array, *, inverse: bool = False) -> jax.Array:

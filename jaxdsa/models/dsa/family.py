@@ -48,6 +48,9 @@ class DsaFamily:
             cfg, dtype=dtype, rngs=rngs, parallelism=parallelism, mtp=mtp, scan_layers=scan_layers
         )
 
+    def tensor_name(self, stored: str) -> str:
+        return stored
+
     def mtp_layers(self, cfg: DsaConfig, has_tensor: Callable[[str], bool]) -> int:
         layers = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
         return sum(1 for layer in layers if has_tensor(params.mtp_marker(layer)))

@@ -31,7 +31,7 @@ from jaxdsa.layers.mlp import MLP, Experts, MoE, Router
 from jaxdsa.layers.norms import RMSNorm
 from jaxdsa.layers.rope import cos_sin
 from jaxdsa.models.dsa.config import HF_LATENT_NORM_EPS, INDEXER_K_NORM_EPS, DsaConfig
-from jaxdsa.models.layer_groups import ScannedLayers, UnrolledLayers, group_layers
+from jaxdsa.models.layer_groups import ScannedLayers, group_layers, take_layer
 from jaxdsa.sharding import Parallelism
 
 
@@ -203,13 +203,7 @@ class DsaModel(nnx.Module):
     def layer(self, i: int) -> DecoderLayer:
         """Decoder layer ``i`` as a module of its own (taken out of its stack): a notebook can read it,
         call it, or replace its submodules, and the model runs with the change."""
-        for k, group in enumerate(self.groups):
-            if isinstance(group, UnrolledLayers) and group.first <= i < group.first + len(group.layers):
-                return group.layers[i - group.first]
-            if isinstance(group, ScannedLayers) and group.group.first <= i < group.group.stop:
-                g = group.group
-                self.groups = nnx.List(
-                    [*self.groups[:k], *group.split_at((i - g.first) // g.period), *self.groups[k + 1 :]]
-                )
-                return self.layer(i)
-        raise IndexError(f"layer {i} out of range (the model has {self.cfg.num_hidden_layers})")
+        if not 0 <= i < self.cfg.num_hidden_layers:
+            raise IndexError(f"layer {i} out of range (the model has {self.cfg.num_hidden_layers})")
+        self.groups, layer = take_layer(self.groups, i)
+        return layer

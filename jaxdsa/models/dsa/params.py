@@ -15,7 +15,6 @@ from checkpoints.spec import (
     Leaf,
     Linear,
     Spec,
-    Stacked,
     Tensor,
     head_rows,
     transpose_merge,
@@ -23,7 +22,7 @@ from checkpoints.spec import (
 )
 from jaxdsa.models.dsa.config import DsaConfig
 from jaxdsa.models.dsa.model import DsaModel
-from jaxdsa.models.layer_groups import ScannedLayers
+from jaxdsa.models.layer_groups import group_specs
 
 Path = tuple
 
@@ -106,18 +105,7 @@ def param_spec(cfg: DsaConfig, model: DsaModel) -> dict[Path, Spec]:
         ("norm", "weight"): Tensor("model.norm.weight", (D,)),
         ("lm_head", "weight"): Linear(head, V, D),
     }
-    for k, group in enumerate(model.groups):
-        if isinstance(group, ScannedLayers):
-            g = group.group
-            for j in range(g.period):
-                layers = tuple(g.first + b * g.period + j for b in range(g.repeats))
-                per_layer = [layer_spec(cfg, i) for i in layers]
-                for path in per_layer[0]:
-                    items = tuple(s[path] for s in per_layer)
-                    spec[("groups", k, "blocks", "layers", j, *path)] = Stacked(items, layers)
-        else:
-            for j in range(len(group.layers)):
-                spec |= _nest(("groups", k, "layers", j), layer_spec(cfg, group.first + j))
+    spec |= group_specs(model.groups, lambda i: layer_spec(cfg, i))
     for n in range(len(model.mtp)):
         layer, p = cfg.num_hidden_layers + n, f"model.layers.{cfg.num_hidden_layers + n}."
         spec |= _nest(
