@@ -31,7 +31,7 @@ from jaxdsa.layers.mlp import MLP, Experts, MoE, Router
 from jaxdsa.layers.norms import RMSNorm
 from jaxdsa.layers.rope import cos_sin
 from jaxdsa.models.dsa.config import HF_LATENT_NORM_EPS, INDEXER_K_NORM_EPS, DsaConfig
-from jaxdsa.models.layer_groups import ScannedLayers, group_layers, take_layer
+from jaxdsa.models.layer_groups import ScannedLayers, UnrolledLayers, group_layers, take_layer
 from jaxdsa.sharding import Parallelism
 
 
