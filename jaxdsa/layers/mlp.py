@@ -63,7 +63,13 @@ class Router(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Routed experts packed for :func:`jaxdsa.ops.moe_experts`: gate_up [E, D, 2N], down [E, N, D]."""
+    """Routed experts packed for :func:`jaxdsa.ops.moe_experts`: gate_up [E, D, 2N], down [E, N, D].
+
+    A loader may replace either by a :class:`~pallas_kernels.quant_matmul.layout.QuantizedWeight`
+    stack of the same shape and logical axes (the op's kernels dequantize experts in their K loop).
+    """
+
+    quantizable = True
 
     def __init__(self, num: int, hidden: int, inter: int, *, dtype, rngs: nnx.Rngs):
         self.gate_up = normal(
@@ -72,7 +78,8 @@ class Experts(nnx.Module):
         self.down = normal(rngs, (num, inter, hidden), inter, dtype, ("experts", "expert_mlp", "embed"))
 
     def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
-        return ops.moe_experts(x, ids, weights, {"gate_up": self.gate_up[...], "down": self.down[...]})
+        experts = {"gate_up": self.gate_up.get_value(), "down": self.down.get_value()}
+        return ops.moe_experts(x, ids, weights, experts)
 
 
 class MoE(nnx.Module):
