@@ -44,11 +44,14 @@ def test_goldens_on_a_mesh(name, tp, ep):
     assert weights
     split = 0
     for path, w in weights.items():
-        placed = [a.sharding.shard_shape(a.shape) for a in jax.tree.leaves(w)]
-        for leaf in jax.tree.leaves(w):
-            assert leaf.sharding == w.codes.sharding, path  # one sharding for codes, scales, zeros
-            assert all(s.data.shape == placed[0] for s in leaf.addressable_shards[:1])
-        split += placed[0] != w.codes.shape
+        leaves = jax.tree.leaves(w)
+        # codes, scales and zero points are cut into the same pieces along every dim...
+        cuts = {tuple(d // s for d, s in zip(a.shape, a.sharding.shard_shape(a.shape))) for a in leaves}
+        assert len(cuts) == 1, (path, cuts)
+        # ...and each device holds only its slice of each
+        for a in leaves:
+            assert all(s.data.shape == a.sharding.shard_shape(a.shape) for s in a.addressable_shards), path
+        split += max(cuts.pop()) > 1
     assert split  # some weights are really split across the devices
     for prompt in ("short", "long"):
         logits = llm.score(golden[f"prompt_{prompt}"].tolist())
