@@ -57,6 +57,30 @@ E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightFormat:
+    """How one quantized linear is stored, in the kernels' orientation (``W [K, N]``, K = inputs):
+    ``format`` "int4" or "fp8"; ``group = (gk, gn)`` elements of K x N per scale; ``scale_dtype``
+    the scales' dtype (bf16 INT4 scales, float32 ``weight_scale_inv``, ue8m0 bytes); ``zeros``:
+    asymmetric INT4 (zero points stored)."""
+
+    format: str
+    group: tuple[int, int]
+    scale_dtype: np.dtype
+    zeros: bool = False
+
+
+def weight_format(quant: QuantConfig, scale_dtype=None) -> WeightFormat:
+    """The format of a linear that ``quant`` quantizes; ``scale_dtype`` from the file if known
+    (else the releases': float32 FP8 ``weight_scale_inv``, bf16 INT4 scales)."""
+    if quant.method == "fp8":
+        b0, b1 = quant.weight_block_size
+        return WeightFormat("fp8", (b1, b0), np.dtype(scale_dtype or np.float32))
+    return WeightFormat(
+        "int4", (quant.group_size, 1), np.dtype(scale_dtype or ml_dtypes.bfloat16), not quant.symmetric
+    )
+
+
 def _bytes(a: np.ndarray) -> np.ndarray:
     """The raw bytes of a one-byte array (float8 dtypes viewed as uint8, ints taken mod 256)."""
     a = np.asarray(a)

@@ -4,15 +4,20 @@ Both fill a flat mapping ``path -> jax.ShapeDtypeStruct`` (with its sharding: th
 model) from a mapping ``path -> spec`` (:mod:`checkpoints.spec`).
 
 Loading is shard-local. Every array is made with ``jax.make_array_from_callback``: each device's
-callback reads only that device's slice from the memory-mapped files (FP8 / INT4 weights are
-dequantized first, one tensor at a time), and puts it straight on that device. Stacked
+callback reads only that device's slice from the memory-mapped files and puts it straight on that
+device. A parameter whose target is a
+:class:`~pallas_kernels.quant_matmul.layout.QuantizedWeight` (weights kept quantized) gets its
+codes, scales and zero points that way, each device its slice of each, repacked one tensor at a
+time into the kernels' layout (groups narrowed to the target's, exactly); a dense target of a
+quantized tensor is dequantized first, one tensor at a time. Stacked
 (scanned) parameters are filled one layer at a time into a preallocated stack, in place. Nothing
 is materialized whole on one device, and the host holds one layer's slices at a time. Every
 failure names the file and the tensor.
 
 Dummy weights (like vLLM's ``--load-format dummy``) are drawn on the devices in their final
 layout by one compiled init per distinct (shape, dtype, sharding, distribution), from keys
-derived from the parameter's path: every parallel layout of the same seed holds the same model.
+derived from the parameter's path: every parallel layout of the same seed holds the same model
+(quantized targets: random codes and constant scales, drawn directly in their format).
 """
 
 from __future__ import annotations
@@ -31,9 +36,20 @@ import ml_dtypes
 import numpy as np
 
 from checkpoints.errors import CheckpointError
-from checkpoints.quant import QuantConfig, dequantize_fp4, dequantize_fp8_block, dequantize_int4_packed
+from checkpoints.quant import (
+    E4M3,
+    QuantConfig,
+    WeightFormat,
+    dequantize_fp4,
+    dequantize_fp8_block,
+    dequantize_int4_packed,
+    int4_values,
+    weight_format,
+)
 from checkpoints.safetensors_io import CheckpointReader
 from checkpoints.spec import ExpertDown, ExpertGateUp, IndexTable, Leaf, Linear, Spec, Stacked
+from pallas_kernels.quant_matmul import layout
+from pallas_kernels.quant_matmul.layout import QuantizedWeight
 
 Path = tuple[Any, ...]
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float64))
@@ -176,6 +192,56 @@ class _Source:
         except ValueError as e:
             raise self.fail(packed, str(e)) from None
 
+    def packed(self, name: str, out: int, inp: int, like: QuantizedWeight) -> QuantizedWeight:
+        """The HF linear ``name`` [out, in] as a NumPy QuantizedWeight ``[in, out]`` in the format,
+        groups and chunk size of ``like`` (the target): repacked, never dequantized. The last few
+        are kept, as :meth:`linear` keeps its dequantized tensors."""
+        key = (name, like.format, like.group, like.kpack)
+        if key in self._dequantized:
+            self._dequantized.move_to_end(key)
+            return self._dequantized[key]
+        if self.quant is not None and self.quant.method == "compressed-tensors":
+            self._check_quantized_as_configured(name)
+        found = stored_format(self.reader, self.quant, name)
+        if found is None or found.format != like.format:
+            stored = "plain" if found is None else found.format
+            raise self.fail(name + ".weight", f"stored {stored}, but the model keeps it {like.format}")
+        if like.format == "fp8":
+            weight, scale = name + ".weight", name + ".weight_scale_inv"
+            if scale not in self.reader:
+                raise self.missing(scale, f"missing: needed with the float8 {weight}")
+            q = self.reader.get(weight)
+            if q.shape != (out, inp):
+                raise self.fail(weight, f"shape {list(q.shape)} != expected {[out, inp]}")
+            try:
+                w = layout.pack_fp8(q, self.reader.get(scale), block=self.quant.weight_block_size)
+            except ValueError as e:
+                raise self.fail(scale, str(e)) from None
+        else:
+            w = self._int4_packed(name, out, inp, like.kpack)
+        w = layout.reblock_k(layout.reblock_n(w, like.group[1]), like.group[0])
+        self._dequantized[key] = w
+        if len(self._dequantized) > 4:
+            self._dequantized.popitem(last=False)
+        return w
+
+    def _int4_packed(self, name: str, out: int, inp: int, kpack: int) -> QuantizedWeight:
+        packed, zp_name = name + ".weight_packed", name + ".weight_zero_point"
+        if not self.quant.symmetric and zp_name not in self.reader:
+            raise self.missing(zp_name, "missing: the scheme is asymmetric")
+        scale = self.reader.get(name + ".weight_scale")
+        try:
+            q, zp = int4_values(
+                self.reader.get(packed),
+                scale,
+                None if self.quant.symmetric else self.reader.get(zp_name),
+                (out, inp),
+                self.quant.group_size,
+            )
+            return layout.pack_int4(q, scale, zp, group_size=self.quant.group_size, kpack=kpack)
+        except ValueError as e:
+            raise self.fail(packed, str(e)) from None
+
     def expert(self, spec: ExpertGateUp | ExpertDown, proj: str, e: int) -> np.ndarray:
         """One expert's HF [out, in] matrix (``proj`` gate / up / down)."""
         module = spec.names[("gate", "up", "down").index(proj)]
@@ -237,6 +303,89 @@ def _leaf_slice(source: _Source, leaf: Leaf, index: tuple[slice, ...], shape: tu
     return np.asarray(value[index], dtype)
 
 
+def stored_format(
+    reader: CheckpointReader, quant: QuantConfig | None, leaf: Leaf | str
+) -> WeightFormat | None:
+    """The format a linear (or routed experts: their expert 0) is stored in, None if plain. Read
+    from the tensors' names and dtypes, the config supplying group and block sizes."""
+    if isinstance(leaf, ExpertGateUp | ExpertDown):
+        leaf = f"{leaf.prefix}.0.{'down' if isinstance(leaf, ExpertDown) else 'gate'}_proj"
+    name = leaf.name if isinstance(leaf, Linear) else leaf
+    if not isinstance(name, str) or quant is None:
+        return None
+    if name + ".weight_packed" in reader and quant.method == "compressed-tensors":
+        return weight_format(quant, reader.dtype(name + ".weight_scale"))
+    weight, scale = name + ".weight", name + ".weight_scale_inv"
+    if weight in reader and reader.dtype(weight) == E4M3 and quant.method == "fp8":
+        return weight_format(quant, reader.dtype(scale) if scale in reader else None)
+    return None
+
+
+def _columns(w: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
+    """Output columns ``[start, stop)`` of ``w`` (both on scale-group boundaries)."""
+    gn = w.group[1]
+    cut = lambda a, unit: None if a is None else a[..., start // unit : -(-stop // unit)]  # noqa: E731
+    return w.replace(codes=cut(w.codes, 1), scales=cut(w.scales, gn), zeros=cut(w.zeros, gn))
+
+
+def _packed_matrix(source: _Source, leaf: Leaf, e: int, like: QuantizedWeight, pieces: int):
+    """One matrix of a quantized parameter (expert ``e`` of a stack) in the model's layout."""
+    if isinstance(leaf, Linear):
+        return source.packed(leaf.name, leaf.out, leaf.inp, like)
+    if isinstance(leaf, ExpertDown):
+        return source.packed(f"{leaf.prefix}.{e}.down_proj", leaf.hidden, leaf.inter, like)
+    gate, up = (
+        source.packed(f"{leaf.prefix}.{e}.{proj}_proj", leaf.inter, leaf.hidden, like)
+        for proj in ("gate", "up")
+    )
+    width = leaf.inter // pieces  # [gate_j | up_j] per expert-TP piece, as ExpertGateUp says
+    parts = [_columns(w, j * width, (j + 1) * width) for j in range(pieces) for w in (gate, up)]
+    return layout.concat_n(*parts)
+
+
+def _quantized_from_files(source: _Source, leaf: Leaf, target: QuantizedWeight) -> QuantizedWeight:
+    """Each leaf of a quantized parameter made shard-locally: a device's callback repacks the
+    tensor (one expert at a time for stacks; cached, since every device asks in turn) and hands
+    over its slice. Codes, scales and zero points share one sharding, so the slices match."""
+    codes = target.codes
+    if isinstance(leaf, Linear) and target.shape != (leaf.inp, leaf.out):
+        raise source.fail(
+            leaf.name + ".weight",
+            f"is [{leaf.out}, {leaf.inp}], the model needs {list(target.shape[::-1])} (heads padded for "
+            "tensor parallelism): a quantized weight cannot be padded; choose a tp dividing the heads "
+            "or quantization='dequantize'",
+        )
+    pieces = codes.shape[-1] // codes.sharding.shard_shape(codes.shape)[-1]
+    experts = not isinstance(leaf, Linear)
+
+    def piece(name: str, index: tuple[slice, ...]) -> np.ndarray:
+        if not experts:
+            return np.asarray(getattr(_packed_matrix(source, leaf, 0, target, pieces), name)[index])
+        first, stop, _ = index[0].indices(codes.shape[0])
+        return np.stack(
+            [
+                getattr(_packed_matrix(source, leaf, e, target, pieces), name)[index[1:]]
+                for e in range(first, stop)
+            ]
+        )
+
+    def make(name: str, struct):
+        if struct is None:
+            return None
+        return jax.make_array_from_callback(struct.shape, struct.sharding, lambda index: piece(name, index))
+
+    return target.replace(
+        **{name: make(name, getattr(target, name)) for name in ("codes", "scales", "zeros")}
+    )
+
+
+def _layer_target(target):
+    """One layer of a stacked target (a ShapeDtypeStruct, or a QuantizedWeight of them)."""
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=_layer_sharding(a.sharding)), target
+    )
+
+
 @functools.cache
 def _zeros(shape: tuple[int, ...], dtype, sharding) -> Callable[[], jax.Array]:
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
@@ -259,22 +408,25 @@ def _layer_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
     return sharding
 
 
-def _from_files(source: _Source, leaf: Leaf, target: jax.ShapeDtypeStruct, sharding) -> jax.Array:
+def _from_files(source: _Source, leaf: Leaf, target):
+    if isinstance(target, QuantizedWeight):
+        return _quantized_from_files(source, leaf, target)
     shape, dtype = tuple(target.shape), np.dtype(target.dtype)
     return jax.make_array_from_callback(
-        shape, sharding, lambda index: _leaf_slice(source, leaf, index, shape, dtype)
+        shape, target.sharding, lambda index: _leaf_slice(source, leaf, index, shape, dtype)
     )
 
 
 def load(
     reader: CheckpointReader,
     specs: Mapping[Path, Spec],
-    targets: Mapping[Path, jax.ShapeDtypeStruct],
+    targets: Mapping[Path, Any],
     *,
     quant: QuantConfig | None = None,
     progress: bool = True,
-) -> dict[Path, jax.Array]:
-    """Read every parameter of ``targets`` (shape, dtype, sharding) as ``specs`` say."""
+) -> dict[Path, Any]:
+    """Read every parameter of ``targets`` (shape, dtype, sharding; or a QuantizedWeight of them)
+    as ``specs`` say."""
     _check_covered(specs, targets)
     source = _Source(reader, quant)
     out: dict[Path, jax.Array] = {}
@@ -286,19 +438,19 @@ def load(
                 raise ValueError(
                     f"{path_name(path)}: {len(spec.items)} stacked sources for {target.shape[0]} layers"
                 )
-            out[path] = _zeros(tuple(target.shape), target.dtype, target.sharding)()
+            out[path] = jax.tree.map(lambda t: _zeros(tuple(t.shape), t.dtype, t.sharding)(), target)
             for i, layer in enumerate(spec.layers):
                 by_layer[layer].append((path, i))
         else:
-            out[path] = _from_files(source, spec, target, target.sharding)
+            out[path] = _from_files(source, spec, target)
     start, layers = time.perf_counter(), sorted(by_layer)
     for done, layer in enumerate(layers, start=1):
         for path, i in by_layer[layer]:
             target, spec = targets[path], specs[path]
-            part = jax.ShapeDtypeStruct(target.shape[1:], target.dtype)
-            part_sharding = _layer_sharding(target.sharding)
-            value = _from_files(source, spec.items[i], part, part_sharding)
-            out[path] = _set_layer(target.sharding)(out[path], value, i)
+            value = _from_files(source, spec.items[i], _layer_target(target))
+            out[path] = jax.tree.map(
+                lambda stack, part, t, i=i: _set_layer(t.sharding)(stack, part, i), out[path], value, target
+            )
         _report(done, len(layers), start, progress)
     return out
 
@@ -373,9 +525,45 @@ def _init(
     return jax.jit(draw, out_shardings=sharding)
 
 
-def random(
-    specs: Mapping[Path, Spec], targets: Mapping[Path, jax.ShapeDtypeStruct], *, seed: int = 0
-) -> dict[Path, jax.Array]:
+# The standard deviation of a uniform 4-bit code minus 8 (values -8 .. 7): sqrt((16^2 - 1) / 12).
+_INT4_STD = (255 / 12) ** 0.5
+
+
+@functools.cache
+def _quantized_init(struct: tuple, fmt: tuple, sharding, std: float) -> Callable[[jax.Array], Any]:
+    """One compiled init per distinct quantized parameter (``struct``: the leaves' shapes and
+    dtypes; ``fmt``: format, group, chunk size): codes drawn directly in their format, one scale
+    value so that the weights have standard deviation ``std``. FP8: N(0, 1) codes rounded to e4m3,
+    scale ``std``; INT4: uniform codes (zero point 0, stored 8), scale ``std / 4.6``."""
+    (codes_shape, codes_dtype), (scales_shape, scales_dtype), zeros = struct
+    format_, group, kpack = fmt
+
+    def draw(key):
+        if format_ == "fp8":
+            codes = jax.random.normal(key, codes_shape, jnp.float32).astype(codes_dtype)
+            scale = std
+        else:
+            codes = jax.random.bits(key, codes_shape, jnp.uint8)  # two uniform 4-bit codes per byte
+            scale = std / _INT4_STD
+        scales = jnp.full(scales_shape, scale, jnp.float32).astype(scales_dtype)
+        zero_points = None if zeros is None else jnp.full(zeros[0], 8, zeros[1])
+        return QuantizedWeight(codes, scales, zero_points, format_, group, kpack)
+
+    shardings = QuantizedWeight(
+        sharding, sharding, None if zeros is None else sharding, format_, group, kpack
+    )
+    return jax.jit(draw, out_shardings=shardings)
+
+
+def _random_quantized(leaf: Leaf, target: QuantizedWeight, key: jax.Array) -> QuantizedWeight:
+    shape_of = lambda a: None if a is None else (tuple(a.shape), np.dtype(a.dtype))  # noqa: E731
+    struct = tuple(shape_of(getattr(target, name)) for name in ("codes", "scales", "zeros"))
+    fmt = (target.format, target.group, target.kpack)
+    _, std = _distribution(leaf)
+    return _quantized_init(struct, fmt, target.codes.sharding, std)(key)
+
+
+def random(specs: Mapping[Path, Spec], targets: Mapping[Path, Any], *, seed: int = 0) -> dict[Path, Any]:
     """Dummy weights for every parameter of ``targets``, drawn on the devices."""
     _check_covered(specs, targets)
     out = {}
@@ -383,6 +571,9 @@ def random(
         target = targets[path]
         leaf = spec.items[0] if isinstance(spec, Stacked) else spec
         key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(path_name(path).encode()) & 0x7FFFFFFF)
+        if isinstance(target, QuantizedWeight):
+            out[path] = _random_quantized(leaf, target, key)
+            continue
         shape = tuple(target.shape)
         real = _real_shape(leaf, shape)
         out[path] = _init(shape, real, target.dtype, target.sharding, *_distribution(leaf))(key)

@@ -91,9 +91,14 @@ class LLM:
         load_format: str = "safetensors",
         progress: bool = True,
         scan_layers: bool | None = None,
+        quantization: str = "auto",
     ):
         """``load_format="dummy"``: random weights of the checkpoint's config, made on the device
-        (benchmarking real shapes without the files, like vLLM's ``--load-format dummy``)."""
+        (benchmarking real shapes without the files, like vLLM's ``--load-format dummy``).
+        ``quantization``: ``"auto"`` keeps the checkpoint's FP8 / INT4 linears and experts in their
+        format on the device, ``"dequantize"`` makes every weight dense in ``dtype``, ``"fp8"`` /
+        ``"int4"`` assert the checkpoint's format or choose the dummy weights' (see
+        :mod:`jaxdsa.quantization`)."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r}: choose float32 or bfloat16")
         self.path = os.fspath(path)
@@ -110,6 +115,7 @@ class LLM:
             seed=seed,
             progress=progress,
             scan_layers=ops.get_kernels() != "pallas" if scan_layers is None else scan_layers,
+            quantization=quantization,
         )
         self.eos_token_ids = generation_eos_ids(self.path, self.config.eos_token_ids)
         self.engine_config = EngineConfig(

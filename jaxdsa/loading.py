@@ -1,6 +1,7 @@
 """Build a model of a checkpoint directory, through its family: abstract first, then filled.
 
-The family's module tree is built abstractly (shapes and logical axes, no memory), each
+The family's module tree is built abstractly (shapes and logical axes, no memory), the weights
+kept quantized take their abstract quantized layout (:mod:`jaxdsa.quantization`), each
 parameter's sharding comes from its axes, and the one checkpoint walker fills every parameter
 from the files (shard-local) or with dummy weights drawn on the devices.
 """
@@ -14,6 +15,7 @@ from flax import nnx
 
 from checkpoints import walker
 from checkpoints.safetensors_io import CheckpointReader
+from jaxdsa import quantization as quant
 from jaxdsa.models import family as families
 from jaxdsa.models.family import ModelFamily
 from jaxdsa.models.registry import family_for, load_config
@@ -33,12 +35,15 @@ def load_model(
     seed: int = 0,
     progress: bool = True,
     scan_layers: bool = True,
+    quantization: str = "auto",
 ) -> tuple[ModelFamily, Any, nnx.Module]:
     """-> (family, config, model) of the checkpoint at ``path``, placed on ``mesh``.
 
     ``mtp``: also load the next-n layers the checkpoint ships (dummy weights: the config's).
     ``load_format="dummy"``: random weights of the config's shapes (``config.json`` is all that
-    is read), like vLLM's ``--load-format dummy``. ``scan_layers``: see :class:`jaxdsa.LLM`.
+    is read), like vLLM's ``--load-format dummy``. ``quantization``: which weights stay in their
+    quantized format (:mod:`jaxdsa.quantization`; default: the checkpoint's FP8 / INT4 linears and
+    experts). ``scan_layers``: see :class:`jaxdsa.LLM`.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r}: choose one of {', '.join(LOAD_FORMATS)}")
@@ -53,7 +58,15 @@ def load_model(
     model = families.abstract(
         family, cfg, dtype=dtype, parallelism=parallelism, mtp=n_mtp, scan_layers=scan_layers
     )
-    specs, targets = family.param_spec(cfg, model), families.targets(model, mesh)
+    specs = family.param_spec(cfg, model)
+    kept = quant.requested(quantization, family.quantization(cfg), dummy=reader is None)
+    if reader is None:
+        stored = quant.configured(kept)
+    else:
+        stored = lambda leaf: walker.stored_format(reader, kept, leaf)  # noqa: E731
+    shards = parallelism.shards if parallelism is not None else lambda _: 1
+    model = quant.quantize(model, quant.formats(model, specs, stored), shards)
+    targets = families.targets(model, mesh)
     if reader is None:
         arrays = walker.random(specs, targets, seed=seed)
     else:

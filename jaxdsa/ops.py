@@ -25,10 +25,11 @@ N expert width):
 - ``moe_experts(x [T,D], topk_ids [T,k], topk_weights [T,k], experts, *, swiglu_limit=None) -> [T,D]``
   with ``experts = {'gate_up': [E,D,2N], 'down': [E,N,D]}`` (:func:`pallas_kernels.moe.ref.pack_experts`;
   quantized experts: ``pack_experts`` of three ``QuantizedWeight`` stacks ``[E, in, out]``).
-- ``quant_matmul(x [T,K], w: QuantizedWeight [K,N]) -> [T,N]``: ``x @ W`` with W kept INT4 / FP8 /
-  FP4 (``pallas_kernels.quant_matmul.layout``), dequantized in the kernel to x's dtype. It has no
-  ``OpSharding``: the caller (a Linear) knows whether W is split along K or N and runs it under its
-  own specs.
+- ``quant_matmul(x [T,K], w: QuantizedWeight [K,N], *, axes=(k, n)) -> [T,N]``: ``x @ W`` with W kept
+  INT4 / FP8 / FP4 (``pallas_kernels.quant_matmul.layout``), dequantized in the kernel to x's dtype.
+  Its sharding depends on the call site, so the caller passes W's logical axes: a split N
+  (column-parallel) splits the output, a split K (row-parallel) splits x too and sums the partial
+  products (:func:`quant_matmul_sharding`).
 - ``indexer_logits(q [T,Hi,Di], w [T,Hi], k [S,Di], *, q_pos [T]) -> [T,S] f32``: the same sum over one
   flat key sequence, ``s <= q_pos[t]`` (DeepSeek-V4's compressed keys).
 
@@ -205,8 +206,20 @@ def moe_experts(x, topk_ids, topk_weights, experts, *, swiglu_limit: float | Non
     return _impl("moe_experts", get_kernels())(x, topk_ids, topk_weights, experts, swiglu_limit=swiglu_limit)
 
 
-def quant_matmul(x, w):
-    return _impl("quant_matmul", get_kernels())(x, w)
+def quant_matmul_sharding(k: str | None, n: str | None) -> OpSharding:
+    """How ``x [T, K] @ W [K, N]`` splits when W's dims carry the logical names ``k`` and ``n``: one
+    spec for every leaf of W (codes, scales and zero points share their axes)."""
+    return OpSharding(args=((None, k), (k, n)), out=(None, n), reduce=(k,) if k else ())
+
+
+@functools.cache
+def _quant_matmul_impl(backend: str, k: str | None, n: str | None) -> Callable[..., Any]:
+    fn = _impl("quant_matmul", backend)
+    return wrap_op(quant_matmul_sharding(k, n), fn)
+
+
+def quant_matmul(x, w, *, axes: tuple[str | None, str | None] = (None, None)):
+    return _quant_matmul_impl(get_kernels(), *axes)(x, w)
 
 
 def indexer_logits(q, w, k, *, q_pos):

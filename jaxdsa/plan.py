@@ -4,11 +4,14 @@
         --weights bf16|fp8|int4 --max-model-len 32768 [--batch 32]
 
 Shard sizes come from the same rules table the loader uses (:mod:`jaxdsa.sharding`) applied to
-the parameter shapes of :mod:`checkpoints.names`, so the figures describe what jaxdsa would
-place on each device. ``--weights`` is the in-memory format of the quantizable linears (experts,
-dense MLPs, attention projections); embeddings, norms, routers and the indexer's weights_proj
-stay bf16 / fp32. jaxdsa today dequantizes FP8 / INT4 checkpoints to bf16 at load, so ``bf16``
-describes what runs now; ``fp8`` / ``int4`` size the kept-quantized formats.
+the parameters of the family's abstract model, so the figures describe what jaxdsa would place on
+each device. ``--weights`` is the in-memory format of the linears and routed experts that stay
+quantized (:mod:`jaxdsa.quantization`: the model is built as ``load_format="dummy"`` with that
+``quantization`` builds it, codes, scales and zero points counted at their widths): ``bf16`` as
+``quantization="dequantize"`` loads any checkpoint; ``fp8`` 128x128 blocks with float32 scales;
+``int4`` the config's compressed-tensors scheme, else asymmetric group 32 (bf16 scales, one byte
+per zero point). Embeddings, norms, routers, the indexer's weights_proj, the LM head and ``kv_b``
+(the absorbed-MLA factors) stay bf16 / fp32.
 """
 
 from __future__ import annotations
@@ -18,51 +21,45 @@ import dataclasses
 import math
 import sys
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from checkpoints.spec import ExpertDown, ExpertGateUp, Linear, Stacked
+from jaxdsa import quantization
 from jaxdsa.models import family as families
 from jaxdsa.models.family import ModelFamily
 from jaxdsa.models.registry import family_for, load_config
 from jaxdsa.sharding import EXPERT_AXES, Parallelism, shard_shape
 
-# Bytes per weight for the quantizable linears (FP8: 1 byte + one fp32 scale per 128x128 block;
-# INT4 compressed-tensors: 0.5 byte + a bf16 scale and an int4 zero point per group of 32).
-WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0 + 4 / (128 * 128), "int4": 0.5 + (2 + 0.5) / 32}
+WEIGHTS = {"bf16": "dequantize", "fp8": "fp8", "int4": "int4"}  # --weights -> quantization
 GiB = 1 << 30
-_UNQUANTIZED = ("router", "embed", "lm_head")  # linears that stay 16-bit whatever the checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """One parameter as the planner sees it; ``width`` -1 marks a quantizable linear."""
+    """One array of a parameter as the planner sees it (a quantized weight is several: codes,
+    scales, zero points, all with the parameter's axes) and its bytes per element."""
 
     path: tuple
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
-    width: float
-
-    def bytes_per_element(self, weights: str) -> float:
-        return self.width if self.width > 0 else WEIGHT_BYTES[weights]
+    width: int
 
 
-def parameter_leaves(family: ModelFamily, cfg, par: Parallelism) -> list[Leaf]:
-    """Every parameter of the model (main layers; heads padded for ``par``) with its storage width."""
+def parameter_leaves(family: ModelFamily, cfg, par: Parallelism, weights: str) -> list[Leaf]:
+    """Every array of the bf16 model (main layers; heads padded for ``par``) with ``weights``'
+    linears and experts quantized as the loader would hold them."""
     model = families.abstract(family, cfg, dtype=jnp.bfloat16, parallelism=par, mtp=0)
-    specs, axes = family.param_spec(cfg, model), families.param_axes(model)
+    kept = quantization.requested(WEIGHTS[weights], family.quantization(cfg), dummy=True)
+    specs = family.param_spec(cfg, model)
+    chosen = quantization.formats(model, specs, quantization.configured(kept))
+    model = quantization.quantize(model, chosen, par.shards)
+    axes = families.param_axes(model)
     leaves = []
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        value = variable.get_value()
-        spec = specs[path].items[0] if isinstance(specs[path], Stacked) else specs[path]
-        linear = isinstance(spec, Linear | ExpertGateUp | ExpertDown)
-        if value.dtype == jnp.float32:
-            width = 4.0
-        elif linear and not any(k in path for k in _UNQUANTIZED):
-            width = -1.0
-        else:
-            width = 2.0
-        leaves.append(Leaf(path, tuple(value.shape), axes[path], width))
+        for array in jax.tree.leaves(variable.get_value()):
+            leaves.append(Leaf(path, tuple(array.shape), axes[path], np.dtype(array.dtype).itemsize))
     return leaves
 
 
@@ -71,10 +68,7 @@ def shard_elements(leaf: Leaf, par: Parallelism) -> float:
 
 
 def device_weight_bytes(family: ModelFamily, cfg, par: Parallelism, weights: str) -> float:
-    return sum(
-        shard_elements(leaf, par) * leaf.bytes_per_element(weights)
-        for leaf in parameter_leaves(family, cfg, par)
-    )
+    return sum(shard_elements(leaf, par) * leaf.width for leaf in parameter_leaves(family, cfg, par, weights))
 
 
 def cache_bytes_per_token(family: ModelFamily, cfg) -> int:
@@ -94,13 +88,13 @@ def decode_step(
     moe_tokens = batch * sizes["edp"]  # dp-attention groups' tokens meet at every expert
     touched = E_local * (1 - (1 - k / E) ** moe_tokens)  # expected distinct local experts
     read = 0.0
-    for leaf in parameter_leaves(family, cfg, par):
+    for leaf in parameter_leaves(family, cfg, par, weights):
         elements = shard_elements(leaf, par)
         if "experts" in leaf.axes:
             elements *= touched / E_local
         if leaf.axes[0] == "vocab" and leaf.path[0] == "embed":
             elements *= batch / leaf.shape[0]  # a lookup reads only the rows it needs
-        read += elements * leaf.bytes_per_element(weights)
+        read += elements * leaf.width
     return {"bytes_read": read + traffic["cache_bytes_read"], "collective_bytes": traffic["collective_bytes"]}
 
 
@@ -148,7 +142,7 @@ def main(argv=None) -> int:
         "--dp-attention", action="store_true", help="the dp groups share the experts (ep counts all shards)"
     )
     p.add_argument("--hbm-gib", type=float, default=80)
-    p.add_argument("--weights", choices=sorted(WEIGHT_BYTES), default="bf16")
+    p.add_argument("--weights", choices=sorted(WEIGHTS), default="bf16")
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument(
         "--batch", type=int, default=32, help="decode sequences per dp group for the step estimate"

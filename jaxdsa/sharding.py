@@ -223,11 +223,17 @@ def _is_axes(x) -> bool:
 
 
 def _dim_size(sharding: OpSharding, args: tuple, name: str) -> int:
-    """Size of logical axis ``name`` in the operands (the first operand declaring it)."""
+    """Size of logical axis ``name`` in the operands (the first operand declaring it). An operand's
+    axes may be a prefix of it: one tuple for a quantized weight, whose ``shape`` is the logical one."""
     for axes, arg in zip(sharding.args, args):
-        for ax, leaf in zip(jax.tree.leaves(axes, is_leaf=_is_axes), jax.tree.leaves(arg)):
+        if axes is None:
+            continue
+        for ax, part in zip(
+            jax.tree.leaves(axes, is_leaf=_is_axes),
+            jax.tree.structure(axes, is_leaf=_is_axes).flatten_up_to(arg),
+        ):
             if ax is not None and name in ax:
-                return leaf.shape[ax.index(name)]
+                return part.shape[ax.index(name)]
     raise ValueError(f"no operand declares logical axis {name!r}")
 
 

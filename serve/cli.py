@@ -103,6 +103,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="dummy: random weights of the config's shapes, made on the device (benchmarks)",
     )
     g.add_argument(
+        "--quantization",
+        choices=["auto", "dequantize", "fp8", "int4"],
+        default="auto",
+        help="auto: keep the checkpoint's FP8 / INT4 weights quantized on the device; dequantize: load "
+        "them dense; fp8 / int4: assert the checkpoint's format, or choose the --load-format dummy one",
+    )
+    g.add_argument(
         "--no-warmup", action="store_true", help="compile step shapes on first use instead of at startup"
     )
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -231,6 +238,7 @@ def build(args: argparse.Namespace) -> Server:
             enable_prefix_caching=args.enable_prefix_caching,
             seed=args.seed,
             load_format=args.load_format,
+            quantization=args.quantization,
             **parallel,
         )
         engine = llm.engine

@@ -38,14 +38,15 @@ from jaxdsa.models.family import ModelFamily
 class ModelState:
     """A model split once into its graph and a flat list of parameter leaves (with their logical
     axes), so that jit sees only arrays; :meth:`model` rebuilds the module inside a trace. The
-    graph and tree definitions are hashable: equal models share compiled steps."""
+    graph and tree definitions are hashable: equal models share compiled steps. A quantized
+    weight is one parameter of several leaves (codes, scales, zero points), each with its axes."""
 
     def __init__(self, model: nnx.Module):
         self.graphdef, state = nnx.split(model)
         leaves, self.treedef = jax.tree.flatten(state)
         self.leaves = tuple(leaves)
         variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-        self.axes = tuple(axes_of(v) for v in variables)
+        self.axes = tuple(axes_of(v) for v in variables for _ in jax.tree.leaves(v.get_value()))
 
     def model(self, leaves: tuple[jax.Array, ...]) -> nnx.Module:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))

@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdsa import sharding
+from jaxdsa import ops, sharding
 from jaxdsa.layers.params import fan_in, normal
 from jaxdsa.sharding import Axes
+from pallas_kernels.quant_matmul.layout import QuantizedWeight
+
+
+def matrix_axes(axes: Axes, in_ndim: int) -> tuple[str, str]:
+    """The logical names of a ``[*in_shape, *out_shape]`` weight flattened to a ``[K, N]`` matrix
+    (how a quantized weight holds it): each side keeps the name of its one split dim, which must
+    lead its side so that the flattened split is contiguous (``[heads, head_dim]`` -> ``heads``),
+    or its first name when nothing on that side is split."""
+
+    def side(names: Axes) -> str:
+        split = [i for i, name in enumerate(names) if sharding.RULES[name]]
+        if split and split != [0]:
+            raise ValueError(f"logical axes {names} cannot be flattened: only the first dim may be split")
+        return names[0]
+
+    return side(axes[:in_ndim]), side(axes[in_ndim:])
 
 
 class Linear(nnx.Module):
@@ -18,6 +36,12 @@ class Linear(nnx.Module):
     head-split projection (``[q_lora, H, d]``) or a head-merging one (``[H, v, D]``) is one
     layer. ``compute_dtype`` casts both operands first (routers and the indexer's head weights run
     in float32); ``out_dtype`` asks the dot for a wider result (logits).
+
+    A loader may replace ``weight`` by a :class:`QuantizedWeight` holding the same values as a
+    ``[K, N]`` matrix (K, N the products of the in and out dims; logical axes
+    :attr:`matrix_axes`): the layer then runs :func:`jaxdsa.ops.quant_matmul`. Only layers with
+    neither ``compute_dtype`` nor ``out_dtype`` are :attr:`quantizable`: those two ask for more
+    precision than the activations carry, which a kernel dequantizing to x's dtype does not give.
     """
 
     def __init__(
@@ -34,11 +58,18 @@ class Linear(nnx.Module):
         shape = (*in_shape, *out_shape)
         self.weight = normal(rngs, shape, fan_in(shape, len(in_shape)), dtype, axes)
         self.in_ndim = len(in_shape)
+        self.out_shape = tuple(out_shape)
         self.compute_dtype = compute_dtype
         self.out_dtype = out_dtype
+        self.quantizable = compute_dtype is None and out_dtype is None
+        self.matrix_axes = matrix_axes(axes, self.in_ndim) if self.quantizable else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = self.weight[...]
+        w = self.weight.get_value()
+        if isinstance(w, QuantizedWeight):
+            lead = x.shape[: x.ndim - self.in_ndim]
+            flat = x.reshape(math.prod(lead), -1)
+            return ops.quant_matmul(flat, w, axes=self.matrix_axes).reshape(*lead, *self.out_shape)
         if self.compute_dtype is not None:
             x, w = x.astype(self.compute_dtype), w.astype(self.compute_dtype)
         return jnp.tensordot(x, w, axes=self.in_ndim, preferred_element_type=self.out_dtype)

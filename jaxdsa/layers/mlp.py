@@ -73,7 +73,13 @@ class Router(nnx.Module):
 
 class Experts(nnx.Module):
     """Routed experts packed for :func:`jaxdsa.ops.moe_experts`: gate_up [E, D, 2N], down [E, N, D]
-    (``swiglu_limit`` as in :class:`MLP`)."""
+    (``swiglu_limit`` as in :class:`MLP`).
+
+    A loader may replace either by a :class:`~pallas_kernels.quant_matmul.layout.QuantizedWeight`
+    stack of the same shape and logical axes (the op's kernels dequantize experts in their K loop).
+    """
+
+    quantizable = True
 
     def __init__(
         self, num: int, hidden: int, inter: int, *, dtype, rngs: nnx.Rngs, swiglu_limit: float | None = None
@@ -85,7 +91,7 @@ class Experts(nnx.Module):
         self.swiglu_limit = swiglu_limit
 
     def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
-        experts = {"gate_up": self.gate_up[...], "down": self.down[...]}
+        experts = {"gate_up": self.gate_up.get_value(), "down": self.down.get_value()}
         return ops.moe_experts(x, ids, weights, experts, swiglu_limit=self.swiglu_limit)
 
 

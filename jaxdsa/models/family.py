@@ -103,13 +103,18 @@ def abstract(
         return nnx.eval_shape(build)
 
 
-def targets(model: nnx.Module, mesh) -> dict[Path, jax.ShapeDtypeStruct]:
-    """Every parameter's shape, dtype and sharding (from its logical axes) on ``mesh`` (or one device)."""
+def targets(model: nnx.Module, mesh) -> dict[Path, Any]:
+    """Every parameter's shape, dtype and sharding (from its logical axes) on ``mesh`` (or one
+    device): a ShapeDtypeStruct, or for a quantized weight a QuantizedWeight of them (one sharding
+    for all its leaves)."""
     axes = param_axes(model)
     out = {}
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        value = variable.get_value()
-        out[path] = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding.named(mesh, axes[path]))
+        placed = sharding.named(mesh, axes[path])
+        out[path] = jax.tree.map(
+            lambda a, placed=placed: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed),
+            variable.get_value(),
+        )
     return out
 
 

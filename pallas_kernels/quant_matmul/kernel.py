@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._triton import compiler_params, pl, pltriton
-from pallas_kernels.quant_matmul import tiles, tuning
+from pallas_kernels.quant_matmul import layout, tiles, tuning
 from pallas_kernels.quant_matmul.decode import fp_decode
 from pallas_kernels.quant_matmul.layout import QuantizedWeight
 
@@ -56,9 +56,13 @@ def quant_matmul(
 ) -> jax.Array:
     """``x [M, K] @ W [K, N] -> [M, N]`` in x's dtype (bf16 or float32), W dequantized in the kernel to
     x's dtype, float32 accumulation. ``decode``: 'native' / 'software' e4m3 decoding (default:
-    :func:`.decode.fp_decode`); ``config`` overrides the tuning table (benchmark sweeps). N must be a
-    multiple of 16, K of 16 (of the packed chunk, 32 or 64, for 4-bit weights)."""
-    return _quant_matmul(x, w, interpret=interpret, decode=fp_decode(decode), config=config)
+    :func:`.decode.fp_decode`); ``config`` overrides the tuning table (benchmark sweeps). K must be a
+    multiple of 16 (of the packed chunk, 32 or 64, for 4-bit weights); an N that is not a multiple
+    of 16 (a tiny model's 136-wide ``kv_a``) is padded with zero columns, sliced off the result."""
+    n = w.shape[-1]
+    w = layout.pad_n(w, -(-n // 16) * 16)
+    out = _quant_matmul(x, w, interpret=interpret, decode=fp_decode(decode), config=config)
+    return out if out.shape[-1] == n else out[:, :n]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "decode", "config"))

@@ -192,6 +192,48 @@ def reblock_n(w: QuantizedWeight, gn: int) -> QuantizedWeight:
     return w.replace(scales=repeat(w.scales), zeros=zeros, group=(w.group[0], gn))
 
 
+def reblock_k(w: QuantizedWeight, gk: int) -> QuantizedWeight:
+    """The same weight with ``gk`` (a divisor of the current) input rows per scale: each scale (and
+    zero-point) row repeated. Exact; lets a weight be split along K (row-parallel) into shards that
+    are not whole groups of the checkpoint's block."""
+    old = w.group[0]
+    if gk == old:
+        return w
+    if old % gk:
+        raise ValueError(f"cannot reblock {old}-row scale groups into groups of {gk}")
+    xp = _xp(w.scales)
+    k = w.shape[-2]
+    repeat = lambda a: xp.repeat(a, old // gk, axis=-2)[..., : -(-k // gk), :]  # noqa: E731
+    zeros = None if w.zeros is None else repeat(w.zeros)
+    return w.replace(scales=repeat(w.scales), zeros=zeros, group=(gk, w.group[1]))
+
+
+def pad_n(w: QuantizedWeight, n: int) -> QuantizedWeight:
+    """``w`` widened to ``n`` output columns whose weights are 0: zero codes (e4m3 +0) and zero
+    scales for columns in new scale groups, so every format's value there is exactly 0."""
+    extra = n - w.shape[-1]
+    if extra <= 0:
+        return w
+    gn = w.group[1]
+    groups = -(-n // gn) - w.scales.shape[-1]
+    widen = lambda a, cols: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, cols)])  # noqa: E731
+    codes = w.codes
+    if np.dtype(codes.dtype) == E4M3:
+        codes = jax.lax.bitcast_convert_type(jnp.asarray(codes), jnp.uint8)
+        codes = jax.lax.bitcast_convert_type(widen(codes, extra), jnp.float8_e4m3fn)
+    else:
+        codes = widen(jnp.asarray(codes), extra)
+    scales, zeros = jnp.asarray(w.scales), None if w.zeros is None else jnp.asarray(w.zeros)
+    if np.dtype(scales.dtype) == E8M0:  # 2^-127 times zero codes: still 0
+        scales = jax.lax.bitcast_convert_type(
+            widen(jax.lax.bitcast_convert_type(scales, jnp.uint8), groups), jnp.float8_e8m0fnu
+        )
+    else:
+        scales = widen(scales, groups)
+    zeros = None if zeros is None else widen(zeros, groups)
+    return w.replace(codes=codes, scales=scales, zeros=zeros)
+
+
 def concat_n(*parts: QuantizedWeight) -> QuantizedWeight:
     """Join weights of one format along N (e.g. an expert's gate and up into gate|up). Scale groups
     are narrowed (:func:`reblock_n`) until every part but the last ends on a group boundary."""

@@ -16,6 +16,7 @@ from checkpoints.make_tiny import make_tiny
 from checkpoints.safetensors_io import CheckpointReader
 from jaxdsa.config import ConfigError
 from jaxdsa.loading import load_model
+from pallas_kernels.quant_matmul.layout import QuantizedWeight, dequantize
 from tests.checkpoints.test_quant import _pack_along
 
 
@@ -40,9 +41,13 @@ def _rewrite(directory, edit):
 
 
 def load_params(path, **kwargs):
-    """Every parameter of the float32 model of ``path``: {state path: array}."""
+    """Every parameter of the float32 model of ``path``: {state path: array}; weights kept quantized
+    as their dequantized values (in the model's layout)."""
     _, _, model = load_model(path, dtype=jnp.float32, progress=False, **kwargs)
-    return {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    value = lambda w: dequantize(w) if isinstance(w, QuantizedWeight) else w  # noqa: E731
+    return {
+        path: np.asarray(value(v.get_value())) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
 
 
 def assert_same_params(a, b):
@@ -170,6 +175,15 @@ def test_int4_pack_quantized_checkpoint(tiny, tmp_path):
         "ignore": ["lm_head"],
     }
     (quant / "config.json").write_text(json.dumps(cfg))
+    assert_same_params(load_params(quant, quantization="dequantize"), load_params(plain))
+    # kept quantized (the default), the experts are INT4 on the device with exactly those values
+    _, _, model = load_model(quant, dtype=jnp.float32, progress=False)
+    kept = {
+        p
+        for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        if isinstance(v.get_value(), QuantizedWeight)
+    }
+    assert kept and all(p[-1] in ("gate_up", "down") and "experts" in p for p in kept)
     assert_same_params(load_params(quant), load_params(plain))
     # a file that disagrees with its config is refused: every Linear targeted, experts alone packed
     cfg["quantization_config"]["config_groups"]["group_0"]["targets"] = ["Linear"]

@@ -3,21 +3,26 @@
 The fixtures (tests/fixtures/*/, made by tests/reference/make_goldens.py with PyTorch) hold
 HF-layout checkpoints and HF's float32 logits. Where HF and DeepSeek's official code differ
 (latent-norm eps 1e-6, no FP8/Hadamard simulation in the indexer; models.md §7, §8) we match HF.
-Each fixture runs on the pure-JAX reference ops and on the Pallas kernels in interpret mode.
+Each fixture runs on the pure-JAX reference ops and on the Pallas kernels in interpret mode; the
+quantized ones with their weights kept quantized.
 """
 
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxdsa
 from jaxdsa import ops
+from pallas_kernels.quant_matmul.layout import QuantizedWeight
 from tests.conftest import FIXTURES
 
-FIXTURE_NAMES = ["glm5", "dsv32", "glm52", "dsv32_yarn", "glm5_fp8"]
-# Checkpoints quantized as released (FP8 float32 scales with 128x128 blocks; INT4 packed by the
-# compressed-tensors library): they check the loader's decoding, which dequantizes at load, so the
-# kernels see dense weights and the reference backend alone covers them.
-QUANTIZED_NAMES = ["dsv32_fp8", "glm5_int4", "dsv32_int4"]
+FIXTURE_NAMES = ["glm5", "dsv32", "glm52", "dsv32_yarn"]
+# Quantized checkpoints (FP8 power-of-two scales in 32x32 blocks; FP8 float32 scales in 128x128
+# blocks; INT4 packed by the compressed-tensors library, asymmetric group 32 with an ignore list and
+# symmetric group 128 by targets), loaded with their weights kept quantized (the default): every
+# quantized linear runs quant_matmul and the experts the quantized MoE kernels, dequantizing to
+# float32 in the kernel (exact), against goldens computed on the dequantized weights.
+QUANTIZED_NAMES = ["glm5_fp8", "dsv32_fp8", "glm5_int4", "dsv32_int4"]
 TOLERANCE = 1e-4
 
 
@@ -27,8 +32,9 @@ def rel_l2(got, want):
 
 @pytest.fixture(
     scope="module",
-    params=[(name, backend) for backend in ("reference", "interpret") for name in FIXTURE_NAMES]
-    + [(name, "reference") for name in QUANTIZED_NAMES],
+    params=[
+        (name, backend) for backend in ("reference", "interpret") for name in FIXTURE_NAMES + QUANTIZED_NAMES
+    ],
     ids=lambda p: f"{p[0]}-{p[1]}",
 )
 def case(request):
@@ -36,6 +42,12 @@ def case(request):
     previous = ops.get_kernels()
     ops.set_kernels(backend)
     llm = jaxdsa.LLM(FIXTURES / name, dtype="float32", page_size=8, progress=False)
+    kept = [
+        v
+        for _, v in nnx.to_flat_state(nnx.state(llm.model, nnx.Param))
+        if isinstance(v.get_value(), QuantizedWeight)
+    ]
+    assert bool(kept) == (name in QUANTIZED_NAMES)
     yield llm, dict(np.load(FIXTURES / name / "golden.npz"))
     ops.set_kernels(previous)
 

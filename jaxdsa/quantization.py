@@ -1,0 +1,211 @@
+"""Which weights stay quantized on the device, and their abstract layout (weights kept quantized).
+
+``quantization`` (an argument of :class:`jaxdsa.LLM` and :func:`jaxdsa.loading.load_model`):
+
+- ``"auto"`` (default): every linear and routed-expert stack the checkpoint stores as FP8 or INT4
+  stays so on the device; dummy weights take the config's ``quantization_config``.
+- ``"dequantize"``: every weight dequantized to the model dtype at load (dense, as before).
+- ``"fp8"`` / ``"int4"``: as ``"auto"``, asserting the checkpoint's format (jaxdsa never
+  quantizes at load); dummy weights are drawn in that format whatever the config says (FP8
+  128x128 blocks with float32 scales; INT4 as the config's compressed-tensors scheme, else
+  asymmetric group 32 with bf16 scales, as the GLM-5.x AWQ releases).
+
+vLLM's ``--quantization`` names a method and defaults to the checkpoint's; ``"auto"`` is that
+default, and vLLM has no ``"dequantize"``.
+
+What can stay quantized is decided by the modules: a :class:`~jaxdsa.layers.linear.Linear` that is
+``quantizable`` (no float32 compute or wider output: not the router, the indexer's
+``weights_proj`` or the LM head) and :class:`~jaxdsa.layers.mlp.Experts`. Parameters used outside
+a linear layer (``kv_b``, split into the absorbed-MLA factors ``w_uk`` / ``w_uv`` and multiplied per
+head) are dequantized at load, as vLLM does for MLA. A scanned stack whose layers are stored in
+different formats (an ``ignore`` entry naming one layer) is dequantized too: one stacked parameter
+has one format.
+
+:func:`quantize` replaces each chosen parameter of the abstract model by a
+:class:`~pallas_kernels.quant_matmul.layout.QuantizedWeight` of ShapeDtypeStructs: a linear's
+``[*in, *out]`` weight becomes the ``[K, N]`` matrix (axes :attr:`Linear.matrix_axes`), an
+expert stack keeps its ``[E, K, N]`` shape and axes, and every leaf (codes, scales, zero points)
+carries the same logical axes, so one sharding splits them at the same places. Scale groups are
+narrowed (exactly: each scale repeated) until every shard and every expert-TP ``[gate_j | up_j]``
+piece holds whole groups; a split that would cut a 4-bit packed chunk is an error naming the
+parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from checkpoints.quant import QuantConfig, WeightFormat, weight_format
+from checkpoints.spec import ExpertDown, ExpertGateUp, Leaf, Linear, Spec, Stacked
+from jaxdsa.layers.linear import Linear as LinearLayer
+from jaxdsa.layers.mlp import Experts
+from jaxdsa.layers.params import axes_of
+from jaxdsa.sharding import Axes
+from pallas_kernels.quant_matmul.layout import QuantizedWeight
+
+QUANTIZATION = ("auto", "dequantize", "fp8", "int4")
+Path = tuple[Any, ...]
+_METHODS = {"fp8": "fp8", "int4": "compressed-tensors"}
+
+
+def requested(quantization: str, checkpoint: QuantConfig | None, *, dummy: bool) -> QuantConfig | None:
+    """The quantization config the weights are kept in (None: all dense). For files,
+    ``"fp8"`` / ``"int4"`` must name the checkpoint's own method; for dummy weights they choose it."""
+    if quantization not in QUANTIZATION:
+        raise ValueError(f"quantization {quantization!r}: choose one of {', '.join(QUANTIZATION)}")
+    if quantization == "dequantize":
+        return None
+    if quantization == "auto":
+        return checkpoint
+    method = _METHODS[quantization]
+    if checkpoint is not None and checkpoint.method == method:
+        return checkpoint
+    if not dummy:
+        stored = checkpoint.method if checkpoint else "no quantization_config (plain floats)"
+        raise ValueError(
+            f"quantization={quantization!r}, but the checkpoint is {stored}: jaxdsa keeps a checkpoint's "
+            "own format and does not quantize at load (use 'auto' or 'dequantize')"
+        )
+    return QuantConfig(method) if method == "fp8" else QuantConfig(method, group_size=32, symmetric=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """A parameter that may hold a QuantizedWeight: its ``[..., K, N]`` shape and logical axes, and
+    how many pieces its N dim joins (2 for gate|up)."""
+
+    shape: tuple[int, ...]
+    axes: Axes
+    parts: int = 1
+
+
+def slots(model: nnx.Module) -> dict[Path, Slot]:
+    """Every parameter of ``model`` that a quantized weight may replace, by state path."""
+    out = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, LinearLayer) and node.quantizable:
+            variable = node.weight
+            shape, axes = variable.get_value().shape, axes_of(variable)
+            lead = len(shape) - node.in_ndim - len(node.out_shape)
+            k = math.prod(shape[lead : lead + node.in_ndim])
+            out[(*path, "weight")] = Slot(
+                (*shape[:lead], k, math.prod(node.out_shape)), (*axes[:lead], *node.matrix_axes)
+            )
+        elif isinstance(node, Experts):
+            for name, parts in (("gate_up", 2), ("down", 1)):
+                variable = getattr(node, name)
+                out[(*path, name)] = Slot(tuple(variable.get_value().shape), axes_of(variable), parts)
+    return out
+
+
+def formats(
+    model: nnx.Module, specs: Mapping[Path, Spec], stored: Callable[[Leaf], WeightFormat | None]
+) -> dict[Path, WeightFormat]:
+    """The format of every slot that stays quantized: ``stored(leaf)`` of its source (every layer
+    of a stack must agree), and the source must be a linear of the slot's size (not padded)."""
+    out = {}
+    for path, slot in slots(model).items():
+        spec = specs[path]
+        leaves = spec.items if isinstance(spec, Stacked) else (spec,)
+        found = {stored(leaf) for leaf in leaves}
+        if len(found) != 1 or None in found:
+            continue
+        leaf = leaves[0]
+        if isinstance(leaf, Linear) and slot.shape[-2:] != (leaf.inp, leaf.out):
+            raise ValueError(
+                f"{leaf.name}: a quantized [{leaf.out}, {leaf.inp}] weight cannot be padded to "
+                f"{list(slot.shape[-2:][::-1])} (heads padded for tensor parallelism); choose a tp that "
+                "divides the heads, or quantization='dequantize'"
+            )
+        out[path] = found.pop()
+    return out
+
+
+def configured(quant: QuantConfig | None) -> Callable[[Leaf], WeightFormat | None]:
+    """``stored`` for weights made from a config (dummy weights, the planner): the modules its
+    targets / ignore list quantize (every linear for FP8), in its format."""
+
+    def stored(leaf: Leaf) -> WeightFormat | None:
+        if quant is None:
+            return None
+        if isinstance(leaf, ExpertGateUp | ExpertDown):
+            name = f"{leaf.prefix}.0.{'down' if isinstance(leaf, ExpertDown) else 'gate'}_proj"
+        elif isinstance(leaf, Linear):
+            name = leaf.name
+        else:
+            return None
+        return weight_format(quant) if quant.quantizes(name) else None
+
+    return stored
+
+
+def _narrow(group: int, size: int) -> int:
+    """The largest power-of-two divisor of ``group`` that divides ``size``."""
+    while size % group:
+        group //= 2
+    return group
+
+
+def abstract_weight(
+    fmt: WeightFormat, slot: Slot, shards: Callable[[str], int], what: str
+) -> QuantizedWeight:
+    """The QuantizedWeight (ShapeDtypeStruct leaves) holding ``slot`` in ``fmt``, its groups narrowed
+    for the shards of its K and N axes (``shards(name)``) and for gate|up pieces."""
+    *lead, k, n = slot.shape
+    k_shards, n_shards = shards(slot.axes[-2]), shards(slot.axes[-1])
+    gk, gn = fmt.group
+    if k % k_shards:
+        raise ValueError(f"{what}: K = {k} does not split into {k_shards} shards")
+    local_k = k // k_shards
+    kpack = 0
+    if fmt.format != "fp8":
+        kpack = next((p for p in (64, 32) if local_k % p == 0), 0)
+        if not kpack:
+            raise ValueError(
+                f"{what}: a 4-bit weight of K = {k} split into {k_shards} shards needs shards of whole "
+                "32-row packed chunks; choose another tp or quantization='dequantize'"
+            )
+    if k_shards > 1:
+        gk = _narrow(gk, local_k)
+    piece = n // slot.parts
+    if n_shards > 1 or slot.parts > 1:
+        if piece % n_shards:
+            raise ValueError(f"{what}: N = {n} does not split into {n_shards} shards")
+        gn = _narrow(gn, piece // n_shards)
+    packed = fmt.format != "fp8"
+    codes_dtype = np.dtype(np.uint8) if packed else np.dtype(ml_dtypes.float8_e4m3fn)
+    groups = (*lead, -(-k // gk), -(-n // gn))
+    return QuantizedWeight(
+        jax.ShapeDtypeStruct((*lead, k // 2 if packed else k, n), codes_dtype),
+        jax.ShapeDtypeStruct(groups, fmt.scale_dtype),
+        jax.ShapeDtypeStruct(groups, np.dtype(np.uint8)) if fmt.zeros else None,
+        fmt.format,
+        (gk, gn),
+        kpack,
+    )
+
+
+def quantize(
+    model: nnx.Module, chosen: Mapping[Path, WeightFormat], shards: Callable[[str], int]
+) -> nnx.Module:
+    """``model`` (abstract) with each parameter of ``chosen`` replaced by its abstract QuantizedWeight."""
+    if not chosen:
+        return model
+    found = slots(model)
+    graphdef, state = nnx.split(model)
+    flat = []
+    for path, variable in nnx.to_flat_state(state):
+        if path in chosen:
+            slot = found[path]
+            w = abstract_weight(chosen[path], slot, shards, "/".join(map(str, path)))
+            variable = variable.replace(w, out_sharding=slot.axes)
+        flat.append((path, variable))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
