@@ -1,7 +1,9 @@
 """Write a random tiny model in the real Hugging Face layout: the stand-in for a Hub checkpoint.
 
-    python -m checkpoints.make_tiny --family glm_moe_dsa|deepseek_v32 --out DIR
+    python -m checkpoints.make_tiny --family glm_moe_dsa|deepseek_v32|deepseek_v4 --out DIR
         [--seed N] [--preset NAME] [--dtype float32|bfloat16] [--shards K]
+
+(``deepseek_v4`` is written by :mod:`checkpoints.tiny_v4` in DeepSeek's release layout.)
 
 The directory holds config.json (a ``jaxdsa.config.TINY_PRESETS`` entry with ``vocab_size`` set to
 the tokenizer's), generation_config.json, safetensors with the hub's per-expert tensor names and
@@ -32,7 +34,7 @@ from safetensors.numpy import save_file
 from checkpoints import tokenizer_assets
 from jaxdsa.config import TINY_PRESETS
 
-DEFAULT_PRESET = {"glm_moe_dsa": "glm5", "deepseek_v32": "dsv32"}
+DEFAULT_PRESET = {"glm_moe_dsa": "glm5", "deepseek_v32": "dsv32", "deepseek_v4": "dsv4"}
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 # (shape, kind); the kind ("linear", "embed", "norm", "bias", "router_bias") says how random_tensor
@@ -181,12 +183,16 @@ def make_tiny(
     if family not in DEFAULT_PRESET:
         raise ValueError(f"unknown family {family!r}; choose from {sorted(DEFAULT_PRESET)}")
     preset = preset or DEFAULT_PRESET[family]
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if family == "deepseek_v4":
+        from checkpoints import tiny_v4  # imports this module's helpers
+
+        return tiny_v4.write(os.fspath(out_dir), seed=seed, preset=preset, dtype=dtype, shards=shards)
     if preset not in TINY_PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(TINY_PRESETS)}")
     if TINY_PRESETS[preset]["model_type"] != family:
         raise ValueError(f"preset {preset!r} is a {TINY_PRESETS[preset]['model_type']} model, not {family}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if not 1 <= shards <= (n_tensors := len(tensor_specs(TINY_PRESETS[preset]))):
         raise ValueError(f"shards must be between 1 and the {n_tensors} tensors, got {shards}")
 
@@ -217,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--family", required=True, choices=sorted(DEFAULT_PRESET))
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--preset", default=None, help="TINY_PRESETS name (default: glm5 / dsv32)")
+    parser.add_argument("--preset", default=None, help="preset name (default: glm5 / dsv32 / dsv4)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--shards", type=int, default=1)
     args = parser.parse_args(argv)

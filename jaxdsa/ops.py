@@ -28,6 +28,15 @@ Shapes (T query tokens, H heads, K selected keys, N cache slots, S key positions
   FP4 (``pallas_kernels.quant_matmul.layout``), dequantized in the kernel to x's dtype. Not wrapped
   in a ``shard_map``: the caller (a Linear) knows whether W is split along K or N and runs it under
   its own specs.
+
+DeepSeek-V4 (models.md §3):
+
+- ``hc_pre(x [T,n,D], fn [nD,(2+n)n], base, scale [3], *, iters, hc_eps, norm_eps)
+  -> (collapsed [T,D], post [T,n], comb [T,n,n])`` and ``hc_post(x, out [T,D], post, comb) -> [T,n,D]``:
+  a hyper-connection site's weights (Sinkhorn-normalized mixing) and the stream update.
+- ``compress_pool(kv [W,m,cd], score [W,m,cd], norm [d], *, eps, prev_kv=None, prev_score=None)
+  -> [W,d]``: the compressor's gated per-channel softmax pooling of complete windows (c = 2:
+  overlapping CSA windows, the previous window's first half carried in ``prev_*``), then RMSNorm.
 """
 
 from __future__ import annotations
@@ -39,6 +48,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+
+# Pallas registers three trace-context config states in modules it imports lazily. When that first
+# happens inside a jitted trace (the first kernel resolved by an interpret / pallas step), the next
+# call of the same jitted function misses JAX's cache and compiles everything a second time.
+# Importing them here, before any trace, keeps it to one compilation.
+import jax.experimental.pallas.fuser  # noqa: F401
 
 from jaxdsa import sharding
 
@@ -54,8 +69,14 @@ _PACKAGES = {
     "moe_experts": "moe",
     "pack_experts": "moe",
     "quant_matmul": "quant_matmul",
+    "hc_pre": "mhc",
+    "hc_post": "mhc",
+    "compress_pool": "compress_pool",
 }
-_UNWRAPPED = ("pack_experts", "quant_matmul")  # not run under jaxdsa.sharding's shard_map rules
+# Not run under jaxdsa.sharding's shard_map rules: pack_experts builds a pytree; quant_matmul's caller
+# (a Linear) knows whether W is split along K or N; the DeepSeek-V4 per-token ops have no sharding rule
+# yet and run on whatever their inputs hold (meshes for V4 come with its model-family seam).
+_UNSHARDED = {"pack_experts", "quant_matmul", "hc_pre", "hc_post", "compress_pool"}
 
 _backend: str | None = None
 
@@ -96,7 +117,7 @@ def _resolve(op: str, backend: str) -> Callable[..., Any]:
 
 def _impl(op: str) -> Callable[..., Any]:
     fn = _resolve(op, get_kernels())
-    return fn if op in _UNWRAPPED else sharding.wrap_op(op, fn)
+    return fn if op in _UNSHARDED else sharding.wrap_op(op, fn)
 
 
 def sparse_mla(q, kv, indices, *, sm_scale: float, sink=None, v_dim: int = 512):
@@ -129,3 +150,15 @@ def moe_experts(x, topk_ids, topk_weights, experts, *, swiglu_limit: float | Non
 
 def quant_matmul(x, w):
     return _impl("quant_matmul")(x, w)
+
+
+def hc_pre(x, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: float):
+    return _impl("hc_pre")(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+
+
+def hc_post(x, out, post, comb):
+    return _impl("hc_post")(x, out, post, comb)
+
+
+def compress_pool(kv, score, norm, *, eps: float, prev_kv=None, prev_score=None):
+    return _impl("compress_pool")(kv, score, norm, eps=eps, prev_kv=prev_kv, prev_score=prev_score)

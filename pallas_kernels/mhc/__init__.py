@@ -1,0 +1,1 @@
+"""Manifold-constrained hyper-connections (DeepSeek-V4): stream mixing weights with Sinkhorn."""
