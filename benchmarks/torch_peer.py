@@ -61,6 +61,22 @@ def dequantize(w: TorchWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
     return ((codes.int() - zero).float() * s).to(w.scales.dtype).to(dtype)
 
 
+def dequantize_experts(
+    w: TorchWeight, index: torch.Tensor, dtype: torch.dtype, chunk: int = 16
+) -> torch.Tensor:
+    """The experts at ``index`` dequantized into one ``[len(index), K, N]`` tensor, ``chunk`` experts at
+    a time: the float32 temporaries of :func:`dequantize` stay a chunk large (for all 256 GLM-5
+    experts at once they would need ~80 GB)."""
+    first = dequantize(w.take(index[:chunk]), dtype)
+    if index.numel() <= chunk:
+        return first
+    out = torch.empty((index.numel(), *first.shape[1:]), dtype=dtype, device=first.device)
+    out[:chunk] = first
+    for i in range(chunk, index.numel(), chunk):
+        out[i : i + chunk] = dequantize(w.take(index[i : i + chunk]), dtype)
+    return out
+
+
 def linear(x: torch.Tensor, w: TorchWeight | torch.Tensor) -> torch.Tensor:
     return x @ (w if isinstance(w, torch.Tensor) else dequantize(w, x.dtype))
 
@@ -73,7 +89,8 @@ def moe(
     down: TorchWeight | torch.Tensor,
 ) -> torch.Tensor:
     """out[t] = sum_j w[t,j] * down_e(silu(gate_e x_t) * up_e x_t) with slots sorted by expert and two
-    ``torch._grouped_mm`` calls. Quantized experts: the touched ones are dequantized for the batch."""
+    ``torch._grouped_mm`` calls. Quantized experts: the touched ones are dequantized for the batch
+    (:func:`dequantize_experts`)."""
     t, k = ids.shape
     flat = ids.reshape(-1)
     if isinstance(gate_up, torch.Tensor):
@@ -82,7 +99,10 @@ def moe(
     else:
         touched, groups = torch.unique(flat, return_inverse=True)
         counts = torch.bincount(groups, minlength=touched.numel())
-        gate_up, down = dequantize(gate_up.take(touched), x.dtype), dequantize(down.take(touched), x.dtype)
+        gate_up, down = (
+            dequantize_experts(gate_up, touched, x.dtype),
+            dequantize_experts(down, touched, x.dtype),
+        )
     order = torch.argsort(groups, stable=True)
     offs = torch.cumsum(counts, 0).to(torch.int32)
     h = torch._grouped_mm(x[order // k], gate_up, offs=offs)
