@@ -26,14 +26,16 @@ per matmul. Weights are random: codes uniform (FP8's NaN codes excluded), scales
 
 Rows run most wanted first per format (every MoE row, then the linears, then the linears'
 variants) and are compiled ``CHUNK`` at a time on ``QUANT_COMPILE_THREADS`` threads (default 1).
-``QUANT_TOKENS=1,4096`` / ``QUANT_FORMATS=int4,fp8`` restrict the run; no new measurement starts
-after ``QUANT_BUDGET_S`` seconds (default 480, so a call fits the 10-minute device limit: run the
-formats as separate processes). Holds one format's weights at a time (bf16 experts: 19.3 GB); run
-as ``__main__`` it turns JAX's preallocation off, since torch shares the GPU. Writes
-``benchmarks/results/quant-<gpu>.md`` (device, versions, commit (``$JAXDSA_COMMIT`` where the tree
-has no .git), date, ceilings, a summary per T and format, then every measurement; skipped ones are
-counted); ``QUANT_JSON=path`` also dumps the rows, and ``python -m benchmarks.quant merge OUT.md
-A.json B.json ...`` writes one results file from several processes' dumps.
+``QUANT_TOKENS=1,4096`` / ``QUANT_FORMATS=int4,fp8`` / ``QUANT_LINEAR_TOKENS=1,4096`` (the linears
+only) restrict the run; no new measurement starts after ``QUANT_BUDGET_S`` seconds (default 480, so a
+call fits the 10-minute device limit), and ``QUANT_SLICES=int4:150,fp8:120`` gives each format a
+slice of it (a format's unused time passes to the next). Holds one format's weights at a time
+(bf16 experts: 19.3 GB); run as ``__main__`` it turns JAX's preallocation off, since torch shares
+the GPU. Writes ``benchmarks/results/quant-<gpu>.md`` (device, versions, commit
+(``$JAXDSA_COMMIT`` where the tree has no .git), date, ceilings, a summary per T and format, then
+every measurement; skipped ones are counted); ``QUANT_JSON=path`` also dumps the rows, and
+``python -m benchmarks.quant merge OUT.md A.json B.json ...`` writes one results file from several
+processes' dumps.
 """
 
 from __future__ import annotations
@@ -240,13 +242,14 @@ def _measure(name: str, run_all, case: Case, ceiling_gbs: float, replays: int) -
         out = jax.block_until_ready(run_all(case.sets))[0]
         err = harness.rel_l2(out[case.rows], case.want)
         if not err <= TOLERANCE:
+            log(f"quant {case.op} {case.fmt} T={case.t} {row['impl']}: FAILED check (rel L2 {err:.2e})")
             return row | {"rel_err": err, "note": f"FAILED check (rel L2 {err:.2e})"}
         jax.block_until_ready(run_all(case.sets))  # warm-up
         sec = harness.median_seconds(lambda: run_all(case.sets), len(case.sets), replays)
     except Exception as exc:  # noqa: BLE001 - one failure must not end the run
         traceback.print_exc()
         return row | {"note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
-    print(f"quant {case.op} {case.fmt} T={case.t} {name}: {sec * 1e6:.1f} us", flush=True)
+    log(f"quant {case.op} {case.fmt} T={case.t} {name}: {sec * 1e6:.1f} us, err {err:.1e}")
     return row | {"rel_err": err} | _rates(case, sec, ceiling_gbs)
 
 
@@ -261,12 +264,13 @@ def _measure_torch(fn: Callable, case: Case, ceiling_gbs: float, replays: int, c
         out = fn(*sets[0])
         err = harness.rel_l2(jnp.asarray(out[case.rows].float().cpu().numpy()), case.want)
         if not err <= TOLERANCE:
+            log(f"quant {case.op} {case.fmt} T={case.t} {row['impl']}: FAILED check (rel L2 {err:.2e})")
             return row | {"rel_err": err, "note": f"FAILED check (rel L2 {err:.2e})"}
         sec = torch_peer.median_seconds(fn, sets, replays=replays)
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
         return row | {"note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
-    print(f"quant {case.op} {case.fmt} T={case.t} torch: {sec * 1e6:.1f} us")
+    log(f"quant {case.op} {case.fmt} T={case.t} torch: {sec * 1e6:.1f} us, err {err:.1e}")
     return row | {"rel_err": err} | _rates(case, sec, ceiling_gbs)
 
 
@@ -441,30 +445,47 @@ def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
 
 @dataclasses.dataclass
 class _Item:
-    case: Case
-    kind: str  # "moe" or "linear"
+    key: tuple  # ("moe", T) or ("linear", name, T): the case it measures
     impl: Impl | None  # None: the torch peer
 
+    @property
+    def kind(self) -> str:
+        return self.key[0]
 
-def _work(shapes: Shapes, fmt: str, cases: list[tuple[Case, str]], variants: bool) -> list[_Item]:
+
+def _work(shapes: Shapes, fmt: str, linear_tokens: tuple[int, ...], variants: bool) -> list[_Item]:
     """The rows of one format, most wanted first: every MoE row (variants and torch included), then
     the linears' rows, then the linears' variant rows, each phase by T."""
-    moe = [(c, k) for c, k in cases if k == "moe"]
-    lin = [(c, k) for c, k in cases if k == "linear"]
     items = []
-    for case, kind in moe:
-        items += [_Item(case, kind, i) for i in _impls(fmt, kind, case.t) if variants or not i.variant]
-        items.append(_Item(case, kind, None))
-    for case, kind in lin:
-        items += [_Item(case, kind, i) for i in _impls(fmt, kind, case.t) if not i.variant]
-        items.append(_Item(case, kind, None))
+    for t in shapes.tokens:
+        impls = [i for i in _impls(fmt, "moe", t) if variants or not i.variant]
+        items += [_Item(("moe", t), i) for i in impls] + [_Item(("moe", t), None)]
+    names = () if fmt in MOE_ONLY else tuple(shapes.linears)
+    keys = [("linear", name, t) for t in linear_tokens for name in names]
+    for key in keys:
+        items += [_Item(key, i) for i in _impls(fmt, "linear", key[2]) if not i.variant]
+        items.append(_Item(key, None))
     if variants:
-        for case, kind in lin:
-            items += [_Item(case, kind, i) for i in _impls(fmt, kind, case.t) if i.variant]
+        items += [_Item(key, i) for key in keys for i in _impls(fmt, "linear", key[2]) if i.variant]
     return items
 
 
 CHUNK = 12  # JAX rows compiled together
+_START = [time.perf_counter()]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _START[0]:6.1f}s] {msg}", flush=True)
+
+
+def _deadlines(formats, budget_s: float, slices: dict[str, float]) -> dict[str, float]:
+    """Seconds from the start by which each format stops starting rows: cumulative ``slices`` (time a
+    format leaves unused passes to the next), never past ``budget_s``."""
+    out, total = {}, 0.0
+    for fmt in formats:
+        total += slices.get(fmt, budget_s)
+        out[fmt] = min(total, budget_s)
+    return out
 
 
 def run(
@@ -474,18 +495,24 @@ def run(
     budget_s: float = float("inf"),
     variants: bool = True,
     threads: int = 1,
+    slices: dict[str, float] | None = None,
+    linear_tokens: tuple[int, ...] | None = None,
 ) -> tuple[list[dict], dict]:
     """All rows, and the ceilings measured."""
-    start = time.perf_counter()
+    start = _START[0] = time.perf_counter()
     copy_gbs = harness.copy_ceiling_gbs(shapes.ceiling_bytes)
     read_gbs = read_ceiling_gbs(shapes.ceiling_bytes)
     ceiling = max(copy_gbs, read_gbs)
-    print(f"quant: copy {copy_gbs:.0f} GB/s, read {read_gbs:.0f} GB/s", flush=True)
+    log(f"quant: copy {copy_gbs:.0f} GB/s, read {read_gbs:.0f} GB/s")
     rows: list[dict] = []
-    over = lambda: time.perf_counter() - start > budget_s  # noqa: E731
+    deadline = _deadlines(formats, budget_s, slices or {})
+    linear_tokens = linear_tokens or shapes.tokens
     for fmt in formats:
+        over = lambda fmt=fmt: time.perf_counter() - start > deadline[fmt]  # noqa: E731
+        items = _work(shapes, fmt, linear_tokens, variants)
         if over():
-            print(f"quant: {fmt} skipped (budget)", flush=True)
+            log(f"quant: {fmt} skipped (budget)")
+            rows += [_skipped(shapes, fmt, it) for it in items]
             continue
         key = jax.random.key(FORMATS.index(fmt))
         lead = (shapes.experts,)
@@ -504,43 +531,55 @@ def run(
             }
         )
         jax.block_until_ready((experts, linears))
-        cases = [(moe_case(shapes, fmt, t, experts), "moe") for t in shapes.tokens]
-        cases += [
-            (linear_case(shapes, name, fmt, t, w), "linear")
-            for t in shapes.tokens
-            for name, w in linears.items()
-        ]
-        items = _work(shapes, fmt, cases, variants)
+        log(f"quant: {fmt} weights ready")
+        cases: dict[tuple, Case] = {}
+
+        def case_of(key: tuple, fmt=fmt, experts=experts, linears=linears, cases=cases) -> Case:
+            if key not in cases:
+                if key[0] == "moe":
+                    cases[key] = moe_case(shapes, fmt, key[1], experts)
+                else:
+                    cases[key] = linear_case(shapes, key[1], fmt, key[2], linears[key[1]])
+            return cases[key]
+
         torch_cache: dict = {}
         for i in range(0, len(items), CHUNK):
             chunk = items[i : i + CHUNK]
+            if over():
+                rows += [_skipped(shapes, fmt, it) for it in chunk]
+                continue
             jax_items = [it for it in chunk if it.impl is not None]
-            compiled = {}
-            if not over():
-                fns = [
-                    (
-                        _moe_fn(shapes, it.impl) if it.kind == "moe" else _linear_fn(shapes, fmt, it.impl),
-                        it.case.sets,
-                    )
-                    for it in jax_items
-                ]
-                compiled = dict(zip(map(id, jax_items), compile_all(fns, threads)))
+            fns = [
+                (
+                    _moe_fn(shapes, it.impl) if it.kind == "moe" else _linear_fn(shapes, fmt, it.impl),
+                    case_of(it.key).sets,
+                )
+                for it in jax_items
+            ]
+            compiled = dict(zip(map(id, jax_items), compile_all(fns, threads)))
+            log(f"quant: {fmt} compiled {len(fns)} rows")
             for it in chunk:
-                name = it.impl.name if it.impl is not None else "torch"
+                case = case_of(it.key)
                 if over():
-                    rows.append(it.case.common() | {"impl": name, "note": harness.SKIPPED})
+                    rows.append(_skipped(shapes, fmt, it))
                 elif it.impl is None:
                     rows.append(
-                        _measure_torch(_torch_fn(it.kind), it.case, ceiling, shapes.replays, torch_cache)
+                        _measure_torch(_torch_fn(it.kind), case, ceiling, shapes.replays, torch_cache)
                     )
                 else:
-                    rows.append(_measure(name, compiled[id(it)], it.case, ceiling, shapes.replays))
+                    rows.append(_measure(it.impl.name, compiled[id(it)], case, ceiling, shapes.replays))
             del compiled
         del experts, linears, torch_cache, cases, items
         gc.collect()
         _torch_free()
     ceilings = {"copy_gbs": copy_gbs, "read_gbs": read_gbs, "elapsed_s": time.perf_counter() - start}
     return rows, ceilings
+
+
+def _skipped(shapes: Shapes, fmt: str, it: _Item) -> dict:
+    op = "routed experts" if it.kind == "moe" else it.key[1]
+    name = it.impl.name if it.impl is not None else "torch"
+    return {"op": op, "format": fmt, "T": it.key[-1], "impl": name, "note": harness.SKIPPED}
 
 
 def _torch_free() -> None:
@@ -708,6 +747,10 @@ def main(shapes: Shapes = GLM5, out: pathlib.Path | None = None) -> pathlib.Path
         budget_s=float(os.environ.get("QUANT_BUDGET_S", "480")),
         variants=os.environ.get("QUANT_VARIANTS", "1") != "0",
         threads=int(os.environ.get("QUANT_COMPILE_THREADS", "1")),
+        slices={
+            f: float(v) for f, v in (p.split(":") for p in os.environ.get("QUANT_SLICES", "").split(",") if p)
+        },
+        linear_tokens=_env_list("QUANT_LINEAR_TOKENS", shapes.tokens),
     )
     header = header_rows(ceilings, shapes)
     if os.environ.get("QUANT_JSON"):

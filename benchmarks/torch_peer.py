@@ -114,13 +114,24 @@ def moe(
     return out.view(t, k, -1).sum(1).to(x.dtype)
 
 
-def median_seconds(fn: Callable, input_sets: Sequence[tuple], *, replays: int = 20, calls: int = 4) -> float:
+def median_seconds(
+    fn: Callable, input_sets: Sequence[tuple], *, replays: int = 20, calls: int = 4, row_s: float = 1.5
+) -> float:
     """benchmarks.harness's method for torch: each replay runs ``calls`` x all input sets back to back,
-    synchronizes once; median seconds per call."""
+    synchronizes once; median seconds per call. After the warm-up one timed pass sizes the rest: a
+    replay lasts ~20 ms or one pass, and slow rows (dequantizing all 256 experts takes ~0.1-0.4 s)
+    get fewer replays, at least 3, so a row costs about ``row_s``."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for inputs in input_sets:  # warm-up
         fn(*inputs)
     sync()
+    t0 = time.perf_counter()
+    for inputs in input_sets:
+        fn(*inputs)
+    sync()
+    one = max(time.perf_counter() - t0, 1e-6)  # one pass over the sets
+    calls = max(1, min(calls, round(0.02 / one)))
+    replays = max(3, min(replays, int(row_s / (one * calls))))
     times = []
     for _ in range(replays):
         t0 = time.perf_counter()

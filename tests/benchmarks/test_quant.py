@@ -38,3 +38,11 @@ def test_json_parts_merge(tmp_path, monkeypatch):
     lines = [line for line in text.splitlines() if line.startswith("| routed experts")]
     assert [line.split("|")[2].strip() for line in lines][:2] == ["bf16", "bf16"]  # FORMATS order
     assert any("| fp4 |" in line for line in lines) and "## Summary" in text
+
+
+def test_format_slices_are_cumulative():
+    assert quant._deadlines(("int4", "fp8", "bf16"), 100.0, {"int4": 30, "fp8": 20}) == {
+        "int4": 30.0,
+        "fp8": 50.0,
+        "bf16": 100.0,
+    }
