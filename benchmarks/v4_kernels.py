@@ -29,7 +29,12 @@ minimum a call moves through HBM: every input read once (for gathers, the gather
 prefill window rows, read by 128 queries each, count once), every output written once; "% ceiling"
 is of the faster of the copy and read-only ceilings measured in this run, "% mm" of the bf16
 matmul ceiling (flops: 2 per multiply-add of the dots). ``V4_BUDGET_S`` (default 300) stops new
-measurements. Writes ``benchmarks/results/v4_kernels-<gpu>.md``.
+measurements; ``V4_KERNELS=sparse_mla,indexer_logits:decode`` runs only those kernels' cases
+(``kernel:prefix``: the cases whose shape starts so). ``hc_pre`` runs
+twice per T: the tuning table's choice and the fused kernel (``splits`` = 1, see
+:mod:`pallas_kernels.mhc.tuning`). Writes ``benchmarks/results/v4_kernels-<gpu>.md`` (and
+``V4_JSON=path`` dumps the rows; ``python -m benchmarks.v4_kernels merge OUT.md A.json B.json``
+joins several runs' dumps into one file).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from pallas_kernels.merge_states import kernel as merge_kernel
 from pallas_kernels.merge_states import ref as merge_ref
 from pallas_kernels.mhc import kernel as mhc_kernel
 from pallas_kernels.mhc import ref as mhc_ref
+from pallas_kernels.mhc import tuning as mhc_tuning
 from pallas_kernels.sparse_mla import kernel as mla_kernel
 from pallas_kernels.sparse_mla import ref as mla_ref
 from pallas_kernels.topk import kernel as topk_kernel
@@ -146,6 +152,7 @@ class Case:
     mbytes: float
     gflop: float = 0.0
     check: Callable | None = None  # (got, f32 reference, inputs) -> rel error; default: rel L2 per output
+    time_reference: bool = True  # False where another case already times the same reference
 
 
 # ---- inputs -------------------------------------------------------------------------------------------
@@ -187,6 +194,19 @@ def _mhc_cases(w: Widths) -> list[Case]:
                 lambda *a: mhc_ref.hc_pre(*a, **kw),
                 pre_bytes / 1e6,
                 (2 * t * n * d * mix + 2 * t * n * d) / 1e9,
+            )
+        )
+        fused = mhc_tuning.MhcConfig(**{**dataclasses.asdict(mhc_tuning.choose(t, n, d)), "splits": 1})
+        out.append(
+            Case(
+                "hc_pre",
+                f"T={t} fused",
+                make_pre,
+                lambda *a, fused=fused: mhc_kernel.hc_pre(*a, **kw, interpret=w.interpret, config=fused),
+                lambda *a: mhc_ref.hc_pre(*a, **kw),
+                pre_bytes / 1e6,
+                (2 * t * n * d * mix + 2 * t * n * d) / 1e9,
+                time_reference=False,
             )
         )
         post_bytes = 2 * t * n * d * 2 + t * d * 2 + t * (n + n * n) * 4
@@ -478,8 +498,19 @@ def _mla_cases(w: Widths) -> list[Case]:
     return out
 
 
-def cases(w: Widths) -> list[Case]:
-    return _mhc_cases(w) + _pool_cases(w) + _indexer_cases(w) + _mla_cases(w)
+def cases(w: Widths, kernels: tuple[str, ...] = ()) -> list[Case]:
+    """Every case, or those ``kernels`` names: ``kernel`` (as in the ``kernel`` column) or
+    ``kernel:shape prefix``."""
+
+    def wanted(c: Case) -> bool:
+        for k in kernels:
+            name, _, prefix = k.partition(":")
+            if c.kernel == name and c.shape.startswith(prefix):
+                return True
+        return not kernels
+
+    every = _mhc_cases(w) + _pool_cases(w) + _indexer_cases(w) + _mla_cases(w)
+    return [c for c in every if wanted(c)]
 
 
 # ---- measuring ---------------------------------------------------------------------------------------
@@ -514,7 +545,8 @@ def measure(case: Case, w: Widths, ceilings: dict, budget_left: Callable[[], boo
         traceback.print_exc()
         return [base | {"impl": "pallas", "note": f"inputs/reference: {type(exc).__name__}: {exc}"[:160]}]
     rows = []
-    for impl, fn in (("pallas", case.pallas), ("reference", case.reference)):
+    impls = [("pallas", case.pallas)] + ([("reference", case.reference)] if case.time_reference else [])
+    for impl, fn in impls:
         row = base | {"impl": impl}
         try:
             run_all = jax.jit(lambda sets, fn=fn: [fn(*s) for s in sets])
@@ -522,6 +554,7 @@ def measure(case: Case, w: Widths, ceilings: dict, budget_left: Callable[[], boo
             err = case.check(got, want, sets[0]) if case.check else _rel_err(got, want)
             row["rel_err"] = err
             if impl == "pallas" and not err <= TOLERANCE:
+                log(f"v4 {case.kernel} {case.shape} {impl}: FAILED check ({err:.2e})")
                 rows.append(row | {"note": f"FAILED check ({err:.2e})"})
                 continue
             jax.block_until_ready(run_all(sets))
@@ -539,21 +572,30 @@ def measure(case: Case, w: Widths, ceilings: dict, budget_left: Callable[[], boo
             "% mm": 100 * case.gflop / sec / 1e3 / ceilings["mm"] if case.gflop else "",
             "sets": len(sets),
         }
-        print(f"v4 {case.kernel} {case.shape} {impl}: {sec * 1e6:.1f} us, err {err:.2e}", flush=True)
+        log(f"v4 {case.kernel} {case.shape} {impl}: {sec * 1e6:.1f} us, err {err:.2e}")
         rows.append(row)
     return rows
 
 
-def run(w: Widths = FLASH, *, budget_s: float = float("inf")) -> tuple[list[dict], dict]:
-    start = time.perf_counter()
+_START = [time.perf_counter()]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _START[0]:6.1f}s] {msg}", flush=True)
+
+
+def run(
+    w: Widths = FLASH, *, budget_s: float = float("inf"), kernels: tuple[str, ...] = ()
+) -> tuple[list[dict], dict]:
+    start = _START[0] = time.perf_counter()
     copy_gbs = harness.copy_ceiling_gbs(w.ceiling_bytes)
     read_gbs = quant.read_ceiling_gbs(w.ceiling_bytes)
     mm = harness.matmul_ceiling_tflops(8192 if not w.interpret else 256)
     ceilings = {"copy": copy_gbs, "read": read_gbs, "bw": max(copy_gbs, read_gbs), "mm": mm}
-    print(f"v4: copy {copy_gbs:.0f} GB/s, read {read_gbs:.0f} GB/s, matmul {mm:.0f} TFLOP/s", flush=True)
+    log(f"v4: copy {copy_gbs:.0f} GB/s, read {read_gbs:.0f} GB/s, matmul {mm:.0f} TFLOP/s")
     rows: list[dict] = []
     left = lambda: time.perf_counter() - start < budget_s  # noqa: E731
-    for case in cases(w):
+    for case in cases(w, kernels):
         rows += measure(case, w, ceilings, left)
     ceilings["elapsed_s"] = time.perf_counter() - start
     return rows, ceilings
@@ -606,24 +648,34 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def report(rows: list[dict], ceilings: dict, w: Widths) -> str:
-    header = harness.report_header(
-        "DeepSeek-V4 kernels at V4-Flash widths (benchmarks/v4_kernels.py)",
-        {
-            "commit": quant.commit(),
-            "widths": (
-                f"D={w.hidden} hc={w.hc_mult} H={w.heads} d={w.head_dim} window={w.window} "
-                f"indexer {w.index_heads}x{w.index_dim} top-{w.index_topk} CSA m={w.csa} HCA m={w.hca}"
-            ),
-            "copy ceiling (jax x+1)": f"{ceilings['copy']:.0f} GB/s",
-            "read ceiling (jax sum(x))": f"{ceilings['read']:.0f} GB/s",
-            "matmul ceiling (jax bf16 8192^3)": f"{ceilings['mm']:.0f} TFLOP/s",
-            "benchmark wall time": f"{ceilings['elapsed_s']:.0f} s",
-        },
-    )
+def header_rows(ceilings: dict, w: Widths) -> dict[str, str]:
+    """Device, versions, date, commit, widths and ceilings of one run."""
+    return harness.device_header() | {
+        "commit": quant.commit(),
+        "widths": (
+            f"D={w.hidden} hc={w.hc_mult} H={w.heads} d={w.head_dim} window={w.window} "
+            f"indexer {w.index_heads}x{w.index_dim} top-{w.index_topk} CSA m={w.csa} HCA m={w.hca}"
+        ),
+        "copy ceiling (jax x+1)": f"{ceilings['copy']:.0f} GB/s",
+        "read ceiling (jax sum(x))": f"{ceilings['read']:.0f} GB/s",
+        "matmul ceiling (jax bf16 8192^3)": f"{ceilings['mm']:.0f} TFLOP/s",
+        "benchmark wall time": f"{ceilings['elapsed_s']:.0f} s",
+    }
+
+
+def report(rows: list[dict], headers: list[dict[str, str]]) -> str:
+    """The results file; ``headers``: one per run that measured some of ``rows`` (values that differ
+    between runs are joined by ' / ', in run order)."""
+    keys = list(dict.fromkeys(k for h in headers for k in h))
+    table = {k: " / ".join(dict.fromkeys(h.get(k, "") for h in headers)) for k in keys}
     return "\n".join(
         [
-            *header,
+            "# DeepSeek-V4 kernels at V4-Flash widths (benchmarks/v4_kernels.py)",
+            "",
+            "| | |",
+            "|---|---|",
+            *[f"| {k} | {v} |" for k, v in table.items()],
+            "",
             "Method: see the docstring of `benchmarks/v4_kernels.py`. `% ceiling` is of the faster of",
             "the copy and read ceilings above, `% mm` of the matmul ceiling; `speed-up` = reference us /",
             "pallas us.",
@@ -640,11 +692,34 @@ def report(rows: list[dict], ceilings: dict, w: Widths) -> str:
     )
 
 
+def merge(out: pathlib.Path, parts: list[pathlib.Path], w: Widths = FLASH) -> pathlib.Path:
+    """One results file from several runs' ``V4_JSON`` dumps: a later run's row replaces an earlier
+    one of the same (kernel, shape, impl); rows in :func:`cases` order; skipped rows only where no
+    run measured the case."""
+    import json
+
+    loaded = [json.loads(p.read_text(encoding="utf-8")) for p in parts]
+    best: dict[tuple, dict] = {}
+    for part in loaded:
+        for r in part["rows"]:
+            key = (r["kernel"], r["shape"], r["impl"])
+            if r.get("note") != harness.SKIPPED or key not in best:
+                best[key] = r
+    order = {(c.kernel, c.shape): i for i, c in enumerate(cases(w))}
+    rows = sorted(best.values(), key=lambda r: (order.get((r["kernel"], r["shape"]), len(order)), r["impl"]))
+    measured = {(r["kernel"], r["shape"]) for r in rows if r.get("note") != harness.SKIPPED}
+    rows = [r for r in rows if r.get("note") != harness.SKIPPED or (r["kernel"], r["shape"]) not in measured]
+    out.write_text(report(rows, [part["header"] for part in loaded]), encoding="utf-8")
+    return out
+
+
 def main(w: Widths = FLASH, out: pathlib.Path | None = None) -> pathlib.Path:
-    rows, ceilings = run(w, budget_s=float(os.environ.get("V4_BUDGET_S", "300")))
-    text = report(rows, ceilings, w)
+    kernels = tuple(k for k in os.environ.get("V4_KERNELS", "").split(",") if k)
+    rows, ceilings = run(w, budget_s=float(os.environ.get("V4_BUDGET_S", "300")), kernels=kernels)
+    header = header_rows(ceilings, w)
     if os.environ.get("V4_JSON"):
-        harness.dump_json(os.environ["V4_JSON"], {"rows": rows, "ceilings": ceilings})
+        harness.dump_json(os.environ["V4_JSON"], {"header": header, "rows": rows})
+    text = report(rows, [header])
     if out is None:
         return harness.write_result("v4_kernels", text)
     out.write_text(text, encoding="utf-8")
@@ -652,4 +727,9 @@ def main(w: Widths = FLASH, out: pathlib.Path | None = None) -> pathlib.Path:
 
 
 if __name__ == "__main__":
-    print(main())
+    import sys
+
+    if sys.argv[1:2] == ["merge"]:  # python -m benchmarks.v4_kernels merge OUT.md A.json B.json ...
+        print(merge(pathlib.Path(sys.argv[2]), [pathlib.Path(p) for p in sys.argv[3:]]))
+    else:
+        print(main())
