@@ -11,8 +11,8 @@ Run ``python -m benchmarks.quant`` on a GPU. Per format and T it times, in one p
   path A100s run (on parts where it is the default, ``pallas`` is that path already); FP4 is
   always decoded with integer ops, on every part;
 * variants (``QUANT_VARIANTS=0`` skips them): INT4 with the other INT4 arithmetic
-  (``pallas:int4-bf16`` / ``-f32``, :func:`pallas_kernels.quant_matmul.decode.int4_decode`), and at
-  T <= 32 two MoE tile variants with bf16 arithmetic (8 warps; 64-column tiles);
+  (``pallas:int4-f32`` / ``-bf16``, :func:`pallas_kernels.quant_matmul.decode.int4_decode`), and at
+  T <= 32 two 4-bit MoE tile variants (4 warps; 64-column tiles);
 * ``torch``: dequantize to bf16 then ``torch._grouped_mm`` / ``torch.matmul``
   (:mod:`benchmarks.torch_peer`) on the same arrays, shared through DLPack; skipped without torch;
 * bf16 rows: the bf16 MoE kernel and XLA's dot, the unquantized baselines.
@@ -118,7 +118,10 @@ SMALL = Shapes(
 
 
 def _env_list(name: str, default: tuple) -> tuple:
+    """Comma-separated values of ``$name`` ('none': no values), else ``default``."""
     raw = os.environ.get(name)
+    if raw == "none":
+        return ()
     return tuple(type(default[0])(v) for v in raw.split(",")) if raw else default
 
 
@@ -417,14 +420,15 @@ def _both_tiles(**changes) -> Callable:
     )
 
 
-VARIANT_TOKENS = (1, 8, 32)  # INT4 MoE tile variants are tried at these T
+VARIANT_TOKENS = (1, 8, 32)  # 4-bit MoE tile variants are tried at these T
 
 
 def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
     """The JAX rows of a case. bf16: the bf16 MoE kernel and XLA's dot (the unquantized baselines).
     FP8: also the software e4m3 decode where it is not already the default (sm_80 / sm_86, the CPU).
-    INT4: also the other INT4 arithmetic (:func:`decode.int4_decode`), and at small T two tile
-    variants of the MoE kernels with bf16 arithmetic (8 warps; 64-column tiles, twice the programs)."""
+    INT4: also the other INT4 arithmetic (:func:`decode.int4_decode`); 4-bit MoE (INT4, FP4) at small
+    T: two tile variants (4 warps, the tiles' own before ``warps_4bit``; 64-column tiles, twice the
+    programs)."""
     if fmt == "bf16":
         return [Impl("pallas bf16" if kind == "moe" else "XLA dot")]
     impls = [Impl("pallas")]
@@ -433,13 +437,9 @@ def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
     if fmt == "int4":
         other = "bf16" if decode.int4_decode() == "f32" else "f32"
         impls.append(Impl(f"pallas:int4-{other}", int4=other, variant=True))
-        if kind == "moe" and t in VARIANT_TOKENS:
-            impls.append(
-                Impl("pallas:int4-bf16 w8", int4="bf16", tiles=_both_tiles(num_warps=8), variant=True)
-            )
-            impls.append(
-                Impl("pallas:int4-bf16 n64", int4="bf16", tiles=_both_tiles(block_n=64), variant=True)
-            )
+    if fmt in ("int4", "fp4") and kind == "moe" and t in VARIANT_TOKENS:
+        impls.append(Impl("pallas:w4", tiles=_both_tiles(num_warps=4), variant=True))
+        impls.append(Impl("pallas:n64", tiles=_both_tiles(block_n=64), variant=True))
     return impls
 
 

@@ -30,7 +30,9 @@ prefill window rows, read by 128 queries each, count once), every output written
 is of the faster of the copy and read-only ceilings measured in this run, "% mm" of the bf16
 matmul ceiling (flops: 2 per multiply-add of the dots). ``V4_BUDGET_S`` (default 300) stops new
 measurements; ``V4_KERNELS=sparse_mla,indexer_logits:decode`` runs only those kernels' cases
-(``kernel:prefix``: the cases whose shape starts so). ``hc_pre`` runs
+(``kernel:prefix``: the cases whose shape starts so); ``V4_MAX_SETS`` caps R (each set is a copy
+of the kernel in the timed jit, so compile time grows with it) and ``V4_REFERENCE=0`` times only
+the kernels (the reference still checks them). ``hc_pre`` runs
 twice per T: the tuning table's choice and the fused kernel (``splits`` = 1, see
 :mod:`pallas_kernels.mhc.tuning`). Writes ``benchmarks/results/v4_kernels-<gpu>.md`` (and
 ``V4_JSON=path`` dumps the rows; ``python -m benchmarks.v4_kernels merge OUT.md A.json B.json``
@@ -527,7 +529,8 @@ def _rel_err(got, want) -> float:
 def _num_sets(case: Case, w: Widths) -> int:
     if w.interpret:
         return 1
-    return max(1, min(MAX_SETS, math.ceil(2.5 * L2_BYTES / max(case.mbytes * 1e6, 1))))
+    cap = int(os.environ.get("V4_MAX_SETS", MAX_SETS))
+    return max(1, min(cap, math.ceil(2.5 * L2_BYTES / max(case.mbytes * 1e6, 1))))
 
 
 def measure(case: Case, w: Widths, ceilings: dict, budget_left: Callable[[], bool]) -> list[dict]:
@@ -545,7 +548,8 @@ def measure(case: Case, w: Widths, ceilings: dict, budget_left: Callable[[], boo
         traceback.print_exc()
         return [base | {"impl": "pallas", "note": f"inputs/reference: {type(exc).__name__}: {exc}"[:160]}]
     rows = []
-    impls = [("pallas", case.pallas)] + ([("reference", case.reference)] if case.time_reference else [])
+    timed_ref = case.time_reference and os.environ.get("V4_REFERENCE", "1") != "0"
+    impls = [("pallas", case.pallas)] + ([("reference", case.reference)] if timed_ref else [])
     for impl, fn in impls:
         row = base | {"impl": impl}
         try:

@@ -16,7 +16,9 @@ INT4 codes have two exact ways to their bf16 weights (:func:`int4_decode` choose
 weight); "bf16" builds ``128 + q`` and ``128 + zp`` as bf16 bit patterns with integer ops, subtracts
 and multiplies by the bf16 scale in bf16 arithmetic (``fma.rn.bf16``, sm_80+). The difference is an
 exact small integer and the product of a 4-bit integer and a bf16 scale is rounded once, so both
-give the same bits; "bf16" applies only where the scales and the activations are bf16.
+give the same bits; "bf16" applies only where the scales and the activations are bf16 (it is the
+default: on the H100 the INT4 MoE took 260 / 1840 / 4629 / 7201 us at T = 1 / 8 / 32 / 128 against
+301 / 2135 / 5289 / 8222 us with "f32").
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ ENV = "JAXDSA_FP_DECODE"
 MODES = ("native", "software")
 INT4_ENV = "JAXDSA_INT4_DECODE"
 INT4_MODES = ("f32", "bf16")
-INT4_DEFAULT = "f32"
+INT4_DEFAULT = "bf16"  # H100: 12-15 % faster MoE at T = 1-128 (benchmarks/results/quant-h100.md)
 
 
 def fp_decode(mode: str | None = None, *, cc: int | None = None) -> str:
