@@ -1,13 +1,18 @@
 """GPU benchmark: weights kept quantized, at GLM-5 shapes. INT4 (compressed-tensors, asymmetric
-group 32), FP8 (128x128 float32 scales) and bf16, for the routed experts (E = 256, top-8 + the shared
-expert, D = 6144, N = 2048) and the attention / dense linears, T in {1, 8, 32, 128, 512, 4096}.
+group 32), FP8 (128x128 float32 scales), bf16 and V4's FP4 (e2m1, ue8m0 per 32; routed experts only),
+for the routed experts (E = 256, top-8 + the shared expert, D = 6144, N = 2048) and the attention /
+dense linears, T in {1, 8, 32, 128, 512, 4096}.
 
 Run ``python -m benchmarks.quant`` on a GPU. Per format and T it times, in one process:
 
 * ``pallas``: ``moe_experts`` (routed experts; the shared expert is the ``shared`` linears) and
   ``quant_matmul`` (each linear) with the tuning tables, e4m3 decoded the device's default way;
 * ``pallas:software``: FP8 with the sm_80 integer e4m3 decode forced (``decode="software"``), the
-  path A100s run (on parts where it is the default, ``pallas`` is that path already);
+  path A100s run (on parts where it is the default, ``pallas`` is that path already); FP4 is
+  always decoded with integer ops, on every part;
+* variants (``QUANT_VARIANTS=0`` skips them): INT4 with the other INT4 arithmetic
+  (``pallas:int4-f32`` / ``-bf16``, :func:`pallas_kernels.quant_matmul.decode.int4_decode`), and at
+  T <= 32 two 4-bit MoE tile variants (4 warps; 64-column tiles);
 * ``torch``: dequantize to bf16 then ``torch._grouped_mm`` / ``torch.matmul``
   (:mod:`benchmarks.torch_peer`) on the same arrays, shared through DLPack; skipped without torch;
 * bf16 rows: the bf16 MoE kernel and XLA's dot, the unquantized baselines.
@@ -18,15 +23,24 @@ dequantized by their formats' definitions; rel L2 <= 1e-2). Bytes moved: the wei
 whole matrix for a linear) plus the activations in and out. "% ceiling" is of the faster of the copy
 (``x + 1``) and read-only (``sum(x)``) ceilings measured in this run; TFLOP/s counts 2 x M x K x N
 per matmul. Weights are random: codes uniform (FP8's NaN codes excluded), scales ~1/sqrt(K).
-``QUANT_TOKENS=1,4096`` / ``QUANT_FORMATS=int4,fp8`` restrict the run; no new measurement starts
-after ``QUANT_BUDGET_S`` seconds (default 480, so a call fits the 10-minute device limit; a whole run
-is about 160 measurements per format, so split it by format). Holds one format's weights at a time
-(bf16 experts: 19.3 GB). Writes ``benchmarks/results/quant-<gpu>.md`` (device, versions, commit,
-date, ceilings, a summary per T and format, then every measurement; skipped ones are counted).
+
+Rows run most wanted first per format (every MoE row, then the linears, then the linears'
+variants) and are compiled ``CHUNK`` at a time on ``QUANT_COMPILE_THREADS`` threads (default 1).
+``QUANT_TOKENS=1,4096`` / ``QUANT_FORMATS=int4,fp8`` / ``QUANT_LINEAR_TOKENS=1,4096`` (the linears
+only) restrict the run; no new measurement starts after ``QUANT_BUDGET_S`` seconds (default 480, so a
+call fits the 10-minute device limit), and ``QUANT_SLICES=int4:150,fp8:120`` gives each format a
+slice of it (a format's unused time passes to the next). Holds one format's weights at a time
+(bf16 experts: 19.3 GB); run as ``__main__`` it turns JAX's preallocation off, since torch shares
+the GPU. Writes ``benchmarks/results/quant-<gpu>.md`` (device, versions, commit
+(``$JAXDSA_COMMIT`` where the tree has no .git), date, ceilings, a summary per T and format, then
+every measurement; skipped ones are counted); ``QUANT_JSON=path`` also dumps the rows, and
+``python -m benchmarks.quant merge OUT.md A.json B.json ...`` writes one results file from several
+processes' dumps.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import gc
@@ -44,11 +58,14 @@ import numpy as np
 
 from benchmarks import harness
 from pallas_kernels.moe import kernel as moe_kernel
+from pallas_kernels.moe import tuning as moe_tuning
+from pallas_kernels.quant_matmul import decode
 from pallas_kernels.quant_matmul import kernel as qmm_kernel
 from pallas_kernels.quant_matmul.decode import fp_decode
 from pallas_kernels.quant_matmul.layout import QuantizedWeight, dequantize
 
-FORMATS = ("int4", "fp8", "bf16")
+FORMATS = ("int4", "fp8", "bf16", "fp4")
+MOE_ONLY = ("fp4",)  # V4's FP4 is for routed experts only: no linears
 TOLERANCE = 1e-2
 
 
@@ -101,7 +118,10 @@ SMALL = Shapes(
 
 
 def _env_list(name: str, default: tuple) -> tuple:
+    """Comma-separated values of ``$name`` ('none': no values), else ``default``."""
     raw = os.environ.get(name)
+    if raw == "none":
+        return ()
     return tuple(type(default[0])(v) for v in raw.split(",")) if raw else default
 
 
@@ -110,7 +130,18 @@ def _env_list(name: str, default: tuple) -> tuple:
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def random_weight(key, fmt: str, lead: tuple[int, ...], k: int, n: int):
-    """A random ``[*lead, K, N]`` weight in the kernels' layout (bf16: a plain array)."""
+    """A random ``[*lead, K, N]`` weight in the kernels' layout (bf16: a plain array). Stacks are drawn
+    one matrix at a time (``lax.map``), so the random bits' temporaries stay one matrix large (the
+    bf16 experts' bits at once would be 26 GB next to their 13 GB)."""
+    if lead:
+        keys = jax.random.split(key, int(np.prod(lead)))
+        stack = jax.lax.map(lambda kk: _random_matrix(kk, fmt, k, n), keys)
+        return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), stack)
+    return _random_matrix(key, fmt, k, n)
+
+
+def _random_matrix(key, fmt: str, k: int, n: int):
+    lead = ()
     kc, ks, kz = jax.random.split(key, 3)
     if fmt == "bf16":
         return jax.random.normal(kc, (*lead, k, n), jnp.bfloat16) * jnp.bfloat16(k**-0.5)  # no f32 copy
@@ -121,6 +152,11 @@ def random_weight(key, fmt: str, lead: tuple[int, ...], k: int, n: int):
         )
         zeros = jax.random.randint(kz, (*lead, k // 32, n), 0, 16).astype(jnp.uint8)
         return QuantizedWeight(codes, scales, zeros, "int4", (32, 1), 64)
+    if fmt == "fp4":  # V4's routed experts: e2m1 codes, ue8m0 scales per 32 (2^-10 .. 2^-4)
+        codes = jax.random.bits(kc, (*lead, k // 2, n), jnp.uint8)
+        exps = jax.random.randint(ks, (*lead, k // 32, n), 117, 124).astype(jnp.uint8)
+        scales = jax.lax.bitcast_convert_type(exps, jnp.float8_e8m0fnu)
+        return QuantizedWeight(codes, scales, None, "fp4", (32, 1), 64)
     codes = jax.random.bits(kc, (*lead, k, n), jnp.uint8)
     codes = jnp.where((codes & 0x7F) == 0x7F, jnp.uint8(0x7E), codes)  # no NaN codes
     scales = jax.random.uniform(ks, (*lead, -(-k // 128), -(-n // 128)), minval=0.5, maxval=2) / (64 * k**0.5)
@@ -171,60 +207,102 @@ def _rates(case: Case, sec: float, ceiling_gbs: float) -> dict[str, float]:
     }
 
 
-def _measure(name: str, fn: Callable, case: Case, ceiling_gbs: float, replays: int) -> dict[str, Any]:
-    """Check ``fn`` on input set 0 (sampled rows vs the float32 reference), then time it
-    (:func:`benchmarks.harness.time_op`'s method, on the one compiled function)."""
+def compile_all(items: list[tuple[Callable, list]], threads: int) -> list:
+    """Each ``(fn, sets)`` as one compiled function of all its input sets (``[fn(*s) for s in sets]``),
+    or the exception that stopped it. Tracing runs here in turn; XLA's compilations (the Triton ones
+    included) run on ``threads`` threads: most of a row's wall time is its compile."""
+    lowered = []
+    for fn, sets in items:
+        try:
+            lowered.append(jax.jit(lambda s, fn=fn: [fn(*x) for x in s]).lower(sets))
+        except Exception as exc:  # noqa: BLE001 - reported in the item's row
+            traceback.print_exc()
+            lowered.append(exc)
+
+    def build(low):
+        if isinstance(low, Exception):
+            return low
+        try:
+            return low.compile()
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            return exc
+
+    if threads <= 1 or len(lowered) <= 1:
+        return [build(low) for low in lowered]
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(build, lowered))
+
+
+def _measure(name: str, run_all, case: Case, ceiling_gbs: float, replays: int) -> dict[str, Any]:
+    """Check the compiled ``run_all`` (:func:`compile_all`, or the exception that stopped it) on input
+    set 0 (sampled rows vs the float32 reference), then time it (:func:`benchmarks.harness.time_op`'s
+    method)."""
     row = case.common() | {"impl": name}
-    run_all = jax.jit(lambda sets: [fn(*s) for s in sets])
+    if isinstance(run_all, Exception):
+        return row | {"note": f"{type(run_all).__name__}: {str(run_all).splitlines()[0][:120]}"}
     try:
         out = jax.block_until_ready(run_all(case.sets))[0]
         err = harness.rel_l2(out[case.rows], case.want)
         if not err <= TOLERANCE:
+            log(f"quant {case.op} {case.fmt} T={case.t} {row['impl']}: FAILED check (rel L2 {err:.2e})")
             return row | {"rel_err": err, "note": f"FAILED check (rel L2 {err:.2e})"}
         jax.block_until_ready(run_all(case.sets))  # warm-up
         sec = harness.median_seconds(lambda: run_all(case.sets), len(case.sets), replays)
     except Exception as exc:  # noqa: BLE001 - one failure must not end the run
         traceback.print_exc()
         return row | {"note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
-    print(f"quant {case.op} {case.fmt} T={case.t} {name}: {sec * 1e6:.1f} us")
+    log(f"quant {case.op} {case.fmt} T={case.t} {name}: {sec * 1e6:.1f} us, err {err:.1e}")
     return row | {"rel_err": err} | _rates(case, sec, ceiling_gbs)
 
 
-def _measure_torch(fn: Callable, case: Case, ceiling_gbs: float, replays: int) -> dict[str, Any]:
+def _measure_torch(fn: Callable, case: Case, ceiling_gbs: float, replays: int, cache: dict) -> dict[str, Any]:
     row = case.common() | {"impl": "torch"}
     try:
         from benchmarks import torch_peer
     except ImportError:
         return row | {"note": "skipped: torch not installed"}
     try:
-        sets = [tuple(_to_torch(a) for a in s) for s in case.sets]
+        sets = [tuple(_to_torch(a, cache) for a in s) for s in case.sets]
         out = fn(*sets[0])
         err = harness.rel_l2(jnp.asarray(out[case.rows].float().cpu().numpy()), case.want)
         if not err <= TOLERANCE:
+            log(f"quant {case.op} {case.fmt} T={case.t} {row['impl']}: FAILED check (rel L2 {err:.2e})")
             return row | {"rel_err": err, "note": f"FAILED check (rel L2 {err:.2e})"}
         sec = torch_peer.median_seconds(fn, sets, replays=replays)
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
         return row | {"note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
-    print(f"quant {case.op} {case.fmt} T={case.t} torch: {sec * 1e6:.1f} us")
+    log(f"quant {case.op} {case.fmt} T={case.t} torch: {sec * 1e6:.1f} us, err {err:.1e}")
     return row | {"rel_err": err} | _rates(case, sec, ceiling_gbs)
 
 
-def _to_torch(a):
-    """JAX arrays -> torch tensors through DLPack (fp8 as bytes); QuantizedWeight -> TorchWeight."""
+def _to_torch(a, cache: dict):
+    """JAX arrays -> torch tensors through DLPack (no copy); QuantizedWeight -> TorchWeight, made once
+    per weight (``cache``, by identity): fp8 codes travel as bytes (a bitcast copy, 9.7 GB for the
+    experts) and ue8m0 scales as float32 (exact), since DLPack has no float8."""
     import torch
 
     from benchmarks import torch_peer
 
     if isinstance(a, QuantizedWeight):
-        codes = a.codes if a.format != "fp8" else jax.lax.bitcast_convert_type(a.codes, jnp.uint8)
-        z = None if a.zeros is None else torch.from_dlpack(a.zeros)
-        return torch_peer.TorchWeight(
-            torch.from_dlpack(codes), torch.from_dlpack(a.scales), z, a.format, a.group, a.kpack
-        )
+        if id(a) not in cache:
+            codes = a.codes if a.format != "fp8" else jax.lax.bitcast_convert_type(a.codes, jnp.uint8)
+            scales = a.scales if a.scales.dtype != jnp.float8_e8m0fnu else fp_decode_e8m0(a.scales)
+            z = None if a.zeros is None else torch.from_dlpack(a.zeros)
+            tw = torch_peer.TorchWeight(
+                torch.from_dlpack(codes), torch.from_dlpack(scales), z, a.format, a.group, a.kpack
+            )
+            cache[id(a)] = (a, tw)  # holds a, so its id is not reused while cached
+        return cache[id(a)][1]
     if isinstance(a, dict):
-        return {k: _to_torch(v) for k, v in a.items()}
+        return {k: _to_torch(v, cache) for k, v in a.items()}
     return torch.from_dlpack(a)
+
+
+@jax.jit
+def fp_decode_e8m0(scales):
+    return decode.e8m0_to_f32(jax.lax.bitcast_convert_type(scales, jnp.uint8))
 
 
 # ---- the two ops ------------------------------------------------------------------------------------
@@ -282,16 +360,47 @@ def moe_case(shapes: Shapes, fmt: str, t: int, experts: dict) -> Case:
     return Case("routed experts", fmt, t, sets, rows, want, mbytes, gflop)
 
 
-def _moe_fn(shapes: Shapes, decode: str | None = None) -> Callable:
-    return lambda x, ids, w, ex: moe_kernel.moe_experts(
-        x, ids, w, ex, interpret=shapes.interpret, decode=decode
-    )
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    """One JAX row of a case: the implementation and what it forces."""
+
+    name: str
+    decode: str | None = None  # e4m3 path (None: the device's default)
+    int4: str | None = None  # INT4 arithmetic (None: decode.int4_decode's default)
+    tiles: Callable | None = None  # MoeConfig -> MoeConfig: a tile variant of the table's choice
+    variant: bool = False  # a tuning variant (QUANT_VARIANTS=0 skips them)
 
 
-def _linear_fn(shapes: Shapes, fmt: str, decode: str | None = None) -> Callable:
+def _moe_fn(shapes: Shapes, impl: Impl) -> Callable:
+    def fn(x, ids, w, ex):
+        config = None
+        if impl.tiles is not None:
+            quantized = isinstance(ex["gate_up"], QuantizedWeight)
+            bits = (4 if ex["gate_up"].packed else 8) if quantized else None
+            itemsize = (x if quantized else ex["gate_up"]).dtype.itemsize
+            config = impl.tiles(
+                moe_tuning.choose(ids.size, shapes.experts, itemsize=itemsize, weight_bits=bits)
+            )
+        return moe_kernel.moe_experts(
+            x,
+            ids,
+            w,
+            ex,
+            interpret=shapes.interpret,
+            decode=impl.decode,
+            int4_decode=impl.int4,
+            config=config,
+        )
+
+    return fn
+
+
+def _linear_fn(shapes: Shapes, fmt: str, impl: Impl) -> Callable:
     if fmt == "bf16":
         return lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-    return lambda x, w: qmm_kernel.quant_matmul(x, w, interpret=shapes.interpret, decode=decode)
+    return lambda x, w: qmm_kernel.quant_matmul(
+        x, w, interpret=shapes.interpret, decode=impl.decode, int4_decode=impl.int4
+    )
 
 
 # ---- the run ------------------------------------------------------------------------------------------
@@ -303,27 +412,109 @@ def read_ceiling_gbs(nbytes: int) -> float:
     return nbytes / harness.time_op(jnp.sum, [(x,)], replays=10) / 1e9
 
 
-def _impls(fmt: str, kind: str) -> list[tuple[str, str | None]]:
-    """(row name, forced e4m3 decode) of the JAX rows of a format: bf16 runs the bf16 MoE kernel and
-    XLA's dot (the unquantized baselines); FP8 also runs the software e4m3 decode where it is not
-    already the default (sm_80 / sm_86, the CPU)."""
+def _both_tiles(**changes) -> Callable:
+    return lambda cfg: dataclasses.replace(
+        cfg,
+        gate_up=dataclasses.replace(cfg.gate_up, **changes),
+        down=dataclasses.replace(cfg.down, **changes),
+    )
+
+
+VARIANT_TOKENS = (1, 8, 32)  # 4-bit MoE tile variants are tried at these T
+
+
+def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
+    """The JAX rows of a case. bf16: the bf16 MoE kernel and XLA's dot (the unquantized baselines).
+    FP8: also the software e4m3 decode where it is not already the default (sm_80 / sm_86, the CPU).
+    INT4: also the other INT4 arithmetic (:func:`decode.int4_decode`); 4-bit MoE (INT4, FP4) at small
+    T: two tile variants (4 warps, the tiles' own before ``warps_4bit``; 64-column tiles, twice the
+    programs)."""
     if fmt == "bf16":
-        return [("pallas bf16" if kind == "moe" else "XLA dot", None)]
-    forced = fmt == "fp8" and fp_decode() != "software"
-    return [("pallas", None)] + ([("pallas:software", "software")] if forced else [])
+        return [Impl("pallas bf16" if kind == "moe" else "XLA dot")]
+    impls = [Impl("pallas")]
+    if fmt == "fp8" and fp_decode() != "software":
+        impls.append(Impl("pallas:software", decode="software"))
+    if fmt == "int4":
+        other = "bf16" if decode.int4_decode() == "f32" else "f32"
+        impls.append(Impl(f"pallas:int4-{other}", int4=other, variant=True))
+    if fmt in ("int4", "fp4") and kind == "moe" and t in VARIANT_TOKENS:
+        impls.append(Impl("pallas:w4", tiles=_both_tiles(num_warps=4), variant=True))
+        impls.append(Impl("pallas:n64", tiles=_both_tiles(block_n=64), variant=True))
+    return impls
 
 
-def run(shapes: Shapes = GLM5, *, formats=FORMATS, budget_s: float = float("inf")) -> tuple[list[dict], dict]:
+@dataclasses.dataclass
+class _Item:
+    key: tuple  # ("moe", T) or ("linear", name, T): the case it measures
+    impl: Impl | None  # None: the torch peer
+
+    @property
+    def kind(self) -> str:
+        return self.key[0]
+
+
+def _work(shapes: Shapes, fmt: str, linear_tokens: tuple[int, ...], variants: bool) -> list[_Item]:
+    """The rows of one format, most wanted first: every MoE row (variants and torch included), then
+    the linears' rows, then the linears' variant rows, each phase by T."""
+    items = []
+    for t in shapes.tokens:
+        impls = [i for i in _impls(fmt, "moe", t) if variants or not i.variant]
+        items += [_Item(("moe", t), i) for i in impls] + [_Item(("moe", t), None)]
+    names = () if fmt in MOE_ONLY else tuple(shapes.linears)
+    keys = [("linear", name, t) for t in linear_tokens for name in names]
+    for key in keys:
+        items += [_Item(key, i) for i in _impls(fmt, "linear", key[2]) if not i.variant]
+        items.append(_Item(key, None))
+    if variants:
+        items += [_Item(key, i) for key in keys for i in _impls(fmt, "linear", key[2]) if i.variant]
+    return items
+
+
+CHUNK = 12  # JAX rows compiled together
+_START = [time.perf_counter()]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _START[0]:6.1f}s] {msg}", flush=True)
+
+
+def _deadlines(formats, budget_s: float, slices: dict[str, float]) -> dict[str, float]:
+    """Seconds from the start by which each format stops starting rows: cumulative ``slices`` (time a
+    format leaves unused passes to the next), never past ``budget_s``."""
+    out, total = {}, 0.0
+    for fmt in formats:
+        total += slices.get(fmt, budget_s)
+        out[fmt] = min(total, budget_s)
+    return out
+
+
+def run(
+    shapes: Shapes = GLM5,
+    *,
+    formats=FORMATS,
+    budget_s: float = float("inf"),
+    variants: bool = True,
+    threads: int = 1,
+    slices: dict[str, float] | None = None,
+    linear_tokens: tuple[int, ...] | None = None,
+) -> tuple[list[dict], dict]:
     """All rows, and the ceilings measured."""
-    start = time.perf_counter()
+    start = _START[0] = time.perf_counter()
     copy_gbs = harness.copy_ceiling_gbs(shapes.ceiling_bytes)
     read_gbs = read_ceiling_gbs(shapes.ceiling_bytes)
     ceiling = max(copy_gbs, read_gbs)
-    print(f"quant: copy {copy_gbs:.0f} GB/s, read {read_gbs:.0f} GB/s")
+    log(f"quant: copy {copy_gbs:.0f} GB/s, read {read_gbs:.0f} GB/s")
     rows: list[dict] = []
-    over = lambda: time.perf_counter() - start > budget_s  # noqa: E731
-    for f, fmt in enumerate(formats):
-        key = jax.random.key(f)
+    deadline = _deadlines(formats, budget_s, slices or {})
+    linear_tokens = linear_tokens or shapes.tokens
+    for fmt in formats:
+        over = lambda fmt=fmt: time.perf_counter() - start > deadline[fmt]  # noqa: E731
+        items = _work(shapes, fmt, linear_tokens, variants)
+        if over():
+            log(f"quant: {fmt} skipped (budget)")
+            rows += [_skipped(shapes, fmt, it) for it in items]
+            continue
+        key = jax.random.key(FORMATS.index(fmt))
         lead = (shapes.experts,)
         experts = {
             "gate_up": random_weight(
@@ -331,26 +522,74 @@ def run(shapes: Shapes = GLM5, *, formats=FORMATS, budget_s: float = float("inf"
             ),
             "down": random_weight(jax.random.fold_in(key, 1), fmt, lead, shapes.expert_width, shapes.hidden),
         }
-        linears = {
-            name: random_weight(jax.random.fold_in(key, 2 + i), fmt, (), k, n)
-            for i, (name, (k, n)) in enumerate(shapes.linears.items())
-        }
+        linears = (
+            {}
+            if fmt in MOE_ONLY
+            else {
+                name: random_weight(jax.random.fold_in(key, 2 + i), fmt, (), k, n)
+                for i, (name, (k, n)) in enumerate(shapes.linears.items())
+            }
+        )
         jax.block_until_ready((experts, linears))
-        for t in shapes.tokens:
-            cases = [(moe_case(shapes, fmt, t, experts), "moe")]
-            cases += [(linear_case(shapes, name, fmt, t, w), "linear") for name, w in linears.items()]
-            for case, kind in cases:
-                for name, decode in _impls(fmt, kind):
-                    fn = _moe_fn(shapes, decode) if kind == "moe" else _linear_fn(shapes, fmt, decode)
-                    skip = case.common() | {"impl": name, "note": harness.SKIPPED}
-                    rows.append(skip if over() else _measure(name, fn, case, ceiling, shapes.replays))
-                if not over():
-                    from_torch = _torch_fn(kind)
-                    rows.append(_measure_torch(from_torch, case, ceiling, shapes.replays))
-        del experts, linears
+        log(f"quant: {fmt} weights ready")
+        cases: dict[tuple, Case] = {}
+
+        def case_of(key: tuple, fmt=fmt, experts=experts, linears=linears, cases=cases) -> Case:
+            if key not in cases:
+                if key[0] == "moe":
+                    cases[key] = moe_case(shapes, fmt, key[1], experts)
+                else:
+                    cases[key] = linear_case(shapes, key[1], fmt, key[2], linears[key[1]])
+            return cases[key]
+
+        torch_cache: dict = {}
+        for i in range(0, len(items), CHUNK):
+            chunk = items[i : i + CHUNK]
+            if over():
+                rows += [_skipped(shapes, fmt, it) for it in chunk]
+                continue
+            jax_items = [it for it in chunk if it.impl is not None]
+            fns = [
+                (
+                    _moe_fn(shapes, it.impl) if it.kind == "moe" else _linear_fn(shapes, fmt, it.impl),
+                    case_of(it.key).sets,
+                )
+                for it in jax_items
+            ]
+            compiled = dict(zip(map(id, jax_items), compile_all(fns, threads)))
+            log(f"quant: {fmt} compiled {len(fns)} rows")
+            for it in chunk:
+                case = case_of(it.key)
+                if over():
+                    rows.append(_skipped(shapes, fmt, it))
+                elif it.impl is None:
+                    rows.append(
+                        _measure_torch(_torch_fn(it.kind), case, ceiling, shapes.replays, torch_cache)
+                    )
+                else:
+                    rows.append(_measure(it.impl.name, compiled[id(it)], case, ceiling, shapes.replays))
+            del compiled
+        del experts, linears, torch_cache, cases, items
         gc.collect()
+        _torch_free()
     ceilings = {"copy_gbs": copy_gbs, "read_gbs": read_gbs, "elapsed_s": time.perf_counter() - start}
     return rows, ceilings
+
+
+def _skipped(shapes: Shapes, fmt: str, it: _Item) -> dict:
+    op = "routed experts" if it.kind == "moe" else it.key[1]
+    name = it.impl.name if it.impl is not None else "torch"
+    return {"op": op, "format": fmt, "T": it.key[-1], "impl": name, "note": harness.SKIPPED}
+
+
+def _torch_free() -> None:
+    """Give torch's cached blocks back, so the next format's JAX arrays have the memory."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _torch_fn(kind: str) -> Callable:
@@ -372,12 +611,14 @@ SUMMARY_COLUMNS = (
     "format",
     "experts us",
     "experts % ceiling",
+    "experts best variant",
     "experts sw-decode us",
     "experts torch us",
     "linears us (sum)",
     "linears sw-decode us",
     "linears torch us",
 )
+OURS = ("pallas", "pallas bf16", "XLA dot")
 
 
 def _total(rows: list[dict], experts: bool, impls: tuple[str, ...]) -> float | str:
@@ -386,23 +627,36 @@ def _total(rows: list[dict], experts: bool, impls: tuple[str, ...]) -> float | s
     return sum(r["us"] for r in picked) if picked and all("us" in r for r in picked) else ""
 
 
+def _best_variant(rows: list[dict]) -> str:
+    """The fastest timed Pallas variant row of the routed experts, as 'name: us (% ceiling)'."""
+    timed = [
+        r for r in rows if r["op"] == "routed experts" and r["impl"].startswith("pallas:int4") and "us" in r
+    ]
+    if not timed:
+        return ""
+    best = min(timed, key=lambda r: r["us"])
+    return f"{best['impl'].removeprefix('pallas:')}: {best['us']:.1f} ({best['% ceiling']:.1f} %)"
+
+
 def summary(rows: list[dict]) -> list[dict]:
     """Per (T, format): the routed experts and the sum over the linears, JAX rows against torch."""
-    ours = ("pallas", "pallas bf16", "XLA dot")
     out = []
     for t in sorted({r["T"] for r in rows}):
         for fmt in dict.fromkeys(r["format"] for r in rows):
             mine = [r for r in rows if r["T"] == t and r["format"] == fmt]
-            experts = next((r for r in mine if r["op"] == "routed experts" and r["impl"] in ours), {})
+            if not mine:
+                continue
+            experts = next((r for r in mine if r["op"] == "routed experts" and r["impl"] in OURS), {})
             out.append(
                 {
                     "T": t,
                     "format": fmt,
                     "experts us": experts.get("us", ""),
                     "experts % ceiling": experts.get("% ceiling", ""),
+                    "experts best variant": _best_variant(mine),
                     "experts sw-decode us": _total(mine, True, ("pallas:software",)),
                     "experts torch us": _total(mine, True, ("torch",)),
-                    "linears us (sum)": _total(mine, False, ours),
+                    "linears us (sum)": _total(mine, False, OURS),
                     "linears sw-decode us": _total(mine, False, ("pallas:software",)),
                     "linears torch us": _total(mine, False, ("torch",)),
                 }
@@ -411,6 +665,9 @@ def summary(rows: list[dict]) -> list[dict]:
 
 
 def commit() -> str:
+    """``$JAXDSA_COMMIT`` (set where the tree was copied without .git), else git's HEAD."""
+    if os.environ.get("JAXDSA_COMMIT"):
+        return os.environ["JAXDSA_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
@@ -423,27 +680,40 @@ def commit() -> str:
         return "n/a"
 
 
-def report(rows: list[dict], ceilings: dict, shapes: Shapes) -> str:
+def _torch_version() -> str:
     try:
         import torch
 
-        torch_version = torch.__version__
+        return torch.__version__
     except ImportError:
-        torch_version = "not installed"
-    header = harness.report_header(
-        "Weights kept quantized: MoE experts and linears (benchmarks/quant.py)",
-        {
-            "commit": commit(),
-            "torch": torch_version,
-            "shapes": f"E={shapes.experts} top-{shapes.top_k} D={shapes.hidden} N={shapes.expert_width}",
-            "copy ceiling (jax x+1)": f"{ceilings['copy_gbs']:.0f} GB/s",
-            "read ceiling (jax sum(x))": f"{ceilings['read_gbs']:.0f} GB/s",
-            "benchmark wall time": f"{ceilings['elapsed_s']:.0f} s",
-        },
-    )
+        return "not installed"
+
+
+def header_rows(ceilings: dict, shapes: Shapes) -> dict[str, str]:
+    """Device, versions, date, commit and ceilings of one process (:func:`report`'s table)."""
+    return harness.device_header() | {
+        "commit": commit(),
+        "torch": _torch_version(),
+        "shapes": f"E={shapes.experts} top-{shapes.top_k} D={shapes.hidden} N={shapes.expert_width}",
+        "copy ceiling (jax x+1)": f"{ceilings['copy_gbs']:.0f} GB/s",
+        "read ceiling (jax sum(x))": f"{ceilings['read_gbs']:.0f} GB/s",
+        "benchmark wall time": f"{ceilings['elapsed_s']:.0f} s",
+    }
+
+
+def report(rows: list[dict], headers: list[dict[str, str]]) -> str:
+    """The results file. ``headers``: one per process that measured some of ``rows`` (a merged run
+    lists each process's values, joined by ' / ', where they differ)."""
+    keys = list(dict.fromkeys(k for h in headers for k in h))
+    table = {k: " / ".join(dict.fromkeys(h.get(k, "") for h in headers)) for k in keys}
     return "\n".join(
         [
-            *header,
+            "# Weights kept quantized: MoE experts and linears (benchmarks/quant.py)",
+            "",
+            "| | |",
+            "|---|---|",
+            *[f"| {k} | {v} |" for k, v in table.items()],
+            "",
             "## Summary",
             "",
             harness.markdown_table(summary(rows), SUMMARY_COLUMNS),
@@ -456,11 +726,36 @@ def report(rows: list[dict], ceilings: dict, shapes: Shapes) -> str:
     )
 
 
+def merge(out: pathlib.Path, parts: list[pathlib.Path]) -> pathlib.Path:
+    """One results file from the JSON dumps (``QUANT_JSON``) of several processes."""
+    import json
+
+    loaded = [json.loads(p.read_text(encoding="utf-8")) for p in parts]
+    rows = [r for part in loaded for r in part["rows"]]
+    order = {f: i for i, f in enumerate(FORMATS)}
+    rows.sort(key=lambda r: (order.get(r["format"], len(order)), r["T"]))  # stable: op order kept
+    out.write_text(report(rows, [part["header"] for part in loaded]), encoding="utf-8")
+    return out
+
+
 def main(shapes: Shapes = GLM5, out: pathlib.Path | None = None) -> pathlib.Path:
     shapes = dataclasses.replace(shapes, tokens=_env_list("QUANT_TOKENS", shapes.tokens))
     formats = _env_list("QUANT_FORMATS", FORMATS)
-    rows, ceilings = run(shapes, formats=formats, budget_s=float(os.environ.get("QUANT_BUDGET_S", "480")))
-    text = report(rows, ceilings, shapes)
+    rows, ceilings = run(
+        shapes,
+        formats=formats,
+        budget_s=float(os.environ.get("QUANT_BUDGET_S", "480")),
+        variants=os.environ.get("QUANT_VARIANTS", "1") != "0",
+        threads=int(os.environ.get("QUANT_COMPILE_THREADS", "1")),
+        slices={
+            f: float(v) for f, v in (p.split(":") for p in os.environ.get("QUANT_SLICES", "").split(",") if p)
+        },
+        linear_tokens=_env_list("QUANT_LINEAR_TOKENS", shapes.tokens),
+    )
+    header = header_rows(ceilings, shapes)
+    if os.environ.get("QUANT_JSON"):
+        harness.dump_json(os.environ["QUANT_JSON"], {"header": header, "rows": rows})
+    text = report(rows, [header])
     if out is None:
         return harness.write_result("quant", text)
     out.write_text(text, encoding="utf-8")
@@ -468,4 +763,10 @@ def main(shapes: Shapes = GLM5, out: pathlib.Path | None = None) -> pathlib.Path
 
 
 if __name__ == "__main__":
-    print(main())
+    import sys
+
+    if sys.argv[1:2] == ["merge"]:  # python -m benchmarks.quant merge OUT.md A.json B.json ...
+        print(merge(pathlib.Path(sys.argv[2]), [pathlib.Path(p) for p in sys.argv[3:]]))
+    else:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+        print(main())

@@ -61,6 +61,22 @@ def dequantize(w: TorchWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
     return ((codes.int() - zero).float() * s).to(w.scales.dtype).to(dtype)
 
 
+def dequantize_experts(
+    w: TorchWeight, index: torch.Tensor, dtype: torch.dtype, chunk: int = 16
+) -> torch.Tensor:
+    """The experts at ``index`` dequantized into one ``[len(index), K, N]`` tensor, ``chunk`` experts at
+    a time: the float32 temporaries of :func:`dequantize` stay a chunk large (for all 256 GLM-5
+    experts at once they would need ~80 GB)."""
+    first = dequantize(w.take(index[:chunk]), dtype)
+    if index.numel() <= chunk:
+        return first
+    out = torch.empty((index.numel(), *first.shape[1:]), dtype=dtype, device=first.device)
+    out[:chunk] = first
+    for i in range(chunk, index.numel(), chunk):
+        out[i : i + chunk] = dequantize(w.take(index[i : i + chunk]), dtype)
+    return out
+
+
 def linear(x: torch.Tensor, w: TorchWeight | torch.Tensor) -> torch.Tensor:
     return x @ (w if isinstance(w, torch.Tensor) else dequantize(w, x.dtype))
 
@@ -73,7 +89,8 @@ def moe(
     down: TorchWeight | torch.Tensor,
 ) -> torch.Tensor:
     """out[t] = sum_j w[t,j] * down_e(silu(gate_e x_t) * up_e x_t) with slots sorted by expert and two
-    ``torch._grouped_mm`` calls. Quantized experts: the touched ones are dequantized for the batch."""
+    ``torch._grouped_mm`` calls. Quantized experts: the touched ones are dequantized for the batch
+    (:func:`dequantize_experts`)."""
     t, k = ids.shape
     flat = ids.reshape(-1)
     if isinstance(gate_up, torch.Tensor):
@@ -82,7 +99,10 @@ def moe(
     else:
         touched, groups = torch.unique(flat, return_inverse=True)
         counts = torch.bincount(groups, minlength=touched.numel())
-        gate_up, down = dequantize(gate_up.take(touched), x.dtype), dequantize(down.take(touched), x.dtype)
+        gate_up, down = (
+            dequantize_experts(gate_up, touched, x.dtype),
+            dequantize_experts(down, touched, x.dtype),
+        )
     order = torch.argsort(groups, stable=True)
     offs = torch.cumsum(counts, 0).to(torch.int32)
     h = torch._grouped_mm(x[order // k], gate_up, offs=offs)
@@ -94,13 +114,24 @@ def moe(
     return out.view(t, k, -1).sum(1).to(x.dtype)
 
 
-def median_seconds(fn: Callable, input_sets: Sequence[tuple], *, replays: int = 20, calls: int = 4) -> float:
+def median_seconds(
+    fn: Callable, input_sets: Sequence[tuple], *, replays: int = 20, calls: int = 4, row_s: float = 1.5
+) -> float:
     """benchmarks.harness's method for torch: each replay runs ``calls`` x all input sets back to back,
-    synchronizes once; median seconds per call."""
+    synchronizes once; median seconds per call. After the warm-up one timed pass sizes the rest: a
+    replay lasts ~20 ms or one pass, and slow rows (dequantizing all 256 experts takes ~0.1-0.4 s)
+    get fewer replays, at least 3, so a row costs about ``row_s``."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for inputs in input_sets:  # warm-up
         fn(*inputs)
     sync()
+    t0 = time.perf_counter()
+    for inputs in input_sets:
+        fn(*inputs)
+    sync()
+    one = max(time.perf_counter() - t0, 1e-6)  # one pass over the sets
+    calls = max(1, min(calls, round(0.02 / one)))
+    replays = max(3, min(replays, int(row_s / (one * calls))))
     times = []
     for _ in range(replays):
         t0 = time.perf_counter()

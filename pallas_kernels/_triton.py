@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy  # noqa: F401  (jax.numpy.dtype in _widen_offsets)
 from jax.experimental import pallas as pl  # noqa: F401  (re-exported for kernels)
 
 warnings.filterwarnings(
@@ -25,6 +26,45 @@ try:
     from jax.experimental.pallas import triton as pltriton
 except ImportError:  # pragma: no cover - only on jax builds without the Triton dialect
     pltriton = None
+
+
+def needs_wide_offsets(shape: Sequence[int], itemsize: int) -> bool:
+    """Whether JAX's Pallas-Triton lowering would address an array with 32-bit element offsets that
+    overflow. It picks 64-bit offsets only above 2**32 *bytes*, but the offsets count *elements* and
+    Triton sign-extends 32-bit ones, so a 1-byte array of more than 2**31 elements (2-4 GiB: GLM-5's
+    INT4 / FP4 gate|up codes [256, 3072, 4096], FP8 down codes [256, 2048, 6144]) reads from wrong
+    addresses past element 2**31 (seen on H100, JAX 0.11.2: every INT4 MoE row wrong, rel L2
+    0.6-1.1; the same code in 0.12.0.1). Interpret mode never shows it."""
+    elements = 1
+    for dim in shape:
+        elements *= int(dim)
+    return elements > 2**31 and elements * itemsize <= 2**32
+
+
+def _widen_offsets() -> None:
+    """Wrap the lowering's offset computation so arrays :func:`needs_wide_offsets` flags get 64-bit
+    offsets (their size check is shown a 4-byte dtype; only ``.shape`` and the itemsize are read).
+    No-op where JAX's internals moved."""
+    try:
+        from jax._src.pallas.triton import lowering
+    except ImportError:  # pragma: no cover
+        return
+    original = getattr(lowering, "_compute_offsets_from_indices", None)
+    if original is None or getattr(original, "jaxdsa_wide", False):
+        return
+
+    def wide(block_info, *args, **kwargs):
+        aval = block_info.full_shape_dtype
+        if needs_wide_offsets(aval.shape, jax.numpy.dtype(aval.dtype).itemsize):
+            wider = aval.update(dtype=jax.numpy.dtype("float32"))
+            block_info = dataclasses.replace(block_info, full_shape_dtype=wider)
+        return original(block_info, *args, **kwargs)
+
+    wide.jaxdsa_wide = True
+    lowering._compute_offsets_from_indices = wide
+
+
+_widen_offsets()
 
 # Abstract device names that JAX's gpu_info resolves per architecture (pallas-gpu.md §1.4).
 LOWERING_TARGETS = {

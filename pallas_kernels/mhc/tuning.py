@@ -6,6 +6,12 @@ tokens, the smallest MMA M. ``hc_pre`` keeps one ``[block_t, block_k]`` float32 
 ``block_k`` at 128 on every part (24 KiB x stages, inside the 99 KiB consumer budget), which the
 shared-memory fit check below confirms per device. ``block_d`` bounds the register tiles of the
 collapse and of ``hc_post`` (``[block_t, n, block_d]`` float32).
+
+``splits`` divides hc_pre's ``n D`` mixing columns over programs (:mod:`.kernel`): with one
+program per 16 tokens and 128 column steps each, the fused kernel runs a long dependent chain on
+few SMs at decode (H100: ~240 us at T <= 512 for what the bandwidth moves in ~1 us). The rule
+(``splits = 0``) picks the power of two that brings the mixing grid to about ``4 x SMs`` programs,
+capped at one column step per program; ``splits = 1`` is the fused kernel.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ class MhcConfig:
     block_d: int
     num_warps: int
     num_stages: int
+    splits: int = 0  # hc_pre column splits: 0 = the rule in choose(), 1 = the fused kernel
+
+
+SMS = {80: 108, 86: 84, 89: 128, 90: 132, 100: 148, 120: 188, 121: 48}  # streaming multiprocessors
 
 
 TABLE: dict[int, MhcConfig] = {
@@ -64,6 +74,21 @@ def choose(t: int, n: int, d: int) -> MhcConfig:
         block_k=min(cfg.block_k, max(16, _pow2_at_least(n * d))),
         block_d=min(cfg.block_d, max(16, _pow2_at_least(d))),
     )
-    return shrink_to_fit(
+    cfg = shrink_to_fit(
         cfg, lambda c: smem_bytes(c, n), shared_memory_budget(cc), (("num_stages", 1), ("block_k", 16))
     )
+    if cfg.splits == 0:
+        cfg = dataclasses.replace(
+            cfg, splits=split_rule(t, n * d, cfg.block_t, cfg.block_k, SMS.get(cc, 108))
+        )
+    return cfg
+
+
+def split_rule(t: int, columns: int, block_t: int, block_k: int, sms: int) -> int:
+    """Power-of-two column splits bringing ``token blocks x splits`` to about ``4 x sms`` programs,
+    at most one ``block_k`` step per program, at least 1."""
+    t_blocks, steps = -(-t // block_t), -(-columns // block_k)
+    splits = 1
+    while t_blocks * splits * 2 <= 4 * sms and splits * 2 <= steps:
+        splits *= 2
+    return splits

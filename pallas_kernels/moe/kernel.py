@@ -50,6 +50,7 @@ from pallas_kernels._triton import compiler_params, pl, pltriton
 from pallas_kernels.moe import routing, tuning
 from pallas_kernels.quant_matmul import tiles
 from pallas_kernels.quant_matmul.decode import fp_decode
+from pallas_kernels.quant_matmul.decode import int4_decode as int4_decode_mode
 from pallas_kernels.quant_matmul.layout import QuantizedWeight
 
 __all__ = ["combine", "down", "gate_up", "moe_experts", "route"]
@@ -245,6 +246,7 @@ def moe_experts(
     interpret: bool = False,
     config: tuning.MoeConfig | None = None,
     decode: str | None = None,
+    int4_decode: str | None = None,
 ) -> jax.Array:
     """out[t] = sum_j w[t,j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t,j].
 
@@ -253,7 +255,8 @@ def moe_experts(
     [-limit, limit]. ``config`` overrides the tuning table (benchmark sweeps). D and N must be
     multiples of 16. Dense experts compute in their own dtype (x is cast to it); quantized experts
     are dequantized to x's dtype (``decode``: e4m3 path, see
-    :func:`pallas_kernels.quant_matmul.decode.fp_decode`). Returns [T, D] in x's dtype.
+    :func:`pallas_kernels.quant_matmul.decode.fp_decode`; ``int4_decode``: INT4 arithmetic, see
+    :func:`pallas_kernels.quant_matmul.decode.int4_decode`). Returns [T, D] in x's dtype.
     """
     num_experts = experts["gate_up"].shape[0]
     quantized = isinstance(experts["gate_up"], QuantizedWeight)
@@ -264,6 +267,7 @@ def moe_experts(
         weight_bits=(4 if experts["gate_up"].packed else 8) if quantized else None,
     )
     decode = fp_decode(decode) if quantized else None
+    int4 = int4_decode_mode(int4_decode) if quantized else None
     bmap = route(topk_ids, num_experts, cfg.block_m)
     act = gate_up(
         x,
@@ -274,8 +278,18 @@ def moe_experts(
         swiglu_limit=swiglu_limit,
         interpret=interpret,
         decode=decode,
+        int4_decode=int4,
     )
-    y = down(act, bmap, experts["down"], cfg, num_slots=topk_ids.size, interpret=interpret, decode=decode)
+    y = down(
+        act,
+        bmap,
+        experts["down"],
+        cfg,
+        num_slots=topk_ids.size,
+        interpret=interpret,
+        decode=decode,
+        int4_decode=int4,
+    )
     return combine(y, topk_ids, topk_weights, num_experts).astype(x.dtype)
 
 
@@ -311,11 +325,12 @@ def gate_up(
     swiglu_limit: float | None = None,
     interpret: bool = False,
     decode: str | None = None,
+    int4_decode: str | None = None,
 ) -> jax.Array:
     """``act [blocks * block_m, N]``: SwiGLU of the gathered token rows through their expert's
     gate|up weights ``w [E, D, 2N]`` (dense, or a quantized stack), in block-padded row order."""
     _, d_model, two_n = w.shape
-    spec, arrays = tiles.operands(w, decode)
+    spec, arrays = tiles.operands(w, decode, int4_decode)
     dtype = w.dtype if spec.format is None else x.dtype  # dense experts set the dtype; quantized follow x
     k_floor = max(spec.kpack, 16)
     n_inter, bm = two_n // 2, cfg.block_m
@@ -354,12 +369,13 @@ def down(
     num_slots: int,
     interpret: bool = False,
     decode: str | None = None,
+    int4_decode: str | None = None,
 ) -> jax.Array:
     """``y [num_slots + block_m, D]``: each slot's ``act`` row through its expert's down weights
     ``w [E, N, D]`` (dense, or a quantized stack), scattered back to slot order (rows of dropped
     slots and the spare tail are never written)."""
     _, n_inter, d_model = w.shape
-    spec, arrays = tiles.operands(w, decode)
+    spec, arrays = tiles.operands(w, decode, int4_decode)
     k_floor = max(spec.kpack, 16)
     bm = cfg.block_m
     block_n, block_k = _fit(cfg.down.block_n, d_model, "D"), _fit(cfg.down.block_k, n_inter, "N", k_floor)

@@ -24,6 +24,9 @@ Three tile sets per GPU, each a (gate|up, down) pair:
 * ``compute`` (``block_m >= 64``): tensor-core tiles; on H100 at T = 4096, 128 x 64 tiles with
   8 warps, 4 stages for gate|up (3 for down, which keeps two programs per SM).
 
+4-bit experts (INT4 / FP4) decode in the K loop, and at 4 warps that arithmetic bounds the few /
+stream kernels on H100: they run 8 warps there (``warps_4bit``; 2.0-2.2x at T = 1 / 8 / 32).
+
 sm_100 and the other parts keep their reasoned starting points (one tile set for ``few`` and
 ``stream``) until ``benchmarks/moe.py`` has been run on them. Every choice is then fitted to the
 shared memory at the operand itemsize (:func:`smem_bytes`), so float32 gets fewer stages or
@@ -69,6 +72,7 @@ class _Entry:
     stream: Tiles
     compute: Tiles
     max_block_m: int = 64
+    warps_4bit: int | None = None  # few / stream tiles with 4-bit weights: warps (None: as the tiles)
 
 
 # Tiles as Tile(block_n, block_k, num_warps, num_stages).
@@ -77,6 +81,9 @@ _H100 = _Entry(  # measured: benchmarks/results/moe-h100*.md
     stream=(Tile(128, 64, 4, 4), Tile(128, 64, 4, 4)),
     compute=(Tile(128, 64, 8, 4), Tile(128, 64, 8, 3)),
     max_block_m=128,
+    # INT4 experts decode in the K loop and are bound by that arithmetic at 4 warps: 8 warps took
+    # 134 / 839 / 2072 us at T = 1 / 8 / 32 against 261 / 1840 / 4629 (bf16 INT4 arithmetic)
+    warps_4bit=8,
 )
 _BIG_SMEM = _Entry(  # sm_100: ~227 KiB
     few=(Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
@@ -148,6 +155,8 @@ def choose(
     e = TABLE.get(cc, DEFAULT)
     block_m = block_m_for(num_slots, num_experts, e.max_block_m)
     gate_up, down = e.few if num_slots < num_experts else e.stream if block_m <= 32 else e.compute
+    if weight_bits == 4 and e.warps_4bit and block_m <= 32:
+        gate_up, down = (dataclasses.replace(tile, num_warps=e.warps_4bit) for tile in (gate_up, down))
     budget = shared_memory_budget(cc)
     knobs = _KNOBS_4BIT if weight_bits == 4 else _KNOBS
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from pallas_kernels._triton import compiler_params, pl, pltriton
 from pallas_kernels.quant_matmul import layout, tiles, tuning
 from pallas_kernels.quant_matmul.decode import fp_decode
+from pallas_kernels.quant_matmul.decode import int4_decode as int4_mode
 from pallas_kernels.quant_matmul.layout import QuantizedWeight
 
 
@@ -53,25 +54,29 @@ def quant_matmul(
     interpret: bool = False,
     decode: str | None = None,
     config: tuning.QmmConfig | None = None,
+    int4_decode: str | None = None,
 ) -> jax.Array:
     """``x [M, K] @ W [K, N] -> [M, N]`` in x's dtype (bf16 or float32), W dequantized in the kernel to
     x's dtype, float32 accumulation. ``decode``: 'native' / 'software' e4m3 decoding (default:
-    :func:`.decode.fp_decode`); ``config`` overrides the tuning table (benchmark sweeps). K must be a
+    :func:`.decode.fp_decode`); ``int4_decode``: 'f32' / 'bf16' INT4 arithmetic (default:
+    :func:`.decode.int4_decode`); ``config`` overrides the tuning table (benchmark sweeps). K must be a
     multiple of 16 (of the packed chunk, 32 or 64, for 4-bit weights); an N that is not a multiple
     of 16 (a tiny model's 136-wide ``kv_a``) is padded with zero columns, sliced off the result."""
     n = w.shape[-1]
     w = layout.pad_n(w, -(-n // 16) * 16)
-    out = _quant_matmul(x, w, interpret=interpret, decode=fp_decode(decode), config=config)
+    out = _quant_matmul(
+        x, w, interpret=interpret, decode=fp_decode(decode), config=config, int4=int4_mode(int4_decode)
+    )
     return out if out.shape[-1] == n else out[:, :n]
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "decode", "config"))
-def _quant_matmul(x, w, *, interpret: bool, decode: str, config: tuning.QmmConfig | None):
+@functools.partial(jax.jit, static_argnames=("interpret", "decode", "config", "int4"))
+def _quant_matmul(x, w, *, interpret: bool, decode: str, config: tuning.QmmConfig | None, int4: str):
     m, k = x.shape
     wk, n = w.shape
     if wk != k:
         raise ValueError(f"quant_matmul: x has K = {k}, the weight {wk}")
-    spec, arrays = tiles.operands(w, decode)
+    spec, arrays = tiles.operands(w, decode, int4)
     min_block_k = max(spec.kpack, 16)
     cfg = config or tuning.choose(
         m, k, n, itemsize=x.dtype.itemsize, weight_bits=4 if spec.packed else 8, min_block_k=min_block_k

@@ -39,13 +39,16 @@ class WeightSpec:
     scale_e8m0: bool = False
     has_zeros: bool = False
     decode: str = "native"
+    int4_decode: str = "f32"  # decode.int4_decode; "bf16" is used only with bf16 scales and activations
 
     @property
     def packed(self) -> bool:
         return self.format in ("int4", "fp4")
 
 
-def operands(w, decode_mode: str | None = None) -> tuple[WeightSpec, tuple[jax.Array, ...]]:
+def operands(
+    w, decode_mode: str | None = None, int4_mode: str | None = None
+) -> tuple[WeightSpec, tuple[jax.Array, ...]]:
     """The spec and the arrays a kernel receives for weight ``w`` (dense array or
     :class:`QuantizedWeight`). One-byte float types travel as uint8 (a free bitcast): masked loads
     need a fill value, and sm_80 cannot touch e4m3 values at all."""
@@ -62,6 +65,7 @@ def operands(w, decode_mode: str | None = None) -> tuple[WeightSpec, tuple[jax.A
         scale_e8m0=np.dtype(w.scales.dtype) == E8M0,
         has_zeros=w.zeros is not None,
         decode=decode.fp_decode(decode_mode),
+        int4_decode=decode.int4_decode(int4_mode),
     )
     arrays = (as_bytes(w.codes), as_bytes(w.scales)) + ((w.zeros,) if w.zeros is not None else ())
     return spec, arrays
@@ -87,6 +91,20 @@ def _group_tile(ref, lead: tuple, spec: WeightSpec, r0, rows: int, n0, cols: int
     return _expand(tile, rows, cols)
 
 
+def _int4_bf16(spec: WeightSpec, refs: Sequence, lead: tuple, codes, r0, n0) -> jax.Array:
+    """INT4 codes -> bf16 in bf16 arithmetic (:mod:`.decode`): ``((128 + q) - (128 + zp)) * scale``,
+    the subtraction exact, the product rounded once, as the float32 path rounds it."""
+    rows, cols = codes.shape
+    s = _group_tile(refs[1], lead, spec, r0, rows, n0, cols)
+    if spec.has_zeros:
+        zero = decode.nibble_plus_128_bf16(
+            _group_tile(refs[2], lead, spec, r0, rows, n0, cols).astype(jnp.int32)
+        )
+    else:
+        zero = jnp.bfloat16(136)  # symmetric: codes hold q + 8
+    return (decode.nibble_plus_128_bf16(codes) - zero) * s
+
+
 def _dequantize(spec: WeightSpec, refs: Sequence, lead: tuple, codes, r0, n0, dtype) -> jax.Array:
     """Codes ``[rows, cols]`` (int32) of weight rows ``r0 ...`` -> weights in ``dtype``."""
     rows, cols = codes.shape
@@ -96,6 +114,8 @@ def _dequantize(spec: WeightSpec, refs: Sequence, lead: tuple, codes, r0, n0, dt
         return (decode.e4m3_to_f32(codes, spec.decode) * s).astype(dtype)
     if spec.format == "fp4":
         return (decode.e2m1_to_f32(codes) * s).astype(dtype)
+    if spec.int4_decode == "bf16" and spec.scale_dtype == jnp.bfloat16 and dtype == jnp.bfloat16:
+        return _int4_bf16(spec, refs, lead, codes, r0, n0)
     zero = _group_tile(refs[2], lead, spec, r0, rows, n0, cols).astype(jnp.int32) if spec.has_zeros else 8
     value = (codes - zero).astype(jnp.float32) * s
     return value.astype(spec.scale_dtype).astype(dtype)  # rounded as compressed-tensors rounds

@@ -1,5 +1,6 @@
 """benchmarks/quant.py end to end on the CPU at tiny shapes (interpret mode): every format's rows are
-checked against the float32 reference and timed, and the results file is written."""
+checked against the float32 reference and timed, and the results file is written; two processes'
+JSON dumps merge into one file."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from benchmarks import quant
 
 def test_small_run_writes_a_report(tmp_path, monkeypatch):
     monkeypatch.delenv("QUANT_TOKENS", raising=False)
-    monkeypatch.delenv("QUANT_FORMATS", raising=False)
+    monkeypatch.delenv("QUANT_VARIANTS", raising=False)
+    monkeypatch.setenv("QUANT_FORMATS", "int4,fp8,bf16,fp4")
+    monkeypatch.setenv("QUANT_JSON", str(tmp_path / "all.json"))
     path = quant.main(quant.SMALL, out=tmp_path / "quant.md")
     text = path.read_text()
     assert "commit" in text and "read ceiling" in text and "FAILED" not in text
@@ -16,5 +19,30 @@ def test_small_run_writes_a_report(tmp_path, monkeypatch):
         line for line in text.splitlines() if line.startswith("| routed experts") or line.startswith("| kv_a")
     ]
     timed = [r for r in rows if "torch" not in r]
-    assert len(timed) == 6  # int4, fp8 (software decode: the CPU default), bf16 x (experts, linear)
+    # int4 x (experts, linear) x (default, other INT4 arithmetic); fp8 (software decode: the CPU
+    # default) and bf16 x (experts, linear); fp4 experts only
+    assert len(timed) == 9
+    assert sum("pallas:int4-" in r for r in timed) == 2
     assert all(r.split("|")[5].strip() for r in timed)  # every Pallas / XLA row has a time
+
+
+def test_json_parts_merge(tmp_path, monkeypatch):
+    monkeypatch.delenv("QUANT_TOKENS", raising=False)
+    parts = []
+    for fmt in ("fp4", "bf16"):  # the two quickest formats, in the opposite of the file's order
+        monkeypatch.setenv("QUANT_FORMATS", fmt)
+        monkeypatch.setenv("QUANT_JSON", str(tmp_path / f"{fmt}.json"))
+        quant.main(quant.SMALL, out=tmp_path / f"{fmt}.md")
+        parts.append(tmp_path / f"{fmt}.json")
+    text = quant.merge(tmp_path / "merged.md", parts).read_text()
+    lines = [line for line in text.splitlines() if line.startswith("| routed experts")]
+    assert [line.split("|")[2].strip() for line in lines][:2] == ["bf16", "bf16"]  # FORMATS order
+    assert any("| fp4 |" in line for line in lines) and "## Summary" in text
+
+
+def test_format_slices_are_cumulative():
+    assert quant._deadlines(("int4", "fp8", "bf16"), 100.0, {"int4": 30, "fp8": 20}) == {
+        "int4": 30.0,
+        "fp8": 50.0,
+        "bf16": 100.0,
+    }

@@ -39,12 +39,23 @@ CASES = {
 }
 
 
+# hc_pre's two paths: the table's choice (the fused kernel at these widths: one column step), and
+# the mixing columns split 4 ways (3 steps of 16 per split over 10 steps at D = 40: a ragged last
+# split) with 16-column collapse blocks (a masked last block at D = 40).
+CONFIGS = {
+    "table": None,
+    "split4": tuning.MhcConfig(block_t=16, block_k=16, block_d=16, num_warps=4, num_stages=2, splits=4),
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_reference(name):
+def test_matches_reference(name, config):
     t, n, d, dtype = CASES[name]
     x, fn, base, scale, out = _inputs(len(name), t, n, d, dtype)
     kw = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
-    got = jax.jit(functools.partial(kernel.hc_pre, interpret=True, **kw))(x, fn, base, scale)
+    pre = functools.partial(kernel.hc_pre, interpret=True, config=CONFIGS[config], **kw)
+    got = jax.jit(pre)(x, fn, base, scale)
     want = jax.jit(functools.partial(ref.hc_pre, **kw))(x, fn, base, scale)
     tol = 1e-2 if dtype == jnp.bfloat16 else 2e-6
     for g, w in zip(got, want):
@@ -67,6 +78,18 @@ def test_no_tokens():
     )
     assert h.shape == (0, 32) and post.shape == (0, 4) and comb.shape == (0, 4, 4)
     assert kernel.hc_post(x, out, post, comb, interpret=True).shape == (0, 4, 32)
+
+
+def test_split_rule():
+    """About 4 x SMs mixing programs, at most one column step each."""
+    assert [tuning.split_rule(t, 16384, 16, 128, 132) for t in (1, 32, 128, 512, 4096)] == [
+        128,
+        128,
+        64,
+        16,
+        2,
+    ]
+    assert tuning.split_rule(1, 128, 16, 128, 132) == 1  # one column step: the fused kernel
 
 
 _TARGET_CC = {"sm_80": 80, "sm_90": 90, "sm_120": 120}

@@ -94,6 +94,28 @@ def test_quantized_moe_lowers(target, fmt, t, dtype):
     assert text.count("__gpu$xla.gpu.triton") == 2
 
 
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("zeros", [True, False])
+def test_int4_bf16_decode_lowers(target, zeros):
+    """The bf16-arithmetic INT4 decode (bf16 bit patterns, fma.rn.bf16) in both kernels at GLM-5 shapes."""
+    w = _abstract("int4", (), D, N, zeros=zeros)
+    x = jax.ShapeDtypeStruct((8, D), jnp.bfloat16)
+    assert "__gpu$xla.gpu.triton" in lower_for_cuda(
+        kernel.quant_matmul, x, w, target=target, int4_decode="bf16"
+    )
+    experts = {"gate_up": _abstract("int4", (E,), D, 2 * N), "down": _abstract("int4", (E,), N, D)}
+    text = lower_for_cuda(
+        moe_kernel.moe_experts,
+        jax.ShapeDtypeStruct((1, D), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, TOP_K), jnp.int32),
+        jax.ShapeDtypeStruct((1, TOP_K), jnp.float32),
+        experts,
+        target=target,
+        int4_decode="bf16",
+    )
+    assert text.count("__gpu$xla.gpu.triton") == 2
+
+
 @pytest.mark.parametrize("itemsize", [2, 4])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_moe_tiles_fit(bits, itemsize):

@@ -264,6 +264,30 @@ def test_kernel_dequantizes_bit_for_bit(fmt, mode):
     _same_bits(got, want + np.float32(0))  # a sum turns -0 into +0; every other bit must agree
 
 
+@pytest.mark.parametrize("int4_mode", decode.INT4_MODES)
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_bf16_activations_bit_for_bit(int4_mode, symmetric):
+    """bf16 activations take the bf16-arithmetic INT4 decode when asked ('bf16': 128 + q and 128 + zp
+    as bf16 bit patterns, one rounding of the product): the same bits as the float32 path and as the
+    format's definition, with and without zero points."""
+    rng = np.random.default_rng(8)
+    w, want = random_int4(rng, (), 48, 128, 32, symmetric=symmetric)
+    eye = jnp.eye(128, dtype=jnp.bfloat16)
+    got = kernel.quant_matmul(eye, _device(w), interpret=True, int4_decode=int4_mode)
+    assert got.dtype == jnp.bfloat16
+    _same_bits(got, want + np.float32(0))
+
+
+def test_int4_decode_switch(monkeypatch):
+    monkeypatch.delenv(decode.INT4_ENV, raising=False)
+    assert decode.int4_decode() == decode.INT4_DEFAULT and decode.int4_decode("bf16") == "bf16"
+    monkeypatch.setenv(decode.INT4_ENV, "bf16")
+    assert decode.int4_decode() == "bf16" and decode.int4_decode("f32") == "f32"
+    monkeypatch.setenv(decode.INT4_ENV, "fp16")
+    with pytest.raises(ValueError, match="int4 decode mode"):
+        decode.int4_decode()
+
+
 def test_tiles_spanning_several_scale_groups():
     """64-row x 32-column FP8 blocks under 128 x 64 tiles: scales broadcast over rows and columns."""
     rng = np.random.default_rng(5)
