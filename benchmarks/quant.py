@@ -646,7 +646,10 @@ def summary(rows: list[dict]) -> list[dict]:
             mine = [r for r in rows if r["T"] == t and r["format"] == fmt]
             if not mine:
                 continue
-            experts = next((r for r in mine if r["op"] == "routed experts" and r["impl"] in OURS), {})
+            experts = next(
+                (r for r in mine if r["op"] == "routed experts" and r["impl"] in OURS and "us" in r),
+                next((r for r in mine if r["op"] == "routed experts" and r["impl"] in OURS), {}),
+            )
             out.append(
                 {
                     "T": t,
@@ -727,11 +730,15 @@ def report(rows: list[dict], headers: list[dict[str, str]]) -> str:
 
 
 def merge(out: pathlib.Path, parts: list[pathlib.Path]) -> pathlib.Path:
-    """One results file from the JSON dumps (``QUANT_JSON``) of several processes."""
+    """One results file from the JSON dumps (``QUANT_JSON``) of several processes (a row one process
+    skipped is dropped where another measured it)."""
     import json
 
     loaded = [json.loads(p.read_text(encoding="utf-8")) for p in parts]
     rows = [r for part in loaded for r in part["rows"]]
+    key = lambda r: (r["op"], r["format"], r["T"], r["impl"])  # noqa: E731
+    measured = {key(r) for r in rows if r.get("note") != harness.SKIPPED}
+    rows = [r for r in rows if r.get("note") != harness.SKIPPED or key(r) not in measured]
     order = {f: i for i, f in enumerate(FORMATS)}
     rows.sort(key=lambda r: (order.get(r["format"], len(order)), r["T"]))  # stable: op order kept
     out.write_text(report(rows, [part["header"] for part in loaded]), encoding="utf-8")

@@ -13,10 +13,11 @@
    the same rows).
 
 That walks all ``n D`` = 16384 columns (128 steps) in one program per 16 tokens: at decode one
-program does it all, a chain of dependent steps (H100: ~240 us at T = 1 for 1.6 MB). ``splits`` > 1
-splits the columns instead: a ``(token blocks, splits)`` grid of partial mixing sums (added by one
-XLA fusion), then a ``(token blocks, column blocks)`` grid where every program recomputes its
-tokens' weights and Sinkhorn from the sums (cheap) and collapses its ``block_d`` columns.
+program does it all, a chain of dependent steps (H100: 240-315 us at T = 1-512 for 1.6-18 MB).
+``splits`` > 1 splits the columns instead: a ``(token blocks, splits)`` grid of partial mixing
+sums (added by one XLA fusion), then a ``(token blocks, column blocks)`` grid where every program
+recomputes its tokens' weights and Sinkhorn from the sums (cheap) and collapses its ``block_d``
+columns (H100: 32-148 us at T = 1-512; the fused kernel stays at T = 4096, see :mod:`.tuning`).
 
 ``hc_post``: grid ``(token blocks, column blocks)``, elementwise in D:
 ``x'_j = post_j out + sum_i comb_ij x_i``, one load of each input stream's tile per program.

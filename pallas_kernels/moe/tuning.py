@@ -25,7 +25,7 @@ Three tile sets per GPU, each a (gate|up, down) pair:
   8 warps, 4 stages for gate|up (3 for down, which keeps two programs per SM).
 
 4-bit experts (INT4 / FP4) decode in the K loop, and at 4 warps that arithmetic bounds the few /
-stream kernels on H100: they run 8 warps there (``warps_4bit``; 2.0-2.2x at T = 1 / 8 / 32).
+stream kernels on H100: they run 8 warps there (``warps_4bit``; 1.9-2.2x at T = 1 / 8 / 32).
 
 sm_100 and the other parts keep their reasoned starting points (one tile set for ``few`` and
 ``stream``) until ``benchmarks/moe.py`` has been run on them. Every choice is then fitted to the

@@ -35,7 +35,7 @@ ENV = "JAXDSA_FP_DECODE"
 MODES = ("native", "software")
 INT4_ENV = "JAXDSA_INT4_DECODE"
 INT4_MODES = ("f32", "bf16")
-INT4_DEFAULT = "bf16"  # H100: 12-15 % faster MoE at T = 1-128 (benchmarks/results/quant-h100.md)
+INT4_DEFAULT = "bf16"  # H100: 12-14 % faster MoE at T = 1-128 (benchmarks/results/quant-h100.md)
 
 
 def fp_decode(mode: str | None = None, *, cc: int | None = None) -> str:

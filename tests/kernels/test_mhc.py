@@ -81,14 +81,9 @@ def test_no_tokens():
 
 
 def test_split_rule():
-    """About 4 x SMs mixing programs, at most one column step each."""
-    assert [tuning.split_rule(t, 16384, 16, 128, 132) for t in (1, 32, 128, 512, 4096)] == [
-        128,
-        128,
-        64,
-        16,
-        2,
-    ]
+    """About 4 x SMs mixing programs, at most one column step each; fused from 132 token blocks."""
+    tokens = (1, 32, 128, 512, 2048, 4096)
+    assert [tuning.split_rule(t, 16384, 16, 128, 132) for t in tokens] == [128, 128, 64, 16, 4, 1]
     assert tuning.split_rule(1, 128, 16, 128, 132) == 1  # one column step: the fused kernel
 
 
