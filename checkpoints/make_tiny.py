@@ -5,13 +5,13 @@
 
 (``deepseek_v4`` is written by :mod:`checkpoints.tiny_v4` in DeepSeek's release layout.)
 
-The directory holds config.json (a ``jaxdsa.config.TINY_PRESETS`` entry with ``vocab_size`` set to
-the tokenizer's), generation_config.json, safetensors with the hub's per-expert tensor names and
+The directory holds config.json (a :data:`checkpoints.tiny_presets.TINY_PRESETS` entry with
+``vocab_size`` set to the tokenizer's), generation_config.json, safetensors with the hub's per-expert tensor names and
 [out, in] shapes (models.md §4.1) plus the MTP layer ``model.layers.{num_hidden_layers}`` (§4.2),
 and a real tokenizer with the family's chat template (``checkpoints.tokenizer_assets``).
 
 Tensor names and shapes are derived here from the config and models.md, deliberately *not* from
-``checkpoints/names.py``: the loader is then tested against an independent reading of the spec.
+the family's parameter spec: the loader is then tested against an independent reading of the spec.
 
 Weights depend only on (seed, tensor name), so a tensor keeps its values whatever the dtype,
 sharding or the other tensors. Scales keep activations O(1): linear weights ~ N(0, 1/fan_in),

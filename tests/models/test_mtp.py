@@ -1,4 +1,4 @@
-"""The next-n (MTP) layer: loaded from layer num_hidden_layers and run by mtp_step.
+"""The next-n (MTP) layer: loaded from layer num_hidden_layers and run by ``DsaModel.draft``.
 
 HF transformers drops these weights on load, so there is no HF oracle; the glue around the
 decoder block (enorm / hnorm, embedding-first concat, eh_proj, shared_head.norm, shared lm_head)
