@@ -67,13 +67,19 @@ def test_every_parameter_sharded_as_declared(loaded):
         assert value.sharding.is_equivalent_to(want, value.ndim), (path, value.sharding, want)
 
 
-def test_device_bytes_match_the_planner(loaded):
-    family, cfg, model, par, mesh, _ = loaded
-    assert mesh.devices.size == par.num_devices
+def device_bytes(model, mesh) -> dict:
+    """Bytes of the model's parameters on each device of ``mesh``."""
     per_device = dict.fromkeys(mesh.devices.flat, 0)
     for value in jax.tree.leaves(nnx.state(model, nnx.Param)):
         for shard in value.addressable_shards:
             per_device[shard.device] += shard.data.nbytes
+    return per_device
+
+
+def test_device_bytes_match_the_planner(loaded):
+    family, cfg, model, par, mesh, _ = loaded
+    assert mesh.devices.size == par.num_devices
+    per_device = device_bytes(model, mesh)
     planned = plan.device_weight_bytes(family, cfg, par, "bf16")
     for device, nbytes in per_device.items():
         assert abs(nbytes - planned) <= 0.05 * planned, (device, nbytes, planned)

@@ -21,6 +21,7 @@ from jaxdsa.loading import load_model
 from pallas_kernels.quant_matmul.layout import QuantizedWeight
 from tests.conftest import FIXTURES
 from tests.models.test_hf_parity import TOLERANCE, rel_l2
+from tests.sharding.test_loading import device_bytes
 
 # (fixture, tp, ep): FP8 32x32 blocks narrowed to 16 for q_b / o_proj / expert-TP shards (tp=2 ->
 # tpi 2 inside ep 4 -> 4 devices); INT4 group 128 narrowed to 64 for the row-split dense down_proj
@@ -73,14 +74,6 @@ def test_split_cutting_a_packed_chunk_is_refused():
             mesh=sharding.make_mesh(par),
             progress=False,
         )
-
-
-def device_bytes(model, mesh) -> dict:
-    per_device = dict.fromkeys(mesh.devices.flat, 0)
-    for value in jax.tree.leaves(nnx.state(model, nnx.Param)):
-        for shard in value.addressable_shards:
-            per_device[shard.device] += shard.data.nbytes
-    return per_device
 
 
 @pytest.mark.parametrize("weights", ["int4", "fp8"])
