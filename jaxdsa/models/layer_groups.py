@@ -137,6 +137,20 @@ class UnrolledLayers(nnx.Module):
         return carry
 
 
+def build_groups(
+    kinds: Sequence[Hashable],
+    make_layer: Callable[[int, nnx.Rngs], nnx.Module],
+    rngs: nnx.Rngs,
+    *,
+    scan: bool,
+) -> nnx.List:
+    """A model's layers (one kind per layer): stacked and scanned runs (:func:`group_layers`), or
+    with ``scan=False`` one module per layer, run unrolled."""
+    if scan:
+        return nnx.List([ScannedLayers.build(g, make_layer, rngs) for g in group_layers(kinds)])
+    return nnx.List([UnrolledLayers([make_layer(i, rngs) for i in range(len(kinds))], 0)])
+
+
 def group_specs(
     groups: Sequence[nnx.Module], layer_spec: Callable[[int], dict[tuple, Leaf]]
 ) -> dict[tuple, Spec]:

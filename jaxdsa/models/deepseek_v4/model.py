@@ -26,7 +26,7 @@ from jaxdsa.models.deepseek_v4.config import V4Config
 from jaxdsa.models.deepseek_v4.context import V4Context
 from jaxdsa.models.deepseek_v4.hyper import HyperHead, HyperSite, expand, site_out
 from jaxdsa.models.deepseek_v4.moe import MoE
-from jaxdsa.models.layer_groups import ScannedLayers, UnrolledLayers, group_layers, take_layer
+from jaxdsa.models.layer_groups import build_groups, take_layer
 
 
 class Block(nnx.Module):
@@ -81,11 +81,7 @@ class V4Model(nnx.Module):
         make_layer = lambda layer, rngs: Block(cfg, layer, dtype=dtype, rngs=rngs)  # noqa: E731
         kinds = [(cfg.layer_type(i), cfg.is_hash_layer(i)) for i in range(cfg.num_hidden_layers)]
         self.embed = Embed(cfg.vocab_size, D, dtype=dtype, rngs=rngs)
-        if scan_layers:
-            groups = [ScannedLayers.build(g, make_layer, rngs) for g in group_layers(kinds)]
-        else:
-            groups = [UnrolledLayers([make_layer(i, rngs) for i in range(cfg.num_hidden_layers)], 0)]
-        self.groups = nnx.List(groups)
+        self.groups = build_groups(kinds, make_layer, rngs, scan=scan_layers)
         self.hc_head = HyperHead(cfg)
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
         self.head = Linear(

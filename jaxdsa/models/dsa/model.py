@@ -31,7 +31,7 @@ from jaxdsa.layers.mlp import MLP, Experts, MoE, Router
 from jaxdsa.layers.norms import RMSNorm
 from jaxdsa.layers.rope import cos_sin
 from jaxdsa.models.dsa.config import HF_LATENT_NORM_EPS, INDEXER_K_NORM_EPS, DsaConfig
-from jaxdsa.models.layer_groups import ScannedLayers, UnrolledLayers, group_layers, take_layer
+from jaxdsa.models.layer_groups import build_groups, take_layer
 from jaxdsa.sharding import Parallelism
 
 
@@ -140,11 +140,7 @@ class DsaModel(nnx.Module):
         make_layer = lambda layer, rngs: DecoderLayer(cfg, layer, **heads, dtype=dtype, rngs=rngs)
         kinds = [(cfg.is_moe_layer(i), cfg.has_indexer(i)) for i in range(cfg.num_hidden_layers)]
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        if scan_layers:
-            groups = [ScannedLayers.build(g, make_layer, rngs) for g in group_layers(kinds)]
-        else:
-            groups = [UnrolledLayers([make_layer(i, rngs) for i in range(cfg.num_hidden_layers)], 0)]
-        self.groups = nnx.List(groups)
+        self.groups = build_groups(kinds, make_layer, rngs, scan=scan_layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = Linear(
             (cfg.hidden_size,),
