@@ -25,6 +25,7 @@ from jaxdsa.cache import StepMeta, init_cache
 from jaxdsa.engine import Engine, EngineConfig, SamplingParams
 from jaxdsa.engine.buckets import bucket
 from jaxdsa.engine.runner import ModelState
+from jaxdsa.engine.speculative import SpeculativeConfig
 from jaxdsa.loading import load_model
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -92,13 +93,16 @@ class LLM:
         progress: bool = True,
         scan_layers: bool | None = None,
         quantization: str = "auto",
+        speculative_config: str | dict | SpeculativeConfig | None = None,
     ):
         """``load_format="dummy"``: random weights of the checkpoint's config, made on the device
         (benchmarking real shapes without the files, like vLLM's ``--load-format dummy``).
         ``quantization``: ``"auto"`` keeps the checkpoint's FP8 / INT4 linears and experts in their
         format on the device, ``"dequantize"`` makes every weight dense in ``dtype``, ``"fp8"`` /
         ``"int4"`` assert the checkpoint's format or choose the dummy weights' (see
-        :mod:`jaxdsa.quantization`)."""
+        :mod:`jaxdsa.quantization`). ``speculative_config``: vLLM's, e.g. ``{"method": "mtp",
+        "num_speculative_tokens": 3}``: the engine drafts with the checkpoint's next-n layers and
+        verifies the drafts in one step (greedy output unchanged, sampling distribution preserved)."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r}: choose float32 or bfloat16")
         self.path = os.fspath(path)
@@ -127,6 +131,7 @@ class LLM:
             max_logprobs=max_logprobs,
             enable_prefix_caching=enable_prefix_caching,
             seed=seed,
+            speculative=SpeculativeConfig.parse(speculative_config),
         )
         self._engine: Engine | None = None
         self._ids = itertools.count()

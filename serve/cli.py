@@ -22,7 +22,7 @@ import uvicorn
 from fastapi import FastAPI
 
 import jaxdsa
-from jaxdsa.engine import AsyncEngine
+from jaxdsa.engine import AsyncEngine, SpeculativeConfig
 from serve import default_model
 from serve.app import ServingContext, create_app
 from serve.chat_format import load_chat_format
@@ -110,6 +110,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "them dense; fp8 / int4: assert the checkpoint's format, or choose the --load-format dummy one",
     )
     g.add_argument(
+        "--speculative-config",
+        help='JSON, as vLLM: {"method": "mtp", "num_speculative_tokens": N} drafts N tokens per step (1-5) '
+        "with the checkpoint's next-n (MTP) layers and verifies them in one step",
+    )
+    g.add_argument(
         "--no-warmup", action="store_true", help="compile step shapes on first use instead of at startup"
     )
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -181,6 +186,10 @@ def _dtype(requested: str, config: dict[str, Any]) -> str:
 
 def _check_flags(args: argparse.Namespace) -> dict[str, int | bool]:
     """Flags that cannot work; returns the parallelism for jaxdsa.LLM, which checks it against the devices."""
+    try:
+        SpeculativeConfig.parse(args.speculative_config)
+    except ValueError as e:
+        raise StartupError(f"--speculative-config: {e}") from None
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise StartupError("--enable-auto-tool-choice needs --tool-call-parser")
     for flag in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
@@ -239,6 +248,7 @@ def build(args: argparse.Namespace) -> Server:
             seed=args.seed,
             load_format=args.load_format,
             quantization=args.quantization,
+            speculative_config=args.speculative_config,
             **parallel,
         )
         engine = llm.engine

@@ -84,6 +84,26 @@ class _EngineCollector(Collector):
             "Engine steps that raised; only the requests behind them failed.",
             value=s["failed_steps"],
         )
+        yield from _speculative(s)
+
+
+def _speculative(s: dict[str, float]) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters (zero without --speculative-config)."""
+    for name, what in [
+        ("drafts", "Verify steps that tested drafts (one per request and step)."),
+        ("draft_tokens", "Draft tokens proposed by the MTP layers."),
+        ("accepted_tokens", "Draft tokens accepted by the main model."),
+    ]:
+        yield CounterMetricFamily(f"jaxdsa:spec_decode_num_{name}", what, value=s[f"spec_decode_num_{name}"])
+    per_position = CounterMetricFamily(
+        "jaxdsa:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted at each draft position (0: the first draft of a step).",
+        labels=["position"],
+    )
+    prefix = "spec_decode_num_accepted_tokens_pos"
+    for key in sorted((k for k in s if k.startswith(prefix)), key=lambda k: int(k[len(prefix) :])):
+        per_position.add_metric([key[len(prefix) :]], s[key])
+    yield per_position
 
 
 class Metrics:

@@ -3,6 +3,7 @@
 from jaxdsa.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from jaxdsa.engine.engine import Engine, EngineConfig
 from jaxdsa.engine.request import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
+from jaxdsa.engine.speculative import SpeculativeConfig
 
 __all__ = [
     "AsyncEngine",
@@ -13,5 +14,6 @@ __all__ = [
     "QueueFullError",
     "RequestOutput",
     "SamplingParams",
+    "SpeculativeConfig",
     "TokenLogprobs",
 ]

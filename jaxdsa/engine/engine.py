@@ -15,7 +15,6 @@ pages unknown: those requests are then recomputed from their tokens, as after a 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import logging
 import operator
@@ -44,6 +43,7 @@ from jaxdsa.engine.request import (
 from jaxdsa.engine.runner import ModelRunner, StepResult
 from jaxdsa.engine.sampling import Scored
 from jaxdsa.engine.scheduler import Scheduler, Segment
+from jaxdsa.engine.speculative import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20  # most top logprobs a request may ask for (vLLM's default)
     enable_prefix_caching: bool = True  # reuse cached pages of shared token prefixes (vLLM's default)
+    speculative: SpeculativeConfig | None = None  # draft with the model's next-n (MTP) layers
 
 
 def enable_compilation_cache() -> None:
@@ -75,16 +76,18 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-def _default_num_pages(spec: CacheSpec, ec: EngineConfig, max_model_len: int, dtype, groups: int) -> int:
+def _default_num_pages(
+    specs: list[CacheSpec], ec: EngineConfig, max_model_len: int, dtype, groups: int
+) -> int:
     """Pages over all dp groups: what fits in free device memory (each device holds its group's
-    pages), capped at enough for every slot to reach max_model_len."""
+    pages of every cache in ``specs``), capped at enough for every slot to reach max_model_len."""
     per_seq = -(-max_model_len // ec.page_size)
     enough = per_seq * ec.max_num_seqs
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         return enough
     free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.memory_fraction
-    per_device = int(free // (spec.bytes_per_token(dtype) * ec.page_size))
+    per_device = int(free // (sum(s.bytes_per_token(dtype) for s in specs) * ec.page_size))
     if per_device < per_seq:
         raise ValueError(
             f"device memory holds {per_device} cache pages; "
@@ -117,9 +120,15 @@ class Engine:
             )
         self.eos_token_ids = frozenset(eos_token_ids)
         groups = sharding.dp_groups(mesh)
-        cache_spec = family.cache_spec(cfg)
+        self.num_spec = config.speculative.num_speculative_tokens if config.speculative else 0
+        if self.num_spec and not len(getattr(model, "mtp", ())):
+            raise ValueError(
+                "speculative decoding with method 'mtp' drafts with the checkpoint's next-n (MTP) layers, "
+                "and this model has none loaded (the checkpoint ships no MTP weights)"
+            )
+        cache_specs = [family.cache_spec(cfg)] + ([family.mtp_cache_spec(cfg)] if self.num_spec else [])
         num_pages = config.num_pages or _default_num_pages(
-            cache_spec, config, self.max_model_len, dtype, groups
+            cache_specs, config, self.max_model_len, dtype, groups
         )
         num_pages -= num_pages % groups
         if num_pages // groups * config.page_size < self.max_model_len:
@@ -134,20 +143,31 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             groups=groups,
             prefix_caching=config.enable_prefix_caching,
+            lookahead=max(self.num_spec - 1, 0),
+            max_len=self.max_model_len,
         )
-        placed = (
-            None
-            if mesh is None
-            else {k: NamedSharding(mesh, sharding.spec(a)) for k, a in cache_spec.axes().items()}
-        )
-        self._new_cache = functools.partial(
-            init_cache, cache_spec, num_pages, config.page_size, dtype, sharding=placed
-        )
+
+        def new_caches() -> list:  # the main cache, then the next-n layers' (same pages)
+            return [
+                init_cache(
+                    spec,
+                    num_pages,
+                    config.page_size,
+                    dtype,
+                    sharding=None
+                    if mesh is None
+                    else {k: NamedSharding(mesh, sharding.spec(a)) for k, a in spec.axes().items()},
+                )
+                for spec in cache_specs
+            ]
+
+        self._new_caches = new_caches
+        cache, *mtp_cache = new_caches()
         self.runner = ModelRunner(
             family,
             cfg,
             model,
-            self._new_cache(),
+            cache,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -155,6 +175,8 @@ class Engine:
             max_logprobs=config.max_logprobs,
             mesh=mesh,
             precision=precision,
+            num_spec=self.num_spec,
+            mtp_cache=mtp_cache[0] if mtp_cache else None,
         )
         self.requests: dict[str, Request] = {}
         self._seeds: dict[str, int] = {}
@@ -163,6 +185,9 @@ class Engine:
         self._quarantine = Quarantine()
         self.num_generated_tokens = 0
         self.num_failed_steps = 0
+        self.num_drafts = 0  # verify steps that tested at least one draft
+        self.num_draft_tokens = 0
+        self.accepted_per_position = [0] * self.num_spec  # drafts accepted at each draft position
 
     # -- requests ------------------------------------------------------------------------------
     def check(self, prompt: list[int], sampling: SamplingParams) -> None:
@@ -230,24 +255,35 @@ class Engine:
         return self.scheduler.has_work()
 
     # -- stepping ------------------------------------------------------------------------------
-    def _stop_reason(self, request: Request) -> FinishReason | None:
-        token, sp = request.output[-1], request.sampling
+    def _stop_reason(self, request: Request, n: int) -> FinishReason | None:
+        """Why the request ends after its first ``n`` output tokens, if it does."""
+        token, sp = request.output[n - 1], request.sampling
         stop = (
             token in self.eos_token_ids and not sp.ignore_eos
         ) or token in sp.stop_token_ids  # no set per token
-        if stop and len(request.output) >= sp.min_tokens:
+        if stop and n >= sp.min_tokens:
             return FinishReason.STOP
-        if len(request.output) >= sp.max_tokens or request.num_tokens >= self.max_model_len:
+        if n >= sp.max_tokens or len(request.prompt) + n >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
     def _banned(self, segments: list[Segment]) -> dict[str, frozenset[int]]:
-        """Per sampling request still under its min_tokens: the stop tokens it must not sample."""
+        """Per sampling request still under its min_tokens: the stop tokens it must not emit (the
+        runner bans them at the verify positions still under min_tokens)."""
         return {
             s.request.request_id: s.request.sampling.stop_ids(self.eos_token_ids)
             for s in segments
             if s.samples and len(s.request.output) < s.request.sampling.min_tokens
         }
+
+    def _draft_room(self, request: Request) -> int:
+        """Drafts the next step may verify: each accepted one is an output token, and one more comes
+        after them, so they stop short of max_tokens and max_model_len. Requests that return
+        their logits emit one token per step (one logits row per output)."""
+        if request.request_id in self._want_logits:
+            return 0
+        room = min(request.sampling.max_tokens - len(request.output), self.max_model_len - request.num_tokens)
+        return max(0, min(self.num_spec, room - 1))
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output per request that sampled, or that the engine failed."""
@@ -258,7 +294,7 @@ class Engine:
             segments = self.scheduler.schedule()  # the suspects cannot run now: let the others
         if not segments:
             return []
-        cache_before = self.runner.cache
+        cache_before = (self.runner.cache, self.runner.mtp_cache)
         try:
             result = self._run(segments)
         except Exception as error:  # whatever raised, only the request(s) behind it fail
@@ -283,34 +319,55 @@ class Engine:
         for s, scored in zip(segments, result.scores or ()):
             if scored is not None:
                 self._record_prompt_logprobs(s, scored)
+        sampling = [s for s in segments if s.samples]
+        for i, s in enumerate(sampling):  # emitted tokens join the output before commit registers pages
+            n = int(result.num_emitted[i])
+            s.accepted = n - 1
+            s.request.output += result.ids[i, :n].tolist()
+            self._count_drafts(s)
         self.scheduler.commit(segments)
         outputs = []
-        for i, request in enumerate(s.request for s in segments if s.samples):
-            token = int(result.ids[i])
-            request.output.append(token)
-            self.num_generated_tokens += 1
+        for i, s in enumerate(sampling):
+            request, emitted = s.request, int(result.num_emitted[i])
+            first = len(request.output) - emitted
+            reason = None
+            for n in range(first + 1, len(request.output) + 1):
+                reason = self._stop_reason(request, n)
+                if reason is not None:
+                    del request.output[n:]  # accepted past the stop: dropped, as if never sampled
+                    break
+            new = len(request.output) - first
+            self.num_generated_tokens += new
             wants_logits = request.request_id in self._want_logits
             prompt_logprobs = self._prompt_logprobs.pop(
                 request.request_id, None
             )  # complete at the first sample
-            reason = self._stop_reason(request)
             if reason is not None:
                 self.scheduler.finish(request, reason)
                 self._forget(request.request_id)
+            else:
+                request.draft = result.drafts[i, : self._draft_room(request)].tolist()
             outputs.append(
                 RequestOutput(
                     request.request_id,
-                    [token],
+                    request.output[first:],
                     reason is not None,
                     reason,
                     len(request.prompt),
                     len(request.output),
-                    logits=result.logits[i] if wants_logits else None,
-                    logprobs=_token_logprobs(result, i, request.sampling.logprobs),
+                    logits=result.logits[i, 0] if wants_logits else None,
+                    logprobs=_token_logprobs(result, i, new, request.sampling.logprobs),
                     prompt_logprobs=prompt_logprobs,
                 )
             )
         return outputs
+
+    def _count_drafts(self, s: Segment) -> None:
+        if s.drafts:
+            self.num_drafts += 1
+            self.num_draft_tokens += len(s.drafts)
+            for j in range(s.accepted):
+                self.accepted_per_position[j] += 1
 
     def _step_failed(
         self, segments: list[Segment], running_before: set[Request], cache_before, error: Exception
@@ -351,8 +408,8 @@ class Engine:
         gone or hold a half-run step), a fresh one replaces it and every running request is
         recomputed from its tokens; cached prefixes go too, since their pages went with it."""
         self.runner.reset_penalty_rows()
-        cache = self.runner.cache
-        if cache is cache_before and not any(a.is_deleted() for a in jax.tree.leaves(cache)):
+        cache = (self.runner.cache, self.runner.mtp_cache)
+        if cache[0] is cache_before[0] and not any(a.is_deleted() for a in jax.tree.leaves(cache)):
             return
         log.warning(
             "the failed step consumed the cache: recomputing %d request(s)", len(self.scheduler.running)
@@ -360,7 +417,8 @@ class Engine:
         for a in jax.tree.leaves((cache_before, cache)):
             if not a.is_deleted():
                 a.delete()  # free the device memory before the fresh cache takes it
-        self.runner.cache = self._new_cache()
+        self.runner.cache, *mtp_cache = self._new_caches()
+        self.runner.mtp_cache = mtp_cache[0] if mtp_cache else {}
         self.scheduler.recompute_all()
 
     def _record_prompt_logprobs(self, segment: Segment, scored: Scored) -> None:
@@ -404,6 +462,12 @@ class Engine:
             "prefix_cache_hits": self.scheduler.prefix_hit,
             "preemptions": self.scheduler.num_preemptions,
             "failed_steps": self.num_failed_steps,
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": sum(self.accepted_per_position),
+            **{
+                f"spec_decode_num_accepted_tokens_pos{j}": n for j, n in enumerate(self.accepted_per_position)
+            },
         }
 
 
@@ -421,11 +485,19 @@ def _check_token_ids(ids: Iterable, vocab_size: int, name: str) -> None:
             raise ValueError(f"{name} must be in [0, {vocab_size}), got {t}")
 
 
-def _token_logprobs(result: StepResult, row: int, n: int | None) -> list[TokenLogprobs] | None:
-    if n is None:
+def _token_logprobs(result: StepResult, row: int, n: int, k: int | None) -> list[TokenLogprobs] | None:
+    """Entries of the first ``n`` tokens a row emitted, with ``k`` top tokens each (None: not asked)."""
+    if k is None:
         return None
     return [
-        _entry(int(result.ids[row]), result.logprobs[row], result.top_ids[row], result.top_logprobs[row], n)
+        _entry(
+            int(result.ids[row, j]),
+            result.logprobs[row, j],
+            result.top_ids[row, j],
+            result.top_logprobs[row, j],
+            k,
+        )
+        for j in range(n)
     ]
 
 

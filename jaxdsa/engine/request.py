@@ -106,6 +106,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    draft: list[int] = dataclasses.field(default_factory=list)  # tokens the MTP layer proposed to follow
 
     @property
     def tokens(self) -> list[int]:

@@ -97,6 +97,34 @@ def sample(
     is not reached within them. A full sort of GLM-5's 154,880 logits took 1.9 ms at 32 rows on
     an H100, the candidates about 0.1 ms.
     """
+    pr = process(logits, temperature, top_p, top_k, banned, penalties, candidates=candidates)
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+    drawn = jax.vmap(jax.random.categorical)(keys, pr.z).astype(jnp.int32)
+    ids = jnp.where(pr.sampled, drawn, pr.greedy)
+    return report(pr, ids, banned, penalties is not None, num_logprobs)
+
+
+class Processed(NamedTuple):
+    """Rows ready to draw from: what :func:`sample` and the speculative verifier share."""
+
+    raw: jax.Array  # [R, V] the model's logits
+    z: jax.Array  # [R, V] after penalties, bans and temperature; -inf where top-k / top-p cut
+    greedy: jax.Array  # [R] int32: argmax after penalties and bans
+    sampled: jax.Array  # [R] bool: temperature > 0 (else the row is greedy)
+    ranked: jax.Array  # [R, C] token ids by processed logit, largest first (-1: padding)
+
+
+def process(
+    logits,
+    temperature,
+    top_p,
+    top_k,
+    banned=None,
+    penalties: Penalties | None = None,
+    *,
+    candidates=CANDIDATES,
+) -> Processed:
+    """Penalties, bans, temperature and the top-k / top-p filters of :func:`sample`, without the draw."""
     R, V = logits.shape
     raw = logits
     if penalties is not None:
@@ -120,14 +148,16 @@ def sample(
         ranked = _ranked(logits)
         kth, cutoff, _ = _cutoffs(z, ranked, top_k, top_p, complete=True)
     z = jnp.where((z >= kth) & (z >= cutoff), z, -jnp.inf)
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
-    drawn = jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
-    ids = jnp.where(sampled, drawn, greedy)
+    return Processed(raw, z, greedy, sampled, ranked)
 
+
+def report(pr: Processed, ids, banned, penalized: bool, num_logprobs: int) -> Sampled:
+    """``ids`` with their logprobs and each row's top ``num_logprobs`` tokens, as :func:`sample` says."""
+    raw, V = pr.raw, pr.raw.shape[1]
     lse = jax.nn.logsumexp(raw, axis=-1)
     L = min(num_logprobs, V)
-    top_ids = jnp.maximum(ranked[:, :L], 0)  # ranks the processed logits
-    if penalties is not None and L:  # penalties reorder: rank the raw logits afresh (bans included)
+    top_ids = jnp.maximum(pr.ranked[:, :L], 0)  # ranks the processed logits
+    if penalized and L:  # penalties reorder: rank the raw logits afresh (bans included)
         top_ids = _ranked(raw, ops.topk_indices(raw, L))
     elif banned is not None and L:
         # The ranking ran without the banned tokens. The unbanned top L is in it, so the raw top L

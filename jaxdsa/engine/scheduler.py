@@ -32,11 +32,20 @@ from jaxdsa.engine.request import FinishReason, Request, Status
 
 @dataclasses.dataclass
 class Segment:
-    """Run ``request.tokens[start:start+length]``; sample after it if it reaches the end."""
+    """Run ``request.tokens[start:start+length]``; sample after it if it reaches the end. With
+    speculative decoding a decode segment also runs the request's ``drafts`` after its last token;
+    the engine sets ``accepted`` to how many of them the step kept before :meth:`Scheduler.commit`."""
 
     request: Request
     start: int
     length: int
+    drafts: tuple[int, ...] = ()
+    accepted: int = 0
+
+    @property
+    def num_run(self) -> int:
+        """Tokens the step runs for this segment (and takes from the budget)."""
+        return self.length + len(self.drafts)
 
     @property
     def samples(self) -> bool:
@@ -53,6 +62,8 @@ class Scheduler:
         max_num_batched_tokens: int,
         groups: int = 1,
         prefix_caching: bool = False,
+        lookahead: int = 0,
+        max_len: int | None = None,
     ):
         if max_num_seqs % groups or num_pages % groups:
             raise ValueError(
@@ -63,6 +74,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.groups = groups
         self.prefix_caching = prefix_caching
+        # speculative decoding drafts past a sampling segment's last position: keep pages for that
+        # many more positions (never past max_len, the longest a sequence may grow)
+        self.lookahead, self.max_len = lookahead, max_len
         self.prefix_queried = 0  # tokens of admitted requests looked up in the prefix cache
         self.prefix_hit = 0  # of those, tokens found there (not computed again)
         self.num_preemptions = 0  # running requests sent back to wait (their pages recomputed later)
@@ -116,6 +130,13 @@ class Scheduler:
         self._free_slots[group].append(request.slot)
         request.slot = None
 
+    def _span(self, request: Request, start: int, n: int) -> int:
+        """Positions a segment of ``n`` tokens (drafts included) from ``start`` needs pages for."""
+        end = start + n
+        if end >= request.num_tokens and self.lookahead:
+            end = min(end + self.lookahead, self.max_len or end + self.lookahead)
+        return end
+
     def _pages_needed(self, request: Request, upto: int) -> int:
         return max(0, -(-upto // self.page_size) - len(request.pages))
 
@@ -143,7 +164,7 @@ class Scheduler:
         g = max(open_groups, key=lambda g: (len(hits[g]), self.allocators[g].num_free))
         start = len(hits[g]) * self.page_size
         n = min(request.num_tokens - start, budget)
-        new_pages = -(-(start + n) // self.page_size) - len(hits[g])
+        new_pages = -(-self._span(request, start, n) // self.page_size) - len(hits[g])
         if not self.allocators[g].can_take(new_pages, shared=[page for _, page in hits[g]]):
             return None
         return g, hits[g], n
@@ -152,6 +173,7 @@ class Scheduler:
         self.running.remove(victim)
         self._release(victim)
         victim.num_computed = 0
+        victim.draft = []
         victim.status = Status.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -178,8 +200,10 @@ class Scheduler:
             if request.status is not Status.RUNNING or (only is not None and request not in only):
                 continue  # preempted earlier in this loop, or held back
             n = min(request.remaining, budget)
+            drafts = tuple(request.draft[: budget - 1]) if request.remaining == 1 else ()
+            span = self._span(request, request.num_computed, n + len(drafts))
             group = self.group_of(request)
-            while not self._grow(request, request.num_computed + n, group):
+            while not self._grow(request, span, group):
                 victim = next(
                     (
                         r
@@ -193,11 +217,11 @@ class Scheduler:
                 self._preempt(victim)
                 if victim is request:
                     break
-            if request.status is not Status.RUNNING or self._pages_needed(request, request.num_computed + n):
+            if request.status is not Status.RUNNING or self._pages_needed(request, span):
                 continue
-            segments.append(Segment(request, request.num_computed, n))
+            segments.append(Segment(request, request.num_computed, n, drafts))
             scheduled.add(id(request))
-            budget -= n
+            budget -= n + len(drafts)
         for request in [r for r in self.waiting if only is None or r in only]:
             if budget == 0:
                 break
@@ -210,7 +234,7 @@ class Scheduler:
             request.num_computed = len(hits) * self.page_size
             self.prefix_queried += request.num_tokens
             self.prefix_hit += request.num_computed
-            self._grow(request, request.num_computed + n, group)
+            self._grow(request, self._span(request, request.num_computed, n), group)
             self.waiting.remove(request)
             request.slot = self._free_slots[group].pop()
             request.status = Status.RUNNING
@@ -220,9 +244,10 @@ class Scheduler:
         return segments
 
     def commit(self, segments: list[Segment]) -> None:
-        """The model ran these segments: their tokens are now in the cache."""
+        """The model ran these segments: their tokens (and the drafts it accepted, which the engine
+        has appended to the output) are now in the cache."""
         for s in segments:
-            s.request.num_computed = s.start + s.length
+            s.request.num_computed = s.start + s.length + s.accepted
             if self.prefix_caching:
                 self._register_full_pages(s.request)
 

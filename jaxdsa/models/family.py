@@ -63,6 +63,22 @@ class ModelFamily(Protocol):
     ) -> tuple[jax.Array, Cache]:
         """One step: float32 logits [R, vocab] at ``meta.logits_indices`` and the updated cache."""
 
+    def hidden(
+        self, model: nnx.Module, tokens, positions, cache: Cache, meta: StepMeta, mode
+    ) -> tuple[Any, Cache]:
+        """The step's model part for speculative decoding: what the next-n layers read of every token
+        (T rows of a family-specific shape) and the updated cache."""
+
+    def logits(self, model: nnx.Module, hidden) -> jax.Array:
+        """Float32 logits [R, vocab] of rows of :meth:`hidden`."""
+
+    def draft(
+        self, model: nnx.Module, hidden, tokens, positions, cache: Cache, meta: StepMeta, mode, layer: int
+    ) -> tuple[jax.Array, Any, Cache]:
+        """Next-n layer ``layer`` over ``hidden`` (of token t) and ``tokens`` (t + 1) at ``positions`` with
+        the next-n cache: (logits for t + 2, its own output to draft further from, both at
+        ``meta.logits_indices``; the cache)."""
+
     def step_mode(self, cfg, *, max_position: int, single_sequence: bool = False) -> Hashable:
         """The static variant of the step for a batch whose longest context ends at ``max_position``."""
 

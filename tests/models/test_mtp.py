@@ -41,7 +41,7 @@ def test_mtp_step_follows_the_formula(name):
     mtp_cache = lambda: init_cache(llm.family.mtp_cache_spec(cfg), pages, page, jnp.float32)
     n = T - 1
     meta_n = StepMeta(jnp.zeros(n, jnp.int32), meta.page_table, jnp.arange(n, dtype=jnp.int32))
-    got, _ = model.draft(
+    got, _, _ = model.draft(
         hidden[:n], jnp.asarray(ids[1:]), pos[:n], mtp_cache(), meta_n, sparse=True, absorbed=True
     )
 

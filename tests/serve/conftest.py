@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import pathlib
 import re
@@ -105,7 +106,8 @@ def scripted_logprobs(i: int, token: int, n: int) -> TokenLogprobs:
 
 
 class ScriptedEngine:
-    """Stands in for AsyncEngine: replies with the next scripted token ids, one token per step.
+    """Stands in for AsyncEngine: replies with the next scripted token ids, one token per step (or, with
+    ``chunks``, that many per step in turn, as speculative decoding emits them).
 
     Lets tests force exactly what the "model" says (tool calls, reasoning) and see the prompts the
     server rendered. A script entry of ``EngineDeadError`` fails the request after its first token.
@@ -120,6 +122,7 @@ class ScriptedEngine:
         self.prompts: list[list[int]] = []
         self.sampling: list[SamplingParams] = []
         self.max_model_len = max_model_len
+        self.chunks: tuple[int, ...] = (1,)
         self.active = 0
         self._running: set[str] = set()
 
@@ -138,21 +141,25 @@ class ScriptedEngine:
                 yield RequestOutput(request_id, [65], False, None, len(prompt), 1)
                 raise EngineDeadError("scripted failure")
             ids = script[: sampling.max_tokens]
-            for i, token in enumerate(ids):
+            i, sizes = 0, itertools.cycle(self.chunks)
+            while i < len(ids):
                 if i == self.hold_after:
                     await asyncio.Event().wait()  # never set: held until the request is closed
-                last = i == len(ids) - 1
+                new = ids[i : i + next(sizes)]
+                last = i + len(new) == len(ids)
                 reason = (
                     (
                         FinishReason.STOP
-                        if len(ids) < sampling.max_tokens or token in sampling.stop_token_ids
+                        if len(ids) < sampling.max_tokens or new[-1] in sampling.stop_token_ids
                         else FinishReason.LENGTH
                     )
                     if last
                     else None
                 )
                 logprobs = (
-                    None if sampling.logprobs is None else [scripted_logprobs(i, token, sampling.logprobs)]
+                    None
+                    if sampling.logprobs is None
+                    else [scripted_logprobs(i + j, t, sampling.logprobs) for j, t in enumerate(new)]
                 )
                 n = sampling.prompt_logprobs
                 prompt_logprobs = (
@@ -160,13 +167,14 @@ class ScriptedEngine:
                     if i or n is None
                     else [None] + [scripted_logprobs(p, prompt[p], n) for p in range(1, len(prompt))]
                 )
+                i += len(new)
                 yield RequestOutput(
                     request_id,
-                    [token],
+                    new,
                     last,
                     reason,
                     len(prompt),
-                    i + 1,
+                    i,
                     logprobs=logprobs,
                     prompt_logprobs=prompt_logprobs,
                 )

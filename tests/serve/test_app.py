@@ -194,6 +194,51 @@ def test_stop_strings_cut_and_abort(stub):
         assert stub.engine.active == 0  # the engine request was closed (aborted) at the stop string
 
 
+def _reply(stub, stream: bool, **kwargs) -> dict:
+    """A chat reply's reasoning, content, tool calls (name, arguments) and finish reason."""
+    r = stub.client.chat.completions.create(model="stub", stream=stream, **kwargs)
+    if not stream:
+        m = r.choices[0].message
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls or ()]
+        return dict(
+            reasoning=m.reasoning_content, content=m.content, calls=calls, reason=r.choices[0].finish_reason
+        )
+    chunks = [c for c in r if c.choices]
+    calls: dict[int, list[str]] = {}
+    for c in chunks:
+        for tc in c.choices[0].delta.tool_calls or ():
+            entry = calls.setdefault(tc.index, ["", ""])
+            entry[0] += tc.function.name or ""
+            entry[1] += tc.function.arguments or ""
+    return dict(
+        reasoning="".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
+        or None,
+        content="".join(c.choices[0].delta.content or "" for c in chunks) or None,
+        calls=[(name, json.loads(args)) for name, args in (calls[i] for i in sorted(calls))],
+        reason=chunks[-1].choices[0].finish_reason,
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_parsers_read_several_tokens_per_step_alike(stub, stream):
+    """Speculative decoding hands the server up to N + 1 tokens per step: the reasoning split, the
+    tool calls and stop strings come out exactly as with one token per step."""
+    replies = []
+    try:
+        for chunks in [(1,), (3, 1, 6, 2), (6,)]:
+            stub.engine.chunks = chunks
+            stub.script(TOOL_REPLY)
+            calls = _reply(stub, stream, messages=user("Weather?"), tools=TOOLS)
+            stub.script("I think. Hello world. Goodbye world.", stop_id=None)
+            stopped = _reply(stub, stream, messages=user("x"), stop=["Goodbye"], max_tokens=50)
+            replies.append((calls, stopped))
+    finally:
+        stub.engine.chunks = (1,)
+    assert replies[0][0]["calls"][0] == ("get_weather", {"city": "Paris", "days": 3})
+    assert replies[0][1]["reason"] == "stop" and "Goodbye" not in str(replies[0][1])
+    assert replies[1] == replies[0] and replies[2] == replies[0]
+
+
 def test_stop_strings_wait_for_min_tokens(stub):
     """As in vLLM, a stop string counts only once min_tokens tokens are out; min_tokens reaches
     the engine (which holds back EOS and stop ids)."""

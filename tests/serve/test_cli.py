@@ -55,6 +55,8 @@ def test_directory_without_config(capsys, tmp_path):
         (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
         (["--tool-call-parser", "hermes"], "invalid choice: 'hermes'"),
         (["--no-such-flag"], "unrecognized arguments"),
+        (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'], "method 'eagle'"),
+        (["--speculative-config", "{"], "--speculative-config: speculative config is not JSON"),
     ],
 )
 def test_bad_flags(glm_dir, capsys, flags, message):

@@ -511,6 +511,37 @@ def test_tensor_parallel_server_gives_the_same_text(live, glm_dir, tmp_path):
             assert proc.wait(timeout=60) == 0, (tmp_path / "tp.log").read_text()
 
 
+def test_speculative_server_gives_the_same_replies(live, glm_dir):
+    """``--speculative-config`` (MTP, 3 drafts): greedy chat replies, streamed and whole, with the
+    reasoning and tool-call parsers on, are the ones the server without it gives; /metrics counts
+    the drafts."""
+    spec = build(
+        parse_args([glm_dir, *ARGS, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}'])
+    )
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    try:
+        with serving(spec.app) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            for prompt in PROMPTS[:3]:
+                kwargs = dict(model="tiny", messages=user(prompt), max_tokens=24, tools=tools, **GREEDY)
+                for c in (live.client, client):
+                    message = c.chat.completions.create(**kwargs).choices[0].message
+                    chunks = [x for x in c.chat.completions.create(stream=True, **kwargs) if x.choices]
+                    streamed = "".join(x.choices[0].delta.content or "" for x in chunks)
+                    assert streamed == (message.content or "")
+                    calls = [(t.function.name, t.function.arguments) for t in message.tool_calls or ()]
+                    reply = (message.content, getattr(message, "reasoning_content", None), calls)
+                    if c is live.client:
+                        want = reply
+                    else:
+                        assert reply == want
+            metrics = Live(url, spec).metrics()
+            assert metrics["jaxdsa:spec_decode_num_draft_tokens_total"] > 0
+            assert 'jaxdsa:spec_decode_num_accepted_tokens_per_pos_total{position="2"}' in metrics
+    finally:
+        spec.engine.shutdown()
+
+
 def test_server_is_alive_after_everything(live):
     assert httpx.get(f"{live.url}/health").status_code == 200
     r = live.client.chat.completions.create(model="tiny", messages=user("still there?"), max_tokens=4)

@@ -104,6 +104,15 @@ class V4Family:
         streams, cache = model(tokens, positions, cache, meta)
         return model.logits(streams[meta.logits_indices]), cache
 
+    def hidden(self, model: V4Model, tokens, positions, cache: Cache, meta: StepMeta, mode):
+        return model(tokens, positions, cache, meta)
+
+    def logits(self, model: V4Model, streams):
+        return model.logits(streams)
+
+    def draft(self, model: V4Model, streams, tokens, positions, cache: Cache, meta: StepMeta, mode, layer):
+        return model.draft(streams, tokens, positions, cache, meta, layer=layer)
+
     def step_mode(self, cfg: V4Config, *, max_position: int, single_sequence: bool = False) -> str:
         return STEP
 

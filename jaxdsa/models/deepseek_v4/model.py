@@ -118,15 +118,19 @@ class V4Model(nnx.Module):
         y = (hc_head or self.hc_head)(x)
         return self.head((norm or self.norm)(y))
 
-    def draft(self, streams, next_tokens, positions, cache: Cache, meta: StepMeta) -> tuple[jax.Array, Cache]:
-        """The MTP block: logits [R, V] for token t + 2 from the main model's final streams at t and
-        token t + 1 (at ``meta.logits_indices``); ``cache`` is the MTP block's own."""
-        mtp = self.mtp[0]
+    def draft(
+        self, streams, next_tokens, positions, cache: Cache, meta: StepMeta, *, layer: int = 0
+    ) -> tuple[jax.Array, jax.Array, Cache]:
+        """The MTP block: logits [R, V] for token t + 2 from the main model's final streams at t (or,
+        drafting further, the block's own output there) and token t + 1, and the block's output streams
+        [R, n, D], both at ``meta.logits_indices``; ``cache`` is the MTP block's own."""
+        mtp = self.mtp[layer]
         ctx = self.context(next_tokens, positions, meta)
         e = mtp.e_proj(mtp.enorm(self.embed(next_tokens)))
         x = e[:, None, :] + mtp.h_proj(mtp.hnorm(streams.astype(e.dtype)))
-        x, cache = mtp.block(x, ctx, cache, (0, 0))
-        return self.logits(x[meta.logits_indices], mtp.hc_head, mtp.norm), cache
+        x, cache = mtp.block(x, ctx, cache, (layer, layer))
+        x = x[meta.logits_indices]
+        return self.logits(x, mtp.hc_head, mtp.norm), x, cache
 
     def layer(self, i: int) -> Block:
         """Block ``i`` as a module of its own (taken out of its stack): a notebook can read it, call

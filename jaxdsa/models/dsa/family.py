@@ -77,6 +77,18 @@ class DsaFamily:
         hidden, cache = model(tokens, positions, cache, meta, sparse=mode.sparse, absorbed=mode.absorbed)
         return model.logits(hidden), cache
 
+    def hidden(self, model: DsaModel, tokens, positions, cache: Cache, meta: StepMeta, mode: DsaMode):
+        h, cache = model.hidden(tokens, positions, cache, meta, sparse=mode.sparse, absorbed=mode.absorbed)
+        return model.norm(h), cache
+
+    def logits(self, model: DsaModel, hidden):
+        return model.logits(hidden)
+
+    def draft(self, model: DsaModel, hidden, tokens, positions, cache: Cache, meta: StepMeta, mode, layer):
+        return model.draft(
+            hidden, tokens, positions, cache, meta, sparse=mode.sparse, absorbed=mode.absorbed, layer=layer
+        )
+
     def step_mode(self, cfg: DsaConfig, *, max_position: int, single_sequence: bool = False) -> DsaMode:
         return DsaMode(sparse=max_position + 1 > cfg.index_topk, absorbed=not single_sequence)
 

@@ -164,6 +164,11 @@ class DsaModel(nnx.Module):
 
     def __call__(self, tokens, positions, cache: Cache, meta: StepMeta, *, sparse: bool, absorbed: bool):
         """Run all decoder layers -> (final-normed hidden [R, D] at meta.logits_indices, new cache)."""
+        h, cache = self.hidden(tokens, positions, cache, meta, sparse=sparse, absorbed=absorbed)
+        return self.norm(h[meta.logits_indices]), cache
+
+    def hidden(self, tokens, positions, cache: Cache, meta: StepMeta, *, sparse: bool, absorbed: bool):
+        """Run all decoder layers -> (hidden [T, D] of every token before the final norm, new cache)."""
         ctx = self.context(positions, meta, sparse=sparse, absorbed=absorbed)
         index_rows = jnp.asarray(self.index_rows, jnp.int32)
 
@@ -177,24 +182,36 @@ class DsaModel(nnx.Module):
         for group in self.groups:
             carry = group(carry, run_layer)
         h, cache, _ = carry
-        return self.norm(h[meta.logits_indices]), cache
+        return h, cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Float32 logits [R, vocab] of final hidden states."""
         return self.lm_head(hidden)
 
     def draft(
-        self, hidden, next_tokens, positions, cache: Cache, meta: StepMeta, *, sparse: bool, absorbed: bool
+        self,
+        hidden,
+        next_tokens,
+        positions,
+        cache: Cache,
+        meta: StepMeta,
+        *,
+        sparse: bool,
+        absorbed: bool,
+        layer: int = 0,
     ):
-        """The first MTP layer: logits for token t+2 from the main model's final hidden state at t
-        (post-norm) and token t+1; ``cache`` is the MTP layers' own. -> (logits [R, V], cache)."""
-        mtp = self.mtp[0]
+        """MTP layer ``layer``: logits for token t+2 from the main model's final-normed hidden state at t
+        (or, drafting further, the MTP layer's own output there) and token t+1; ``cache`` is the MTP
+        layers' own. -> (logits [R, V], the layer's output [R, D] (pre-norm), cache), both at
+        meta.logits_indices."""
+        mtp = self.mtp[layer]
         ctx = self.context(positions, meta, sparse=sparse, absorbed=absorbed)
         e = mtp.enorm(self.embed(next_tokens))
         g = mtp.hnorm(hidden.astype(e.dtype))
         u = mtp.eh_proj(jnp.concatenate([e, g], axis=-1))
-        u, cache, _ = mtp.layer(u, ctx, cache, (0, 0), None)
-        return self.logits(mtp.shared_head_norm(u[meta.logits_indices])), cache
+        u, cache, _ = mtp.layer(u, ctx, cache, (layer, layer), None)
+        u = u[meta.logits_indices]
+        return self.logits(mtp.shared_head_norm(u)), u, cache
 
     def layer(self, i: int) -> DecoderLayer:
         """Decoder layer ``i`` as a module of its own (taken out of its stack): a notebook can read it,

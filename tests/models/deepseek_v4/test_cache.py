@@ -82,7 +82,7 @@ def test_mtp_block(llm, golden):
     )
     meta_n = StepMeta(jnp.zeros(n, jnp.int32), meta.page_table, jnp.arange(n, dtype=jnp.int32))
     mtp_cache = init_cache(family.mtp_cache_spec(cfg), pages, PAGE, jnp.float32)
-    logits, _ = model.draft(streams[:n], jnp.asarray(ids[1:]), positions[:n], mtp_cache, meta_n)
+    logits, _, _ = model.draft(streams[:n], jnp.asarray(ids[1:]), positions[:n], mtp_cache, meta_n)
     assert rel_l2(np.asarray(logits), golden["mtp_logits"]).max() <= TOLERANCE
 
 
