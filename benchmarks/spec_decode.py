@@ -1,0 +1,148 @@
+"""MTP speculative decoding at GLM-5 widths on one GPU: what a verify step costs, and the tokens/s it
+buys as a function of the acceptance rate.
+
+The model has GLM-5's layer widths (see :mod:`benchmarks.serve_gpu`) with 3 dense layers, ``--layers
+- 3`` MoE layers and GLM-5's MTP layer (a MoE decoder layer behind ``eh_proj``), random bf16 weights
+made on the device. For each batch ``B`` (sequences decoding together at a ``--context``-token
+prompt) the script times ``Engine.step`` at steady decode: once on an engine without speculation
+(``t0``: one token per sequence) and once per draft count ``N`` on an engine with
+``{"method": "mtp", "num_speculative_tokens": N}`` over the same weights (``tN``: the main model over
+``N + 1`` positions per sequence, the verifier, and ``N`` MTP passes). Both times include the host's
+part of a step (scheduling, packing, the fetch of the sampled ids), as a server's steps do.
+
+Random weights accept almost no drafts, so the rate is an input, not a measurement: with each draft
+accepted with probability ``a`` independently of the others (the usual model, e.g. Leviathan et al.
+2023), a step emits ``E = (1 - a ** (N + 1)) / (1 - a)`` tokens per sequence on average, and
+speculation serves ``B * E / tN`` tokens/s against ``B / t0``. The table gives that curve; the
+acceptance a real checkpoint reaches is the engine's ``spec_decode_*`` metrics on real traffic.
+
+    python -m benchmarks.spec_decode [--layers 4] [--context 512] [--batches 1,8,32] [--drafts 1,2,3,5]
+    python -m benchmarks.spec_decode --tiny    # the tiny GLM-5 checkpoint: a CPU smoke run
+
+Writes benchmarks/results/spec_decode-<gpu>.md (and .json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import tempfile
+import time
+
+import jax
+
+import jaxdsa
+from benchmarks import harness, serve_gpu
+from checkpoints.make_tiny import make_tiny
+from jaxdsa.engine import Engine, SamplingParams, SpeculativeConfig
+
+RATES = (0.5, 0.7, 0.8, 0.9)
+
+
+def tokens_per_step(num_spec: int, rate: float) -> float:
+    """Expected tokens a verify step emits per sequence when each draft is kept with probability
+    ``rate`` (drafts after a rejected one are discarded): 1 + a + ... + a^N."""
+    return sum(rate**j for j in range(num_spec + 1))
+
+
+def engine_for(llm: jaxdsa.LLM, num_spec: int) -> Engine:
+    """An engine over ``llm``'s weights, with ``num_spec`` drafts per step (0: none)."""
+    speculative = SpeculativeConfig("mtp", num_spec) if num_spec else None
+    return Engine(
+        llm.family,
+        llm.config,
+        llm.model,
+        dtype=llm.dtype,
+        config=dataclasses.replace(llm.engine_config, speculative=speculative),
+        precision=llm._precision,
+    )
+
+
+def step_ms(engine: Engine, batch: int, context: int, steps: int) -> float:
+    """Median milliseconds of ``Engine.step`` over ``steps`` steps with ``batch`` sequences decoding
+    (after their ``context``-token prompts ran and a few steps compiled what they need)."""
+    ids = [f"b{batch}-{i}-{time.monotonic_ns()}" for i in range(batch)]
+    vocab, room = engine.cfg.vocab_size, engine.max_model_len - context
+    for i, rid in enumerate(ids):
+        prompt = [(7 * i + 13 * p) % (vocab - 2) + 2 for p in range(context)]
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=room, ignore_eos=True))
+    while any(r.num_computed < len(r.prompt) for r in engine.requests.values()):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    for rid in ids:
+        engine.abort(rid)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def load(args: argparse.Namespace, directory: str) -> jaxdsa.LLM:
+    longest = args.context + args.steps * (max(args.drafts) + 1) + 64
+    engine = dict(max_num_seqs=max(args.batches), max_model_len=longest, max_num_batched_tokens=args.context)
+    if args.tiny:
+        path = make_tiny("glm_moe_dsa", directory, seed=7, preset="glm5")
+        return jaxdsa.LLM(path, dtype="float32", page_size=8, progress=False, **engine)
+    serve_gpu.write_model_dir(directory, args.layers, {"num_nextn_predict_layers": 1})
+    return jaxdsa.LLM(directory, load_format="dummy", progress=False, **engine)
+
+
+def main(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4, help="main-model layers (3 dense, the rest MoE)")
+    parser.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
+    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    parser.add_argument("--drafts", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3, 5])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    parser.add_argument("--tiny", action="store_true", help="the tiny GLM-5 checkpoint (CPU smoke run)")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as directory:
+        llm = load(args, directory)
+        times: dict[int, dict[int, float]] = {}
+        for num_spec in [0, *args.drafts]:
+            engine = engine_for(llm, num_spec)
+            times[num_spec] = {b: step_ms(engine, b, args.context, args.steps) for b in args.batches}
+            print(f"N={num_spec}: " + ", ".join(f"B={b} {t:.2f} ms" for b, t in times[num_spec].items()))
+            del engine
+            gc.collect()
+    rows = []
+    for b in args.batches:
+        t0 = times[0][b]
+        for num_spec in args.drafts:
+            t = times[num_spec][b]
+            row = {"batch": b, "drafts": num_spec, "plain step ms": t0, "verify step ms": t, "cost": t / t0}
+            for rate in RATES:
+                row[f"speedup a={rate}"] = tokens_per_step(num_spec, rate) * t0 / t
+            rows.append(row)
+    model = "tiny GLM-5 preset (float32)" if args.tiny else f"GLM-5 widths, {args.layers} layers + MTP, bf16"
+    lines = harness.report_header(
+        "MTP speculative decoding: verify-step cost and tokens/s vs acceptance",
+        {
+            "model": model,
+            "context": f"{args.context} tokens",
+            "timed": f"median of {args.steps} Engine.step calls per variant",
+            "benchmark wall time": f"{time.perf_counter() - start:.0f} s",
+        },
+    )
+    columns = ["batch", "drafts", "plain step ms", "verify step ms", "cost"] + [
+        f"speedup a={r}" for r in RATES
+    ]
+    lines += [
+        "`cost` = verify step / plain step; `speedup a=x` = tokens/s with speculation over tokens/s without,",
+        "if each draft is accepted with probability x (tokens per step 1 + x + ... + x^N).",
+        "",
+        harness.markdown_table(rows, columns),
+        "",
+    ]
+    path = harness.write_result("spec_decode", "\n".join(lines), rows=rows)
+    print(f"wrote {path} ({jax.devices()[0].device_kind})")
+    return path
+
+
+if __name__ == "__main__":
+    main()
