@@ -14,6 +14,7 @@ def test_tiny_run_writes_every_row(tmp_path, monkeypatch):
     rows = json.loads(path.with_suffix(".json").read_text())["rows"]
     assert [(r["batch"], r["drafts"]) for r in rows] == [(2, 2)]
     assert rows[0]["verify step ms"] > 0 and rows[0]["plain step ms"] > 0
+    assert rows[0]["added ms"] == rows[0]["verify step ms"] - rows[0]["plain step ms"]
     assert "commit" in path.read_text()
 
 
