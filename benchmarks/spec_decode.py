@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
+import statistics
 import tempfile
 import time
 
@@ -59,9 +59,9 @@ def engine_for(llm: jaxdsa.LLM, num_spec: int) -> Engine:
     )
 
 
-def step_ms(engine: Engine, batch: int, context: int, steps: int) -> float:
-    """Median milliseconds of ``Engine.step`` over ``steps`` steps with ``batch`` sequences decoding
-    (after their ``context``-token prompts ran and a few steps compiled what they need)."""
+def start_batch(engine: Engine, batch: int, context: int) -> list[str]:
+    """``batch`` requests with ``context``-token prompts, run until all of them decode (a few decode
+    steps included, so every step shape timed later is compiled); returns their ids."""
     ids = [f"b{batch}-{i}-{time.monotonic_ns()}" for i in range(batch)]
     vocab, room = engine.cfg.vocab_size, engine.max_model_len - context
     for i, rid in enumerate(ids):
@@ -71,15 +71,35 @@ def step_ms(engine: Engine, batch: int, context: int, steps: int) -> float:
         _checked(engine.step())
     for _ in range(3):
         _checked(engine.step())
+    return ids
+
+
+def step_seconds(engine: Engine, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` consecutive ``Engine.step`` calls."""
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         outputs = engine.step()
         times.append(time.perf_counter() - start)
         _checked(outputs)
-    for rid in ids:
-        engine.abort(rid)
-    return sorted(times)[len(times) // 2] * 1e3
+    return times
+
+
+def step_ms(
+    engines: dict[int, Engine], batch: int, context: int, steps: int, rounds: int
+) -> dict[int, float]:
+    """Per engine, the median milliseconds of a decode step of ``batch`` sequences: ``rounds`` rounds
+    of ``steps`` steps, the engines taking turns in each round (so a slow spell of the host or the
+    device falls on all of them alike)."""
+    ids = {n: start_batch(engine, batch, context) for n, engine in engines.items()}
+    times: dict[int, list[float]] = {n: [] for n in engines}
+    for _ in range(rounds):
+        for n, engine in engines.items():
+            times[n] += step_seconds(engine, steps)
+    for n, engine in engines.items():
+        for rid in ids[n]:
+            engine.abort(rid)
+    return {n: statistics.median(t) * 1e3 for n, t in times.items()}
 
 
 def _checked(outputs) -> None:
@@ -90,7 +110,7 @@ def _checked(outputs) -> None:
 
 
 def load(args: argparse.Namespace, directory: str) -> jaxdsa.LLM:
-    longest = args.context + args.steps * (max(args.drafts) + 1) + 64
+    longest = args.context + (args.rounds * args.steps + 8) * (max(args.drafts) + 1)
     engine = dict(max_num_seqs=max(args.batches), max_model_len=longest, max_num_batched_tokens=args.context)
     if args.tiny:
         path = make_tiny("glm_moe_dsa", directory, seed=7, preset="glm5")
@@ -105,19 +125,18 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     parser.add_argument("--drafts", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3, 5])
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds, the variants taking turns in each")
     parser.add_argument("--tiny", action="store_true", help="the tiny GLM-5 checkpoint (CPU smoke run)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as directory:
         llm = load(args, directory)
-        times: dict[int, dict[int, float]] = {}
-        for num_spec in [0, *args.drafts]:
-            engine = engine_for(llm, num_spec)
-            times[num_spec] = {b: step_ms(engine, b, args.context, args.steps) for b in args.batches}
-            print(f"N={num_spec}: " + ", ".join(f"B={b} {t:.2f} ms" for b, t in times[num_spec].items()))
-            del engine
-            gc.collect()
+        engines = {n: engine_for(llm, n) for n in [0, *args.drafts]}
+        per_batch = {b: step_ms(engines, b, args.context, args.steps, args.rounds) for b in args.batches}
+        times = {n: {b: per_batch[b][n] for b in args.batches} for n in engines}
+        for n in engines:
+            print(f"N={n}: " + ", ".join(f"B={b} {t:.2f} ms" for b, t in times[n].items()))
     rows = []
     for b in args.batches:
         t0 = times[0][b]
@@ -134,7 +153,8 @@ def main(argv: list[str] | None = None):
         {
             "model": model,
             "context": f"{args.context} tokens",
-            "timed": f"median of {args.steps} Engine.step calls per variant",
+            "timed": f"median of {args.rounds} rounds x {args.steps} Engine.step calls per variant, "
+            "the variants taking turns in each round",
             "benchmark wall time": f"{time.perf_counter() - start:.0f} s",
         },
     )

@@ -10,7 +10,9 @@ from benchmarks import spec_decode
 
 def test_tiny_run_writes_every_row(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXDSA_RESULTS", str(tmp_path))
-    path = spec_decode.main(["--tiny", "--context", "12", "--batches", "2", "--drafts", "2", "--steps", "3"])
+    path = spec_decode.main(
+        ["--tiny", "--context", "12", "--batches", "2", "--drafts", "2", "--steps", "2", "--rounds", "2"]
+    )
     rows = json.loads(path.with_suffix(".json").read_text())["rows"]
     assert [(r["batch"], r["drafts"]) for r in rows] == [(2, 2)]
     assert rows[0]["verify step ms"] > 0 and rows[0]["plain step ms"] > 0
