@@ -10,6 +10,11 @@ a step that raises anyway commits nothing; the engine then finds the request(s) 
 (:mod:`.isolation`) and fails only those, with a ``FinishReason.ERROR`` output. The step donates
 the cache to the device, so a failure after the step started leaves every running request's
 pages unknown: those requests are then recomputed from their tokens, as after a preemption.
+
+With speculative decoding (``EngineConfig.speculative``) a decode step also verifies the tokens the
+model's next-n layers drafted in the step before and emits several tokens per request: they join
+the output one at a time, each checked against the stop conditions, and the scheduler counts the
+accepted drafts as computed (:mod:`jaxdsa.engine.speculative`, ``docs/serving.md``).
 """
 
 from __future__ import annotations

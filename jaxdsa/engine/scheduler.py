@@ -16,6 +16,10 @@ with cached ones (:mod:`.allocator`), in the group that has the longest such run
 computing after them; at least its last token always runs, so it has logits to sample from.
 Every page that fills up with computed tokens is registered for later requests.
 
+With speculative decoding a decoding request's segment also carries the drafts proposed for it
+(as many as the budget leaves room for), and every sampling segment gets pages ``lookahead``
+positions past its end for the drafts of the next step.
+
 A step can be restricted to some requests (``schedule(only=...)``): the engine does this while it
 looks for the request that breaks its steps (:mod:`.isolation`); the others keep their state.
 """
