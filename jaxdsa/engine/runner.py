@@ -91,11 +91,8 @@ def _fused_step(
     slot's counts. ``drafting`` (with ``layers``): see :func:`_draft`."""
     model = state.model(leaves)
     R, K = proposed.shape
-    if layers:
-        hidden, cache = family.hidden(model, tokens, positions, cache, meta, mode)
-        logits = family.logits(model, hidden[meta.logits_indices])
-    else:
-        logits, cache = family.step(model, tokens, positions, cache, meta, mode)
+    hidden, cache = family.hidden(model, tokens, positions, cache, meta, mode)
+    logits = family.logits(model, hidden[meta.logits_indices])  # the rows of family.step
     scored = None
     if scoring:
         targets, verify_rows = scoring

@@ -58,19 +58,22 @@ class ModelFamily(Protocol):
     def mtp_cache_spec(self, cfg) -> CacheSpec:
         """The same for the next-n layers."""
 
-    def step(
-        self, model: nnx.Module, tokens, positions, cache: Cache, meta: StepMeta, mode
-    ) -> tuple[jax.Array, Cache]:
-        """One step: float32 logits [R, vocab] at ``meta.logits_indices`` and the updated cache."""
-
     def hidden(
         self, model: nnx.Module, tokens, positions, cache: Cache, meta: StepMeta, mode
     ) -> tuple[Any, Cache]:
-        """The step's model part for speculative decoding: what the next-n layers read of every token
-        (T rows of a family-specific shape) and the updated cache."""
+        """The model over a step's T tokens: what the LM head (and the next-n layers) read of every
+        token (T rows of a family-specific shape), and the updated cache."""
 
     def logits(self, model: nnx.Module, hidden) -> jax.Array:
         """Float32 logits [R, vocab] of rows of :meth:`hidden`."""
+
+    def step(
+        self, model: nnx.Module, tokens, positions, cache: Cache, meta: StepMeta, mode
+    ) -> tuple[jax.Array, Cache]:
+        """One step: float32 logits [R, vocab] at ``meta.logits_indices`` and the updated cache
+        (every family's: :meth:`hidden`, then :meth:`logits` of the rows asked for)."""
+        hidden, cache = self.hidden(model, tokens, positions, cache, meta, mode)
+        return self.logits(model, hidden[meta.logits_indices]), cache
 
     def draft(
         self, model: nnx.Module, hidden, tokens, positions, cache: Cache, meta: StepMeta, mode, layer: int

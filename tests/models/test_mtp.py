@@ -35,7 +35,8 @@ def test_mtp_step_follows_the_formula(name):
     )
     pos = jnp.arange(T, dtype=jnp.int32)
     main_cache = init_cache(llm.family.cache_spec(cfg), pages, page, jnp.float32)
-    hidden, _ = model(jnp.asarray(ids), pos, main_cache, meta, sparse=True, absorbed=True)
+    h, _ = model(jnp.asarray(ids), pos, main_cache, meta, sparse=True, absorbed=True)
+    hidden = model.norm(h[meta.logits_indices])
 
     # Predict token t+2 at every position t < T-1: main hidden at t, token t+1.
     mtp_cache = lambda: init_cache(llm.family.mtp_cache_spec(cfg), pages, page, jnp.float32)

@@ -38,6 +38,7 @@ from jaxdsa.cache import Cache, CacheEntry, CacheSpec, StepMeta
 from jaxdsa.models.deepseek_v4 import params
 from jaxdsa.models.deepseek_v4.config import CSA, HCA, MODEL_TYPE, V4Config, v4_config_from_dict
 from jaxdsa.models.deepseek_v4.model import V4Model
+from jaxdsa.models.family import ModelFamily
 from jaxdsa.sharding import Parallelism
 
 # V4 has one step variant: every step runs the window, the compressors and the indexer.
@@ -60,7 +61,7 @@ def _cache_spec(cfg: V4Config, kinds: list[str]) -> CacheSpec:
     )
 
 
-class V4Family:
+class V4Family(ModelFamily):
     model_types = (MODEL_TYPE,)
 
     def parse_config(self, raw: Mapping[str, Any], source: str) -> V4Config:
@@ -99,10 +100,6 @@ class V4Family:
 
     def mtp_cache_spec(self, cfg: V4Config) -> CacheSpec:
         return _cache_spec(cfg, [cfg.mtp_layer_type])
-
-    def step(self, model: V4Model, tokens, positions, cache: Cache, meta: StepMeta, mode) -> tuple:
-        streams, cache = model(tokens, positions, cache, meta)
-        return model.logits(streams[meta.logits_indices]), cache
 
     def hidden(self, model: V4Model, tokens, positions, cache: Cache, meta: StepMeta, mode):
         return model(tokens, positions, cache, meta)

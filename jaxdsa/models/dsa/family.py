@@ -13,6 +13,7 @@ from jaxdsa.cache import Cache, CacheEntry, CacheSpec, StepMeta
 from jaxdsa.models.dsa import params
 from jaxdsa.models.dsa.config import MODEL_TYPES, DsaConfig, parse_config
 from jaxdsa.models.dsa.model import DsaModel
+from jaxdsa.models.family import ModelFamily
 from jaxdsa.sharding import Parallelism
 
 
@@ -25,7 +26,7 @@ class DsaMode:
     absorbed: bool = True
 
 
-class DsaFamily:
+class DsaFamily(ModelFamily):
     model_types = MODEL_TYPES
 
     def parse_config(self, raw: Mapping[str, Any], source: str) -> DsaConfig:
@@ -73,12 +74,8 @@ class DsaFamily:
             {"latent": CacheEntry(n, cfg.latent_dim), "index_keys": CacheEntry(n, cfg.index_head_dim)}
         )
 
-    def step(self, model: DsaModel, tokens, positions, cache: Cache, meta: StepMeta, mode: DsaMode):
-        hidden, cache = model(tokens, positions, cache, meta, sparse=mode.sparse, absorbed=mode.absorbed)
-        return model.logits(hidden), cache
-
     def hidden(self, model: DsaModel, tokens, positions, cache: Cache, meta: StepMeta, mode: DsaMode):
-        h, cache = model.hidden(tokens, positions, cache, meta, sparse=mode.sparse, absorbed=mode.absorbed)
+        h, cache = model(tokens, positions, cache, meta, sparse=mode.sparse, absorbed=mode.absorbed)
         return model.norm(h), cache
 
     def logits(self, model: DsaModel, hidden):

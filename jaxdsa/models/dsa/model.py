@@ -1,7 +1,8 @@
 """The GLM-5.x / DeepSeek-V3.2 decoder as Flax NNX modules.
 
 ``DsaModel(tokens, positions, cache, meta, sparse=..., absorbed=...) -> (hidden, cache)`` runs one
-step over a packed batch and the paged cache; :meth:`DsaModel.logits` applies the LM head. Layers
+step over a packed batch and the paged cache (every token's hidden state before the final norm);
+:meth:`DsaModel.logits` applies the LM head. Layers
 of one kind are stacked and scanned (:mod:`jaxdsa.models.layer_groups`), so compile time does not
 grow with depth. Every layer writes its cache rows at its model-layer index: ``latent`` for every
 layer, ``index_keys`` for the layers that run their own indexer (GLM-5.2's shared layers reuse the
@@ -163,11 +164,6 @@ class DsaModel(nnx.Module):
         return StepContext(positions, cos, sin, meta, sparse, absorbed)
 
     def __call__(self, tokens, positions, cache: Cache, meta: StepMeta, *, sparse: bool, absorbed: bool):
-        """Run all decoder layers -> (final-normed hidden [R, D] at meta.logits_indices, new cache)."""
-        h, cache = self.hidden(tokens, positions, cache, meta, sparse=sparse, absorbed=absorbed)
-        return self.norm(h[meta.logits_indices]), cache
-
-    def hidden(self, tokens, positions, cache: Cache, meta: StepMeta, *, sparse: bool, absorbed: bool):
         """Run all decoder layers -> (hidden [T, D] of every token before the final norm, new cache)."""
         ctx = self.context(positions, meta, sparse=sparse, absorbed=absorbed)
         index_rows = jnp.asarray(self.index_rows, jnp.int32)
