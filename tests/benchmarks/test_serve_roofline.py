@@ -1,4 +1,4 @@
-"""Serving roofline accounting (benchmarks/serve_gpu.py, through jaxdsa.plan) on a tiny GLM-5-shaped config."""
+"""Serving roofline accounting (benchmarks/serve_gpu.py through jaxdsa.plan) on a tiny GLM-5 config."""
 
 from __future__ import annotations
 
