@@ -38,7 +38,8 @@ class StartupError(Exception):
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m serve", description="OpenAI-compatible server for GLM-5.x / DeepSeek-V3.2 on jaxdsa."
+        prog="python -m serve",
+        description="OpenAI-compatible server for GLM-5.x / DeepSeek-V3.2 / DeepSeek-V4 on jaxdsa.",
     )
     p.add_argument(
         "model",
