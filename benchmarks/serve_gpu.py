@@ -1,8 +1,9 @@
-"""Serving benchmark of a GLM-5-shaped model on one GPU: `python -m serve` + `serve.bench`.
+"""Serving benchmark of a model of real widths on one GPU: `python -m serve` + `serve.bench`.
 
 The model has GLM-5's real layer widths (hidden 6144, 64 heads, MLA 2048/512/192+64/256,
-indexer 32 x 128, top-2048, 256 experts top-8 x 2048, vocab 154880), or GLM-5.2's (``--preset
-glm52``: the same widths, shared indexer layers, longer RoPE), and as many layers as one GPU holds
+indexer 32 x 128, top-2048, 256 experts top-8 x 2048, vocab 154880), GLM-5.2's (``--preset
+glm52``: the same widths, shared indexer layers, longer RoPE) or DeepSeek-V4-Flash's (``--preset
+v4flash``: the first layers of its schedule, no MTP block), and as many layers as one GPU holds
 next to a useful cache, with random weights made on the device (``--load-format dummy``) in bf16
 or kept quantized (``--quantization int4|fp8``). The memory roofline is the planner's
 (:func:`jaxdsa.plan.decode_step`): every weight one decode step of ``batch`` sequences touches, at
@@ -32,6 +33,7 @@ import urllib.request
 from benchmarks import harness
 from checkpoints.tokenizer_assets import write_tokenizer
 from jaxdsa import plan
+from jaxdsa.models.deepseek_v4.presets import RELEASED
 from jaxdsa.models.registry import config_from_dict, family_for
 from jaxdsa.sharding import Parallelism
 
@@ -86,7 +88,11 @@ GLM52 = {
     "index_topk_freq": 4,
     "index_skip_topk_offset": 3,
 }
-PRESETS = {"glm5": GLM5, "glm52": GLM52}
+# DeepSeek-V4-Flash's widths; the first layers of its schedule (two sliding-window layers, then CSA
+# and HCA alternating) and no MTP block.
+V4FLASH = {**RELEASED["v4-flash"], "num_nextn_predict_layers": 0}
+PRESETS = {"glm5": GLM5, "glm52": GLM52, "v4flash": V4FLASH}
+NAMES = {"glm5": "GLM-5", "glm52": "GLM-5.2", "v4flash": "DeepSeek-V4-Flash"}
 WEIGHTS = {"dequantize": "bf16", "int4": "int4", "fp8": "fp8"}  # --quantization -> the planner's --weights
 
 
@@ -98,12 +104,16 @@ def write_model_dir(directory: str, layers: int, overrides: dict | None = None, 
     never produces them) and every streamed token carries text, as with a real tokenizer.
     """
     base = PRESETS[preset]
-    shape = {"num_hidden_layers": layers} | ({"indexer_types": ["full"] * layers} if preset == "glm5" else {})
+    shape: dict = {"num_hidden_layers": layers}
+    if preset == "glm5":
+        shape["indexer_types"] = ["full"] * layers
+    if preset == "v4flash":
+        shape |= {"compress_ratios": base["compress_ratios"][:layers], "num_hash_layers": min(3, layers)}
     raw = {**base, **shape, **(overrides or {})}
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as fh:
         json.dump(raw, fh, indent=1)
-    write_tokenizer("glm_moe_dsa", directory, model_max_length=raw["max_position_embeddings"])
+    write_tokenizer(raw["model_type"], directory, model_max_length=raw["max_position_embeddings"])
     path = os.path.join(directory, "tokenizer.json")
     with open(path, encoding="utf-8") as fh:
         tok = json.load(fh)
@@ -185,7 +195,7 @@ def main(argv=None) -> int:
         "--max-num-batched-tokens",
         str(args.max_num_batched_tokens),
         "--served-model-name",
-        "glm5-shaped",
+        f"{args.preset}-shaped",
     ]
     start = time.time()
     log_path = os.path.join(work, "serve.log")
@@ -255,15 +265,19 @@ def _report(rows, raw, args, ceilings: harness.Ceilings, startup: float) -> None
         row["% of roofline"] = 100 * row["roofline ms"] / itl if itl == itl else float("nan")
         table.append(row)
     cols = list(table[0])
-    name = {"glm5": "GLM-5", "glm52": "GLM-5.2"}[args.preset]
+    name = NAMES[args.preset]
     planned = planned_weight_bytes(raw, WEIGHTS[args.quantization])
-    moe_layers = raw["num_hidden_layers"] - raw["first_k_dense_replace"]
+    cfg = config_from_dict(raw)
+    if cfg.model_type == "deepseek_v4":
+        layers = ", ".join(cfg.layer_types)
+    else:
+        dense = cfg.first_k_dense_replace
+        layers = f"{dense} dense + {cfg.num_hidden_layers - dense} MoE"
     lines = [
         *harness.report_header(
             f"Serving a {name}-shaped model on {header['device']}",
             {
-                "model": f"{name} widths, {raw['num_hidden_layers']} layers "
-                f"({raw['first_k_dense_replace']} dense + {moe_layers} MoE), "
+                "model": f"{name} widths, {raw['num_hidden_layers']} layers ({layers}), "
                 f"random weights (--load-format dummy --quantization {args.quantization})",
                 "weights per device": f"{args.weights_gib:.2f} GiB loaded (the server's log), "
                 f"{planned / 2**30:.2f} GiB planned (jaxdsa.plan), "
@@ -280,7 +294,7 @@ def _report(rows, raw, args, ceilings: harness.Ceilings, startup: float) -> None
         "Per-stream decode tok/s = 1 / mean inter-token latency; aggregate = per-stream x concurrency.",
         "Roofline = bytes one decode step must read (jaxdsa.plan.decode_step: weights touched at their",
         f"stored width + the cache of a {context:.0f}-token context per sequence; routed experts per MoE",
-        "layer at their expected count under uniform routing, 256 * (1 - (1 - 8/256)^batch), + the shared",
+        "layer at their expected count under uniform routing, E * (1 - (1 - k/E)^batch), + the shared",
         "one) / memory ceiling;",
         "% of roofline = roofline step time / measured mean ITL. Output tok/s is serve.bench's, as",
         "measured (all output tokens over the level's wall time, prefill included).",

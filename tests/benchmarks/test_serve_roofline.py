@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.serve_gpu import GLM5, GLM52, step_bytes, write_model_dir
+from jaxdsa.models.deepseek_v4.config import CSA, HCA, SWA
 from jaxdsa.models.registry import config_from_dict
 from jaxdsa.plan import expected_experts
 
@@ -61,3 +62,11 @@ def test_glm52_preset_has_shared_indexer_layers(tmp_path):
     cfg = config_from_dict(raw)
     assert raw["rope_parameters"] == GLM52["rope_parameters"]
     assert [layer for layer in range(10) if cfg.has_indexer(layer)] == [0, 1, 2, 6]
+
+
+def test_v4flash_preset_is_the_release_schedule_cut_to_its_layers(tmp_path):
+    raw = write_model_dir(str(tmp_path), 4, preset="v4flash")
+    cfg = config_from_dict(raw)
+    assert cfg.layer_types == (SWA, SWA, CSA, HCA) and cfg.hidden_size == 4096
+    assert (tmp_path / "tokenizer.json").exists()
+    assert 0 < step_bytes(raw, "bf16", 544, 1) < step_bytes(raw, "bf16", 544, 8)
