@@ -33,17 +33,14 @@ def transpose_merge(*dims: int) -> View:
     return lambda w: w.T.reshape((*dims, w.shape[0]))
 
 
-def head_rows(heads: int, per_head: int, start: int, stop: int) -> View:
-    """[heads*per_head, in] -> rows [start, stop) of every head: [heads, stop-start, in] (kv_b split)."""
-    return lambda w: w.reshape(heads, per_head, w.shape[1])[:, start:stop]
-
-
 @dataclasses.dataclass(frozen=True)
 class Linear:
     """An HF linear weight ``{name}.weight`` [out, in]: plain, FP8-block or INT4-packed in the file.
 
     ``pad``: the model may hold more (zero) entries than the file along some dims (attention heads
-    padded to a multiple of the tensor-parallel shards).
+    padded to a multiple of the tensor-parallel shards). ``rows = (period, start, stop)``: the
+    parameter holds only rows ``[start, stop)`` of every ``period`` rows (one part of each head,
+    :func:`head_part`); ``view`` still takes the whole ``[out, in]`` tensor.
     """
 
     name: str
@@ -51,6 +48,26 @@ class Linear:
     inp: int
     view: View = transpose
     pad: bool = False
+    rows: tuple[int, int, int] | None = None
+
+    @property
+    def kept_out(self) -> int:
+        """How many of the file's ``out`` rows the parameter holds."""
+        if self.rows is None:
+            return self.out
+        period, start, stop = self.rows
+        return self.out // period * (stop - start)
+
+
+def head_part(name: str, heads: int, per_head: int, start: int, stop: int, inp: int) -> Linear:
+    """Rows ``[start, stop)`` of every head of the linear ``name`` ``[heads * per_head, inp]`` as a
+    ``[inp, heads, stop - start]`` parameter (``kv_b``'s W_UK and W_UV parts): a view when dense,
+    the same columns of the repacked matrix when kept quantized."""
+
+    def view(w: np.ndarray) -> np.ndarray:
+        return w.reshape(heads, per_head, inp)[:, start:stop].transpose(2, 0, 1)
+
+    return Linear(name, heads * per_head, inp, view, pad=True, rows=(per_head, start, stop))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -192,11 +192,14 @@ class _Source:
         except ValueError as e:
             raise self.fail(packed, str(e)) from None
 
-    def packed(self, name: str, out: int, inp: int, like: QuantizedWeight) -> QuantizedWeight:
+    def packed(
+        self, name: str, out: int, inp: int, like: QuantizedWeight, rows: tuple[int, int, int] | None = None
+    ) -> QuantizedWeight:
         """The HF linear ``name`` [out, in] as a NumPy QuantizedWeight ``[in, out]`` in the format,
-        groups and chunk size of ``like`` (the target): repacked, never dequantized. The last few
-        are kept, as :meth:`linear` keeps its dequantized tensors."""
-        key = (name, like.format, like.group, like.kpack)
+        groups and chunk size of ``like`` (the target): repacked, never dequantized; only the
+        ``rows`` of :attr:`Linear.rows <checkpoints.spec.Linear.rows>` if given. The last few are
+        kept, as :meth:`linear` keeps its dequantized tensors."""
+        key = (name, like.format, like.group, like.kpack, rows)
         if key in self._dequantized:
             self._dequantized.move_to_end(key)
             return self._dequantized[key]
@@ -220,6 +223,10 @@ class _Source:
         else:
             w = self._int4_packed(name, out, inp, like.kpack)
         w = layout.reblock_k(layout.reblock_n(w, like.group[1]), like.group[0])
+        if rows is not None:
+            period, start, stop = rows
+            heads = range(0, out, period)
+            w = layout.concat_n(*(_columns(w, h + start, h + stop) for h in heads))
         self._dequantized[key] = w
         if len(self._dequantized) > 4:
             self._dequantized.popitem(last=False)
@@ -331,7 +338,7 @@ def _columns(w: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
 def _packed_matrix(source: _Source, leaf: Leaf, e: int, like: QuantizedWeight, pieces: int):
     """One matrix of a quantized parameter (expert ``e`` of a stack) in the model's layout."""
     if isinstance(leaf, Linear):
-        return source.packed(leaf.name, leaf.out, leaf.inp, like)
+        return source.packed(leaf.name, leaf.out, leaf.inp, like, leaf.rows)
     if isinstance(leaf, ExpertDown):
         return source.packed(f"{leaf.prefix}.{e}.down_proj", leaf.hidden, leaf.inter, like)
     gate, up = (
@@ -348,10 +355,10 @@ def _quantized_from_files(source: _Source, leaf: Leaf, target: QuantizedWeight) 
     tensor (one expert at a time for stacks; cached, since every device asks in turn) and hands
     over its slice. Codes, scales and zero points share one sharding, so the slices match."""
     codes = target.codes
-    if isinstance(leaf, Linear) and target.shape != (leaf.inp, leaf.out):
+    if isinstance(leaf, Linear) and target.shape != (leaf.inp, leaf.kept_out):
         raise source.fail(
             leaf.name + ".weight",
-            f"is [{leaf.out}, {leaf.inp}], the model needs {list(target.shape[::-1])} (heads padded for "
+            f"is [{leaf.kept_out}, {leaf.inp}], the model needs {list(target.shape[::-1])} (heads padded for "
             "tensor parallelism): a quantized weight cannot be padded; choose a tp dividing the heads "
             "or quantization='dequantize'",
         )

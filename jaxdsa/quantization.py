@@ -15,11 +15,11 @@ default, and vLLM has no ``"dequantize"``.
 
 What can stay quantized is decided by the modules: a :class:`~jaxdsa.layers.linear.Linear` that is
 ``quantizable`` (no float32 compute or wider output: not the router, the indexer's
-``weights_proj`` or the LM head) and :class:`~jaxdsa.layers.mlp.Experts`. Parameters used outside
-a linear layer (``kv_b``, split into the absorbed-MLA factors ``w_uk`` / ``w_uv`` and multiplied per
-head) are dequantized at load, as vLLM does for MLA. A scanned stack whose layers are stored in
-different formats (an ``ignore`` entry naming one layer) is dequantized too: one stacked parameter
-has one format.
+``weights_proj`` or the LM head) and :class:`~jaxdsa.layers.mlp.Experts`. ``kv_b`` is two such
+linears, ``w_uk`` and ``w_uv``, each holding its part of every head's rows (columns of the repacked
+matrix, scale groups narrowed to whole parts); the absorbed MLA form dequantizes them in the step
+(vLLM dequantizes them at load). A scanned stack whose layers are stored in different formats (an
+``ignore`` entry naming one layer) is dequantized: one stacked parameter has one format.
 
 :func:`quantize` replaces each chosen parameter of the abstract model by a
 :class:`~pallas_kernels.quant_matmul.layout.QuantizedWeight` of ShapeDtypeStructs: a linear's
@@ -118,14 +118,17 @@ def formats(
         found = {stored(leaf) for leaf in leaves}
         if len(found) != 1 or None in found:
             continue
-        leaf = leaves[0]
-        if isinstance(leaf, Linear) and slot.shape[-2:] != (leaf.inp, leaf.out):
+        leaf, fmt = leaves[0], found.pop()
+        if isinstance(leaf, Linear) and slot.shape[-2:] != (leaf.inp, leaf.kept_out):
             raise ValueError(
-                f"{leaf.name}: a quantized [{leaf.out}, {leaf.inp}] weight cannot be padded to "
+                f"{leaf.name}: a quantized [{leaf.kept_out}, {leaf.inp}] weight cannot be padded to "
                 f"{list(slot.shape[-2:][::-1])} (heads padded for tensor parallelism); choose a tp that "
                 "divides the heads, or quantization='dequantize'"
             )
-        out[path] = found.pop()
+        if isinstance(leaf, Linear) and leaf.rows is not None:  # every head's part: whole groups
+            gk, gn = fmt.group
+            fmt = dataclasses.replace(fmt, group=(gk, _narrow(gn, math.gcd(*leaf.rows))))
+        out[path] = fmt
     return out
 
 
