@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
 
@@ -87,14 +88,10 @@ V4_EXPERT_NAMES = ("w1", "w3", "w2")
 
 
 @dataclasses.dataclass(frozen=True)
-class ExpertGateUp:
-    """Routed experts' gate and up projections ``{prefix}.{e}.{gate,up}_proj.weight`` [N, D], packed
-    ``[E, D, 2N]``. A device holding columns ``[c0, c1)`` of the packed axis split in ``s`` equal
-    pieces holds ``[gate_j | up_j]`` for piece ``j``: expert tensor parallelism keeps each shard's
-    gate and up columns side by side, the layout the kernel expects locally.
-
-    ``names``: the per-expert module names (gate, up, down). ``fp4``: the checkpoint may store them
-    as DeepSeek-V4 FP4 (packed e2m1 bytes plus ue8m0 scales per 32 inputs, models.md §4.6)."""
+class _Experts:
+    """Routed experts stored per expert as ``{prefix}.{e}.{module}.weight``. ``names``: the
+    per-expert module names (gate, up, down). ``fp4``: the checkpoint may store them as DeepSeek-V4
+    FP4 (packed e2m1 bytes plus ue8m0 scales per 32 inputs, models.md §4.6)."""
 
     prefix: str
     num: int
@@ -102,19 +99,28 @@ class ExpertGateUp:
     hidden: int
     names: tuple[str, str, str] = HF_EXPERT_NAMES
     fp4: bool = False
+    projections: ClassVar[tuple[str, ...]] = ()  # what the parameter holds, of gate / up / down
+
+    def module(self, proj: str, e: int) -> str:
+        """The module name of expert ``e``'s ``proj`` (gate / up / down) projection."""
+        return f"{self.prefix}.{e}.{self.names[('gate', 'up', 'down').index(proj)]}"
 
 
 @dataclasses.dataclass(frozen=True)
-class ExpertDown:
-    """Routed experts' down projections ``{prefix}.{e}.down_proj.weight`` [D, N] as ``[E, N, D]``
-    (``names``, ``fp4`` as in :class:`ExpertGateUp`)."""
+class ExpertGateUp(_Experts):
+    """Routed experts' gate and up projections ``{prefix}.{e}.{gate,up}_proj.weight`` [N, D], packed
+    ``[E, D, 2N]``. A device holding columns ``[c0, c1)`` of the packed axis split in ``s`` equal
+    pieces holds ``[gate_j | up_j]`` for piece ``j``: expert tensor parallelism keeps each shard's
+    gate and up columns side by side, the layout the kernel expects locally."""
 
-    prefix: str
-    num: int
-    inter: int
-    hidden: int
-    names: tuple[str, str, str] = HF_EXPERT_NAMES
-    fp4: bool = False
+    projections: ClassVar[tuple[str, ...]] = ("gate", "up")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertDown(_Experts):
+    """Routed experts' down projections ``{prefix}.{e}.down_proj.weight`` [D, N] as ``[E, N, D]``."""
+
+    projections: ClassVar[tuple[str, ...]] = ("down",)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,7 +43,9 @@ from checkpoints.quant import (
     dequantize_fp4,
     dequantize_fp8_block,
     dequantize_int4_packed,
+    fp4_format,
     int4_values,
+    unpack_fp4,
     weight_format,
 )
 from checkpoints.safetensors_io import CheckpointReader
@@ -154,17 +156,21 @@ class _Source:
             raise self.missing(scale, f"missing: needed to dequantize {weight}")
         return self.reader.get(scale)
 
-    def _fp4(self, name: str, out: int, inp: int) -> np.ndarray:
+    def _fp4_bytes(self, name: str, out: int, inp: int) -> np.ndarray:
+        """The packed FP4 bytes ``[out, ceil(in / 2)]`` of ``name``, their shape checked."""
         weight = name + ".weight"
         w = self.reader.get(weight)
         if w.shape != (out, -(-inp // 2)):
             raise self.fail(
                 weight, f"shape {list(w.shape)} != expected {[out, -(-inp // 2)]} (FP4, 2 per byte)"
             )
+        return w
+
+    def _fp4(self, name: str, out: int, inp: int) -> np.ndarray:
         try:
-            return dequantize_fp4(w, self._scale_of(weight))[:, :inp]
+            return dequantize_fp4(self._fp4_bytes(name, out, inp), self._scale_of(name + ".weight"))[:, :inp]
         except ValueError as e:
-            raise self.fail(weight + "_scale_inv", str(e)) from None
+            raise self.fail(name + ".weight_scale_inv", str(e)) from None
 
     def _int4(self, name: str, out: int, inp: int) -> np.ndarray:
         packed = name + ".weight_packed"
@@ -205,7 +211,7 @@ class _Source:
             return self._dequantized[key]
         if self.quant is not None and self.quant.method == "compressed-tensors":
             self._check_quantized_as_configured(name)
-        found = stored_format(self.reader, self.quant, name)
+        found = stored_format(self.reader, self.quant, name, fp4=like.format == "fp4")
         if found is None or found.format != like.format:
             stored = "plain" if found is None else found.format
             raise self.fail(name + ".weight", f"stored {stored}, but the model keeps it {like.format}")
@@ -220,6 +226,15 @@ class _Source:
                 w = layout.pack_fp8(q, self.reader.get(scale), block=self.quant.weight_block_size)
             except ValueError as e:
                 raise self.fail(scale, str(e)) from None
+        elif like.format == "fp4":
+            try:
+                w = layout.pack_fp4(
+                    unpack_fp4(self._fp4_bytes(name, out, inp))[:, :inp],
+                    self._scale_of(name + ".weight"),
+                    kpack=like.kpack,
+                )
+            except ValueError as e:
+                raise self.fail(name + ".weight_scale_inv", str(e)) from None
         else:
             w = self._int4_packed(name, out, inp, like.kpack)
         w = layout.reblock_k(layout.reblock_n(w, like.group[1]), like.group[0])
@@ -251,16 +266,15 @@ class _Source:
 
     def expert(self, spec: ExpertGateUp | ExpertDown, proj: str, e: int) -> np.ndarray:
         """One expert's HF [out, in] matrix (``proj`` gate / up / down)."""
-        module = spec.names[("gate", "up", "down").index(proj)]
         fused = spec.prefix + (".down_proj" if proj == "down" else ".gate_up_proj")
-        if f"{spec.prefix}.0.{module}.weight" not in self.reader and fused in self.reader:
+        if spec.module(proj, 0) + ".weight" not in self.reader and fused in self.reader:
             # transformers 5.x in-memory layout: gate_up [E, 2N, D] (gate rows first), down [E, D, N].
             if proj == "down":
                 return self.plain(fused, (spec.num, spec.hidden, spec.inter))[e]
             rows = self.plain(fused, (spec.num, 2 * spec.inter, spec.hidden))[e]
             return rows[: spec.inter] if proj == "gate" else rows[spec.inter :]
         out, inp = (spec.hidden, spec.inter) if proj == "down" else (spec.inter, spec.hidden)
-        return self.linear(f"{spec.prefix}.{e}.{module}", out, inp, fp4=spec.fp4)
+        return self.linear(spec.module(proj, e), out, inp, fp4=spec.fp4)
 
 
 def _slice_padded(value: np.ndarray, index: tuple[slice, ...], shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -311,18 +325,22 @@ def _leaf_slice(source: _Source, leaf: Leaf, index: tuple[slice, ...], shape: tu
 
 
 def stored_format(
-    reader: CheckpointReader, quant: QuantConfig | None, leaf: Leaf | str
+    reader: CheckpointReader, quant: QuantConfig | None, leaf: Leaf | str, *, fp4: bool = False
 ) -> WeightFormat | None:
-    """The format a linear (or routed experts: their expert 0) is stored in, None if plain. Read
-    from the tensors' names and dtypes, the config supplying group and block sizes."""
+    """The format a linear (or routed experts: their expert 0) is stored in, None if plain or if
+    ``quant`` is None (every weight dense). Read from the tensors' names and dtypes, the config
+    supplying group and block sizes. Packed bytes are DeepSeek-V4 FP4 where ``fp4`` (or the expert
+    leaf's own flag) allows them."""
     if isinstance(leaf, ExpertGateUp | ExpertDown):
-        leaf = f"{leaf.prefix}.0.{'down' if isinstance(leaf, ExpertDown) else 'gate'}_proj"
+        fp4, leaf = leaf.fp4, leaf.module(leaf.projections[0], 0)
     name = leaf.name if isinstance(leaf, Linear) else leaf
     if not isinstance(name, str) or quant is None:
         return None
+    weight, scale = name + ".weight", name + ".weight_scale_inv"
+    if fp4 and weight in reader and reader.dtype(weight) in _PACKED_FP4:
+        return fp4_format(reader.dtype(scale) if scale in reader else None)
     if name + ".weight_packed" in reader and quant.method == "compressed-tensors":
         return weight_format(quant, reader.dtype(name + ".weight_scale"))
-    weight, scale = name + ".weight", name + ".weight_scale_inv"
     if weight in reader and reader.dtype(weight) == E4M3 and quant.method == "fp8":
         return weight_format(quant, reader.dtype(scale) if scale in reader else None)
     return None
@@ -340,11 +358,8 @@ def _packed_matrix(source: _Source, leaf: Leaf, e: int, like: QuantizedWeight, p
     if isinstance(leaf, Linear):
         return source.packed(leaf.name, leaf.out, leaf.inp, like, leaf.rows)
     if isinstance(leaf, ExpertDown):
-        return source.packed(f"{leaf.prefix}.{e}.down_proj", leaf.hidden, leaf.inter, like)
-    gate, up = (
-        source.packed(f"{leaf.prefix}.{e}.{proj}_proj", leaf.inter, leaf.hidden, like)
-        for proj in ("gate", "up")
-    )
+        return source.packed(leaf.module("down", e), leaf.hidden, leaf.inter, like)
+    gate, up = (source.packed(leaf.module(proj, e), leaf.inter, leaf.hidden, like) for proj in ("gate", "up"))
     width = leaf.inter // pieces  # [gate_j | up_j] per expert-TP piece, as ExpertGateUp says
     parts = [_columns(w, j * width, (j + 1) * width) for j in range(pieces) for w in (gate, up)]
     return layout.concat_n(*parts)
@@ -532,8 +547,9 @@ def _init(
     return jax.jit(draw, out_shardings=sharding)
 
 
-# The standard deviation of a uniform 4-bit code minus 8 (values -8 .. 7): sqrt((16^2 - 1) / 12).
-_INT4_STD = (255 / 12) ** 0.5
+# The standard deviation of a uniform 4-bit code's value: INT4 minus 8 (-8 .. 7), sqrt((16^2 - 1) / 12);
+# e2m1 (0, +-0.5, +-1, +-1.5, +-2, +-3, +-4, +-6), the root of their mean square.
+_CODE_STD = {"int4": (255 / 12) ** 0.5, "fp4": (68.5 / 8) ** 0.5}
 
 
 @functools.cache
@@ -541,7 +557,8 @@ def _quantized_init(struct: tuple, fmt: tuple, sharding, std: float) -> Callable
     """One compiled init per distinct quantized parameter (``struct``: the leaves' shapes and
     dtypes; ``fmt``: format, group, chunk size): codes drawn directly in their format, one scale
     value so that the weights have standard deviation ``std``. FP8: N(0, 1) codes rounded to e4m3,
-    scale ``std``; INT4: uniform codes (zero point 0, stored 8), scale ``std / 4.6``."""
+    scale ``std``; INT4 and FP4: uniform codes (INT4 zero point 0, stored 8), scale ``std`` over
+    the codes' own (4.6 and 2.9; ue8m0 scales round it to a power of two)."""
     (codes_shape, codes_dtype), (scales_shape, scales_dtype), zeros = struct
     format_, group, kpack = fmt
 
@@ -551,7 +568,7 @@ def _quantized_init(struct: tuple, fmt: tuple, sharding, std: float) -> Callable
             scale = std
         else:
             codes = jax.random.bits(key, codes_shape, jnp.uint8)  # two uniform 4-bit codes per byte
-            scale = std / _INT4_STD
+            scale = std / _CODE_STD[format_]
         scales = jnp.full(scales_shape, scale, jnp.float32).astype(scales_dtype)
         zero_points = None if zeros is None else jnp.full(zeros[0], 8, zeros[1])
         return QuantizedWeight(codes, scales, zero_points, format_, group, kpack)

@@ -43,7 +43,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from checkpoints.quant import QuantConfig, WeightFormat, weight_format
+from checkpoints.quant import QuantConfig, WeightFormat, fp4_format, weight_format
 from checkpoints.spec import ExpertDown, ExpertGateUp, Leaf, Linear, Spec, Stacked
 from jaxdsa.layers.linear import Linear as LinearLayer
 from jaxdsa.layers.mlp import Experts
@@ -134,13 +134,16 @@ def formats(
 
 def configured(quant: QuantConfig | None) -> Callable[[Leaf], WeightFormat | None]:
     """``stored`` for weights made from a config (dummy weights, the planner): the modules its
-    targets / ignore list quantize (every linear for FP8), in its format."""
+    targets / ignore list quantize (every linear for FP8), in its format; routed experts that may
+    be FP4 (DeepSeek-V4's ``expert_dtype: fp4``, beside an FP8 config) in FP4, as released."""
 
     def stored(leaf: Leaf) -> WeightFormat | None:
         if quant is None:
             return None
         if isinstance(leaf, ExpertGateUp | ExpertDown):
-            name = f"{leaf.prefix}.0.{'down' if isinstance(leaf, ExpertDown) else 'gate'}_proj"
+            if leaf.fp4 and quant.method == "fp8":
+                return fp4_format()
+            name = leaf.module(leaf.projections[0], 0)
         elif isinstance(leaf, Linear):
             name = leaf.name
         else:

@@ -208,30 +208,44 @@ def reblock_k(w: QuantizedWeight, gk: int) -> QuantizedWeight:
     return w.replace(scales=repeat(w.scales), zeros=zeros, group=(gk, w.group[1]))
 
 
-def pad_n(w: QuantizedWeight, n: int) -> QuantizedWeight:
-    """``w`` widened to ``n`` output columns whose weights are 0: zero codes (e4m3 +0) and zero
-    scales for columns in new scale groups, so every format's value there is exactly 0."""
-    extra = n - w.shape[-1]
+def _zero_pad(a, axis: int, extra: int) -> jax.Array:
+    """``a`` with ``extra`` zero bytes / values appended along ``axis`` (float8 types through their
+    bytes: e4m3 +0, ue8m0 2^-127)."""
+    a = jnp.asarray(a)
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, extra)
+    if a.dtype in (E4M3, E8M0):
+        return jax.lax.bitcast_convert_type(
+            jnp.pad(jax.lax.bitcast_convert_type(a, jnp.uint8), widths), a.dtype
+        )
+    return jnp.pad(a, widths)
+
+
+def _pad(w: QuantizedWeight, axis: int, size: int) -> QuantizedWeight:
+    """``w`` grown to ``size`` along ``axis`` (-2: K, -1: N) with zero codes, and zero scales (and
+    zero points) for the new scale groups."""
+    extra = size - w.shape[axis]
     if extra <= 0:
         return w
-    gn = w.group[1]
-    groups = -(-n // gn) - w.scales.shape[-1]
-    widen = lambda a, cols: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, cols)])  # noqa: E731
-    codes = w.codes
-    if np.dtype(codes.dtype) == E4M3:
-        codes = jax.lax.bitcast_convert_type(jnp.asarray(codes), jnp.uint8)
-        codes = jax.lax.bitcast_convert_type(widen(codes, extra), jnp.float8_e4m3fn)
-    else:
-        codes = widen(jnp.asarray(codes), extra)
-    scales, zeros = jnp.asarray(w.scales), None if w.zeros is None else jnp.asarray(w.zeros)
-    if np.dtype(scales.dtype) == E8M0:  # 2^-127 times zero codes: still 0
-        scales = jax.lax.bitcast_convert_type(
-            widen(jax.lax.bitcast_convert_type(scales, jnp.uint8), groups), jnp.float8_e8m0fnu
-        )
-    else:
-        scales = widen(scales, groups)
-    zeros = None if zeros is None else widen(zeros, groups)
-    return w.replace(codes=codes, scales=scales, zeros=zeros)
+    groups = -(-size // w.group[axis]) - w.scales.shape[axis]
+    pad = lambda a: None if a is None else _zero_pad(a, axis, groups)  # noqa: E731
+    return w.replace(codes=_zero_pad(w.codes, axis, extra), scales=pad(w.scales), zeros=pad(w.zeros))
+
+
+def pad_n(w: QuantizedWeight, n: int) -> QuantizedWeight:
+    """``w`` widened to ``n`` output columns whose weights are 0: zero codes (e4m3 +0) and zero
+    scales for columns in new scale groups (every 4-bit column is one: groups are ``(g, 1)``), so
+    every format's value there is exactly 0."""
+    return _pad(w, -1, n)
+
+
+def pad_k(w: QuantizedWeight, k: int) -> QuantizedWeight:
+    """An FP8 ``w`` lengthened to ``k`` input rows whose weights are 0 (e4m3 +0 codes: 0 under any
+    scale). 4-bit weights hold K in whole 32-row packed chunks already, and a zero byte is not a
+    zero INT4 weight, so they are not padded along K."""
+    if w.packed:
+        raise ValueError(f"pad_k pads FP8 weights; a {w.format} weight's K is whole packed chunks")
+    return _pad(w, -2, k)
 
 
 def concat_n(*parts: QuantizedWeight) -> QuantizedWeight:

@@ -235,6 +235,13 @@ CASES = [  # (format maker, M, activations dtype, decode mode)
         "software",
         id="fp8-e8m0-K320-sw",
     ),
+    pytest.param(  # a tiny V4's wq_b: K = 40 and N = 24 padded to multiples of 16 in the op
+        functools.partial(random_fp8, n=24, k=40, block=(32, 32), e8m0=True),
+        5,
+        jnp.float32,
+        "software",
+        id="fp8-e8m0-K40-N24-padded",
+    ),
     pytest.param(functools.partial(random_fp4, n=32, k=128), 9, jnp.float32, None, id="fp4-M9-f32"),
 ]
 
