@@ -199,13 +199,20 @@ class _Source:
             raise self.fail(packed, str(e)) from None
 
     def packed(
-        self, name: str, out: int, inp: int, like: QuantizedWeight, rows: tuple[int, int, int] | None = None
+        self,
+        name: str,
+        out: int,
+        inp: int,
+        like: QuantizedWeight,
+        rows: tuple[int, int, int] | None = None,
+        size: tuple[int, int] | None = None,
     ) -> QuantizedWeight:
         """The HF linear ``name`` [out, in] as a NumPy QuantizedWeight ``[in, out]`` in the format,
         groups and chunk size of ``like`` (the target): repacked, never dequantized; only the
-        ``rows`` of :attr:`Linear.rows <checkpoints.spec.Linear.rows>` if given. The last few are
+        ``rows`` of :attr:`Linear.rows <checkpoints.spec.Linear.rows>` if given, then zero-padded
+        to ``size`` ``[K, N]`` if larger (heads padded for tensor parallelism). The last few are
         kept, as :meth:`linear` keeps its dequantized tensors."""
-        key = (name, like.format, like.group, like.kpack, rows)
+        key = (name, like.format, like.group, like.kpack, rows, size)
         if key in self._dequantized:
             self._dequantized.move_to_end(key)
             return self._dequantized[key]
@@ -242,6 +249,8 @@ class _Source:
             period, start, stop = rows
             heads = range(0, out, period)
             w = layout.concat_n(*(_columns(w, h + start, h + stop) for h in heads))
+        if size is not None:
+            w = layout.pad_k(layout.pad_n(w, size[1]), size[0])
         self._dequantized[key] = w
         if len(self._dequantized) > 4:
             self._dequantized.popitem(last=False)
@@ -356,7 +365,7 @@ def _columns(w: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
 def _packed_matrix(source: _Source, leaf: Leaf, e: int, like: QuantizedWeight, pieces: int):
     """One matrix of a quantized parameter (expert ``e`` of a stack) in the model's layout."""
     if isinstance(leaf, Linear):
-        return source.packed(leaf.name, leaf.out, leaf.inp, like, leaf.rows)
+        return source.packed(leaf.name, leaf.out, leaf.inp, like, leaf.rows, like.shape)
     if isinstance(leaf, ExpertDown):
         return source.packed(leaf.module("down", e), leaf.hidden, leaf.inter, like)
     gate, up = (source.packed(leaf.module(proj, e), leaf.inter, leaf.hidden, like) for proj in ("gate", "up"))
@@ -370,13 +379,6 @@ def _quantized_from_files(source: _Source, leaf: Leaf, target: QuantizedWeight) 
     tensor (one expert at a time for stacks; cached, since every device asks in turn) and hands
     over its slice. Codes, scales and zero points share one sharding, so the slices match."""
     codes = target.codes
-    if isinstance(leaf, Linear) and target.shape != (leaf.inp, leaf.kept_out):
-        raise source.fail(
-            leaf.name + ".weight",
-            f"is [{leaf.kept_out}, {leaf.inp}], the model needs {list(target.shape[::-1])} (heads padded for "
-            "tensor parallelism): a quantized weight cannot be padded; choose a tp dividing the heads "
-            "or quantization='dequantize'",
-        )
     pieces = codes.shape[-1] // codes.sharding.shard_shape(codes.shape)[-1]
     experts = not isinstance(leaf, Linear)
 
@@ -553,14 +555,23 @@ _CODE_STD = {"int4": (255 / 12) ** 0.5, "fp4": (68.5 / 8) ** 0.5}
 
 
 @functools.cache
-def _quantized_init(struct: tuple, fmt: tuple, sharding, std: float) -> Callable[[jax.Array], Any]:
+def _quantized_init(
+    struct: tuple, fmt: tuple, sharding, std: float, real: tuple[int, int] | None
+) -> Callable[[jax.Array], Any]:
     """One compiled init per distinct quantized parameter (``struct``: the leaves' shapes and
     dtypes; ``fmt``: format, group, chunk size): codes drawn directly in their format, one scale
     value so that the weights have standard deviation ``std``. FP8: N(0, 1) codes rounded to e4m3,
     scale ``std``; INT4 and FP4: uniform codes (INT4 zero point 0, stored 8), scale ``std`` over
-    the codes' own (4.6 and 2.9; ue8m0 scales round it to a power of two)."""
+    the codes' own (4.6 and 2.9; ue8m0 scales round it to a power of two). Weights outside the
+    ``real`` ``[K, N]`` (padded heads) are 0, as when loading: FP8 codes +0, 4-bit scales 0 (their
+    padding is whole groups)."""
     (codes_shape, codes_dtype), (scales_shape, scales_dtype), zeros = struct
     format_, group, kpack = fmt
+
+    def inside(shape: tuple[int, ...], unit: tuple[int, int]) -> jax.Array:
+        """Which entries of a ``[..., K', N']`` leaf (each ``unit`` weights) start inside ``real``."""
+        rows, cols = (jnp.arange(d) * u < r for d, u, r in zip(shape[-2:], unit, real))
+        return rows[:, None] & cols[None, :]
 
     def draw(key):
         if format_ == "fp8":
@@ -570,6 +581,10 @@ def _quantized_init(struct: tuple, fmt: tuple, sharding, std: float) -> Callable
             codes = jax.random.bits(key, codes_shape, jnp.uint8)  # two uniform 4-bit codes per byte
             scale = std / _CODE_STD[format_]
         scales = jnp.full(scales_shape, scale, jnp.float32).astype(scales_dtype)
+        if real is not None and format_ == "fp8":
+            codes = jnp.where(inside(codes_shape, (1, 1)), codes, jnp.zeros_like(codes))
+        elif real is not None:
+            scales = jnp.where(inside(scales_shape, group), scales, jnp.zeros_like(scales))
         zero_points = None if zeros is None else jnp.full(zeros[0], 8, zeros[1])
         return QuantizedWeight(codes, scales, zero_points, format_, group, kpack)
 
@@ -584,7 +599,10 @@ def _random_quantized(leaf: Leaf, target: QuantizedWeight, key: jax.Array) -> Qu
     struct = tuple(shape_of(getattr(target, name)) for name in ("codes", "scales", "zeros"))
     fmt = (target.format, target.group, target.kpack)
     _, std = _distribution(leaf)
-    return _quantized_init(struct, fmt, target.codes.sharding, std)(key)
+    real = None
+    if isinstance(leaf, Linear) and target.shape[-2:] != (leaf.inp, leaf.kept_out):
+        real = (leaf.inp, leaf.kept_out)
+    return _quantized_init(struct, fmt, target.codes.sharding, std, real)(key)
 
 
 def random(specs: Mapping[Path, Spec], targets: Mapping[Path, Any], *, seed: int = 0) -> dict[Path, Any]:

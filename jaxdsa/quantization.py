@@ -28,7 +28,8 @@ expert stack keeps its ``[E, K, N]`` shape and axes, and every leaf (codes, scal
 carries the same logical axes, so one sharding splits them at the same places. Scale groups are
 narrowed (exactly: each scale repeated) until every shard and every expert-TP ``[gate_j | up_j]``
 piece holds whole groups; a split that would cut a 4-bit packed chunk is an error naming the
-parameter.
+parameter. Heads padded for tensor parallelism are zero weights appended to the matrix (a 4-bit K
+only by whole 64-row chunks: else an error naming the tensor).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def formats(
     model: nnx.Module, specs: Mapping[Path, Spec], stored: Callable[[Leaf], WeightFormat | None]
 ) -> dict[Path, WeightFormat]:
     """The format of every slot that stays quantized: ``stored(leaf)`` of its source (every layer
-    of a stack must agree), and the source must be a linear of the slot's size (not padded)."""
+    of a stack must agree), a linear's as :func:`_linear_format` fits it to the slot."""
     out = {}
     for path, slot in slots(model).items():
         spec = specs[path]
@@ -119,17 +120,31 @@ def formats(
         if len(found) != 1 or None in found:
             continue
         leaf, fmt = leaves[0], found.pop()
-        if isinstance(leaf, Linear) and slot.shape[-2:] != (leaf.inp, leaf.kept_out):
-            raise ValueError(
-                f"{leaf.name}: a quantized [{leaf.kept_out}, {leaf.inp}] weight cannot be padded to "
-                f"{list(slot.shape[-2:][::-1])} (heads padded for tensor parallelism); choose a tp that "
-                "divides the heads, or quantization='dequantize'"
-            )
-        if isinstance(leaf, Linear) and leaf.rows is not None:  # every head's part: whole groups
-            gk, gn = fmt.group
-            fmt = dataclasses.replace(fmt, group=(gk, _narrow(gn, math.gcd(*leaf.rows))))
-        out[path] = fmt
+        out[path] = _linear_format(leaf, fmt, slot) if isinstance(leaf, Linear) else fmt
     return out
+
+
+def _linear_format(leaf: Linear, fmt: WeightFormat, slot: Slot) -> WeightFormat:
+    """``fmt`` for the linear ``leaf`` held as ``slot``: its ``[K, N]`` matrix, or that with zero
+    heads appended (heads padded for tensor parallelism: a 4-bit K only by whole 64-row packed
+    chunks of whole groups, :func:`~pallas_kernels.quant_matmul.layout.pad_k`), scale groups
+    narrowed to whole per-head parts (``kv_b``'s W_UK / W_UV)."""
+    k, n = slot.shape[-2:]
+    gk, gn = fmt.group
+    if (k, n) != (leaf.inp, leaf.kept_out):
+        if not leaf.pad or k < leaf.inp or n < leaf.kept_out:
+            raise ValueError(
+                f"{leaf.name}: a [{leaf.kept_out}, {leaf.inp}] weight for a [{n}, {k}] parameter"
+            )
+        if k > leaf.inp and fmt.format != "fp8" and leaf.inp % math.lcm(64, gk):
+            raise ValueError(
+                f"{leaf.name}: a 4-bit weight of K = {leaf.inp} is padded to {k} rows (heads padded for "
+                f"tensor parallelism) only by whole 64-row packed chunks of whole {gk}-row groups; choose "
+                "a tp that divides the heads, or quantization='dequantize'"
+            )
+    if leaf.rows is not None:
+        gn = _narrow(gn, math.gcd(*leaf.rows))
+    return dataclasses.replace(fmt, group=(gk, gn))
 
 
 def configured(quant: QuantConfig | None) -> Callable[[Leaf], WeightFormat | None]:

@@ -208,28 +208,29 @@ def reblock_k(w: QuantizedWeight, gk: int) -> QuantizedWeight:
     return w.replace(scales=repeat(w.scales), zeros=zeros, group=(gk, w.group[1]))
 
 
-def _zero_pad(a, axis: int, extra: int) -> jax.Array:
+def _zero_pad(a, axis: int, extra: int):
     """``a`` with ``extra`` zero bytes / values appended along ``axis`` (float8 types through their
-    bytes: e4m3 +0, ue8m0 2^-127)."""
-    a = jnp.asarray(a)
+    bytes: e4m3 +0, ue8m0 2^-127). NumPy in, NumPy out; jax in, jax out."""
     widths = [(0, 0)] * a.ndim
     widths[axis] = (0, extra)
-    if a.dtype in (E4M3, E8M0):
-        return jax.lax.bitcast_convert_type(
-            jnp.pad(jax.lax.bitcast_convert_type(a, jnp.uint8), widths), a.dtype
-        )
-    return jnp.pad(a, widths)
+    dtype = np.dtype(a.dtype)
+    if dtype not in (E4M3, E8M0):
+        return _xp(a).pad(a, widths)
+    if isinstance(a, np.ndarray):
+        return np.pad(a.view(np.uint8), widths).view(dtype)
+    return jax.lax.bitcast_convert_type(jnp.pad(jax.lax.bitcast_convert_type(a, jnp.uint8), widths), dtype)
 
 
 def _pad(w: QuantizedWeight, axis: int, size: int) -> QuantizedWeight:
-    """``w`` grown to ``size`` along ``axis`` (-2: K, -1: N) with zero codes, and zero scales (and
-    zero points) for the new scale groups."""
+    """``w`` grown to ``size`` along ``axis`` (-2: K, -1: N) with zero code bytes, and zero scales
+    (and zero points) for the new scale groups."""
     extra = size - w.shape[axis]
     if extra <= 0:
         return w
     groups = -(-size // w.group[axis]) - w.scales.shape[axis]
     pad = lambda a: None if a is None else _zero_pad(a, axis, groups)  # noqa: E731
-    return w.replace(codes=_zero_pad(w.codes, axis, extra), scales=pad(w.scales), zeros=pad(w.zeros))
+    rows = extra // 2 if w.packed and axis == -2 else extra
+    return w.replace(codes=_zero_pad(w.codes, axis, rows), scales=pad(w.scales), zeros=pad(w.zeros))
 
 
 def pad_n(w: QuantizedWeight, n: int) -> QuantizedWeight:
@@ -240,11 +241,15 @@ def pad_n(w: QuantizedWeight, n: int) -> QuantizedWeight:
 
 
 def pad_k(w: QuantizedWeight, k: int) -> QuantizedWeight:
-    """An FP8 ``w`` lengthened to ``k`` input rows whose weights are 0 (e4m3 +0 codes: 0 under any
-    scale). 4-bit weights hold K in whole 32-row packed chunks already, and a zero byte is not a
-    zero INT4 weight, so they are not padded along K."""
-    if w.packed:
-        raise ValueError(f"pad_k pads FP8 weights; a {w.format} weight's K is whole packed chunks")
+    """``w`` lengthened to ``k`` input rows whose weights are 0. FP8: +0 codes, 0 under any scale. A
+    4-bit weight's zero byte is not a zero INT4 weight, so its rows come in whole packed chunks and
+    whole scale groups, whose zero scales make them 0: its K and ``k`` must be multiples of both."""
+    kk, gk = w.shape[-2], w.group[0]
+    if w.packed and k > kk and (kk % w.kpack or kk % gk or k % w.kpack):
+        raise ValueError(
+            f"a {w.format} weight of K = {kk} is padded to {k} rows only in whole {w.kpack}-row packed "
+            f"chunks and {gk}-row scale groups"
+        )
     return _pad(w, -2, k)
 
 
