@@ -208,7 +208,7 @@ ROWS: list[tuple[str, str, Callable[[Result], Cells]]] = [
     ("MoE experts (GLM-5, bf16), T = 1", "moe-h100.md", _moe_t1),
     ("MoE experts, T = 8 … 512", "moe-h100.md", _moe_stream),
     ("MoE experts, T = 4096", "moe-h100.md", _moe_4096),
-    ("sampler, 32 rows of 154,880 logits, top-p", "sampler-h100.md", _sampler),
+    ("sampler, 32 rows of 154,880 logits, top-p", "sampler-h100-subset.md", _sampler),
     ("indexer prefill (4096 × 8k…128k)", "kernels_indexer-h100.md", _indexer_prefill),
     ("indexer decode (32 × 128k)", "kernels_indexer-h100.md", _indexer_decode),
     (  # the exact-count exit won this run and is now the kernel's only path

@@ -1,22 +1,21 @@
-"""Serving benchmark of a GLM-5-shaped model on one GPU: `python -m serve` + `serve.bench`.
+"""Serving benchmark of a model of real widths on one GPU: `python -m serve` + `serve.bench`.
 
 The model has GLM-5's real layer widths (hidden 6144, 64 heads, MLA 2048/512/192+64/256,
-indexer 32 x 128, top-2048, 256 experts top-8 x 2048, vocab 154880) and as many layers as one
-H100 holds next to a useful cache: 3 dense + 2 MoE layers (about 46 GB of bf16 weights), with
-random weights made on the device (``--load-format dummy``). The memory roofline counts what one
-decode step of ``batch`` sequences must read: every weight the step touches (attention, indexer,
-dense MLPs, the LM head, each MoE layer's router, shared expert and the routed experts it uses)
-plus the latent cache rows of every sequence's context, divided by the memory ceiling measured in
-the same run (the fastest of JAX's and torch's copy and read-only streams). Routed experts are
-counted at their expected number under uniform routing, ``E * (1 - (1 - k/E) ** batch)`` (each
-token picks k distinct experts of E): the most any routing of ``batch`` independent tokens touches
-on average, so a step can beat the roofline only by touching fewer experts than uniform routing
-would. (The earlier count, ``min(E, k * batch)``, is the most any batch can touch: at batch 32
-it counted all 256 experts where uniform routing touches 163, and the table read 129 %.)
+indexer 32 x 128, top-2048, 256 experts top-8 x 2048, vocab 154880), GLM-5.2's (``--preset
+glm52``: the same widths, shared indexer layers, longer RoPE) or DeepSeek-V4-Flash's (``--preset
+v4flash``: the first layers of its schedule, no MTP block), and as many layers as one GPU holds
+next to a useful cache, with random weights made on the device (``--load-format dummy``) in bf16
+or kept quantized (``--quantization int4|fp8``). The memory roofline is the planner's
+(:func:`jaxdsa.plan.decode_step`): every weight one decode step of ``batch`` sequences touches, at
+its stored width (routed experts at their expected number under uniform routing), plus the cache
+rows of every sequence's context, divided by the memory ceiling measured in the same run (the
+fastest of JAX's and torch's copy and read-only streams). The weights the server reports per
+device are set against the planner's prediction.
 
-    python -m benchmarks.serve_gpu [--layers 5] [--input-len 512] [--output-len 64]
+    python -m benchmarks.serve_gpu [--preset glm5|glm52] [--layers 5] [--quantization int4] \
+        [--input-len 512] [--output-len 64]
 
-Writes benchmarks/results/serve-<gpu>.md (and the raw bench JSON beside it).
+Writes benchmarks/results/serve-<gpu>[<suffix>].md (and the raw bench JSON beside it).
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -32,7 +32,10 @@ import urllib.request
 
 from benchmarks import harness
 from checkpoints.tokenizer_assets import write_tokenizer
-from jaxdsa.models.registry import config_from_dict
+from jaxdsa import plan
+from jaxdsa.models.deepseek_v4.presets import RELEASED
+from jaxdsa.models.registry import config_from_dict, family_for
+from jaxdsa.sharding import Parallelism
 
 GLM5 = {
     "architectures": ["GlmMoeDsaForCausalLM"],
@@ -75,18 +78,42 @@ GLM5 = {
 }
 
 
-def write_model_dir(directory: str, layers: int, overrides: dict | None = None) -> dict:
-    """config.json (GLM-5 widths, ``layers`` layers) + the GLM tokenizer files; no weights.
+# GLM-5.2's deltas (models.md §1.1): same widths; 3 of every 4 layers reuse an earlier layer's
+# indexer choice ("shared", derived from index_topk_freq / index_skip_topk_offset).
+GLM52 = {
+    **GLM5,
+    "rope_parameters": {"rope_theta": 8000000.0, "rope_type": "default"},
+    "max_position_embeddings": 1048576,
+    "moe_router_dtype": "float32",
+    "index_topk_freq": 4,
+    "index_skip_topk_offset": 3,
+}
+# DeepSeek-V4-Flash's widths; the first layers of its schedule (two sliding-window layers, then CSA
+# and HCA alternating) and no MTP block.
+V4FLASH = {**RELEASED["v4-flash"], "num_nextn_predict_layers": 0}
+PRESETS = {"glm5": GLM5, "glm52": GLM52, "v4flash": V4FLASH}
+NAMES = {"glm5": "GLM-5", "glm52": "GLM-5.2", "v4flash": "DeepSeek-V4-Flash"}
+WEIGHTS = {"dequantize": "bf16", "int4": "int4", "fp8": "fp8"}  # --quantization -> the planner's --weights
+
+
+def write_model_dir(directory: str, layers: int, overrides: dict | None = None, preset: str = "glm5") -> dict:
+    """config.json (``preset``'s widths, ``layers`` layers) + the GLM tokenizer files; no weights.
 
     The bundled tokenizer has 512 tokens; a random model samples from the whole vocabulary, so the
     BPE vocab is padded with filler tokens up to vocab_size (they decode to text but tokenization
     never produces them) and every streamed token carries text, as with a real tokenizer.
     """
-    raw = {**GLM5, "num_hidden_layers": layers, "indexer_types": ["full"] * layers, **(overrides or {})}
+    base = PRESETS[preset]
+    shape: dict = {"num_hidden_layers": layers}
+    if preset == "glm5":
+        shape["indexer_types"] = ["full"] * layers
+    if preset == "v4flash":
+        shape |= {"compress_ratios": base["compress_ratios"][:layers], "num_hash_layers": min(3, layers)}
+    raw = {**base, **shape, **(overrides or {})}
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as fh:
         json.dump(raw, fh, indent=1)
-    write_tokenizer("glm_moe_dsa", directory, model_max_length=raw["max_position_embeddings"])
+    write_tokenizer(raw["model_type"], directory, model_max_length=raw["max_position_embeddings"])
     path = os.path.join(directory, "tokenizer.json")
     with open(path, encoding="utf-8") as fh:
         tok = json.load(fh)
@@ -98,38 +125,16 @@ def write_model_dir(directory: str, layers: int, overrides: dict | None = None) 
     return raw
 
 
-def expected_experts(n_experts: int, top_k: int, batch: int) -> float:
-    """Expected distinct experts used by ``batch`` tokens that each pick ``top_k`` distinct experts
-    uniformly at random: an expert is missed by one token with probability ``1 - top_k / n_experts``."""
-    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** batch)
+def step_bytes(raw: dict, weights: str, context: int, batch: int) -> float:
+    """Bytes one decode step of ``batch`` sequences at ``context`` tokens reads on one GPU (the planner's)."""
+    cfg = config_from_dict(raw)
+    step = plan.decode_step(family_for(cfg.model_type), cfg, Parallelism(), weights, batch, context)
+    return step["bytes_read"]
 
 
-def decode_step_bytes(raw: dict, context: int, batch: int = 1) -> float:
-    """Bytes one decode step reads at ``batch`` sequences of ``context`` tokens (bf16 weights);
-    routed experts at :func:`expected_experts`."""
-    c = config_from_dict(raw)
-    D, H, bf16 = c.hidden_size, c.num_attention_heads, 2
-    attn = D * c.q_lora_rank + c.q_lora_rank * H * c.qk_head_dim + D * c.latent_dim
-    attn += H * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank + H * c.v_head_dim * D
-    indexer = (
-        c.q_lora_rank * c.index_n_heads * c.index_head_dim + D * c.index_head_dim + 2 * D * c.index_n_heads
-    )  # weights_proj is fp32
-    dense = 3 * D * c.intermediate_size
-    expert = 3 * D * c.moe_intermediate_size
-    total = 0.0
-    for layer in range(c.num_hidden_layers):
-        total += attn + (indexer if c.has_indexer(layer) else 0)
-        if c.is_moe_layer(layer):
-            touched = expected_experts(c.n_routed_experts, c.num_experts_per_tok, batch)
-            total += D * c.n_routed_experts + (touched + c.n_shared_experts) * expert
-        else:
-            total += dense
-    total += D * c.vocab_size  # LM head
-    kv_rows = min(context, c.index_topk)  # sparse attention reads at most index_topk rows
-    kv = c.num_hidden_layers * kv_rows * c.latent_dim
-    if context > c.index_topk:
-        kv += len(c.indexer_layers) * context * c.index_head_dim  # the indexer scans every key
-    return (total + batch * kv) * bf16
+def planned_weight_bytes(raw: dict, weights: str) -> float:
+    cfg = config_from_dict(raw)
+    return plan.device_weight_bytes(family_for(cfg.model_type), cfg, Parallelism(), weights)
 
 
 def _wait_health(url: str, proc: subprocess.Popen, timeout: float) -> None:
@@ -149,7 +154,10 @@ def _wait_health(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
+    p.add_argument("--preset", choices=sorted(PRESETS), default="glm5")
     p.add_argument("--layers", type=int, default=5)
+    p.add_argument("--quantization", choices=sorted(WEIGHTS), default="dequantize")
+    p.add_argument("--suffix", default="", help="results file name suffix, e.g. -glm52-int4")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=32)
@@ -163,8 +171,8 @@ def main(argv=None) -> int:
     p.add_argument("--torch-ceilings", action="store_true", help="measure torch's streams too")
     args = p.parse_args(argv)
 
-    work = tempfile.mkdtemp(prefix="glm5-shaped-")
-    raw = write_model_dir(work, args.layers, json.loads(args.overrides))
+    work = tempfile.mkdtemp(prefix=f"{args.preset}-shaped-")
+    raw = write_model_dir(work, args.layers, json.loads(args.overrides), args.preset)
     url = f"http://127.0.0.1:{args.port}"
     levels = [int(c) for c in args.concurrency.split(",")]
     cmd = [
@@ -174,6 +182,8 @@ def main(argv=None) -> int:
         work,
         "--load-format",
         "dummy",
+        "--quantization",
+        args.quantization,
         "--port",
         str(args.port),
         "--host",
@@ -185,10 +195,12 @@ def main(argv=None) -> int:
         "--max-num-batched-tokens",
         str(args.max_num_batched_tokens),
         "--served-model-name",
-        "glm5-shaped",
+        f"{args.preset}-shaped",
     ]
     start = time.time()
-    server = subprocess.Popen(cmd)
+    log_path = os.path.join(work, "serve.log")
+    log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 (closed after the server ends)
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_health(url, server, timeout=600)
         startup = time.time() - start
@@ -214,7 +226,13 @@ def main(argv=None) -> int:
     finally:
         server.terminate()
         server.wait(timeout=60)
+        log.close()
+        with open(log_path, encoding="utf-8") as fh:
+            server_log = fh.read()
+        print(server_log[-4000:])
     rows = json.load(open(out_json))["results"]
+    loaded = re.search(r"weights ([0-9.]+) GiB per device", server_log)
+    args.weights_gib = float(loaded.group(1)) if loaded else float("nan")
     # Only now touch the GPU from this process (the server is gone): the ceilings, torch's too.
     _report(rows, raw, args, harness.measure_ceilings(torch_peers=args.torch_ceilings), startup)
     return 0
@@ -238,23 +256,32 @@ def _report(rows, raw, args, ceilings: harness.Ceilings, startup: float) -> None
             "ITL p99 ms": r["itl_ms"]["p99"],
             "failed": r["failed"],
         }
-        step_bytes = decode_step_bytes(raw, int(context), r["concurrency"])
-        row["routed experts/layer"] = expected_experts(
+        nbytes = step_bytes(raw, WEIGHTS[args.quantization], int(context), r["concurrency"])
+        row["routed experts/layer"] = plan.expected_experts(
             raw["n_routed_experts"], raw["num_experts_per_tok"], r["concurrency"]
         )
-        row["bytes/step GB"] = step_bytes / 1e9
-        row["roofline ms"] = step_bytes / (ceilings.stream_gbs * 1e9) * 1e3
+        row["bytes/step GB"] = nbytes / 1e9
+        row["roofline ms"] = nbytes / (ceilings.stream_gbs * 1e9) * 1e3
         row["% of roofline"] = 100 * row["roofline ms"] / itl if itl == itl else float("nan")
         table.append(row)
     cols = list(table[0])
-    moe_layers = raw["num_hidden_layers"] - raw["first_k_dense_replace"]
+    name = NAMES[args.preset]
+    planned = planned_weight_bytes(raw, WEIGHTS[args.quantization])
+    cfg = config_from_dict(raw)
+    if cfg.model_type == "deepseek_v4":
+        layers = ", ".join(cfg.layer_types)
+    else:
+        dense = cfg.first_k_dense_replace
+        layers = f"{dense} dense + {cfg.num_hidden_layers - dense} MoE"
     lines = [
         *harness.report_header(
-            f"Serving a GLM-5-shaped model on {header['device']}",
+            f"Serving a {name}-shaped model on {header['device']}",
             {
-                "model": f"GLM-5 widths, {raw['num_hidden_layers']} layers "
-                f"({raw['first_k_dense_replace']} dense + {moe_layers} MoE), "
-                "random bf16 weights (--load-format dummy)",
+                "model": f"{name} widths, {raw['num_hidden_layers']} layers ({layers}), "
+                f"random weights (--load-format dummy --quantization {args.quantization})",
+                "weights per device": f"{args.weights_gib:.2f} GiB loaded (the server's log), "
+                f"{planned / 2**30:.2f} GiB planned (jaxdsa.plan), "
+                f"{100 * (args.weights_gib * 2**30 / planned - 1):+.1f} %",
                 "workload": f"serve.bench: {args.num_prompts} prompts/level, {args.input_len} tokens in, "
                 f"{args.output_len} out, ignore_eos, streaming",
                 "server": f"python -m serve --max-num-seqs {max(r['concurrency'] for r in rows)} "
@@ -265,16 +292,17 @@ def _report(rows, raw, args, ceilings: harness.Ceilings, startup: float) -> None
             },
         ),
         "Per-stream decode tok/s = 1 / mean inter-token latency; aggregate = per-stream x concurrency.",
-        "Roofline = bytes one decode step must read (weights touched + latent cache of a",
-        f"{context:.0f}-token context per sequence; routed experts per MoE layer at their expected count",
-        "under uniform routing, 256 * (1 - (1 - 8/256)^batch), + the shared one) / memory ceiling;",
+        "Roofline = bytes one decode step must read (jaxdsa.plan.decode_step: weights touched at their",
+        f"stored width + the cache of a {context:.0f}-token context per sequence; routed experts per MoE",
+        "layer at their expected count under uniform routing, E * (1 - (1 - k/E)^batch), + the shared",
+        "one) / memory ceiling;",
         "% of roofline = roofline step time / measured mean ITL. Output tok/s is serve.bench's, as",
         "measured (all output tokens over the level's wall time, prefill included).",
         "",
         harness.markdown_table(table, cols),
         "",
     ]
-    path = harness.write_result("serve", "\n".join(lines), rows=table)
+    path = harness.write_result("serve", "\n".join(lines), suffix=args.suffix, rows=table)
     print("\n".join(lines))
     print(f"serve_gpu: wrote {path}")
 

@@ -192,7 +192,9 @@ def make_tiny(
     if family == "deepseek_v4":
         from checkpoints import tiny_v4  # imports this module's helpers
 
-        return tiny_v4.write(os.fspath(out_dir), seed=seed, preset=preset, dtype=dtype, shards=shards)
+        return tiny_v4.write(
+            os.fspath(out_dir), seed=seed, preset=preset, dtype=dtype, shards=shards, overrides=overrides
+        )
     if preset not in TINY_PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(TINY_PRESETS)}")
     if TINY_PRESETS[preset]["model_type"] != family:

@@ -3,7 +3,8 @@
 The directory holds the release-form ``config.json`` (a ``jaxdsa.models.deepseek_v4.presets``
 entry through :func:`~jaxdsa.models.deepseek_v4.presets.release_form`, ``vocab_size`` set to the
 tokenizer's), ``generation_config.json``, the DeepSeek tokenizer assets (V4 shares V3.2's
-tokenizer family: BOS 0, EOS 1; its chat encoding, models.md §6.4, comes with serving) and
+tokenizer family: BOS 0, EOS 1) with a V4 chat template for tool-less conversations (the server
+encodes V4 chats with ``serve.deepseek_v4_encoding``, models.md §6.4) and
 safetensors with the release names and dtypes of models.md §4.4: bf16 (or float32) weights, float32
 HC parameters, sinks, ``ape`` and router bias, int64 ``tid2eid``, plus the MTP block ``mtp.0.*``.
 
@@ -25,7 +26,7 @@ from checkpoints import tokenizer_assets
 from checkpoints.make_tiny import DTYPES, random_tensor, write_weights
 from jaxdsa.models.deepseek_v4 import presets
 
-TOKENIZER_FAMILY = "deepseek_v32"
+TOKENIZER_FAMILY = "deepseek_v4"
 
 # kind -> how the value is drawn (see _value); "fp32" kinds are stored float32 whatever --dtype says.
 FP32_KINDS = ("hc_fn", "hc_base", "hc_scale", "sink", "ape", "router_bias")
@@ -136,12 +137,21 @@ def _value(name: str, shape: tuple[int, ...], kind: str, seed: int, cfg: dict[st
     return random_tensor(name, shape, "bias" if kind == "router_bias" else kind, seed)
 
 
-def write(out_dir: str, *, seed: int, preset: str, dtype: str, shards: int) -> str:
-    """Write the tiny V4 checkpoint directory and return its path."""
+def write(
+    out_dir: str,
+    *,
+    seed: int,
+    preset: str,
+    dtype: str,
+    shards: int,
+    overrides: dict[str, Any] | None = None,
+) -> str:
+    """Write the tiny V4 checkpoint directory and return its path. ``overrides``: release-form
+    config.json fields replacing the preset's (a longer ``max_position_embeddings``, say)."""
     if preset not in presets.TINY_PRESETS:
         raise ValueError(f"unknown DeepSeek-V4 preset {preset!r}; choose from {sorted(presets.TINY_PRESETS)}")
     os.makedirs(out_dir, exist_ok=True)
-    cfg = presets.release_form(presets.TINY_PRESETS[preset])
+    cfg = presets.release_form(presets.TINY_PRESETS[preset]) | (overrides or {})
     ids = tokenizer_assets.write_tokenizer(
         TOKENIZER_FAMILY, out_dir, model_max_length=cfg["max_position_embeddings"]
     )

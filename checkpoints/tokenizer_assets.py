@@ -14,7 +14,8 @@ Special-token ids (``VOCAB_SIZE`` = 512):
   tags 504-511. Generation stops on 492, 499, 501 (models.md §6.1).
 * DeepSeek-V3.2: BOS 0 and EOS 1 (the real ids, which the ``dsv32`` preset's config also names),
   505 regular tokens, then ``<｜User｜>`` 507, ``<｜Assistant｜>`` 508, ``<think>`` 509,
-  ``</think>`` 510, ``｜DSML｜`` 511.
+  ``</think>`` 510, ``｜DSML｜`` 511. DeepSeek-V4 (same tokenizer family, models.md §6.4) gets the
+  same tokenizer with its own chat template.
 
 "Special" (dropped by ``skip_special_tokens``) follows models.md §6: GLM marks the control tokens
 and ``<think>``/``</think>`` special and keeps the tool-call tags as plain added tokens; DeepSeek marks
@@ -263,9 +264,84 @@ DEEPSEEK_CHAT_TEMPLATE = r"""
 {%- endfor -%}
 """  # noqa: E501 (jinja template written verbatim into tokenizer_config.json)
 
+# DeepSeek-V4 also ships only a Python encoder (serve/deepseek_v4_encoding.py is ours); this template
+# renders the same string for conversations without tools, with the server's options
+# (serve.chat_format.DeepSeekV4ChatFormat): thinking on unless `thinking` / `enable_thinking` is
+# given and false, `thinking_mode` overriding both; `reasoning_effort` 'max' (effort prefix) or
+# 'none' (thinking off); `drop_thinking` (default true). Consecutive user turns merge, and in
+# thinking mode developer turns before the last user turn are dropped, as the encoder does.
+DEEPSEEK_V4_CHAT_TEMPLATE = r"""
+{%- if tools -%}
+  {{- raise_exception('DeepSeek-V4 tool prompts are rendered by serve.deepseek_v4_encoding, not this template') -}}
+{%- endif -%}
+{%- set ns = namespace(thinking=true, turns=[], last_user=-1, kept=[]) -%}
+{%- if thinking_mode is defined -%}
+  {%- if thinking_mode not in ['chat', 'thinking'] -%}
+    {{- raise_exception('thinking_mode must be chat or thinking') -}}
+  {%- endif -%}
+  {%- set ns.thinking = thinking_mode == 'thinking' -%}
+{%- elif thinking is defined or enable_thinking is defined -%}
+  {%- set ns.thinking = (thinking is defined and thinking) or (enable_thinking is defined and enable_thinking) -%}
+{%- endif -%}
+{%- set effort = reasoning_effort if reasoning_effort is defined else none -%}
+{%- if effort == 'none' -%}{%- set ns.thinking = false -%}{%- endif -%}
+{%- set drop = drop_thinking if drop_thinking is defined else true -%}
+{%- for m in messages -%}
+  {%- if m.role not in ['system', 'user', 'developer', 'assistant'] -%}
+    {{- raise_exception('role ' + m.role + ' needs serve.deepseek_v4_encoding') -}}
+  {%- endif -%}
+  {%- if m.tool_calls -%}
+    {{- raise_exception('DeepSeek-V4 tool calls are rendered by serve.deepseek_v4_encoding, not this template') -}}
+  {%- endif -%}
+  {%- if m.role == 'user' and ns.turns and ns.turns[-1].role == 'user' -%}
+    {%- set merged = {'role': 'user', 'content': ns.turns[-1].content + '\n\n' + (m.content or '')} -%}
+    {%- set ns.turns = ns.turns[:-1] + [merged] -%}
+  {%- else -%}
+    {%- set reasoning = m.reasoning_content or m.reasoning or '' -%}
+    {%- set ns.turns = ns.turns + [{'role': m.role, 'content': m.content or '', 'reasoning': reasoning}] -%}
+  {%- endif -%}
+{%- endfor -%}
+{%- for t in ns.turns -%}
+  {%- if t.role in ['user', 'developer'] -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- for t in ns.turns -%}
+  {%- if not (ns.thinking and drop and t.role == 'developer' and loop.index0 < ns.last_user) -%}
+    {%- set ns.kept = ns.kept + [t] -%}
+  {%- endif -%}
+{%- endfor -%}
+{%- set ns.last_user = -1 -%}
+{%- for t in ns.kept -%}
+  {%- if t.role in ['user', 'developer'] -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{{- '<｜begin▁of▁sentence｜>' -}}
+{%- if ns.kept and ns.thinking and effort == 'max' -%}
+  {{- 'Reasoning Effort: Absolute maximum with no shortcuts permitted.\nYou MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root cause, rigorously stress-testing your logic against all potential paths, edge cases, and adversarial scenarios.\nExplicitly write out your entire deliberation process, documenting every intermediate step, considered alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n' -}}
+{%- endif -%}
+{%- for t in ns.kept -%}
+  {%- if t.role == 'system' -%}
+    {{- t.content -}}
+  {%- elif t.role in ['user', 'developer'] -%}
+    {%- if t.role == 'developer' and not t.content -%}
+      {{- raise_exception('a developer message needs content') -}}
+    {%- endif -%}
+    {{- '<｜User｜>' + t.content -}}
+    {%- if loop.last or ns.kept[loop.index0 + 1].role == 'assistant' -%}
+      {%- set open = ns.thinking and (not drop or loop.index0 >= ns.last_user) -%}
+      {{- '<｜Assistant｜>' + ('<think>' if open else '</think>') -}}
+    {%- endif -%}
+  {%- else -%}
+    {%- if ns.thinking and (not drop or loop.index0 > ns.last_user) -%}
+      {{- t.reasoning + '</think>' -}}
+    {%- endif -%}
+    {{- t.content + '<｜end▁of▁sentence｜>' -}}
+  {%- endif -%}
+{%- endfor -%}
+"""  # noqa: E501 (jinja template written verbatim into tokenizer_config.json)
+
 _FAMILIES: dict[str, tuple[FamilyTokens, str]] = {
     "glm_moe_dsa": (GLM_TOKENS, GLM_CHAT_TEMPLATE),
     "deepseek_v32": (DEEPSEEK_TOKENS, DEEPSEEK_CHAT_TEMPLATE),
+    "deepseek_v4": (DEEPSEEK_TOKENS, DEEPSEEK_V4_CHAT_TEMPLATE),  # V3.2's tokens, V4's format
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import jax
 from flax import nnx
 
 from checkpoints import walker
@@ -72,3 +73,12 @@ def load_model(
     else:
         arrays = walker.load(reader, specs, targets, quant=family.quantization(cfg), progress=progress)
     return family, cfg, families.fill(model, arrays)
+
+
+def device_param_bytes(model: nnx.Module) -> dict[Any, int]:
+    """Bytes of ``model``'s parameters held on each (addressable) device: what the planner predicts."""
+    per_device: dict[Any, int] = {}
+    for value in jax.tree.leaves(nnx.state(model, nnx.Param)):
+        for shard in value.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return per_device

@@ -33,7 +33,7 @@ N expert width):
 - ``indexer_logits(q [T,Hi,Di], w [T,Hi], k [S,Di], *, q_pos [T]) -> [T,S] f32``: the same sum over one
   flat key sequence, ``s <= q_pos[t]`` (DeepSeek-V4's compressed keys).
 
-DeepSeek-V4 (models.md §3; no ``OpSharding`` yet: its meshes come with its family on the seam):
+DeepSeek-V4 (models.md §3; on a mesh these run replicated: V4's streams and compressors are):
 
 - ``hc_pre(x [T,n,D], fn [nD,(2+n)n], base, scale [3], *, iters, hc_eps, norm_eps)
   -> (collapsed [T,D], post [T,n], comb [T,n,n])`` and ``hc_post(x, out [T,D], post, comb) -> [T,n,D]``:
@@ -139,10 +139,25 @@ OPS: dict[str, Op] = {
         ),
     ),
     "quant_matmul": Op(quant_matmul_ref.quant_matmul, quant_matmul_kernel.quant_matmul, None),
-    "indexer_logits": Op(indexer_logits_ref.indexer_logits, indexer_logits_kernel.indexer_logits, None),
-    "hc_pre": Op(mhc_ref.hc_pre, mhc_kernel.hc_pre, None),
-    "hc_post": Op(mhc_ref.hc_post, mhc_kernel.hc_post, None),
-    "compress_pool": Op(compress_pool_ref.compress_pool, compress_pool_kernel.compress_pool, None),
+    "indexer_logits": Op(
+        indexer_logits_ref.indexer_logits,
+        indexer_logits_kernel.indexer_logits,
+        OpSharding(
+            args=((None, "index_heads", None), (None, "index_heads"), None),
+            kwargs={"q_pos": (None,)},
+            out=(None, None),
+            reduce=("index_heads",),
+        ),
+    ),
+    # DeepSeek-V4's residual streams, compressors and their state are replicated over TP: every
+    # device runs these on whole operands (declared, so a kernel is never left to the partitioner).
+    "hc_pre": Op(mhc_ref.hc_pre, mhc_kernel.hc_pre, OpSharding(args=(None,) * 4, out=None)),
+    "hc_post": Op(mhc_ref.hc_post, mhc_kernel.hc_post, OpSharding(args=(None,) * 4, out=None)),
+    "compress_pool": Op(
+        compress_pool_ref.compress_pool,
+        compress_pool_kernel.compress_pool,
+        OpSharding(args=(None,) * 3, kwargs={"prev_kv": None, "prev_score": None}, out=None),
+    ),
 }
 
 _backend: str | None = None

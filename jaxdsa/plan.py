@@ -77,16 +77,27 @@ def cache_bytes_per_token(family: ModelFamily, cfg) -> int:
     return family.cache_spec(cfg).bytes_per_token(jnp.bfloat16)
 
 
+def expected_experts(n_experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts used by ``tokens`` tokens that each pick ``top_k`` distinct experts
+    uniformly at random (an expert is missed by one token with probability ``1 - top_k / n_experts``):
+    what a decode step of random tokens reads on average. ``min(E, k * tokens)`` would be the most
+    any batch can touch (at 32 tokens it counts all 256 of GLM-5's experts where uniform routing
+    touches 163)."""
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** tokens)
+
+
 def decode_step(
     family: ModelFamily, cfg, par: Parallelism, weights: str, batch: int, context: int
 ) -> dict[str, float]:
-    """Per-device bytes read and collective bytes of one decode step of ``batch`` sequences per dp group."""
+    """Per-device bytes read and collective bytes of one decode step of ``batch`` sequences per dp
+    group: every weight the step touches (routed experts at :func:`expected_experts` of the tokens
+    that meet at them, embedding rows looked up) plus the family's cache traffic."""
     traffic = family.decode_traffic(cfg, par, batch, context)
     sizes = par.axis_sizes
     k, E = traffic["experts_per_token"], traffic["num_experts"]
     E_local = E / math.prod(sizes[a] for a in EXPERT_AXES)
     moe_tokens = batch * sizes["edp"]  # dp-attention groups' tokens meet at every expert
-    touched = E_local * (1 - (1 - k / E) ** moe_tokens)  # expected distinct local experts
+    touched = expected_experts(E, k, moe_tokens) * E_local / E  # expected distinct local experts
     read = 0.0
     for leaf in parameter_leaves(family, cfg, par, weights):
         elements = shard_elements(leaf, par)

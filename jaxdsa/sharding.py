@@ -74,12 +74,13 @@ RULES: dict[str, tuple[str, ...]] = {
     "router_experts": (),  # the router scores every expert on every device
     "page": (),
     "cache_width": (),
-    # DeepSeek-V4 (never split until its meshes land)
+    # DeepSeek-V4: heads, index heads, experts, the shared expert and the vocabulary split as above;
+    # the output projection's rank concatenated over the head groups is row-parallel like ``heads``.
+    # The rest is small and replicated: the one K = V head, the compressors, the HC mixing.
+    "o_rank": TP_AXES,  # wo_b's input: the groups' low-rank outputs, concatenated (head order)
+    "o_lora": (),  # one group's low rank (wo_a's output)
     "hc_flat": (),  # the n hyper-connection streams flattened [n D]: input of an HC site's mixing
     "hc_mix": (),  # an HC site's mixing outputs (pre, post, comb), their bases and scales
-    "o_groups": (),  # grouped low-rank output projection: groups of heads
-    "o_group_in": (),  # one group's concatenated head outputs
-    "o_lora": (),  # the output projection's low rank (per group, and concatenated over groups)
     "compress_window": (),  # a compressor's window offsets (its ``ape`` rows)
     "compress_width": (),  # a compressor's projected row (one or two halves of head_dim)
     "hash_vocab": (),  # the hash-routing table's token axis (looked up by token id)

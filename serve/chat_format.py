@@ -4,7 +4,8 @@ GLM checkpoints ship a Jinja chat template (``chat_template`` in tokenizer_confi
 ``chat_template.jinja``); it is rendered exactly as transformers' ``apply_chat_template`` does
 (sandboxed environment, ``trim_blocks``/``lstrip_blocks``, ``tojson``, ``raise_exception``,
 ``strftime_now``, the special tokens and any ``chat_template_kwargs`` as variables).
-DeepSeek-V3.2 ships no template but a Python encoder, which ``serve.deepseek_encoding`` implements.
+DeepSeek-V3.2 and DeepSeek-V4 ship no template but Python encoders, which ``serve.deepseek_encoding``
+and ``serve.deepseek_v4_encoding`` implement.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 
-from serve import deepseek_encoding
+from serve import deepseek_encoding, deepseek_v4_encoding
 
 THINK_START = "<think>"
 
@@ -122,7 +123,49 @@ class DeepSeekChatFormat:
         return ChatPrompt(text, text.endswith(deepseek_encoding.THINK_START))
 
 
-ChatFormat = JinjaChatFormat | DeepSeekChatFormat
+class DeepSeekV4ChatFormat:
+    """DeepSeek-V4's encoder, with vLLM's V4 options: thinking is on unless ``thinking`` /
+    ``enable_thinking`` is given and false (``thinking_mode`` "chat" / "thinking" overrides both);
+    ``reasoning_effort`` "max" adds the effort prefix, "none" turns thinking off, any other value
+    renders as "high" (which adds nothing, as in DeepSeek's release encoder); ``drop_thinking``
+    (default true) drops older reasoning unless tools are present."""
+
+    @staticmethod
+    def options(kwargs: Mapping[str, Any]) -> tuple[str, str | None]:
+        """(thinking_mode, reasoning_effort) for the encoder from the chat template kwargs."""
+        thinking = True
+        if "thinking" in kwargs or "enable_thinking" in kwargs:
+            thinking = bool(kwargs.get("thinking")) or bool(kwargs.get("enable_thinking"))
+        mode = kwargs.get("thinking_mode", "thinking" if thinking else "chat")
+        effort = kwargs.get("reasoning_effort")
+        if effort == "none":
+            mode, effort = "chat", None
+        elif effort != "max":
+            effort = None
+        return mode, effort
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> ChatPrompt:
+        kwargs = kwargs or {}
+        mode, effort = self.options(kwargs)
+        try:
+            text = deepseek_v4_encoding.encode_messages(
+                messages,
+                thinking_mode=mode,
+                tools=tools or None,
+                reasoning_effort=effort,
+                drop_thinking=bool(kwargs.get("drop_thinking", True)),
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise ChatTemplateError(f"DeepSeek-V4 encoding: {e}") from e
+        return ChatPrompt(text, text.endswith(deepseek_v4_encoding.THINK_START))
+
+
+ChatFormat = JinjaChatFormat | DeepSeekChatFormat | DeepSeekV4ChatFormat
 
 
 def _template_text(model_dir: str, tokenizer_config: Mapping[str, Any]) -> str | None:
@@ -142,5 +185,7 @@ def load_chat_format(
     """The family's chat format; None when the checkpoint has no template (chat requests get a 400)."""
     if model_type == "deepseek_v32":
         return DeepSeekChatFormat()
+    if model_type == "deepseek_v4":
+        return DeepSeekV4ChatFormat()
     template = _template_text(model_dir, tokenizer_config)
     return JinjaChatFormat(template, special_tokens) if template else None

@@ -23,6 +23,7 @@ from fastapi import FastAPI
 
 import jaxdsa
 from jaxdsa.engine import AsyncEngine, SpeculativeConfig
+from jaxdsa.loading import device_param_bytes
 from serve import default_model
 from serve.app import ServingContext, create_app
 from serve.chat_format import load_chat_format
@@ -37,7 +38,8 @@ class StartupError(Exception):
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m serve", description="OpenAI-compatible server for GLM-5.x / DeepSeek-V3.2 on jaxdsa."
+        prog="python -m serve",
+        description="OpenAI-compatible server for GLM-5.x / DeepSeek-V3.2 / DeepSeek-V4 on jaxdsa.",
     )
     p.add_argument(
         "model",
@@ -254,9 +256,11 @@ def build(args: argparse.Namespace) -> Server:
         engine = llm.engine
     except (ValueError, OSError) as e:  # ConfigError / CheckpointError are ValueErrors
         raise StartupError(str(e)) from e
+    weights = max(device_param_bytes(llm.model).values()) / 2**30
     _log(
-        f"loaded in {time.perf_counter() - start:.1f}s; max_model_len {engine.max_model_len}, "
-        f"cache {engine.stats()['cache_pages_total']} pages of {args.page_size}"
+        f"loaded in {time.perf_counter() - start:.1f}s; weights {weights:.2f} GiB per device; "
+        f"max_model_len {engine.max_model_len}, cache {engine.stats()['cache_pages_total']} pages of "
+        f"{args.page_size}"
     )
     if not args.no_warmup:
         engine.warmup(progress=True)

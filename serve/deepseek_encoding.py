@@ -30,7 +30,9 @@ ASSISTANT = "<｜Assistant｜>"
 THINK_START = "<think>"
 THINK_END = "</think>"
 DSML = "｜DSML｜"
-TOOL_CALLS_START = f"\n\n<{DSML}function_calls>"
+TOOL_CALLS_BLOCK = "function_calls"  # DeepSeek-V4 names the block "tool_calls"
+TOOL_CALLS_LEAD = "\n\n"  # written between the content and the block
+TOOL_CALLS_START = f"{TOOL_CALLS_LEAD}<{DSML}{TOOL_CALLS_BLOCK}>"
 
 TOOLS_TEMPLATE = f"""## Tools
 You have access to a set of tools you can use to answer the user's question.
@@ -79,8 +81,9 @@ def _arguments(call: Mapping[str, Any]) -> dict[str, Any]:
     return dict(args)
 
 
-def render_tool_calls(tool_calls: Sequence[Mapping[str, Any]]) -> str:
-    """OpenAI tool calls as a DSML block: strings raw with ``string="true"``, other values as JSON."""
+def render_tool_calls(tool_calls: Sequence[Mapping[str, Any]], block: str = TOOL_CALLS_BLOCK) -> str:
+    """OpenAI tool calls as a DSML ``block`` (led by a blank line): strings raw with
+    ``string="true"``, other values as JSON."""
     invokes = []
     for tc in tool_calls:
         call = tc.get("function", tc)
@@ -90,7 +93,7 @@ def render_tool_calls(tool_calls: Sequence[Mapping[str, Any]]) -> str:
             for key, value in _arguments(call).items()
         ]
         invokes.append(f'<{DSML}invoke name="{call["name"]}">\n' + "\n".join(params) + f"\n</{DSML}invoke>")
-    return f"{TOOL_CALLS_START}\n" + "\n".join(invokes) + f"\n</{DSML}function_calls>"
+    return f"{TOOL_CALLS_LEAD}<{DSML}{block}>\n" + "\n".join(invokes) + f"\n</{DSML}{block}>"
 
 
 def _last_user_index(messages: Sequence[Mapping[str, Any]]) -> int:
@@ -187,24 +190,54 @@ def _param_value(raw: str, is_string: str) -> Any:
         return raw
 
 
-def parse_completion(text: str, thinking_mode: str = "chat") -> ParsedCompletion:
+def parse_tool_calls(text: str) -> list[dict[str, Any]]:
+    """The complete ``invoke`` elements in ``text`` (the inside of a DSML block, whatever the block
+    is called), in OpenAI shape with JSON-string arguments; an unclosed one is not a call yet."""
+    calls = []
+    for name, body in _INVOKE.findall(text):
+        args = {key: _param_value(raw, is_str) for key, is_str, raw in _PARAM.findall(body)}
+        calls.append({"type": "function", "function": {"name": name, "arguments": _to_json(args)}})
+    return calls
+
+
+def split_tool_calls(text: str, block: str = TOOL_CALLS_BLOCK) -> tuple[str, str | None]:
+    """(content, the DSML ``block`` from its opening tag on, or None when there is none). The blank
+    line the format writes before the block belongs to neither; a block without it is still one."""
+    index = text.find(f"<{DSML}{block}>")
+    if index < 0:
+        return text, None
+    content = text[:index]
+    return content.removesuffix(TOOL_CALLS_LEAD), text[index:]
+
+
+def parse_completion(
+    text: str,
+    thinking_mode: str = "chat",
+    *,
+    block: str = TOOL_CALLS_BLOCK,
+    block_ends_reasoning: bool = False,
+) -> ParsedCompletion:
     """Split generated text (after the prompt) into reasoning, content and DSML tool calls.
 
     Lenient where generation can legitimately stop early: text after EOS is ignored, a missing
-    EOS is fine, and in thinking mode a reply cut off before ``</think>`` is all reasoning.
-    Tool calls come back in OpenAI shape with JSON-string arguments.
+    EOS is fine, and in thinking mode a reply cut off before ``</think>`` is all reasoning. With
+    ``block_ends_reasoning`` (DeepSeek-V4) a tool-call block met before ``</think>`` ends the
+    reasoning, as DeepSeek's and vLLM's V4 parsers read it. Tool calls come back in OpenAI shape
+    with JSON-string arguments.
     """
     if thinking_mode not in THINKING_MODES:
         raise ValueError(f"thinking_mode must be one of {THINKING_MODES}, got {thinking_mode!r}")
     text = text.split(EOS, 1)[0]
     reasoning = None
     if thinking_mode == "thinking":
-        reasoning, sep, text = text.partition(THINK_END)
-        if not sep:
+        reasoning, sep, rest = text.partition(THINK_END)
+        early, calls = split_tool_calls(reasoning, block) if block_ends_reasoning else (reasoning, None)
+        if calls is not None:
+            reasoning, text = early, calls + sep + rest
+        elif not sep:
             return ParsedCompletion(reasoning_content=reasoning, content="", tool_calls=[])
-    content, sep, calls_text = text.partition(TOOL_CALLS_START)
-    tool_calls = []
-    for name, body in _INVOKE.findall(calls_text) if sep else ():
-        args = {key: _param_value(raw, is_str) for key, is_str, raw in _PARAM.findall(body)}
-        tool_calls.append({"type": "function", "function": {"name": name, "arguments": _to_json(args)}})
+        else:
+            text = rest
+    content, calls = split_tool_calls(text, block)
+    tool_calls = parse_tool_calls(calls.split(f"</{DSML}{block}>", 1)[0]) if calls is not None else []
     return ParsedCompletion(reasoning_content=reasoning, content=content, tool_calls=tool_calls)

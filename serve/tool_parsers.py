@@ -3,13 +3,15 @@
 ``glm47`` (GLM-4.5/4.7/5; also registered as ``glm45``) reads
 ``<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>…</tool_call>``: values are JSON when
 they parse (and the tool schema does not say ``string``), else raw strings (models.md §6.2).
-``deepseek_v32`` reads DeepSeek-V3.2's DSML block through ``serve.deepseek_encoding``.
+``deepseek_v32`` reads DeepSeek-V3.2's DSML ``function_calls`` block and ``deepseek_v4``
+DeepSeek-V4's ``tool_calls`` block through ``serve.deepseek_encoding`` (vLLM's names).
 
-Both share one incremental shape, as vLLM's parsers behave: text before the first call marker is
-content (streamed, holding back a partial marker); each complete call is emitted whole, once;
-text between or after calls is dropped. If generation ends without one complete call, the raw
-text from the marker on is returned as content so nothing is lost. Non-streaming parsing is the
-same parser fed the whole text.
+All share one incremental shape, as vLLM's parsers behave: text before the first call marker is
+content (streamed, holding back a partial marker, and without the blank line DeepSeek writes before
+its block); each complete call is emitted whole, once; text between or after calls is dropped. If
+generation ends without one complete call, the raw text from the marker on (blank line included)
+is returned as content so nothing is lost. Non-streaming parsing is the same parser fed the whole
+text.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from serve import deepseek_encoding
+from serve import deepseek_encoding, deepseek_v4_encoding
 from serve.reasoning import held_suffix
 
 
@@ -43,6 +45,7 @@ class ToolParser:
     """Content until ``start``; afterwards complete calls as ``_calls`` finds them."""
 
     start: str
+    lead = ""  # what the format writes right before ``start``: not content when the calls follow
     markers: tuple[str, ...]  # tokens that must survive skip_special_tokens for this parser
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] | None = None):
@@ -70,9 +73,11 @@ class ToolParser:
         self._content += text
         index = self._content.find(self.start)
         if index >= 0:
+            if self.lead and self._content[:index].endswith(self.lead):
+                index -= len(self.lead)
             content, self._region, self._content = self._content[:index], self._content[index:], ""
             return content, self._new_calls()
-        keep = held_suffix(self._content, self.start)
+        keep = max(held_suffix(self._content, self.lead + self.start), held_suffix(self._content, self.start))
         content, self._content = (
             self._content[: len(self._content) - keep],
             self._content[len(self._content) - keep :],
@@ -120,16 +125,25 @@ class Glm47ToolParser(ToolParser):
 
 
 class DeepSeekV32ToolParser(ToolParser):
-    start = deepseek_encoding.TOOL_CALLS_START
+    block = deepseek_encoding.TOOL_CALLS_BLOCK
+    start = f"<{deepseek_encoding.DSML}{block}>"
+    lead = deepseek_encoding.TOOL_CALLS_LEAD
     markers = (deepseek_encoding.DSML,)
 
     def _calls(self, region: str) -> list[tuple[str, dict[str, Any]]]:
-        parsed = deepseek_encoding.parse_completion(region, thinking_mode="chat")
-        return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls]
+        block = region.split(f"</{deepseek_encoding.DSML}{self.block}>", 1)[0]
+        calls = deepseek_encoding.parse_tool_calls(block)
+        return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+class DeepSeekV4ToolParser(DeepSeekV32ToolParser):
+    block = deepseek_v4_encoding.TOOL_CALLS_BLOCK
+    start = deepseek_v4_encoding.TOOL_CALLS_OPEN
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "glm47": Glm47ToolParser,
     "glm45": Glm47ToolParser,
     "deepseek_v32": DeepSeekV32ToolParser,
+    "deepseek_v4": DeepSeekV4ToolParser,
 }

@@ -142,3 +142,32 @@ def fill(model: nnx.Module, arrays: Mapping[Path, jax.Array]) -> nnx.Module:
     graphdef, state = nnx.split(model)
     flat = [(path, v.replace(arrays[path]) if path in arrays else v) for path, v in nnx.to_flat_state(state)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def collective_bytes(
+    par: Parallelism,
+    *,
+    batch: int,
+    hidden: int,
+    layers: int,
+    moe_layers: int,
+    indexer_rows: int,
+    experts_per_token: int,
+) -> float:
+    """Per device, the collective bytes of one decode step of ``batch`` sequences per dp group under
+    the rules of :mod:`jaxdsa.sharding` (ring all-reduce: ``2 (n - 1) / n`` of the bytes reduced):
+    per layer the attention output and the MLP / shared-expert output (bf16), the embedding lookup
+    (f32), the indexer's head-sum over ``indexer_rows`` scored keys per sequence (f32, all layers
+    together), the routed experts' partial sums (f32) and, with dp attention, the all-gather of the
+    groups' tokens and the reduce-scatter of their outputs."""
+    sizes = par.axis_sizes
+    ring = 2 * (par.tp - 1) / par.tp if par.tp > 1 else 0.0
+    D = hidden
+    total = ring * (layers * 2 * batch * D * 2 + batch * D * 4 + batch * indexer_rows * 4)
+    ep_shards = sizes["rep"] * sizes["tpe"]  # expert shards inside a group
+    moe_tokens = batch * sizes["edp"]
+    if ep_shards > 1:
+        total += 2 * (ep_shards - 1) / ep_shards * moe_layers * moe_tokens * D * 4
+    if sizes["edp"] > 1:  # tokens (bf16) + ids / weights out, f32 outputs back
+        total += (sizes["edp"] - 1) * moe_layers * batch * (D * 2 + experts_per_token * 8 + D * 4)
+    return total

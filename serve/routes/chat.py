@@ -20,7 +20,7 @@ from serve.generation import Generation
 from serve.logprobs import LogprobsFormatter
 from serve.output import ReplyDelta, ReplyParser
 from serve.protocol import ChatCompletionRequest, NamedToolChoice
-from serve.reasoning import REASONING_PARSERS, ReasoningSplitter
+from serve.reasoning import REASONING_PARSERS
 from serve.respond import interleave, respond, sse, usage
 from serve.response_models import ChatCompletion, generation_responses
 from serve.sampling_params import check_prompt, choice_sampling, sampling_params, text_output
@@ -53,14 +53,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     ids = ctx.tokenizer.encode(prompt.text)
     check_prompt(ctx, ids, "messages")
     sp = sampling_params(ctx, body, len(ids), None)
-    keep = (REASONING_PARSERS[ctx.reasoning_parser] if ctx.reasoning_parser else ()) + (
+    keep = (REASONING_PARSERS[ctx.reasoning_parser].markers if ctx.reasoning_parser else ()) + (
         TOOL_PARSERS[ctx.tool_parser].markers if parse_tools else ()
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
     def choice(j: int, spj: SamplingParams) -> _Choice:
         parser = ReplyParser(
-            ReasoningSplitter(prompt.thinking) if ctx.reasoning_parser else None,
+            REASONING_PARSERS[ctx.reasoning_parser].splitter(prompt.thinking)
+            if ctx.reasoning_parser
+            else None,
             TOOL_PARSERS[ctx.tool_parser](tools) if parse_tools else None,
         )
         formatter = LogprobsFormatter(ctx.tokenizer) if spj.logprobs is not None else None

@@ -1,10 +1,13 @@
-"""Serving roofline accounting (benchmarks/serve_gpu.py) on a tiny GLM-5-shaped config."""
+"""Serving roofline accounting (benchmarks/serve_gpu.py through jaxdsa.plan) on a tiny GLM-5 config."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.serve_gpu import GLM5, decode_step_bytes, expected_experts
+from benchmarks.serve_gpu import GLM5, GLM52, step_bytes, write_model_dir
+from jaxdsa.models.deepseek_v4.config import CSA, HCA, SWA
+from jaxdsa.models.registry import config_from_dict
+from jaxdsa.plan import expected_experts
 
 TINY = {
     **GLM5,
@@ -42,7 +45,28 @@ def test_expected_experts_under_uniform_routing():
 def test_step_bytes_count_the_expected_experts_and_every_sequences_cache():
     expert = 3 * TINY["hidden_size"] * TINY["moe_intermediate_size"] * 2
     moe_layers = TINY["num_hidden_layers"] - TINY["first_k_dense_replace"]
-    b1, b2 = decode_step_bytes(TINY, 16, 1), decode_step_bytes(TINY, 16, 2)
+    b1, b2 = step_bytes(TINY, "bf16", 16, 1), step_bytes(TINY, "bf16", 16, 2)
     routed = (expected_experts(16, 4, 2) - expected_experts(16, 4, 1)) * expert * moe_layers
     kv_row = (TINY["kv_lora_rank"] + TINY["qk_rope_head_dim"]) * 2
-    assert b2 - b1 == pytest.approx(routed + TINY["num_hidden_layers"] * 16 * kv_row)
+    embedding_row = TINY["hidden_size"] * 2  # the second sequence's token looked up
+    assert b2 - b1 == pytest.approx(routed + TINY["num_hidden_layers"] * 16 * kv_row + embedding_row)
+
+
+def test_quantized_steps_read_fewer_bytes():
+    bf16, fp8, int4 = (step_bytes(TINY, w, 16, 1) for w in ("bf16", "fp8", "int4"))
+    assert int4 < fp8 < bf16
+
+
+def test_glm52_preset_has_shared_indexer_layers(tmp_path):
+    raw = write_model_dir(str(tmp_path), 10, preset="glm52")
+    cfg = config_from_dict(raw)
+    assert raw["rope_parameters"] == GLM52["rope_parameters"]
+    assert [layer for layer in range(10) if cfg.has_indexer(layer)] == [0, 1, 2, 6]
+
+
+def test_v4flash_preset_is_the_release_schedule_cut_to_its_layers(tmp_path):
+    raw = write_model_dir(str(tmp_path), 4, preset="v4flash")
+    cfg = config_from_dict(raw)
+    assert cfg.layer_types == (SWA, SWA, CSA, HCA) and cfg.hidden_size == 4096
+    assert (tmp_path / "tokenizer.json").exists()
+    assert 0 < step_bytes(raw, "bf16", 544, 1) < step_bytes(raw, "bf16", 544, 8)

@@ -83,6 +83,13 @@ def dsv32_dir(tmp_path_factory) -> str:
     return make_tiny("deepseek_v32", tmp_path_factory.mktemp("serve-dsv32"), seed=0)
 
 
+@pytest.fixture(scope="session")
+def dsv4_dir(tmp_path_factory) -> str:
+    """A tiny DeepSeek-V4, 1024 positions long so that a prompt with V4's tools block fits."""
+    overrides = {"max_position_embeddings": 1024}
+    return make_tiny("deepseek_v4", tmp_path_factory.mktemp("serve-dsv4"), seed=0, overrides=overrides)
+
+
 @contextlib.contextmanager
 def serving(app: FastAPI) -> Iterator[str]:
     """Serve ``app`` on a free 127.0.0.1 port from a background thread; yields the base URL."""

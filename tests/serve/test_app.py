@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from jaxdsa.engine import EngineDeadError
+from serve import deepseek_v4_encoding as v4_encoding
 from serve.app import ServingContext, create_app
 from serve.chat_format import load_chat_format
 from serve.deepseek_encoding import render_tool_calls
@@ -739,6 +740,77 @@ def test_deepseek_v32_reasoning_and_dsml_tool_calls(dsv32_dir):
             "</｜DSML｜function_calls><｜end▁of▁sentence｜>\n\n<function_results>\n<result>sunny</result>\n"
             "</function_results>\n\n</think>"
         )
+
+
+def test_deepseek_v4_reasoning_and_dsml_tool_calls(dsv4_dir):
+    """The V4 chat format and parsers through HTTP: thinking on by default, a tool-call block right
+    after the reasoning (no ``</think>``), streamed and whole alike, the tool result rendered back
+    as a ``<tool_result>`` user turn, ``reasoning_effort`` and thinking off."""
+    engine = ScriptedEngine(max_model_len=2048)
+    tok = Tokenizer(dsv4_dir)
+    ctx = make_context(
+        dsv4_dir,
+        engine,
+        chat_format=load_chat_format(dsv4_dir, "deepseek_v4", tok.config, tok.special_tokens_map),
+        eos_token_ids=frozenset({1}),
+        reasoning_parser="deepseek_v4",
+        tool_parser="deepseek_v4",
+    )
+    call = [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]
+    reply = tok.encode("Need the weather." + v4_encoding.render_tool_calls(call)) + [1]
+    engine.scripts += [reply, reply, tok.encode("Sunny.") + [1], tok.encode("Hi.") + [1], [1]]
+    with serving(create_app(ctx)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(model="stub", messages=user("Weather?"), tools=TOOLS)
+        m = r.choices[0].message
+        assert (m.reasoning_content, m.content, r.choices[0].finish_reason) == (
+            "Need the weather.",
+            None,
+            "tool_calls",
+        )
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls]
+        assert calls == [("get_weather", {"city": "Paris", "days": 3})]
+        prompt = tok.decode(engine.prompts[-1], skip_special_tokens=False)
+        assert prompt.startswith("<｜begin▁of▁sentence｜>\n\n## Tools\n")
+        assert prompt.endswith("<｜User｜>Weather?<｜Assistant｜><think>")
+        chunks = [c for c in client.chat.completions.create(
+            model="stub", messages=user("Weather?"), tools=TOOLS, stream=True
+        ) if c.choices]  # fmt: skip
+        deltas = [c.choices[0].delta for c in chunks]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Need the weather."
+        assert "".join(d.content or "" for d in deltas) == ""
+        streamed = [
+            (t.function.name, json.loads(t.function.arguments)) for d in deltas for t in d.tool_calls or ()
+        ]
+        assert streamed == calls and chunks[-1].choices[0].finish_reason == "tool_calls"
+        history = user("Weather?") + [
+            m.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "sunny"},
+        ]
+        r2 = client.chat.completions.create(model="stub", messages=history, tools=TOOLS)
+        assert (r2.choices[0].message.content, r2.choices[0].message.reasoning_content) == ("", "Sunny.")
+        prompt = tok.decode(engine.prompts[-1], skip_special_tokens=False)
+        assert prompt.endswith(
+            "<｜User｜>Weather?<｜Assistant｜><think>Need the weather.</think>\n\n<｜DSML｜tool_calls>\n"
+            '<｜DSML｜invoke name="get_weather">\n'
+            '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+            '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+            "</｜DSML｜tool_calls><｜end▁of▁sentence｜><｜User｜><tool_result>sunny</tool_result>"
+            "<｜Assistant｜><think>"
+        )
+        r3 = client.chat.completions.create(model="stub", messages=user("Hi"), reasoning_effort="max")
+        assert r3.choices[0].message.reasoning_content == "Hi."
+        prompt = tok.decode(engine.prompts[-1], skip_special_tokens=False)
+        assert (
+            prompt
+            == "<｜begin▁of▁sentence｜>"
+            + v4_encoding.REASONING_EFFORT_MAX
+            + "<｜User｜>Hi<｜Assistant｜><think>"
+        )
+        off = {"chat_template_kwargs": {"thinking": False}}
+        r4 = client.chat.completions.create(model="stub", messages=user("Hi"), extra_body=off)
+        assert r4.choices[0].message.reasoning_content is None and r4.choices[0].finish_reason == "stop"
+        assert tok.decode(engine.prompts[-1], skip_special_tokens=False).endswith("<｜Assistant｜></think>")
 
 
 def test_numbers_the_engine_reads_its_own_way_pass_through(stub):

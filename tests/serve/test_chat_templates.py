@@ -1,4 +1,5 @@
-"""Tiny-model tokenizers and chat formats: GLM-5 Jinja template, DeepSeek-V3.2 encoder and template.
+"""Tiny-model tokenizers and chat formats: GLM-5 Jinja template, DeepSeek-V3.2 encoder and template,
+DeepSeek-V4 template.
 
 Expected strings are the byte-exact examples of models.md §6.1 / §6.3, or written out by hand from
 the rules there. tests/reference/check_make_tiny_hf.py checks the same templates through HF's own
@@ -14,6 +15,7 @@ import jinja2.sandbox
 import pytest
 
 from checkpoints import tokenizer_assets as ta
+from serve.chat_format import DeepSeekV4ChatFormat
 from serve.deepseek_encoding import encode_messages, parse_completion
 
 MIXED = "Héllo wörld! 你好，世界。こんにちは 안녕 🙂🚀👍🏽 𝔘𝔫𝔦 def f(x):\n\treturn x ** 2  # Ångström ½ €"
@@ -319,3 +321,43 @@ def test_deepseek_template_matches_encoder(messages, mode):
 def test_deepseek_template_refuses_tools():
     with pytest.raises(jinja2.TemplateError, match="deepseek_encoding"):
         ta.render_chat_template(ta.DEEPSEEK_CHAT_TEMPLATE, TWO_TURNS, tools=TOOLS)
+
+
+# ---- DeepSeek-V4 template (tool-less conversations; the server uses serve.deepseek_v4_encoding) ----
+
+V4_CONVERSATIONS = CONVERSATIONS + [
+    [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U1"},
+        {"role": "user", "content": "U2"},
+    ],
+    [
+        {"role": "developer", "content": "D"},
+        {"role": "user", "content": "U"},
+        {"role": "assistant", "content": "A"},
+    ],
+]
+V4_KWARGS = [
+    {},
+    {"enable_thinking": False},
+    {"thinking": True},
+    {"thinking_mode": "chat"},
+    {"reasoning_effort": "max"},
+    {"reasoning_effort": "none"},
+    {"drop_thinking": False},
+]
+
+
+@pytest.mark.parametrize("kwargs", V4_KWARGS)
+@pytest.mark.parametrize("messages", V4_CONVERSATIONS)
+def test_deepseek_v4_template_matches_the_server_encoding(messages, kwargs):
+    out = ta.render_chat_template(
+        ta.DEEPSEEK_V4_CHAT_TEMPLATE, messages, add_generation_prompt=True, **kwargs
+    )
+    assert out == DeepSeekV4ChatFormat().render(messages, kwargs=kwargs).text
+
+
+def test_deepseek_v4_template_refuses_tools():
+    with pytest.raises(jinja2.TemplateError, match="deepseek_v4_encoding"):
+        ta.render_chat_template(ta.DEEPSEEK_V4_CHAT_TEMPLATE, TWO_TURNS, tools=TOOLS)
+    assert ta.family_tokens("deepseek_v4") == ta.family_tokens("deepseek_v32")

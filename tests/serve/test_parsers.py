@@ -6,10 +6,11 @@ import json
 
 import pytest
 
+from serve import deepseek_v4_encoding as v4_encoding
 from serve.deepseek_encoding import render_tool_calls
 from serve.output import ReplyDelta, ReplyParser
-from serve.reasoning import ReasoningSplitter
-from serve.tool_parsers import DeepSeekV32ToolParser, Glm47ToolParser
+from serve.reasoning import REASONING_PARSERS, ReasoningSplitter
+from serve.tool_parsers import TOOL_PARSERS, DeepSeekV4ToolParser, DeepSeekV32ToolParser, Glm47ToolParser
 
 WEATHER_TOOLS = [
     {
@@ -150,16 +151,78 @@ def test_deepseek_dsml_tool_calls_streamed_and_whole():
         {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}},
         {"name": "get_time", "arguments": {}},
     ]
-    text = "Let me look." + render_tool_calls(calls)
-    for chunks in splits(text)[:2] + splits(text)[2::7]:
-        d = run(ReplyParser(None, DeepSeekV32ToolParser()), chunks)
-        assert summary(d) == (
-            "",
-            "Let me look.",
-            [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})],
-        )
+    for text in (
+        "Let me look." + render_tool_calls(calls),
+        "Let me look." + render_tool_calls(calls).lstrip("\n"),
+    ):
+        for chunks in splits(text)[:2] + splits(text)[2::7]:
+            d = run(ReplyParser(None, DeepSeekV32ToolParser()), chunks)
+            assert summary(d) == (
+                "",
+                "Let me look.",
+                [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})],
+            )
 
 
 def test_deepseek_reasoning_and_content_without_tools():
     d = run(ReplyParser(ReasoningSplitter(True), DeepSeekV32ToolParser()), list("why</think>\n\nbecause"))
     assert summary(d) == ("why", "\n\nbecause", [])
+
+
+# ---- DeepSeek-V4 DSML (scripted text: a tiny random model never writes a DSML block) ---------
+
+V4_CALLS = [
+    {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}},
+    {"name": "get_time", "arguments": {}},
+]
+V4_EXPECTED = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]
+
+
+def v4_parser(thinking: bool) -> ReplyParser:
+    return ReplyParser(
+        REASONING_PARSERS["deepseek_v4"].splitter(thinking), DeepSeekV4ToolParser(WEATHER_TOOLS)
+    )
+
+
+V4_BLOCK = v4_encoding.render_tool_calls(V4_CALLS)
+V4_CASES = [
+    ("Need data.</think>Let me look." + V4_BLOCK + " trailing", ("Need data.", "Let me look.", V4_EXPECTED)),
+    # the block straight after the reasoning, with or without its blank line: reasoning ends there
+    ("Need data." + V4_BLOCK, ("Need data.", "", V4_EXPECTED)),
+    ("Need data." + V4_BLOCK.lstrip("\n"), ("Need data.", "", V4_EXPECTED)),
+    ("why</think>\n\nbecause", ("why", "\n\nbecause", [])),
+]
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    V4_CASES
+    + [
+        # cut off inside the first call: its text (blank line included) stays content
+        (
+            'a</think>b\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_time">',
+            ("a", 'b\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_time">', []),
+        ),
+        # V3.2's block name is not V4's: plain content
+        ("a</think>b" + render_tool_calls(V4_CALLS), ("a", "b" + render_tool_calls(V4_CALLS), [])),
+    ],
+)
+def test_deepseek_v4_reasoning_and_tool_calls_streamed_and_whole(text, expected):
+    for chunks in splits(text)[:2] + splits(text)[2::5]:
+        assert summary(run(v4_parser(True), chunks)) == expected, chunks
+
+
+@pytest.mark.parametrize("text, expected", V4_CASES)
+def test_deepseek_v4_parse_completion_agrees_with_the_incremental_parsers(text, expected):
+    parsed = v4_encoding.parse_completion(text, "thinking")
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls]
+    assert (parsed.reasoning_content, parsed.content, calls) == expected
+
+
+def test_deepseek_v4_chat_mode_and_markers():
+    text = "Sure." + v4_encoding.render_tool_calls(V4_CALLS[:1])
+    for chunks in splits(text)[:2]:
+        assert summary(run(v4_parser(False), chunks)) == ("", "Sure.", V4_EXPECTED[:1])
+    assert DeepSeekV4ToolParser.markers == ("｜DSML｜",)
+    assert "｜DSML｜" in REASONING_PARSERS["deepseek_v4"].markers
+    assert TOOL_PARSERS["deepseek_v4"] is DeepSeekV4ToolParser

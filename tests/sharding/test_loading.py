@@ -17,7 +17,7 @@ from flax import nnx
 
 from checkpoints.make_tiny import make_tiny
 from jaxdsa import plan, sharding
-from jaxdsa.loading import load_model
+from jaxdsa.loading import device_param_bytes, load_model
 from jaxdsa.models import family as families
 
 LAYOUTS = {
@@ -68,12 +68,8 @@ def test_every_parameter_sharded_as_declared(loaded):
 
 
 def device_bytes(model, mesh) -> dict:
-    """Bytes of the model's parameters on each device of ``mesh``."""
-    per_device = dict.fromkeys(mesh.devices.flat, 0)
-    for value in jax.tree.leaves(nnx.state(model, nnx.Param)):
-        for shard in value.addressable_shards:
-            per_device[shard.device] += shard.data.nbytes
-    return per_device
+    """Bytes of the model's parameters on each device of ``mesh`` (0 where it holds none)."""
+    return dict.fromkeys(mesh.devices.flat, 0) | device_param_bytes(model)
 
 
 def test_device_bytes_match_the_planner(loaded):

@@ -94,3 +94,25 @@ def test_planner_cli_on_a_real_sized_config(tmp_path, capsys):
     assert (
         plan.main(["--config", str(tmp_path), "--ep", "4", "--dp", "8", "--dp-attention"]) == 2
     )  # ep not a multiple of dp
+
+
+@pytest.mark.parametrize("name, params_b", [("v4-flash", 284), ("v4-pro", 1600)])
+def test_planner_on_released_v4_configs(name, params_b, tmp_path, capsys):
+    """V4-Flash / V4-Pro at their released sizes: bf16 weights over 8 GPUs are the published
+    parameter counts (284 B / 1.6 T, +- 5 %) at 2 bytes each; dp attention replicates attention."""
+    import json
+
+    from jaxdsa.models.deepseek_v4.presets import RELEASED
+
+    (tmp_path / "config.json").write_text(json.dumps(RELEASED[name]))
+
+    def run(*flags: str) -> dict[str, float]:
+        assert plan.main(["--config", str(tmp_path), "--hbm-gib", "141", *flags]) == 0
+        rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+        return {r[0]: float(r[-1].replace(",", "")) for r in rows if len(r) == 2}
+
+    tp8 = run("--tp", "8", "--ep", "8")
+    total = tp8["weights_gib_per_device"] * 8 * 2**30 / 2  # parameters, if nothing were replicated
+    assert abs(total / (params_b * 1e9) - 1) < 0.05, total
+    dp8 = run("--tp", "1", "--ep", "8", "--dp", "8", "--dp-attention")
+    assert dp8["devices"] == 8 and dp8["weights_gib_per_device"] > tp8["weights_gib_per_device"]

@@ -10,7 +10,9 @@ the per-head sink in the denominator, once:
 
 which is the single softmax over window + compressed keys + sink that HF computes. The output's
 rotary dims are rotated back at the query position, then the grouped low-rank projection
-(``wo_a`` per group of heads, ``wo_b`` over the concatenation) maps to the hidden size.
+(``wo_a`` per group of heads, ``wo_b`` over the concatenation) maps to the hidden size. On a mesh
+the heads (and with them the groups, ``wo_a``'s rows and ``wo_b``'s input) split over TP, the rest
+of the layer (the one K = V head, the compressors, the indexer's keys) is replicated.
 
 Cache (per layer, every row at the slot of the token it belongs to; :mod:`.family` lists it):
 ``window`` holds each token's K = V row; the compressor's ``*_state`` and ``*_entries`` pages
@@ -60,11 +62,11 @@ class Attention(nnx.Module):
         self.wq_b = Linear((q_lora,), (H, d), ("q_lora", "heads", "head_dim"), dtype=dtype, rngs=rngs)
         self.wkv = Linear((D,), (d,), ("embed", "head_dim"), dtype=dtype, rngs=rngs)
         self.kv_norm = RMSNorm(d, eps, axis="head_dim", dtype=dtype)
-        group_in = H * d // g
-        self.wo_a = normal(
-            rngs, (g, group_in, cfg.o_lora_rank), group_in, dtype, ("o_groups", "o_group_in", "o_lora")
-        )
-        self.wo_b = Linear((g * cfg.o_lora_rank,), (D,), ("o_lora", "embed"), dtype=dtype, rngs=rngs)
+        # wo_a per head: group k's [H/g * d, o_lora] matrix is its heads' [d, o_lora] blocks stacked, so
+        # splitting heads over TP splits the groups with them (g < tp: a group's sum spans shards).
+        self.wo_a = normal(rngs, (H, d, cfg.o_lora_rank), H * d // g, dtype, ("heads", "head_dim", "o_lora"))
+        self.wo_b = Linear((g * cfg.o_lora_rank,), (D,), ("o_rank", "embed"), dtype=dtype, rngs=rngs)
+        self.o_groups = g
         self.sink = zeros((H,), jnp.float32, ("heads",))
         self.compressor = (
             None
@@ -129,6 +131,7 @@ class Attention(nnx.Module):
     def output(self, o: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """Undo the value rows' RoPE at the query position, then the grouped low-rank projection."""
         o = rotate_tail(o, cos, sin, inverse=True)
-        wo_a = self.wo_a[...]
-        z = jnp.einsum("tgi,gir->tgr", o.reshape(o.shape[0], wo_a.shape[0], -1), wo_a)
-        return self.wo_b(z.reshape(o.shape[0], -1))
+        (T, H, d), g = o.shape, self.o_groups
+        wo_a = self.wo_a[...].reshape(g, H // g, d, -1)
+        z = jnp.einsum("tgjd,gjdr->tgr", o.reshape(T, g, H // g, d), wo_a)
+        return self.wo_b(z.reshape(T, -1))

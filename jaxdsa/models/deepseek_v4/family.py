@@ -38,7 +38,7 @@ from jaxdsa.cache import Cache, CacheEntry, CacheSpec, StepMeta
 from jaxdsa.models.deepseek_v4 import params
 from jaxdsa.models.deepseek_v4.config import CSA, HCA, MODEL_TYPE, V4Config, v4_config_from_dict
 from jaxdsa.models.deepseek_v4.model import V4Model
-from jaxdsa.models.family import ModelFamily
+from jaxdsa.models.family import ModelFamily, collective_bytes
 from jaxdsa.sharding import Parallelism
 
 # V4 has one step variant: every step runs the window, the compressors and the indexer.
@@ -59,6 +59,24 @@ def _cache_spec(cfg: V4Config, kinds: list[str]) -> CacheSpec:
             "hca_entries": CacheEntry(hca, d),
         }
     )
+
+
+def _check_splits(cfg: V4Config, par: Parallelism) -> None:
+    """V4's split dims must divide evenly (its heads are not padded: released sizes never need it)."""
+    splits = {
+        "num_attention_heads": (cfg.num_attention_heads, "heads"),
+        "index_n_heads": (cfg.index_n_heads, "index_heads"),
+        "o_groups * o_lora_rank": (cfg.o_groups * cfg.o_lora_rank, "o_rank"),
+        "moe_intermediate_size": (cfg.moe_intermediate_size, "mlp"),
+        "n_routed_experts": (cfg.n_routed_experts, "experts"),
+        "vocab_size": (cfg.vocab_size, "vocab"),
+    }
+    for field, (size, axis) in splits.items():
+        if size % par.shards(axis):
+            raise ValueError(
+                f"DeepSeek-V4: {field} = {size} does not split evenly into {par.shards(axis)} shards "
+                f"(tp={par.tp}, ep={par.ep}, dp={par.dp}{', dp attention' if par.dp_attention else ''})"
+            )
 
 
 class V4Family(ModelFamily):
@@ -83,10 +101,8 @@ class V4Family(ModelFamily):
         mtp: int,
         scan_layers: bool = True,
     ) -> V4Model:
-        if parallelism is not None and parallelism.num_devices > 1:
-            raise NotImplementedError(
-                "DeepSeek-V4 runs on one device for now (its meshes are issue 14's next step)"
-            )
+        if parallelism is not None:
+            _check_splits(cfg, parallelism)
         return V4Model(cfg, dtype=dtype, rngs=rngs, mtp=mtp, scan_layers=scan_layers)
 
     def mtp_layers(self, cfg: V4Config, has_tensor: Callable[[str], bool]) -> int:
@@ -120,9 +136,10 @@ class V4Family(ModelFamily):
         return columns
 
     def decode_traffic(self, cfg: V4Config, par: Parallelism, batch: int, context: int) -> dict[str, float]:
-        """Per device, one decode step of ``batch`` sequences at ``context`` tokens (one device, so no
-        collectives): the window rows, the compressed entries each layer attends (CSA: top-k, HCA:
-        all), the index keys the indexer scores and the state rows of the windows being pooled."""
+        """Per device, one decode step of ``batch`` sequences per dp group at ``context`` tokens: the
+        window rows, the compressed entries each layer attends (CSA: top-k, HCA: all), the index keys
+        the indexer scores and the state rows of the windows being pooled (the cache is whole on every
+        TP device: one K = V head); collectives as :func:`~jaxdsa.models.family.collective_bytes`."""
         item = 2  # bf16 rows; the state is float32
         d, di, rows = cfg.head_dim, cfg.index_head_dim, 0.0
         for kind, m in zip(cfg.layer_types, cfg.compress_ratios):
@@ -134,7 +151,15 @@ class V4Family(ModelFamily):
                 rows += context // m * d * item + m * 2 * d * 4
         return {
             "cache_bytes_read": float(batch * rows),
-            "collective_bytes": 0.0,
+            "collective_bytes": collective_bytes(
+                par,
+                batch=batch,
+                hidden=cfg.hidden_size,
+                layers=cfg.num_hidden_layers,
+                moe_layers=cfg.num_hidden_layers,
+                indexer_rows=cfg.layer_types.count(CSA) * context,
+                experts_per_token=cfg.num_experts_per_tok,
+            ),
             "experts_per_token": cfg.num_experts_per_tok,
             "num_experts": cfg.n_routed_experts,
         }

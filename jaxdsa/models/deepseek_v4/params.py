@@ -45,9 +45,16 @@ from jaxdsa.models.layer_groups import group_specs
 Path = tuple
 
 
-def _grouped(groups: int):
-    """wo_a [g * o_lora, in_per_group] -> [g, in_per_group, o_lora] (group g's rows are contiguous)."""
-    return lambda w: w.reshape(groups, -1, w.shape[1]).transpose(0, 2, 1)
+def _per_head(groups: int, heads: int):
+    """wo_a [g * o_lora, H/g * d] -> [H, d, o_lora]: group k's rows are contiguous, its input is its
+    heads' outputs concatenated, so head h's block is group h // (H/g)'s columns of that head. Not a
+    view of the file (the regrouping copies one layer's wo_a once per device that reads it)."""
+
+    def view(w):
+        r = w.shape[0] // groups
+        return w.reshape(groups, r, w.shape[1]).transpose(0, 2, 1).reshape(heads, -1, r)
+
+    return view
 
 
 def _nest(prefix: Path, tree: dict[Path, Leaf]) -> dict[Path, Leaf]:
@@ -83,7 +90,7 @@ def _attention(cfg: V4Config, a: str, layer: int) -> dict[Path, Leaf]:
         ("wq_b", "weight"): Linear(a + "wq_b", H * d, q_lora, transpose_split(H, d)),
         ("wkv", "weight"): Linear(a + "wkv", d, D),
         ("kv_norm", "weight"): Tensor(a + "kv_norm.weight", (d,)),
-        ("wo_a",): Linear(a + "wo_a", g * cfg.o_lora_rank, H * d // g, _grouped(g)),
+        ("wo_a",): Linear(a + "wo_a", g * cfg.o_lora_rank, H * d // g, _per_head(g, H)),
         ("wo_b", "weight"): Linear(a + "wo_b", D, g * cfg.o_lora_rank),
         ("sink",): Tensor(a + "attn_sink", (H,), init="bias"),
     }

@@ -13,7 +13,7 @@ from jaxdsa.cache import Cache, CacheEntry, CacheSpec, StepMeta
 from jaxdsa.models.dsa import params
 from jaxdsa.models.dsa.config import MODEL_TYPES, DsaConfig, parse_config
 from jaxdsa.models.dsa.model import DsaModel
-from jaxdsa.models.family import ModelFamily
+from jaxdsa.models.family import ModelFamily, collective_bytes
 from jaxdsa.sharding import Parallelism
 
 
@@ -100,22 +100,15 @@ class DsaFamily(ModelFamily):
         read = batch * cfg.num_hidden_layers * kv_rows * cfg.latent_dim * 2
         if context > cfg.index_topk:
             read += batch * len(cfg.indexer_layers) * context * cfg.index_head_dim * 2
-        sizes = par.axis_sizes
-        ring = 2 * (par.tp - 1) / par.tp if par.tp > 1 else 0.0  # all-reduce bytes per byte reduced
-        D = cfg.hidden_size
-        per_layer = 2 * batch * D * 2  # attention output + MLP/MoE output all-reduces, bf16
-        collective = ring * (cfg.num_hidden_layers * per_layer + batch * D * 4)  # + the embedding psum (f32)
-        collective += ring * len(cfg.indexer_layers) * batch * context * 4  # indexer head-sum psum (f32)
-        moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
-        moe_tokens = batch * sizes["edp"]
-        ep_shards = sizes["rep"] * sizes["tpe"]  # expert shards inside a group
-        if ep_shards > 1:
-            collective += (
-                2 * (ep_shards - 1) / ep_shards * moe_layers * moe_tokens * D * 4
-            )  # expert psum (f32)
-        if sizes["edp"] > 1:  # all-gather the groups' tokens (bf16 + ids/weights), reduce-scatter f32 outputs
-            k = cfg.num_experts_per_tok
-            collective += (sizes["edp"] - 1) * moe_layers * batch * (D * 2 + k * 8 + D * 4)
+        collective = collective_bytes(
+            par,
+            batch=batch,
+            hidden=cfg.hidden_size,
+            layers=cfg.num_hidden_layers,
+            moe_layers=cfg.num_hidden_layers - cfg.first_k_dense_replace,
+            indexer_rows=len(cfg.indexer_layers) * context,
+            experts_per_token=cfg.num_experts_per_tok,
+        )
         return {
             "cache_bytes_read": float(read),
             "collective_bytes": collective,
