@@ -1,8 +1,9 @@
-"""Weights kept quantized on meshes of CPU devices: the quantized golden fixtures reproduce their
-Hugging Face goldens with every device holding only its slice of codes, scales and zero points
-(tensor-parallel linears split along N or K, expert-parallel and expert-TP stacks); a split that
-would cut a 4-bit packed chunk is refused naming the weight; the planner's per-device bytes for
-``--weights int4 / fp8`` match what the loader allocates."""
+"""Weights kept quantized on meshes of CPU devices: the quantized golden fixtures (GLM-5,
+DeepSeek-V3.2, DeepSeek-V4) reproduce their Hugging Face goldens with every device holding only its
+slice of codes, scales and zero points (tensor-parallel linears split along N or K, expert-parallel
+and expert-TP stacks, heads padded for tp); a split that would cut a 4-bit packed chunk is refused
+naming the weight; the planner's per-device bytes for ``--weights int4 / fp8`` match what the
+loader allocates, padded heads (zero) included."""
 
 from __future__ import annotations
 
@@ -27,8 +28,15 @@ from tests.sharding.test_loading import device_bytes
 # tpi 2 inside ep 4 -> 4 devices); INT4 group 128 narrowed to 64 for the row-split dense down_proj
 # (tp=2); INT4 group 32 with one expert per device (tp=1, ep=8: 8 devices); FP8 128x128 blocks with
 # the 4 heads padded to 8 (tp=8: zero heads appended to q_b, kv_b's parts and o_proj, one head's
-# 24 / 16-wide slices per shard, groups narrowed to 8 / 16).
-LAYOUTS = [("glm5_fp8", 2, 4), ("dsv32_int4", 2, 1), ("glm5_int4", 1, 8), ("dsv32_fp8", 8, 8)]
+# 24 / 16-wide slices per shard, groups narrowed to 8 / 16); DeepSeek-V4 FP8 linears (ue8m0 32x32
+# blocks) with FP4 routed experts, two per device (tp=2, ep=4: attention replicated twice).
+LAYOUTS = [
+    ("glm5_fp8", 2, 4),
+    ("dsv32_int4", 2, 1),
+    ("glm5_int4", 1, 8),
+    ("dsv32_fp8", 8, 8),
+    ("dsv4_fp8", 2, 4),
+]
 
 
 def quantized(model) -> dict[tuple, QuantizedWeight]:
