@@ -81,6 +81,11 @@ def weight_format(quant: QuantConfig, scale_dtype=None) -> WeightFormat:
     )
 
 
+def fp4_format(scale_dtype=None) -> WeightFormat:
+    """DeepSeek-V4 FP4 routed experts (§4.6): one scale (ue8m0 in the releases) per 32 inputs."""
+    return WeightFormat("fp4", (32, 1), np.dtype(scale_dtype or E8M0))
+
+
 def _bytes(a: np.ndarray) -> np.ndarray:
     """The raw bytes of a one-byte array (float8 dtypes viewed as uint8, ints taken mod 256)."""
     a = np.asarray(a)

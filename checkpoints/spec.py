@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
 
@@ -33,17 +34,14 @@ def transpose_merge(*dims: int) -> View:
     return lambda w: w.T.reshape((*dims, w.shape[0]))
 
 
-def head_rows(heads: int, per_head: int, start: int, stop: int) -> View:
-    """[heads*per_head, in] -> rows [start, stop) of every head: [heads, stop-start, in] (kv_b split)."""
-    return lambda w: w.reshape(heads, per_head, w.shape[1])[:, start:stop]
-
-
 @dataclasses.dataclass(frozen=True)
 class Linear:
     """An HF linear weight ``{name}.weight`` [out, in]: plain, FP8-block or INT4-packed in the file.
 
     ``pad``: the model may hold more (zero) entries than the file along some dims (attention heads
-    padded to a multiple of the tensor-parallel shards).
+    padded to a multiple of the tensor-parallel shards). ``rows = (period, start, stop)``: the
+    parameter holds only rows ``[start, stop)`` of every ``period`` rows (one part of each head,
+    :func:`head_part`); ``view`` still takes the whole ``[out, in]`` tensor.
     """
 
     name: str
@@ -51,6 +49,26 @@ class Linear:
     inp: int
     view: View = transpose
     pad: bool = False
+    rows: tuple[int, int, int] | None = None
+
+    @property
+    def kept_out(self) -> int:
+        """How many of the file's ``out`` rows the parameter holds."""
+        if self.rows is None:
+            return self.out
+        period, start, stop = self.rows
+        return self.out // period * (stop - start)
+
+
+def head_part(name: str, heads: int, per_head: int, start: int, stop: int, inp: int) -> Linear:
+    """Rows ``[start, stop)`` of every head of the linear ``name`` ``[heads * per_head, inp]`` as a
+    ``[inp, heads, stop - start]`` parameter (``kv_b``'s W_UK and W_UV parts): a view when dense,
+    the same columns of the repacked matrix when kept quantized."""
+
+    def view(w: np.ndarray) -> np.ndarray:
+        return w.reshape(heads, per_head, inp)[:, start:stop].transpose(2, 0, 1)
+
+    return Linear(name, heads * per_head, inp, view, pad=True, rows=(per_head, start, stop))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,14 +88,10 @@ V4_EXPERT_NAMES = ("w1", "w3", "w2")
 
 
 @dataclasses.dataclass(frozen=True)
-class ExpertGateUp:
-    """Routed experts' gate and up projections ``{prefix}.{e}.{gate,up}_proj.weight`` [N, D], packed
-    ``[E, D, 2N]``. A device holding columns ``[c0, c1)`` of the packed axis split in ``s`` equal
-    pieces holds ``[gate_j | up_j]`` for piece ``j``: expert tensor parallelism keeps each shard's
-    gate and up columns side by side, the layout the kernel expects locally.
-
-    ``names``: the per-expert module names (gate, up, down). ``fp4``: the checkpoint may store them
-    as DeepSeek-V4 FP4 (packed e2m1 bytes plus ue8m0 scales per 32 inputs, models.md §4.6)."""
+class _Experts:
+    """Routed experts stored per expert as ``{prefix}.{e}.{module}.weight``. ``names``: the
+    per-expert module names (gate, up, down). ``fp4``: the checkpoint may store them as DeepSeek-V4
+    FP4 (packed e2m1 bytes plus ue8m0 scales per 32 inputs, models.md §4.6)."""
 
     prefix: str
     num: int
@@ -85,19 +99,28 @@ class ExpertGateUp:
     hidden: int
     names: tuple[str, str, str] = HF_EXPERT_NAMES
     fp4: bool = False
+    projections: ClassVar[tuple[str, ...]] = ()  # what the parameter holds, of gate / up / down
+
+    def module(self, proj: str, e: int) -> str:
+        """The module name of expert ``e``'s ``proj`` (gate / up / down) projection."""
+        return f"{self.prefix}.{e}.{self.names[('gate', 'up', 'down').index(proj)]}"
 
 
 @dataclasses.dataclass(frozen=True)
-class ExpertDown:
-    """Routed experts' down projections ``{prefix}.{e}.down_proj.weight`` [D, N] as ``[E, N, D]``
-    (``names``, ``fp4`` as in :class:`ExpertGateUp`)."""
+class ExpertGateUp(_Experts):
+    """Routed experts' gate and up projections ``{prefix}.{e}.{gate,up}_proj.weight`` [N, D], packed
+    ``[E, D, 2N]``. A device holding columns ``[c0, c1)`` of the packed axis split in ``s`` equal
+    pieces holds ``[gate_j | up_j]`` for piece ``j``: expert tensor parallelism keeps each shard's
+    gate and up columns side by side, the layout the kernel expects locally."""
 
-    prefix: str
-    num: int
-    inter: int
-    hidden: int
-    names: tuple[str, str, str] = HF_EXPERT_NAMES
-    fp4: bool = False
+    projections: ClassVar[tuple[str, ...]] = ("gate", "up")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertDown(_Experts):
+    """Routed experts' down projections ``{prefix}.{e}.down_proj.weight`` [D, N] as ``[E, N, D]``."""
+
+    projections: ClassVar[tuple[str, ...]] = ("down",)
 
 
 @dataclasses.dataclass(frozen=True)

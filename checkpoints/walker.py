@@ -43,7 +43,9 @@ from checkpoints.quant import (
     dequantize_fp4,
     dequantize_fp8_block,
     dequantize_int4_packed,
+    fp4_format,
     int4_values,
+    unpack_fp4,
     weight_format,
 )
 from checkpoints.safetensors_io import CheckpointReader
@@ -154,17 +156,21 @@ class _Source:
             raise self.missing(scale, f"missing: needed to dequantize {weight}")
         return self.reader.get(scale)
 
-    def _fp4(self, name: str, out: int, inp: int) -> np.ndarray:
+    def _fp4_bytes(self, name: str, out: int, inp: int) -> np.ndarray:
+        """The packed FP4 bytes ``[out, ceil(in / 2)]`` of ``name``, their shape checked."""
         weight = name + ".weight"
         w = self.reader.get(weight)
         if w.shape != (out, -(-inp // 2)):
             raise self.fail(
                 weight, f"shape {list(w.shape)} != expected {[out, -(-inp // 2)]} (FP4, 2 per byte)"
             )
+        return w
+
+    def _fp4(self, name: str, out: int, inp: int) -> np.ndarray:
         try:
-            return dequantize_fp4(w, self._scale_of(weight))[:, :inp]
+            return dequantize_fp4(self._fp4_bytes(name, out, inp), self._scale_of(name + ".weight"))[:, :inp]
         except ValueError as e:
-            raise self.fail(weight + "_scale_inv", str(e)) from None
+            raise self.fail(name + ".weight_scale_inv", str(e)) from None
 
     def _int4(self, name: str, out: int, inp: int) -> np.ndarray:
         packed = name + ".weight_packed"
@@ -192,17 +198,27 @@ class _Source:
         except ValueError as e:
             raise self.fail(packed, str(e)) from None
 
-    def packed(self, name: str, out: int, inp: int, like: QuantizedWeight) -> QuantizedWeight:
+    def packed(
+        self,
+        name: str,
+        out: int,
+        inp: int,
+        like: QuantizedWeight,
+        rows: tuple[int, int, int] | None = None,
+        size: tuple[int, int] | None = None,
+    ) -> QuantizedWeight:
         """The HF linear ``name`` [out, in] as a NumPy QuantizedWeight ``[in, out]`` in the format,
-        groups and chunk size of ``like`` (the target): repacked, never dequantized. The last few
-        are kept, as :meth:`linear` keeps its dequantized tensors."""
-        key = (name, like.format, like.group, like.kpack)
+        groups and chunk size of ``like`` (the target): repacked, never dequantized; only the
+        ``rows`` of :attr:`Linear.rows <checkpoints.spec.Linear.rows>` if given, then zero-padded
+        to ``size`` ``[K, N]`` if larger (heads padded for tensor parallelism). The last few are
+        kept, as :meth:`linear` keeps its dequantized tensors."""
+        key = (name, like.format, like.group, like.kpack, rows, size)
         if key in self._dequantized:
             self._dequantized.move_to_end(key)
             return self._dequantized[key]
         if self.quant is not None and self.quant.method == "compressed-tensors":
             self._check_quantized_as_configured(name)
-        found = stored_format(self.reader, self.quant, name)
+        found = stored_format(self.reader, self.quant, name, fp4=like.format == "fp4")
         if found is None or found.format != like.format:
             stored = "plain" if found is None else found.format
             raise self.fail(name + ".weight", f"stored {stored}, but the model keeps it {like.format}")
@@ -217,9 +233,24 @@ class _Source:
                 w = layout.pack_fp8(q, self.reader.get(scale), block=self.quant.weight_block_size)
             except ValueError as e:
                 raise self.fail(scale, str(e)) from None
+        elif like.format == "fp4":
+            try:
+                w = layout.pack_fp4(
+                    unpack_fp4(self._fp4_bytes(name, out, inp))[:, :inp],
+                    self._scale_of(name + ".weight"),
+                    kpack=like.kpack,
+                )
+            except ValueError as e:
+                raise self.fail(name + ".weight_scale_inv", str(e)) from None
         else:
             w = self._int4_packed(name, out, inp, like.kpack)
         w = layout.reblock_k(layout.reblock_n(w, like.group[1]), like.group[0])
+        if rows is not None:
+            period, start, stop = rows
+            heads = range(0, out, period)
+            w = layout.concat_n(*(_columns(w, h + start, h + stop) for h in heads))
+        if size is not None:
+            w = layout.pad_k(layout.pad_n(w, size[1]), size[0])
         self._dequantized[key] = w
         if len(self._dequantized) > 4:
             self._dequantized.popitem(last=False)
@@ -244,16 +275,15 @@ class _Source:
 
     def expert(self, spec: ExpertGateUp | ExpertDown, proj: str, e: int) -> np.ndarray:
         """One expert's HF [out, in] matrix (``proj`` gate / up / down)."""
-        module = spec.names[("gate", "up", "down").index(proj)]
         fused = spec.prefix + (".down_proj" if proj == "down" else ".gate_up_proj")
-        if f"{spec.prefix}.0.{module}.weight" not in self.reader and fused in self.reader:
+        if spec.module(proj, 0) + ".weight" not in self.reader and fused in self.reader:
             # transformers 5.x in-memory layout: gate_up [E, 2N, D] (gate rows first), down [E, D, N].
             if proj == "down":
                 return self.plain(fused, (spec.num, spec.hidden, spec.inter))[e]
             rows = self.plain(fused, (spec.num, 2 * spec.inter, spec.hidden))[e]
             return rows[: spec.inter] if proj == "gate" else rows[spec.inter :]
         out, inp = (spec.hidden, spec.inter) if proj == "down" else (spec.inter, spec.hidden)
-        return self.linear(f"{spec.prefix}.{e}.{module}", out, inp, fp4=spec.fp4)
+        return self.linear(spec.module(proj, e), out, inp, fp4=spec.fp4)
 
 
 def _slice_padded(value: np.ndarray, index: tuple[slice, ...], shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -304,18 +334,22 @@ def _leaf_slice(source: _Source, leaf: Leaf, index: tuple[slice, ...], shape: tu
 
 
 def stored_format(
-    reader: CheckpointReader, quant: QuantConfig | None, leaf: Leaf | str
+    reader: CheckpointReader, quant: QuantConfig | None, leaf: Leaf | str, *, fp4: bool = False
 ) -> WeightFormat | None:
-    """The format a linear (or routed experts: their expert 0) is stored in, None if plain. Read
-    from the tensors' names and dtypes, the config supplying group and block sizes."""
+    """The format a linear (or routed experts: their expert 0) is stored in, None if plain or if
+    ``quant`` is None (every weight dense). Read from the tensors' names and dtypes, the config
+    supplying group and block sizes. Packed bytes are DeepSeek-V4 FP4 where ``fp4`` (or the expert
+    leaf's own flag) allows them."""
     if isinstance(leaf, ExpertGateUp | ExpertDown):
-        leaf = f"{leaf.prefix}.0.{'down' if isinstance(leaf, ExpertDown) else 'gate'}_proj"
+        fp4, leaf = leaf.fp4, leaf.module(leaf.projections[0], 0)
     name = leaf.name if isinstance(leaf, Linear) else leaf
     if not isinstance(name, str) or quant is None:
         return None
+    weight, scale = name + ".weight", name + ".weight_scale_inv"
+    if fp4 and weight in reader and reader.dtype(weight) in _PACKED_FP4:
+        return fp4_format(reader.dtype(scale) if scale in reader else None)
     if name + ".weight_packed" in reader and quant.method == "compressed-tensors":
         return weight_format(quant, reader.dtype(name + ".weight_scale"))
-    weight, scale = name + ".weight", name + ".weight_scale_inv"
     if weight in reader and reader.dtype(weight) == E4M3 and quant.method == "fp8":
         return weight_format(quant, reader.dtype(scale) if scale in reader else None)
     return None
@@ -331,13 +365,10 @@ def _columns(w: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
 def _packed_matrix(source: _Source, leaf: Leaf, e: int, like: QuantizedWeight, pieces: int):
     """One matrix of a quantized parameter (expert ``e`` of a stack) in the model's layout."""
     if isinstance(leaf, Linear):
-        return source.packed(leaf.name, leaf.out, leaf.inp, like)
+        return source.packed(leaf.name, leaf.out, leaf.inp, like, leaf.rows, like.shape)
     if isinstance(leaf, ExpertDown):
-        return source.packed(f"{leaf.prefix}.{e}.down_proj", leaf.hidden, leaf.inter, like)
-    gate, up = (
-        source.packed(f"{leaf.prefix}.{e}.{proj}_proj", leaf.inter, leaf.hidden, like)
-        for proj in ("gate", "up")
-    )
+        return source.packed(leaf.module("down", e), leaf.hidden, leaf.inter, like)
+    gate, up = (source.packed(leaf.module(proj, e), leaf.inter, leaf.hidden, like) for proj in ("gate", "up"))
     width = leaf.inter // pieces  # [gate_j | up_j] per expert-TP piece, as ExpertGateUp says
     parts = [_columns(w, j * width, (j + 1) * width) for j in range(pieces) for w in (gate, up)]
     return layout.concat_n(*parts)
@@ -348,13 +379,6 @@ def _quantized_from_files(source: _Source, leaf: Leaf, target: QuantizedWeight) 
     tensor (one expert at a time for stacks; cached, since every device asks in turn) and hands
     over its slice. Codes, scales and zero points share one sharding, so the slices match."""
     codes = target.codes
-    if isinstance(leaf, Linear) and target.shape != (leaf.inp, leaf.out):
-        raise source.fail(
-            leaf.name + ".weight",
-            f"is [{leaf.out}, {leaf.inp}], the model needs {list(target.shape[::-1])} (heads padded for "
-            "tensor parallelism): a quantized weight cannot be padded; choose a tp dividing the heads "
-            "or quantization='dequantize'",
-        )
     pieces = codes.shape[-1] // codes.sharding.shard_shape(codes.shape)[-1]
     experts = not isinstance(leaf, Linear)
 
@@ -525,18 +549,29 @@ def _init(
     return jax.jit(draw, out_shardings=sharding)
 
 
-# The standard deviation of a uniform 4-bit code minus 8 (values -8 .. 7): sqrt((16^2 - 1) / 12).
-_INT4_STD = (255 / 12) ** 0.5
+# The standard deviation of a uniform 4-bit code's value: INT4 minus 8 (-8 .. 7), sqrt((16^2 - 1) / 12);
+# e2m1 (0, +-0.5, +-1, +-1.5, +-2, +-3, +-4, +-6), the root of their mean square.
+_CODE_STD = {"int4": (255 / 12) ** 0.5, "fp4": (68.5 / 8) ** 0.5}
 
 
 @functools.cache
-def _quantized_init(struct: tuple, fmt: tuple, sharding, std: float) -> Callable[[jax.Array], Any]:
+def _quantized_init(
+    struct: tuple, fmt: tuple, sharding, std: float, real: tuple[int, int] | None
+) -> Callable[[jax.Array], Any]:
     """One compiled init per distinct quantized parameter (``struct``: the leaves' shapes and
     dtypes; ``fmt``: format, group, chunk size): codes drawn directly in their format, one scale
     value so that the weights have standard deviation ``std``. FP8: N(0, 1) codes rounded to e4m3,
-    scale ``std``; INT4: uniform codes (zero point 0, stored 8), scale ``std / 4.6``."""
+    scale ``std``; INT4 and FP4: uniform codes (INT4 zero point 0, stored 8), scale ``std`` over
+    the codes' own (4.6 and 2.9; ue8m0 scales round it to a power of two). Weights outside the
+    ``real`` ``[K, N]`` (padded heads) are 0, as when loading: FP8 codes +0, 4-bit scales 0 (their
+    padding is whole groups)."""
     (codes_shape, codes_dtype), (scales_shape, scales_dtype), zeros = struct
     format_, group, kpack = fmt
+
+    def inside(shape: tuple[int, ...], unit: tuple[int, int]) -> jax.Array:
+        """Which entries of a ``[..., K', N']`` leaf (each ``unit`` weights) start inside ``real``."""
+        rows, cols = (jnp.arange(d) * u < r for d, u, r in zip(shape[-2:], unit, real))
+        return rows[:, None] & cols[None, :]
 
     def draw(key):
         if format_ == "fp8":
@@ -544,8 +579,12 @@ def _quantized_init(struct: tuple, fmt: tuple, sharding, std: float) -> Callable
             scale = std
         else:
             codes = jax.random.bits(key, codes_shape, jnp.uint8)  # two uniform 4-bit codes per byte
-            scale = std / _INT4_STD
+            scale = std / _CODE_STD[format_]
         scales = jnp.full(scales_shape, scale, jnp.float32).astype(scales_dtype)
+        if real is not None and format_ == "fp8":
+            codes = jnp.where(inside(codes_shape, (1, 1)), codes, jnp.zeros_like(codes))
+        elif real is not None:
+            scales = jnp.where(inside(scales_shape, group), scales, jnp.zeros_like(scales))
         zero_points = None if zeros is None else jnp.full(zeros[0], 8, zeros[1])
         return QuantizedWeight(codes, scales, zero_points, format_, group, kpack)
 
@@ -560,7 +599,10 @@ def _random_quantized(leaf: Leaf, target: QuantizedWeight, key: jax.Array) -> Qu
     struct = tuple(shape_of(getattr(target, name)) for name in ("codes", "scales", "zeros"))
     fmt = (target.format, target.group, target.kpack)
     _, std = _distribution(leaf)
-    return _quantized_init(struct, fmt, target.codes.sharding, std)(key)
+    real = None
+    if isinstance(leaf, Linear) and target.shape[-2:] != (leaf.inp, leaf.kept_out):
+        real = (leaf.inp, leaf.kept_out)
+    return _quantized_init(struct, fmt, target.codes.sharding, std, real)(key)
 
 
 def random(specs: Mapping[Path, Spec], targets: Mapping[Path, Any], *, seed: int = 0) -> dict[Path, Any]:

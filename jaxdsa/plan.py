@@ -10,8 +10,8 @@ quantized (:mod:`jaxdsa.quantization`: the model is built as ``load_format="dumm
 ``quantization`` builds it, codes, scales and zero points counted at their widths): ``bf16`` as
 ``quantization="dequantize"`` loads any checkpoint; ``fp8`` 128x128 blocks with float32 scales;
 ``int4`` the config's compressed-tensors scheme, else asymmetric group 32 (bf16 scales, one byte
-per zero point). Embeddings, norms, routers, the indexer's weights_proj, the LM head and ``kv_b``
-(the absorbed-MLA factors) stay bf16 / fp32.
+per zero point). Embeddings, norms, routers, the indexer's weights_proj and the LM head stay
+bf16 / fp32.
 """
 
 from __future__ import annotations

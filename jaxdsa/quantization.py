@@ -15,11 +15,11 @@ default, and vLLM has no ``"dequantize"``.
 
 What can stay quantized is decided by the modules: a :class:`~jaxdsa.layers.linear.Linear` that is
 ``quantizable`` (no float32 compute or wider output: not the router, the indexer's
-``weights_proj`` or the LM head) and :class:`~jaxdsa.layers.mlp.Experts`. Parameters used outside
-a linear layer (``kv_b``, split into the absorbed-MLA factors ``w_uk`` / ``w_uv`` and multiplied per
-head) are dequantized at load, as vLLM does for MLA. A scanned stack whose layers are stored in
-different formats (an ``ignore`` entry naming one layer) is dequantized too: one stacked parameter
-has one format.
+``weights_proj`` or the LM head) and :class:`~jaxdsa.layers.mlp.Experts`. ``kv_b`` is two such
+linears, ``w_uk`` and ``w_uv``, each holding its part of every head's rows (columns of the repacked
+matrix, scale groups narrowed to whole parts); the absorbed MLA form dequantizes them in the step
+(vLLM dequantizes them at load). A scanned stack whose layers are stored in different formats (an
+``ignore`` entry naming one layer) is dequantized: one stacked parameter has one format.
 
 :func:`quantize` replaces each chosen parameter of the abstract model by a
 :class:`~pallas_kernels.quant_matmul.layout.QuantizedWeight` of ShapeDtypeStructs: a linear's
@@ -28,7 +28,8 @@ expert stack keeps its ``[E, K, N]`` shape and axes, and every leaf (codes, scal
 carries the same logical axes, so one sharding splits them at the same places. Scale groups are
 narrowed (exactly: each scale repeated) until every shard and every expert-TP ``[gate_j | up_j]``
 piece holds whole groups; a split that would cut a 4-bit packed chunk is an error naming the
-parameter.
+parameter. Heads padded for tensor parallelism are zero weights appended to the matrix (a 4-bit K
+only by whole 64-row chunks: else an error naming the tensor).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from checkpoints.quant import QuantConfig, WeightFormat, weight_format
+from checkpoints.quant import QuantConfig, WeightFormat, fp4_format, weight_format
 from checkpoints.spec import ExpertDown, ExpertGateUp, Leaf, Linear, Spec, Stacked
 from jaxdsa.layers.linear import Linear as LinearLayer
 from jaxdsa.layers.mlp import Experts
@@ -110,7 +111,7 @@ def formats(
     model: nnx.Module, specs: Mapping[Path, Spec], stored: Callable[[Leaf], WeightFormat | None]
 ) -> dict[Path, WeightFormat]:
     """The format of every slot that stays quantized: ``stored(leaf)`` of its source (every layer
-    of a stack must agree), and the source must be a linear of the slot's size (not padded)."""
+    of a stack must agree), a linear's as :func:`_linear_format` fits it to the slot."""
     out = {}
     for path, slot in slots(model).items():
         spec = specs[path]
@@ -118,26 +119,46 @@ def formats(
         found = {stored(leaf) for leaf in leaves}
         if len(found) != 1 or None in found:
             continue
-        leaf = leaves[0]
-        if isinstance(leaf, Linear) and slot.shape[-2:] != (leaf.inp, leaf.out):
-            raise ValueError(
-                f"{leaf.name}: a quantized [{leaf.out}, {leaf.inp}] weight cannot be padded to "
-                f"{list(slot.shape[-2:][::-1])} (heads padded for tensor parallelism); choose a tp that "
-                "divides the heads, or quantization='dequantize'"
-            )
-        out[path] = found.pop()
+        leaf, fmt = leaves[0], found.pop()
+        out[path] = _linear_format(leaf, fmt, slot) if isinstance(leaf, Linear) else fmt
     return out
+
+
+def _linear_format(leaf: Linear, fmt: WeightFormat, slot: Slot) -> WeightFormat:
+    """``fmt`` for the linear ``leaf`` held as ``slot``: its ``[K, N]`` matrix, or that with zero
+    heads appended (heads padded for tensor parallelism: a 4-bit K only by whole 64-row packed
+    chunks of whole groups, :func:`~pallas_kernels.quant_matmul.layout.pad_k`), scale groups
+    narrowed to whole per-head parts (``kv_b``'s W_UK / W_UV)."""
+    k, n = slot.shape[-2:]
+    gk, gn = fmt.group
+    if (k, n) != (leaf.inp, leaf.kept_out):
+        if not leaf.pad or k < leaf.inp or n < leaf.kept_out:
+            raise ValueError(
+                f"{leaf.name}: a [{leaf.kept_out}, {leaf.inp}] weight for a [{n}, {k}] parameter"
+            )
+        if k > leaf.inp and fmt.format != "fp8" and leaf.inp % math.lcm(64, gk):
+            raise ValueError(
+                f"{leaf.name}: a 4-bit weight of K = {leaf.inp} is padded to {k} rows (heads padded for "
+                f"tensor parallelism) only by whole 64-row packed chunks of whole {gk}-row groups; choose "
+                "a tp that divides the heads, or quantization='dequantize'"
+            )
+    if leaf.rows is not None:
+        gn = _narrow(gn, math.gcd(*leaf.rows))
+    return dataclasses.replace(fmt, group=(gk, gn))
 
 
 def configured(quant: QuantConfig | None) -> Callable[[Leaf], WeightFormat | None]:
     """``stored`` for weights made from a config (dummy weights, the planner): the modules its
-    targets / ignore list quantize (every linear for FP8), in its format."""
+    targets / ignore list quantize (every linear for FP8), in its format; routed experts that may
+    be FP4 (DeepSeek-V4's ``expert_dtype: fp4``, beside an FP8 config) in FP4, as released."""
 
     def stored(leaf: Leaf) -> WeightFormat | None:
         if quant is None:
             return None
         if isinstance(leaf, ExpertGateUp | ExpertDown):
-            name = f"{leaf.prefix}.0.{'down' if isinstance(leaf, ExpertDown) else 'gate'}_proj"
+            if leaf.fp4 and quant.method == "fp8":
+                return fp4_format()
+            name = leaf.module(leaf.projections[0], 0)
         elif isinstance(leaf, Linear):
             name = leaf.name
         else:

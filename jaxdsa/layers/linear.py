@@ -11,6 +11,7 @@ from flax import nnx
 from jaxdsa import ops, sharding
 from jaxdsa.layers.params import fan_in, normal
 from jaxdsa.sharding import Axes
+from pallas_kernels.quant_matmul import layout
 from pallas_kernels.quant_matmul.layout import QuantizedWeight
 
 
@@ -57,6 +58,7 @@ class Linear(nnx.Module):
     ):
         shape = (*in_shape, *out_shape)
         self.weight = normal(rngs, shape, fan_in(shape, len(in_shape)), dtype, axes)
+        self.in_shape = tuple(in_shape)
         self.in_ndim = len(in_shape)
         self.out_shape = tuple(out_shape)
         self.compute_dtype = compute_dtype
@@ -73,6 +75,16 @@ class Linear(nnx.Module):
         if self.compute_dtype is not None:
             x, w = x.astype(self.compute_dtype), w.astype(self.compute_dtype)
         return jnp.tensordot(x, w, axes=self.in_ndim, preferred_element_type=self.out_dtype)
+
+    def dense(self, dtype) -> jax.Array:
+        """The weight ``[*in_shape, *out_shape]`` as an array: a quantized one dequantized to ``dtype``
+        here, in the step. For products no ``[K, N]`` matmul expresses (the absorbed MLA form
+        multiplies each head by its own slice); a step reads the codes once, as it would a dense
+        weight's values."""
+        w = self.weight.get_value()
+        if isinstance(w, QuantizedWeight):
+            return layout.dequantize(w, dtype).reshape(*self.in_shape, *self.out_shape)
+        return w
 
 
 class Embed(nnx.Module):

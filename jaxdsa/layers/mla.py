@@ -7,8 +7,13 @@
   every batched step.
 
 Shapes (legend in docs/architecture.md; H heads, C kv_lora_rank, Pr rope dim, Dn nope dim, Dv value
-dim, D model dim): q_a [D, q_lora], q_b [q_lora, H, Dn+Pr], kv_a [D, C+Pr], w_uk [H, Dn, C],
-w_uv [H, Dv, C], o [H, Dv, D]. Each token caches one row [normed latent (C) | roped key (Pr)].
+dim, D model dim): q_a [D, q_lora], q_b [q_lora, H, Dn+Pr], kv_a [D, C+Pr], w_uk [C, H, Dn],
+w_uv [C, H, Dv], o [H, Dv, D]. Each token caches one row [normed latent (C) | roped key (Pr)].
+
+``w_uk`` and ``w_uv`` are the two parts of each head's rows of ``kv_b``, each a :class:`Linear`
+that a checkpoint's FP8 / INT4 ``kv_b`` keeps quantized: the naive form runs them as matmuls of the
+latent rows (``ops.quant_matmul``), the absorbed form dequantizes them in the step
+(:meth:`Linear.dense`), since each head multiplies by its own slice.
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ from jaxdsa.layers.context import StepContext
 from jaxdsa.layers.indexer import Indexer
 from jaxdsa.layers.linear import Linear
 from jaxdsa.layers.norms import RMSNorm
-from jaxdsa.layers.params import normal
 from jaxdsa.layers.rope import apply_rope
 
 
@@ -53,9 +57,10 @@ class MLAttention(nnx.Module):
         )
         self.kv_a = Linear((hidden,), (kv_lora + rope,), ("embed", "latent"), dtype=dtype, rngs=rngs)
         self.kv_a_norm = RMSNorm(kv_lora, latent_norm_eps, axis="kv_lora", dtype=dtype)
-        # kv_b is split at load into the absorbed-MLA factors W_UK and W_UV.
-        self.w_uk = normal(rngs, (heads, nope, kv_lora), kv_lora, dtype, ("heads", "head_dim", "kv_lora"))
-        self.w_uv = normal(rngs, (heads, v, kv_lora), kv_lora, dtype, ("heads", "head_dim", "kv_lora"))
+        self.w_uk = Linear(
+            (kv_lora,), (heads, nope), ("kv_lora", "heads", "head_dim"), dtype=dtype, rngs=rngs
+        )
+        self.w_uv = Linear((kv_lora,), (heads, v), ("kv_lora", "heads", "head_dim"), dtype=dtype, rngs=rngs)
         self.o = Linear((heads, v), (hidden,), ("heads", "head_dim", "embed"), dtype=dtype, rngs=rngs)
         self.indexer = indexer
         self.kv_lora, self.nope, self.softmax_scale = kv_lora, nope, softmax_scale
@@ -131,8 +136,7 @@ class MLAttention(nnx.Module):
     def naive_attention(self, q_nope, q_pe, keys: jax.Array, mask: jax.Array) -> jax.Array:
         """Expanded-KV attention. keys [S, C+Pr] latent rows, mask [T, S] bool -> o [T, H, Dv]."""
         latent, k_pe = keys[:, : self.kv_lora], keys[:, self.kv_lora :]
-        k_nope = jnp.einsum("sc,hnc->shn", latent, self.w_uk[...])
-        v = jnp.einsum("sc,hvc->shv", latent, self.w_uv[...])
+        k_nope, v = self.w_uk(latent), self.w_uv(latent)
         k = jnp.concatenate(
             [k_nope, jnp.broadcast_to(k_pe[:, None, :], k_nope.shape[:2] + k_pe.shape[-1:])], axis=-1
         )
@@ -149,7 +153,7 @@ class MLAttention(nnx.Module):
         """Latent-space attention over cache slots.
 
         kv_rows [Z, C+Dr], indices [T, K] (-1 skip) -> o [T,H,Dv]."""
-        q_abs = jnp.einsum("thn,hnc->thc", q_nope, self.w_uk[...])
+        q_abs = jnp.einsum("thn,chn->thc", q_nope, self.w_uk.dense(q_nope.dtype))
         q = jnp.concatenate([q_abs, q_pe.astype(q_abs.dtype)], axis=-1)
         out, _ = ops.sparse_mla(q, kv_rows, indices, sm_scale=self.softmax_scale, v_dim=self.kv_lora)
-        return jnp.einsum("thc,hvc->thv", out, self.w_uv[...])
+        return jnp.einsum("thc,chv->thv", out, self.w_uv.dense(out.dtype))

@@ -59,11 +59,14 @@ def quant_matmul(
     """``x [M, K] @ W [K, N] -> [M, N]`` in x's dtype (bf16 or float32), W dequantized in the kernel to
     x's dtype, float32 accumulation. ``decode``: 'native' / 'software' e4m3 decoding (default:
     :func:`.decode.fp_decode`); ``int4_decode``: 'f32' / 'bf16' INT4 arithmetic (default:
-    :func:`.decode.int4_decode`); ``config`` overrides the tuning table (benchmark sweeps). K must be a
-    multiple of 16 (of the packed chunk, 32 or 64, for 4-bit weights); an N that is not a multiple
-    of 16 (a tiny model's 136-wide ``kv_a``) is padded with zero columns, sliced off the result."""
-    n = w.shape[-1]
+    :func:`.decode.int4_decode`); ``config`` overrides the tuning table (benchmark sweeps). An N that
+    is not a multiple of 16 (a tiny model's 136-wide ``kv_a``) is padded with zero columns, sliced
+    off the result; an FP8 weight's K likewise with zero rows (and x with zero columns: a tiny V4's
+    40-wide ``q_lora``). 4-bit weights' K is whole packed chunks (32 or 64 rows) by their layout."""
+    k, n = x.shape[-1], w.shape[-1]
     w = layout.pad_n(w, -(-n // 16) * 16)
+    if k % 16:
+        x, w = jnp.pad(x, ((0, 0), (0, -k % 16))), layout.pad_k(w, -(-k // 16) * 16)
     out = _quant_matmul(
         x, w, interpret=interpret, decode=fp_decode(decode), config=config, int4=int4_mode(int4_decode)
     )

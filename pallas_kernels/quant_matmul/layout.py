@@ -208,30 +208,49 @@ def reblock_k(w: QuantizedWeight, gk: int) -> QuantizedWeight:
     return w.replace(scales=repeat(w.scales), zeros=zeros, group=(gk, w.group[1]))
 
 
-def pad_n(w: QuantizedWeight, n: int) -> QuantizedWeight:
-    """``w`` widened to ``n`` output columns whose weights are 0: zero codes (e4m3 +0) and zero
-    scales for columns in new scale groups, so every format's value there is exactly 0."""
-    extra = n - w.shape[-1]
+def _zero_pad(a, axis: int, extra: int):
+    """``a`` with ``extra`` zero bytes / values appended along ``axis`` (float8 types through their
+    bytes: e4m3 +0, ue8m0 2^-127). NumPy in, NumPy out; jax in, jax out."""
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, extra)
+    dtype = np.dtype(a.dtype)
+    if dtype not in (E4M3, E8M0):
+        return _xp(a).pad(a, widths)
+    if isinstance(a, np.ndarray):
+        return np.pad(a.view(np.uint8), widths).view(dtype)
+    return jax.lax.bitcast_convert_type(jnp.pad(jax.lax.bitcast_convert_type(a, jnp.uint8), widths), dtype)
+
+
+def _pad(w: QuantizedWeight, axis: int, size: int) -> QuantizedWeight:
+    """``w`` grown to ``size`` along ``axis`` (-2: K, -1: N) with zero code bytes, and zero scales
+    (and zero points) for the new scale groups."""
+    extra = size - w.shape[axis]
     if extra <= 0:
         return w
-    gn = w.group[1]
-    groups = -(-n // gn) - w.scales.shape[-1]
-    widen = lambda a, cols: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, cols)])  # noqa: E731
-    codes = w.codes
-    if np.dtype(codes.dtype) == E4M3:
-        codes = jax.lax.bitcast_convert_type(jnp.asarray(codes), jnp.uint8)
-        codes = jax.lax.bitcast_convert_type(widen(codes, extra), jnp.float8_e4m3fn)
-    else:
-        codes = widen(jnp.asarray(codes), extra)
-    scales, zeros = jnp.asarray(w.scales), None if w.zeros is None else jnp.asarray(w.zeros)
-    if np.dtype(scales.dtype) == E8M0:  # 2^-127 times zero codes: still 0
-        scales = jax.lax.bitcast_convert_type(
-            widen(jax.lax.bitcast_convert_type(scales, jnp.uint8), groups), jnp.float8_e8m0fnu
+    groups = -(-size // w.group[axis]) - w.scales.shape[axis]
+    pad = lambda a: None if a is None else _zero_pad(a, axis, groups)  # noqa: E731
+    rows = extra // 2 if w.packed and axis == -2 else extra
+    return w.replace(codes=_zero_pad(w.codes, axis, rows), scales=pad(w.scales), zeros=pad(w.zeros))
+
+
+def pad_n(w: QuantizedWeight, n: int) -> QuantizedWeight:
+    """``w`` widened to ``n`` output columns whose weights are 0: zero codes (e4m3 +0) and zero
+    scales for columns in new scale groups (every 4-bit column is one: groups are ``(g, 1)``), so
+    every format's value there is exactly 0."""
+    return _pad(w, -1, n)
+
+
+def pad_k(w: QuantizedWeight, k: int) -> QuantizedWeight:
+    """``w`` lengthened to ``k`` input rows whose weights are 0. FP8: +0 codes, 0 under any scale. A
+    4-bit weight's zero byte is not a zero INT4 weight, so its rows come in whole packed chunks and
+    whole scale groups, whose zero scales make them 0: its K and ``k`` must be multiples of both."""
+    kk, gk = w.shape[-2], w.group[0]
+    if w.packed and k > kk and (kk % w.kpack or kk % gk or k % w.kpack):
+        raise ValueError(
+            f"a {w.format} weight of K = {kk} is padded to {k} rows only in whole {w.kpack}-row packed "
+            f"chunks and {gk}-row scale groups"
         )
-    else:
-        scales = widen(scales, groups)
-    zeros = None if zeros is None else widen(zeros, groups)
-    return w.replace(codes=codes, scales=scales, zeros=zeros)
+    return _pad(w, -2, k)
 
 
 def concat_n(*parts: QuantizedWeight) -> QuantizedWeight:

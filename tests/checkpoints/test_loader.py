@@ -18,6 +18,7 @@ from jaxdsa.config import ConfigError
 from jaxdsa.loading import load_model
 from pallas_kernels.quant_matmul.layout import QuantizedWeight, dequantize
 from tests.checkpoints.test_quant import _pack_along
+from tests.conftest import FIXTURES
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +196,21 @@ def test_int4_pack_quantized_checkpoint(tiny, tmp_path):
     (quant / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="stored packed, but the quantization_config ignores it"):
         load_params(quant)
+
+
+@pytest.mark.parametrize("name", ["glm5_fp8", "dsv32_fp8", "glm5_int4"])
+def test_kept_quantized_weights_hold_the_dequantized_values(name):
+    """Every weight kept quantized, ``kv_b``'s per-head W_UK / W_UV parts among them (columns of the
+    repacked matrix, FP8 scale groups narrowed to whole parts: 32 -> 8, 128 -> 16), dequantizes to
+    exactly what ``quantization='dequantize'`` loads (the linears as their [K, N] matrices)."""
+    _, _, model = load_model(FIXTURES / name, dtype=jnp.float32, progress=False)
+    kept = {
+        p
+        for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        if isinstance(v.get_value(), QuantizedWeight)
+    }
+    assert {p[-2] for p in kept} >= {"w_uk", "w_uv", "q_b", "o", "experts"}
+    dense, values = load_params(FIXTURES / name, quantization="dequantize"), load_params(FIXTURES / name)
+    assert dense.keys() == values.keys()
+    for path, value in values.items():
+        np.testing.assert_array_equal(value.reshape(dense[path].shape), dense[path], err_msg=str(path))

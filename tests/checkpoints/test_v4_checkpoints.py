@@ -18,6 +18,7 @@ from checkpoints.errors import CheckpointError
 from checkpoints.safetensors_io import CheckpointReader
 from jaxdsa.loading import load_model
 from jaxdsa.models.deepseek_v4.params import release_name, tensor_name
+from pallas_kernels.quant_matmul.layout import QuantizedWeight, dequantize
 from tests.conftest import FIXTURES
 
 
@@ -68,8 +69,21 @@ def test_both_name_forms_load_the_same_params(tmp_path):
 
 
 def test_quantized_checkpoint_decodes_and_needs_its_config(tmp_path):
+    """FP4 experts and FP8 linears are kept as they are stored, and hold exactly the values the
+    dense load decodes; a file whose config does not say so is refused."""
     _, cfg, model = _load(FIXTURES / "dsv4_fp8")
-    assert cfg.expert_dtype == "fp4" and model.layer(3).ffn.experts.gate_up.dtype == np.float32
+    _, _, dense = load_model(
+        FIXTURES / "dsv4_fp8", dtype=jnp.float32, quantization="dequantize", progress=False
+    )
+    flat = lambda m: {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(m, nnx.Param))}  # noqa: E731
+    dense = flat(dense)
+    for path, got in flat(model).items():
+        want = dense[path]
+        got = dequantize(got).reshape(want.shape) if isinstance(got, QuantizedWeight) else got
+        np.testing.assert_array_equal(got, want, err_msg=str(path))
+    experts = model.layer(3).ffn.experts
+    assert cfg.expert_dtype == "fp4" and experts.gate_up.format == experts.down.format == "fp4"
+    assert model.layer(3).attn.wq_b.weight.format == "fp8"
     tensors = _tensors(FIXTURES / "dsv4_fp8")
     plain = _write(
         tmp_path / "plain", tensors, FIXTURES / "dsv4_fp8", quantization_config=None, expert_dtype=None

@@ -174,6 +174,23 @@ def test_concat_n_reblocks_partial_fp8_blocks():
     _same_bits(layout.dequantize(_device(both)), np.concatenate([g_want, u_want], axis=-1))
 
 
+def test_padding_appends_zero_weights():
+    """pad_n / pad_k (heads padded for tensor parallelism; NumPy, as the loader pads) append exact
+    zeros in every format, FP8 inside a partial block too; a 4-bit K grows only by whole chunks."""
+    rng = np.random.default_rng(5)
+    made = (
+        random_int4(rng, (), 24, 64, 32, symmetric=False),
+        random_fp8(rng, (), 24, 40, block=(32, 32)),
+        random_fp4(rng, (), 24, 64),
+    )
+    for w, want in made:
+        padded = layout.pad_k(layout.pad_n(w, 40), 128)
+        assert isinstance(padded.codes, np.ndarray) and padded.shape == (128, 40)
+        _same_bits(layout.dequantize(_device(padded)), np.pad(want, ((0, 128 - want.shape[0]), (0, 16))))
+    with pytest.raises(ValueError, match="whole 64-row packed chunks"):
+        layout.pad_k(made[0][0], 96)
+
+
 def test_pytree_and_split_checks():
     w, _ = random_int4(np.random.default_rng(3), (4,), 64, 256, 32, symmetric=False)
     leaves, tree = jax.tree.flatten(w)
@@ -234,6 +251,13 @@ CASES = [  # (format maker, M, activations dtype, decode mode)
         jnp.bfloat16,
         "software",
         id="fp8-e8m0-K320-sw",
+    ),
+    pytest.param(  # a tiny V4's wq_b: K = 40 and N = 24 padded to multiples of 16 in the op
+        functools.partial(random_fp8, n=24, k=40, block=(32, 32), e8m0=True),
+        5,
+        jnp.float32,
+        "software",
+        id="fp8-e8m0-K40-N24-padded",
     ),
     pytest.param(functools.partial(random_fp4, n=32, k=128), 9, jnp.float32, None, id="fp4-M9-f32"),
 ]

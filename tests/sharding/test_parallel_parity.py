@@ -43,8 +43,8 @@ def expected_shard_shapes(cfg, tp, ep, dp, dp_attention):
         ("embed", "weight"): (cfg.vocab_size // tp, D),
         ("lm_head", "weight"): (D, cfg.vocab_size // tp),
         ("q_b", "weight"): (cfg.q_lora_rank, H // tp, cfg.qk_head_dim),
-        ("w_uk",): (H // tp, cfg.qk_nope_head_dim, r),
-        ("w_uv",): (H // tp, cfg.v_head_dim, r),
+        ("w_uk", "weight"): (r, H // tp, cfg.qk_nope_head_dim),
+        ("w_uv", "weight"): (r, H // tp, cfg.v_head_dim),
         ("o", "weight"): (H // tp, cfg.v_head_dim, D),
         ("kv_a", "weight"): (D, cfg.latent_dim),  # the latent projection is shared by all heads: replicated
         ("wq_b", "weight"): (cfg.q_lora_rank, Hi // tp, cfg.index_head_dim),

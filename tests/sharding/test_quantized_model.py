@@ -1,8 +1,9 @@
-"""Weights kept quantized on meshes of CPU devices: the quantized golden fixtures reproduce their
-Hugging Face goldens with every device holding only its slice of codes, scales and zero points
-(tensor-parallel linears split along N or K, expert-parallel and expert-TP stacks); a split that
-would cut a 4-bit packed chunk is refused naming the weight; the planner's per-device bytes for
-``--weights int4 / fp8`` match what the loader allocates."""
+"""Weights kept quantized on meshes of CPU devices: the quantized golden fixtures (GLM-5,
+DeepSeek-V3.2, DeepSeek-V4) reproduce their Hugging Face goldens with every device holding only its
+slice of codes, scales and zero points (tensor-parallel linears split along N or K, expert-parallel
+and expert-TP stacks, heads padded for tp); a split that would cut a 4-bit packed chunk is refused
+naming the weight; the planner's per-device bytes for ``--weights int4 / fp8`` match what the
+loader allocates, padded heads (zero) included."""
 
 from __future__ import annotations
 
@@ -18,15 +19,24 @@ import jaxdsa
 from checkpoints.tiny_presets import TINY_PRESETS
 from jaxdsa import plan, sharding
 from jaxdsa.loading import load_model
-from pallas_kernels.quant_matmul.layout import QuantizedWeight
+from pallas_kernels.quant_matmul.layout import QuantizedWeight, dequantize
 from tests.conftest import FIXTURES
 from tests.models.test_hf_parity import TOLERANCE, rel_l2
 from tests.sharding.test_loading import device_bytes
 
 # (fixture, tp, ep): FP8 32x32 blocks narrowed to 16 for q_b / o_proj / expert-TP shards (tp=2 ->
 # tpi 2 inside ep 4 -> 4 devices); INT4 group 128 narrowed to 64 for the row-split dense down_proj
-# (tp=2); INT4 group 32 with one expert per device (tp=1, ep=8: 8 devices).
-LAYOUTS = [("glm5_fp8", 2, 4), ("dsv32_int4", 2, 1), ("glm5_int4", 1, 8)]
+# (tp=2); INT4 group 32 with one expert per device (tp=1, ep=8: 8 devices); FP8 128x128 blocks with
+# the 4 heads padded to 8 (tp=8: zero heads appended to q_b, kv_b's parts and o_proj, one head's
+# 24 / 16-wide slices per shard, groups narrowed to 8 / 16); DeepSeek-V4 FP8 linears (ue8m0 32x32
+# blocks) with FP4 routed experts, two per device (tp=2, ep=4: attention replicated twice).
+LAYOUTS = [
+    ("glm5_fp8", 2, 4),
+    ("dsv32_int4", 2, 1),
+    ("glm5_int4", 1, 8),
+    ("dsv32_fp8", 8, 8),
+    ("dsv4_fp8", 2, 4),
+]
 
 
 def quantized(model) -> dict[tuple, QuantizedWeight]:
@@ -120,3 +130,51 @@ def test_planner_matches_a_loaded_int4_checkpoint():
     planned = plan.device_weight_bytes(family, cfg, par, "int4")
     for device, nbytes in device_bytes(model, mesh).items():
         assert abs(nbytes - planned) <= 0.05 * planned, (device, nbytes, planned)
+
+
+def test_padded_4bit_rows_need_whole_chunks():
+    """glm5_int4 at tp=8: its 4 heads padded to 8 would append 96 zero rows to o_proj's K = 96, which
+    is not whole 64-row packed chunks: refused naming the tensor (FP8 pads any K)."""
+    par = sharding.Parallelism(tp=8)
+    with pytest.raises(
+        ValueError, match=r"layers\.\d\.self_attn\.o_proj: a 4-bit weight of K = 96 is padded"
+    ):
+        load_model(
+            FIXTURES / "glm5_int4",
+            dtype=jnp.float32,
+            parallelism=par,
+            mesh=sharding.make_mesh(par),
+            progress=False,
+        )
+
+
+@pytest.mark.parametrize("weights", ["int4", "fp8"])
+def test_dummy_padded_heads_are_zero(weights, tmp_path):
+    """Dummy quantized weights at tp=8 on a 4-head model (padded to 8): the padded heads hold zero
+    weights, as loaded ones do (q_b's appended columns, o_proj's appended K rows: 4 x 32 real rows,
+    whole 64-row chunks for INT4, one 32-row chunk per shard), the real heads random ones. (Wider
+    MLPs, so that the row-split down projections are 32-row chunks per shard too.)"""
+    wide = {"v_head_dim": 32, "intermediate_size": 256, "moe_intermediate_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_PRESETS["dsv32"], **wide}))
+    par = sharding.Parallelism(tp=8)
+    _, cfg, model = load_model(
+        tmp_path,
+        dtype=jnp.bfloat16,
+        parallelism=par,
+        mesh=sharding.make_mesh(par),
+        load_format="dummy",
+        quantization=weights,
+        mtp=False,
+        progress=False,
+    )
+    kept = quantized(model)
+    H, v, qk = cfg.num_attention_heads, cfg.v_head_dim, cfg.qk_head_dim
+    for path, w in kept.items():
+        if path[-2] in ("q_b", "o"):
+            d = np.asarray(dequantize(w), np.float32)
+            real, padded = (
+                (d[..., : H * qk], d[..., H * qk :])
+                if path[-2] == "q_b"
+                else (d[..., : H * v, :], d[..., H * v :, :])
+            )
+            assert padded.size and not padded.any() and real.std() > 0, path

@@ -16,7 +16,7 @@ from checkpoints.spec import (
     Linear,
     Spec,
     Tensor,
-    head_rows,
+    head_part,
     transpose_merge,
     transpose_split,
 )
@@ -51,10 +51,8 @@ def layer_spec(cfg: DsaConfig, layer: int) -> dict[Path, Leaf]:
         ("q_b", "weight"): Linear(a + "q_b_proj", H * qk, cfg.q_lora_rank, transpose_split(H, qk), pad=True),
         ("kv_a", "weight"): Linear(a + "kv_a_proj_with_mqa", cfg.latent_dim, D),
         ("kv_a_norm", "weight"): Tensor(a + "kv_a_layernorm.weight", (r,)),
-        ("w_uk",): Linear(a + "kv_b_proj", H * (nope + v), r, head_rows(H, nope + v, 0, nope), pad=True),
-        ("w_uv",): Linear(
-            a + "kv_b_proj", H * (nope + v), r, head_rows(H, nope + v, nope, nope + v), pad=True
-        ),
+        ("w_uk", "weight"): head_part(a + "kv_b_proj", H, nope + v, 0, nope, r),
+        ("w_uv", "weight"): head_part(a + "kv_b_proj", H, nope + v, nope, nope + v, r),
         ("o", "weight"): Linear(a + "o_proj", D, H * v, transpose_merge(H, v), pad=True),
     }
     if cfg.has_indexer(layer):

@@ -3,9 +3,9 @@ through the seam: ``jaxdsa.LLM(...).score`` (one step over the whole prompt) and
 engine: prefill, then decode through the paged cache).
 
 Three checkpoints of one architecture (HF-saved names in one file; release names over four shards;
-release names with FP8 + FP4 weights) on the pure-JAX reference ops, and the first on the Pallas
-kernels in interpret mode. The model keeps only the architecture in its graph, so the three share
-their compiled steps.
+release names with FP8 linears and FP4 routed experts, kept so on the device) on the pure-JAX
+reference ops, and the first and the last on the Pallas kernels in interpret mode. The model keeps
+only the architecture in its graph, so the two dense ones share their compiled steps.
 """
 
 import numpy as np
@@ -36,11 +36,12 @@ def case(request):
     yield from _case(request.param, "reference")
 
 
-@pytest.fixture(scope="module", params=FIXTURE_NAMES + ["dsv4-interpret"])
+@pytest.fixture(scope="module", params=FIXTURE_NAMES + ["dsv4-interpret", "dsv4_fp8-interpret"])
 def scored(request):
     """The prompt-logit cases: the reference ops on every fixture, and the Pallas kernels in
-    interpret mode on ``dsv4`` (one forward: the engine's step shapes are what make the
-    interpreter slow, and the kernels' own tests cover the decode shapes)."""
+    interpret mode on ``dsv4`` and ``dsv4_fp8`` (``quant_matmul`` and the FP4 MoE kernel; one
+    forward: the engine's step shapes are what make the interpreter slow, and the kernels' own
+    tests cover the decode shapes)."""
     name, _, backend = request.param.partition("-")
     yield from _case(name, backend or "reference")
 
