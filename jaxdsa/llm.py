@@ -58,7 +58,7 @@ def _score_step(family, graphdef, treedef, axes: tuple, cache_axes: tuple, mode,
 
 
 class LLM:
-    """A GLM-5.x / DeepSeek-V3.2 / DeepSeek-V4 checkpoint ready to score and generate (V4: one device).
+    """A GLM-5.x / DeepSeek-V3.2 / DeepSeek-V4 checkpoint ready to score and generate.
 
     ``tp`` / ``ep`` / ``dp``: tensor, expert and data parallelism over the local devices
     (see :mod:`jaxdsa.sharding`); ``dp_attention``: the dp groups share the experts (``ep``
