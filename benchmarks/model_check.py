@@ -2,8 +2,9 @@
 
 The CPU suite checks the Pallas kernels in interpret mode; this runs the same parity checks with
 the real lowered kernels (``JAXDSA_KERNELS=pallas`` on a GPU), float32 weights and HIGHEST matmul
-precision: rel-L2 per position against HF's logits, and the 16 greedy tokens. Writes
-``benchmarks/results/model-check-<gpu>.md`` (the quantized fixtures are dequantized at load).
+precision: rel-L2 per position against HF's logits, and the 16 greedy tokens. The quantized
+fixtures keep their weights quantized (INT4 / FP8 linears, ``kv_b``, V4's FP4 experts: the
+dequantizing kernels run). Writes ``benchmarks/results/model-check-<gpu>.md``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from benchmarks import harness
 from jaxdsa import ops
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures"
-NAMES = ["glm5", "dsv32", "glm52", "dsv32_yarn", "glm5_fp8", "dsv32_fp8", "glm5_int4", "dsv32_int4"]
+NAMES = [
+    *("glm5", "dsv32", "glm52", "dsv32_yarn", "glm5_fp8", "dsv32_fp8", "glm5_int4", "dsv32_int4"),
+    *("dsv4", "dsv4_sharded", "dsv4_fp8"),
+]
 
 
 def rel_l2(got, want) -> float:
