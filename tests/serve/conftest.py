@@ -33,6 +33,18 @@ from serve.cli import Server, bind, build, parse_args
 ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
 
+# One function tool (OpenAI's shape) for the chat-format and live tests.
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
 WAIT_S = 60.0  # the bound on every wait below: a condition that does not come fails the test
 
 

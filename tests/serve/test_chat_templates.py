@@ -17,18 +17,9 @@ import pytest
 from checkpoints import tokenizer_assets as ta
 from serve.chat_format import DeepSeekV4ChatFormat
 from serve.deepseek_encoding import encode_messages, parse_completion
+from tests.serve.conftest import TOOLS
 
 MIXED = "Héllo wörld! 你好，世界。こんにちは 안녕 🙂🚀👍🏽 𝔘𝔫𝔦 def f(x):\n\treturn x ** 2  # Ångström ½ €"
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather for a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-]
 WEATHER_CALL = {
     "type": "function",
     "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}},

@@ -21,19 +21,10 @@ from serve.deepseek_v4_encoding import (
     render_tool_calls,
     render_tools,
 )
+from tests.serve.conftest import TOOLS
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather for a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-]
 TWO_TURNS = [
     {"role": "system", "content": "S"},
     {"role": "user", "content": "U1"},

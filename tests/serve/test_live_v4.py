@@ -25,7 +25,7 @@ import pytest
 
 from serve import deepseek_v4_encoding as v4
 from serve.tokenizer import Tokenizer
-from tests.serve.conftest import ROOT, wait_ready
+from tests.serve.conftest import ROOT, TOOLS, wait_ready
 
 ARGS = [
     "--served-model-name", "tiny-v4", "--host", "127.0.0.1", "--port", "0", "--dtype", "float32",
@@ -44,16 +44,6 @@ PROMPTS = [
     "Emoji: 😀 🚀",
     "def add(a, b):",
     "Good morning",
-]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather for a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
 ]
 
 
