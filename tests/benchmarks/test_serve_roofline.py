@@ -20,7 +20,7 @@ TINY = {
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
     "q_lora_rank": 32,
-    "kv_lora_rank": 16,
+    "kv_lora_rank": 32,  # INT4 packs K in 32-row chunks: kv_b (K = kv_lora_rank) stays packed
     "qk_nope_head_dim": 8,
     "qk_rope_head_dim": 8,
     "v_head_dim": 8,
