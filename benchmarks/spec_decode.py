@@ -25,7 +25,6 @@ Writes benchmarks/results/spec_decode-<gpu>.md (and .json).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import tempfile
 import time
@@ -48,15 +47,7 @@ def tokens_per_step(num_spec: int, rate: float) -> float:
 
 def engine_for(llm: jaxdsa.LLM, num_spec: int) -> Engine:
     """An engine over ``llm``'s weights, with ``num_spec`` drafts per step (0: none)."""
-    speculative = SpeculativeConfig("mtp", num_spec) if num_spec else None
-    return Engine(
-        llm.family,
-        llm.config,
-        llm.model,
-        dtype=llm.dtype,
-        config=dataclasses.replace(llm.engine_config, speculative=speculative),
-        precision=llm._precision,
-    )
+    return llm.new_engine(speculative=SpeculativeConfig("mtp", num_spec) if num_spec else None)
 
 
 def start_batch(engine: Engine, batch: int, context: int) -> list[str]:

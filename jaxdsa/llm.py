@@ -9,11 +9,13 @@ continuous batching, chunked prefill and the paged cache, exactly as the HTTP se
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -146,17 +148,22 @@ class LLM:
     def engine(self) -> Engine:
         """The serving engine over :attr:`model` as it was when the engine was first used."""
         if self._engine is None:
-            self._engine = Engine(
-                self.family,
-                self.config,
-                self.model,
-                dtype=self.dtype,
-                eos_token_ids=self.eos_token_ids,
-                config=self.engine_config,
-                mesh=self.mesh,
-                precision=self._precision,
-            )
+            self._engine = self.new_engine()
         return self._engine
+
+    def new_engine(self, **changes: Any) -> Engine:
+        """Another engine over the same weights, with :class:`EngineConfig` fields changed (e.g.
+        ``speculative=``): for comparing engine settings on one loaded model. It has its own cache."""
+        return Engine(
+            self.family,
+            self.config,
+            self.model,
+            dtype=self.dtype,
+            eos_token_ids=self.eos_token_ids,
+            config=dataclasses.replace(self.engine_config, **changes),
+            mesh=self.mesh,
+            precision=self._precision,
+        )
 
     def score(self, token_ids: Sequence[int]) -> np.ndarray:
         """Logits [len(token_ids), vocab] (float32) of one full forward over the sequence, through
