@@ -107,28 +107,36 @@ class DeepSeekChatFormat:
     """DeepSeek-V3.2's encoder. Thinking is off unless ``thinking``/``enable_thinking`` is true
     (vLLM's kwarg for DeepSeek) or ``thinking_mode`` is ``"thinking"``."""
 
+    label = "DeepSeek"
+
+    def encode(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None, kwargs
+    ) -> str:
+        thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", False)))
+        mode = kwargs.get("thinking_mode", "thinking" if thinking else "chat")
+        return deepseek_encoding.encode_messages(messages, thinking_mode=mode, tools=tools)
+
     def render(
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         kwargs: Mapping[str, Any] | None = None,
     ) -> ChatPrompt:
-        kwargs = kwargs or {}
-        thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", False)))
-        mode = kwargs.get("thinking_mode", "thinking" if thinking else "chat")
         try:
-            text = deepseek_encoding.encode_messages(messages, thinking_mode=mode, tools=tools or None)
+            text = self.encode(messages, tools or None, kwargs or {})
         except (ValueError, KeyError, TypeError) as e:
-            raise ChatTemplateError(f"DeepSeek encoding: {e}") from e
-        return ChatPrompt(text, text.endswith(deepseek_encoding.THINK_START))
+            raise ChatTemplateError(f"{self.label} encoding: {e}") from e
+        return ChatPrompt(text, text.endswith(THINK_START))
 
 
-class DeepSeekV4ChatFormat:
+class DeepSeekV4ChatFormat(DeepSeekChatFormat):
     """DeepSeek-V4's encoder, with vLLM's V4 options: thinking is on unless ``thinking`` /
     ``enable_thinking`` is given and false (``thinking_mode`` "chat" / "thinking" overrides both);
     ``reasoning_effort`` "max" adds the effort prefix, "none" turns thinking off, any other value
     renders as "high" (which adds nothing, as in DeepSeek's release encoder); ``drop_thinking``
     (default true) drops older reasoning unless tools are present."""
+
+    label = "DeepSeek-V4"
 
     @staticmethod
     def options(kwargs: Mapping[str, Any]) -> tuple[str, str | None]:
@@ -144,25 +152,17 @@ class DeepSeekV4ChatFormat:
             effort = None
         return mode, effort
 
-    def render(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> ChatPrompt:
-        kwargs = kwargs or {}
+    def encode(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None, kwargs
+    ) -> str:
         mode, effort = self.options(kwargs)
-        try:
-            text = deepseek_v4_encoding.encode_messages(
-                messages,
-                thinking_mode=mode,
-                tools=tools or None,
-                reasoning_effort=effort,
-                drop_thinking=bool(kwargs.get("drop_thinking", True)),
-            )
-        except (ValueError, KeyError, TypeError) as e:
-            raise ChatTemplateError(f"DeepSeek-V4 encoding: {e}") from e
-        return ChatPrompt(text, text.endswith(deepseek_v4_encoding.THINK_START))
+        return deepseek_v4_encoding.encode_messages(
+            messages,
+            thinking_mode=mode,
+            tools=tools,
+            reasoning_effort=effort,
+            drop_thinking=bool(kwargs.get("drop_thinking", True)),
+        )
 
 
 ChatFormat = JinjaChatFormat | DeepSeekChatFormat | DeepSeekV4ChatFormat
