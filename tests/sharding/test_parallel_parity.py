@@ -11,6 +11,7 @@ from flax import nnx
 import jaxdsa
 from jaxdsa.engine import SamplingParams
 from tests.conftest import FIXTURES
+from tests.models.test_hf_parity import TOLERANCE, rel_l2
 from tests.models.test_penalties import PENALIZED, penalized_logits
 
 # (tp, ep, dp, dp_attention); with dp_attention the dp groups share the experts (ep counts all shards).
@@ -24,11 +25,6 @@ LAYOUTS = [
     (4, 4, 2, True),
     (1, 8, 8, True),
 ]
-TOLERANCE = 1e-4
-
-
-def rel_l2(got, want):
-    return np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
 
 
 def expected_shard_shapes(cfg, tp, ep, dp, dp_attention):
@@ -72,13 +68,9 @@ def check_layout(llm, layout):
     assert seen == set(want)
 
 
-@pytest.fixture(
-    scope="module",
-    params=[(f, layout) for f in ("glm52", "dsv32") for layout in LAYOUTS],
-    ids=lambda p: f"{p[0]}-tp{p[1][0]}ep{p[1][1]}dp{p[1][2]}" + ("-dpattn" if p[1][3] else ""),
-)
-def case(request):
-    name, (tp, ep, dp, dp_attention) = request.param
+def mesh_case(name: str, layout: tuple) -> tuple:
+    """(the fixture's LLM on the (tp, ep, dp, dp_attention) layout, the layout, its goldens)."""
+    tp, ep, dp, dp_attention = layout
     llm = jaxdsa.LLM(
         FIXTURES / name,
         dtype="float32",
@@ -91,25 +83,42 @@ def case(request):
         max_num_seqs=2 * dp,
         max_model_len=64,
     )
-    return llm, (tp, ep, dp, dp_attention), dict(np.load(FIXTURES / name / "golden.npz"))
+    return llm, layout, dict(np.load(FIXTURES / name / "golden.npz"))
 
 
-def test_every_parameter_is_sharded_as_declared(case):
-    llm, layout, _ = case
-    check_layout(llm, layout)
-    dp = layout[2]
+def assert_cache_pages_split_over_dp(llm, dp: int) -> None:
     for leaf in llm.engine.runner.cache.values():  # [layers, pages, page, width]: pages split over dp
         assert leaf.sharding.shard_shape(leaf.shape)[1] == leaf.shape[1] // dp
 
 
-def test_logits_and_greedy_tokens_match_hf(case):
-    llm, _, golden = case
+def assert_long_prompt_and_greedy_match(llm, golden) -> None:
+    """The long prompt's logits, then prefill + the greedy tokens through the paged cache."""
     assert rel_l2(llm.score(golden["prompt_long"].tolist()), golden["logits_long"]).max() <= TOLERANCE
     tokens, logits = llm.generate(
         [golden["greedy_prompt"].tolist()], max_new_tokens=len(golden["greedy_tokens"]), return_logits=True
     )
     assert tokens[0] == golden["greedy_tokens"].tolist()
     assert rel_l2(logits[0], golden["greedy_logits"]).max() <= TOLERANCE
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(f, layout) for f in ("glm52", "dsv32") for layout in LAYOUTS],
+    ids=lambda p: f"{p[0]}-tp{p[1][0]}ep{p[1][1]}dp{p[1][2]}" + ("-dpattn" if p[1][3] else ""),
+)
+def case(request):
+    return mesh_case(*request.param)
+
+
+def test_every_parameter_is_sharded_as_declared(case):
+    llm, layout, _ = case
+    check_layout(llm, layout)
+    assert_cache_pages_split_over_dp(llm, layout[2])
+
+
+def test_logits_and_greedy_tokens_match_hf(case):
+    llm, _, golden = case
+    assert_long_prompt_and_greedy_match(llm, golden)
 
 
 def test_prompt_logprobs_on_dp_groups_match_hf(case):

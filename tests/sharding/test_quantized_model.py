@@ -39,6 +39,11 @@ LAYOUTS = [
 ]
 
 
+def load_float32(path, par: sharding.Parallelism):
+    """(family, config, model) of the checkpoint at ``path`` in float32 on ``par``'s mesh."""
+    return load_model(path, dtype=jnp.float32, parallelism=par, mesh=sharding.make_mesh(par), progress=False)
+
+
 def quantized(model) -> dict[tuple, QuantizedWeight]:
     return {
         path: v.get_value()
@@ -75,15 +80,8 @@ def test_goldens_on_a_mesh(name, tp, ep):
 
 def test_split_cutting_a_packed_chunk_is_refused():
     """glm5_int4's o_proj has K = 4 heads x 24 = 96 rows: two shards of 48 are not whole 32-row chunks."""
-    par = sharding.Parallelism(tp=2)
     with pytest.raises(ValueError, match=r"attn/o/weight: a 4-bit weight of K = 96 split into 2 shards"):
-        load_model(
-            FIXTURES / "glm5_int4",
-            dtype=jnp.float32,
-            parallelism=par,
-            mesh=sharding.make_mesh(par),
-            progress=False,
-        )
+        load_float32(FIXTURES / "glm5_int4", sharding.Parallelism(tp=2))
 
 
 @pytest.mark.parametrize("weights", ["int4", "fp8"])
@@ -135,17 +133,10 @@ def test_planner_matches_a_loaded_int4_checkpoint():
 def test_padded_4bit_rows_need_whole_chunks():
     """glm5_int4 at tp=8: its 4 heads padded to 8 would append 96 zero rows to o_proj's K = 96, which
     is not whole 64-row packed chunks: refused naming the tensor (FP8 pads any K)."""
-    par = sharding.Parallelism(tp=8)
     with pytest.raises(
         ValueError, match=r"layers\.\d\.self_attn\.o_proj: a 4-bit weight of K = 96 is padded"
     ):
-        load_model(
-            FIXTURES / "glm5_int4",
-            dtype=jnp.float32,
-            parallelism=par,
-            mesh=sharding.make_mesh(par),
-            progress=False,
-        )
+        load_float32(FIXTURES / "glm5_int4", sharding.Parallelism(tp=8))
 
 
 @pytest.mark.parametrize("weights", ["int4", "fp8"])

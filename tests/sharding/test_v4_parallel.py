@@ -5,21 +5,20 @@ other one (the K = V head, compressors, indexer keys, HC mixing, router, norms) 
 device.
 """
 
-import numpy as np
 import pytest
 from flax import nnx
 
 import jaxdsa
 from tests.conftest import FIXTURES
+from tests.sharding.test_parallel_parity import (
+    assert_cache_pages_split_over_dp,
+    assert_long_prompt_and_greedy_match,
+    mesh_case,
+)
 
 # (tp, ep, dp, dp_attention): the tensor / expert splits, and dp attention (the two dp groups share
 # the experts, so each device holds a quarter of them).
 LAYOUTS = [(2, 1, 1, False), (2, 4, 1, False), (4, 2, 1, False), (2, 4, 2, True)]
-TOLERANCE = 1e-4
-
-
-def rel_l2(got, want):
-    return np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
 
 
 def split_dims(cfg, tp, ep, dp, dp_attention):
@@ -64,39 +63,19 @@ def check_layout(llm, layout):
     ids=lambda p: f"tp{p[0]}ep{p[1]}dp{p[2]}" + ("-dpattn" if p[3] else ""),
 )
 def case(request):
-    tp, ep, dp, dp_attention = request.param
-    llm = jaxdsa.LLM(
-        FIXTURES / "dsv4",
-        dtype="float32",
-        page_size=8,
-        progress=False,
-        tp=tp,
-        ep=ep,
-        dp=dp,
-        dp_attention=dp_attention,
-        max_num_seqs=2 * dp,
-        max_model_len=64,
-    )
-    return llm, request.param, dict(np.load(FIXTURES / "dsv4" / "golden.npz"))
+    return mesh_case("dsv4", request.param)
 
 
 def test_every_parameter_is_sharded_as_declared(case):
     llm, layout, _ = case
     check_layout(llm, layout)
-    dp = layout[2]
-    for leaf in llm.engine.runner.cache.values():  # [layers, pages, page, width]: pages split over dp
-        assert leaf.sharding.shard_shape(leaf.shape)[1] == leaf.shape[1] // dp
+    assert_cache_pages_split_over_dp(llm, layout[2])
 
 
 def test_logits_and_greedy_tokens_match_hf(case):
     """Prompt logits across many compression windows, then prefill + 16 decode steps."""
     llm, _, golden = case
-    assert rel_l2(llm.score(golden["prompt_long"].tolist()), golden["logits_long"]).max() <= TOLERANCE
-    tokens, logits = llm.generate(
-        [golden["greedy_prompt"].tolist()], max_new_tokens=len(golden["greedy_tokens"]), return_logits=True
-    )
-    assert tokens[0] == golden["greedy_tokens"].tolist()
-    assert rel_l2(logits[0], golden["greedy_logits"]).max() <= TOLERANCE
+    assert_long_prompt_and_greedy_match(llm, golden)
 
 
 def test_uneven_split_is_refused_naming_the_field():
