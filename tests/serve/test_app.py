@@ -693,17 +693,24 @@ def test_api_key(glm_dir):
         assert httpx.get(f"{url}/health").status_code == 200  # health stays open for load balancers
 
 
+def deepseek_context(model_dir: str, model_type: str, engine, *, reasoning_parser: str):
+    """(tokenizer, serving context) of a DeepSeek checkpoint: its own encoder, EOS id 1, the
+    reasoning parser named and the tool parser of its model type."""
+    tok = Tokenizer(model_dir)
+    ctx = make_context(
+        model_dir,
+        engine,
+        chat_format=load_chat_format(model_dir, model_type, tok.config, tok.special_tokens_map),
+        eos_token_ids=frozenset({1}),
+        reasoning_parser=reasoning_parser,
+        tool_parser=model_type,
+    )
+    return tok, ctx
+
+
 def test_deepseek_v32_reasoning_and_dsml_tool_calls(dsv32_dir):
     engine = ScriptedEngine(max_model_len=2048)
-    tok = Tokenizer(dsv32_dir)
-    ctx = make_context(
-        dsv32_dir,
-        engine,
-        chat_format=load_chat_format(dsv32_dir, "deepseek_v32", tok.config, tok.special_tokens_map),
-        eos_token_ids=frozenset({1}),
-        reasoning_parser="deepseek_v3",
-        tool_parser="deepseek_v32",
-    )
+    tok, ctx = deepseek_context(dsv32_dir, "deepseek_v32", engine, reasoning_parser="deepseek_v3")
     call = [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]
     reply = "Need the weather.</think>Checking." + render_tool_calls(call)
     engine.scripts += [tok.encode(reply) + [1], tok.encode("Sunny.") + [1]]
@@ -747,15 +754,7 @@ def test_deepseek_v4_reasoning_and_dsml_tool_calls(dsv4_dir):
     after the reasoning (no ``</think>``), streamed and whole alike, the tool result rendered back
     as a ``<tool_result>`` user turn, ``reasoning_effort`` and thinking off."""
     engine = ScriptedEngine(max_model_len=2048)
-    tok = Tokenizer(dsv4_dir)
-    ctx = make_context(
-        dsv4_dir,
-        engine,
-        chat_format=load_chat_format(dsv4_dir, "deepseek_v4", tok.config, tok.special_tokens_map),
-        eos_token_ids=frozenset({1}),
-        reasoning_parser="deepseek_v4",
-        tool_parser="deepseek_v4",
-    )
+    tok, ctx = deepseek_context(dsv4_dir, "deepseek_v4", engine, reasoning_parser="deepseek_v4")
     call = [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]
     reply = tok.encode("Need the weather." + v4_encoding.render_tool_calls(call)) + [1]
     engine.scripts += [reply, reply, tok.encode("Sunny.") + [1], tok.encode("Hi.") + [1], [1]]
