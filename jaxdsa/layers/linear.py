@@ -59,12 +59,15 @@ class Linear(nnx.Module):
         shape = (*in_shape, *out_shape)
         self.weight = normal(rngs, shape, fan_in(shape, len(in_shape)), dtype, axes)
         self.in_shape = tuple(in_shape)
-        self.in_ndim = len(in_shape)
         self.out_shape = tuple(out_shape)
         self.compute_dtype = compute_dtype
         self.out_dtype = out_dtype
         self.quantizable = compute_dtype is None and out_dtype is None
         self.matrix_axes = matrix_axes(axes, self.in_ndim) if self.quantizable else None
+
+    @property
+    def in_ndim(self) -> int:
+        return len(self.in_shape)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.weight.get_value()
