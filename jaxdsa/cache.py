@@ -7,6 +7,15 @@ token at position t lives in flat slot ``page_table[t // page_size] * page_size 
 of every layer. Kernels see only flat slots: a layer's rows are the stacked array seen flat with
 the layer's offset added (:class:`LayerPages`), so a scanned layer reads and writes its slice of
 the carried buffer in place, and the cache layout does not depend on how layers are grouped.
+
+Two variations serve families whose state is not one row per token (DeepSeek-V4):
+
+* an entry with ``ratio`` m holds one row per m tokens, ``page_size // m`` rows per page (row j of a
+  sequence: its page ``j // (page_size // m)`` of the same page table), for compressed entries;
+* an entry with ``ring`` R holds R rows per *sequence* (``[layers, sequences, R + lookahead,
+  width]``, indexed by the page-table row), for what only the last few positions need: position t
+  sits in ring row ``t % (R + lookahead)``, so a speculative step's rejected drafts never overwrite
+  a row a later step still reads.
 """
 
 from __future__ import annotations
@@ -20,44 +29,80 @@ from jaxdsa.sharding import Axes
 
 # [layers, pages, page, width]: pages split over the data-parallel groups
 CACHE_AXES: Axes = ("layers", "cache_pages", "page", "cache_width")
+# [layers, sequences, ring, width]: a ring entry's sequences split like the pages
+RING_AXES: Axes = ("layers", "cache_seqs", "ring", "cache_width")
 
 Cache = dict[str, jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheEntry:
-    """One kind of per-token row: ``width`` values in each of ``layers`` layers, stored in ``dtype``
-    (None: the cache's dtype, i.e. the model's; a family pins float32 for state it must keep exact)."""
+    """One kind of row: ``width`` values in each of ``layers`` layers, stored in ``dtype`` (None: the
+    cache's dtype, i.e. the model's; a family pins float32 for state it must keep exact). One row
+    per token, per ``ratio`` tokens, or (``ring`` > 0) a ring of that many rows per sequence."""
 
     layers: int
     width: int
     dtype: object = None
+    ratio: int = 1
+    ring: int = 0
+
+    def rows_per_page(self, page_size: int) -> int:
+        if page_size % self.ratio:
+            raise ValueError(f"page size {page_size} is not a multiple of a cache entry's ratio {self.ratio}")
+        return page_size // self.ratio
+
+    def itemsize(self, dtype) -> int:
+        return jnp.dtype(self.dtype or dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
-    """What a family's cache holds per token (entries by name)."""
+    """What a family's cache holds (entries by name)."""
 
     entries: dict[str, CacheEntry]
 
-    def bytes_per_token(self, dtype) -> int:
-        itemsize = lambda e: jnp.dtype(e.dtype or dtype).itemsize  # noqa: E731
-        return sum(itemsize(e) * e.layers * e.width for e in self.entries.values() if e.layers)
+    def _live(self, ring: bool) -> list[CacheEntry]:
+        return [e for e in self.entries.values() if e.layers and bool(e.ring) == ring]
+
+    def page_bytes(self, dtype, page_size: int) -> int:
+        """Bytes of one page of every paged entry, over every layer."""
+        return sum(
+            e.itemsize(dtype) * e.layers * e.width * e.rows_per_page(page_size) for e in self._live(False)
+        )
+
+    def bytes_per_token(self, dtype, page_size: int) -> float:
+        return self.page_bytes(dtype, page_size) / page_size
+
+    def sequence_bytes(self, dtype, lookahead: int = 0) -> int:
+        """Bytes of one sequence's rings, over every layer (0 for a family without rings)."""
+        return sum(e.itemsize(dtype) * e.layers * e.width * (e.ring + lookahead) for e in self._live(True))
 
     def axes(self) -> dict[str, Axes]:
-        return {name: CACHE_AXES for name, e in self.entries.items() if e.layers}
+        return {name: RING_AXES if e.ring else CACHE_AXES for name, e in self.entries.items() if e.layers}
 
 
-def init_cache(spec: CacheSpec, num_pages: int, page_size: int, dtype, *, sharding=None) -> Cache:
-    """A zeroed cache; with ``sharding`` (a pytree like the cache, or one sharding for every
-    entry) the zeros are made in place on every device."""
+def init_cache(
+    spec: CacheSpec,
+    num_pages: int,
+    page_size: int,
+    dtype,
+    *,
+    num_seqs: int = 1,
+    lookahead: int = 0,
+    sharding=None,
+) -> Cache:
+    """A zeroed cache: ``num_pages`` pages of every paged entry, rings for ``num_seqs`` sequences
+    (page-table rows) with ``lookahead`` spare rows each; with ``sharding`` (a pytree like the cache,
+    or one sharding for every entry) the zeros are made in place on every device."""
+
+    def shape(e: CacheEntry) -> tuple[int, ...]:
+        if e.ring:
+            return (e.layers, num_seqs, e.ring + lookahead, e.width)
+        return (e.layers, num_pages, e.rows_per_page(page_size), e.width)
 
     def make() -> Cache:
-        return {
-            name: jnp.zeros((e.layers, num_pages, page_size, e.width), e.dtype or dtype)
-            for name, e in spec.entries.items()
-            if e.layers
-        }
+        return {name: jnp.zeros(shape(e), e.dtype or dtype) for name, e in spec.entries.items() if e.layers}
 
     if sharding is None:
         return make()
@@ -94,7 +139,8 @@ def slots_for(page_table: jax.Array, seq_ids: jax.Array, positions: jax.Array, p
 
 @dataclasses.dataclass
 class LayerPages:
-    """Layer ``layer`` (a traced index inside a scan) of a stacked page array ``[L, P, page, w]``."""
+    """Layer ``layer`` (a traced index inside a scan) of a stacked page array ``[L, P, page, w]``
+    (or of a ring ``[L, sequences, rows, w]``: the same flat addressing, a sequence for a page)."""
 
     stacked: jax.Array
     layer: jax.Array | int

@@ -83,7 +83,7 @@ class LLM:
         ep: int = 1,
         dp: int = 1,
         dp_attention: bool = False,
-        page_size: int = 64,
+        page_size: int | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
@@ -109,7 +109,6 @@ class LLM:
             raise ValueError(f"dtype {dtype!r}: choose float32 or bfloat16")
         self.path = os.fspath(path)
         self.dtype = _DTYPES[dtype]
-        self.page_size = page_size
         self.parallelism = sharding.Parallelism(tp=tp, ep=ep, dp=dp, dp_attention=dp_attention)
         self.mesh = sharding.make_mesh(self.parallelism) if self.parallelism.num_devices > 1 else None
         self.family, self.config, self.model = load_model(
@@ -124,11 +123,12 @@ class LLM:
             quantization=quantization,
         )
         self.eos_token_ids = generation_eos_ids(self.path, self.config.eos_token_ids)
+        self.page_size = self.family.page_size(self.config, page_size)
         self.engine_config = EngineConfig(
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
-            page_size=page_size,
+            page_size=self.page_size,
             num_pages=num_pages,
             max_logprobs=max_logprobs,
             enable_prefix_caching=enable_prefix_caching,
@@ -186,7 +186,7 @@ class LLM:
             placed = {
                 k: jax.sharding.NamedSharding(self.mesh, sharding.spec(a)) for k, a in cache_axes.items()
             }
-        cache = init_cache(spec, pages * dp, self.page_size, self.dtype, sharding=placed)
+        cache = init_cache(spec, pages * dp, self.page_size, self.dtype, num_seqs=dp, sharding=placed)
         meta = StepMeta(
             seq_ids=group([0] * len(ids), -1),
             page_table=np.tile(np.arange(pages, dtype=np.int32), (dp, 1)),

@@ -71,10 +71,15 @@ def device_weight_bytes(family: ModelFamily, cfg, par: Parallelism, weights: str
     return sum(shard_elements(leaf, par) * leaf.width for leaf in parameter_leaves(family, cfg, par, weights))
 
 
-def cache_bytes_per_token(family: ModelFamily, cfg) -> int:
-    """bf16 cache rows of one token (per device: the cache is replicated over tp and split over dp
-    by sequence)."""
-    return family.cache_spec(cfg).bytes_per_token(jnp.bfloat16)
+def cache_bytes_per_token(family: ModelFamily, cfg, page_size: int | None = None) -> float:
+    """bf16 cache rows of one token at the family's page size (per device: the cache is replicated
+    over tp and split over dp by sequence)."""
+    return family.cache_spec(cfg).bytes_per_token(jnp.bfloat16, family.page_size(cfg, page_size))
+
+
+def cache_bytes_per_sequence(family: ModelFamily, cfg) -> int:
+    """bf16 / float32 rows a sequence holds whatever its length (DeepSeek-V4's rings; 0 for DSA)."""
+    return family.cache_spec(cfg).sequence_bytes(jnp.bfloat16)
 
 
 def expected_experts(n_experts: int, top_k: int, tokens: int) -> float:
@@ -125,7 +130,8 @@ def plan(
     weight_bytes = device_weight_bytes(family, cfg, par, weights)
     free = hbm_gib * GiB - weight_bytes - reserve_gib * GiB
     per_token = cache_bytes_per_token(family, cfg)
-    tokens_per_group = max(0, int(free // per_token))
+    per_sequence = cache_bytes_per_sequence(family, cfg)
+    tokens_per_group = max(0, int((free - batch * per_sequence) // per_token))
     step = decode_step(family, cfg, par, weights, batch, max_model_len)
     memory_s = step["bytes_read"] / (hbm_gbs * 1e9)
     comm_s = step["collective_bytes"] / (link_gbs * 1e9)
@@ -133,6 +139,7 @@ def plan(
         "devices": par.num_devices,
         "weights_gib_per_device": weight_bytes / GiB,
         "cache_bytes_per_token": per_token,
+        "cache_bytes_per_sequence": per_sequence,
         "cache_tokens_per_dp_group": tokens_per_group,
         "cache_tokens_total": tokens_per_group * par.dp,
         "full_length_sequences_per_dp_group": tokens_per_group // max_model_len,

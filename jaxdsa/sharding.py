@@ -56,6 +56,7 @@ RULES: dict[str, tuple[str, ...]] = {
     # split
     "batch": DP_AXES,  # tokens / sequences of a step, step outputs
     "cache_pages": DP_AXES,  # pages of the paged cache: each dp group owns its own
+    "cache_seqs": DP_AXES,  # sequences of a per-sequence cache ring: as their pages
     "heads": TP_AXES,
     "index_heads": TP_AXES,
     "mlp": TP_AXES,  # dense MLP and shared-expert intermediate
@@ -73,6 +74,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "index_head_dim": (),
     "router_experts": (),  # the router scores every expert on every device
     "page": (),
+    "ring": (),  # rows of a per-sequence cache ring
     "cache_width": (),
     # DeepSeek-V4: heads, index heads, experts, the shared expert and the vocabulary split as above;
     # the output projection's rank concatenated over the head groups is row-parallel like ``heads``.

@@ -70,8 +70,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--block-size",
         dest="page_size",
         type=int,
-        default=64,
-        help="cache page size in tokens",
+        help="cache page size in tokens (default: the model's, 64; DeepSeek-V4: 128)",
     )
     g.add_argument("--num-pages", type=int, help="cache pages (default: from device memory)")
     g.add_argument(
@@ -195,7 +194,7 @@ def _check_flags(args: argparse.Namespace) -> dict[str, int | bool]:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise StartupError("--enable-auto-tool-choice needs --tool-call-parser")
     for flag in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise StartupError(f"--{flag.replace('_', '-')} must be >= 1")
     if args.max_queue_len < 0:
         raise StartupError("--max-queue-len must be >= 0")
@@ -260,7 +259,7 @@ def build(args: argparse.Namespace) -> Server:
     _log(
         f"loaded in {time.perf_counter() - start:.1f}s; weights {weights:.2f} GiB per device; "
         f"max_model_len {engine.max_model_len}, cache {engine.stats()['cache_pages_total']} pages of "
-        f"{args.page_size}"
+        f"{llm.page_size}"
     )
     if not args.no_warmup:
         engine.warmup(progress=True)

@@ -60,7 +60,7 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_model_len: int | None = None  # default: min(max_position_embeddings, 8192)
     max_num_batched_tokens: int = 512
-    page_size: int = 64
+    page_size: int | None = None  # default: the family's (64 for GLM-5.x / V3.2)
     num_pages: int | None = None  # default: from free device memory, else enough for full concurrency
     memory_fraction: float = 0.85  # of the device memory left after the weights, for the cache
     seed: int = 0
@@ -82,17 +82,19 @@ def enable_compilation_cache() -> None:
 
 
 def _default_num_pages(
-    specs: list[CacheSpec], ec: EngineConfig, max_model_len: int, dtype, groups: int
+    specs: list[CacheSpec], ec: EngineConfig, max_model_len: int, dtype, groups: int, lookahead: int
 ) -> int:
-    """Pages over all dp groups: what fits in free device memory (each device holds its group's
-    pages of every cache in ``specs``), capped at enough for every slot to reach max_model_len."""
+    """Pages over all dp groups: what fits in free device memory once the per-sequence rings of its
+    group's slots are set aside (each device holds its group's pages and rings of every cache in
+    ``specs``), capped at enough for every slot to reach max_model_len."""
     per_seq = -(-max_model_len // ec.page_size)
     enough = per_seq * ec.max_num_seqs
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         return enough
     free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.memory_fraction
-    per_device = int(free // (sum(s.bytes_per_token(dtype) for s in specs) * ec.page_size))
+    free -= ec.max_num_seqs // groups * sum(s.sequence_bytes(dtype, lookahead) for s in specs)
+    per_device = int(max(free, 0) // sum(s.page_bytes(dtype, ec.page_size) for s in specs))
     if per_device < per_seq:
         raise ValueError(
             f"device memory holds {per_device} cache pages; "
@@ -117,6 +119,14 @@ class Engine:
         precision=None,
     ):
         enable_compilation_cache()
+        prefix_caching = config.enable_prefix_caching and family.prefix_caching(cfg)
+        if config.enable_prefix_caching and not prefix_caching:
+            log.warning(
+                "prefix caching is off: this model's cache keeps per-sequence state its pages do not hold"
+            )
+        config = dataclasses.replace(
+            config, page_size=family.page_size(cfg, config.page_size), enable_prefix_caching=prefix_caching
+        )
         self.cfg, self.config = cfg, config
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
         if self.max_model_len > cfg.max_position_embeddings:
@@ -132,8 +142,10 @@ class Engine:
                 "and this model has none loaded (the checkpoint ships no MTP weights)"
             )
         cache_specs = [family.cache_spec(cfg)] + ([family.mtp_cache_spec(cfg)] if self.num_spec else [])
+        # ring rows past a sequence's last verified position: its drafts (jaxdsa.cache)
+        lookahead = self.num_spec
         num_pages = config.num_pages or _default_num_pages(
-            cache_specs, config, self.max_model_len, dtype, groups
+            cache_specs, config, self.max_model_len, dtype, groups, lookahead
         )
         num_pages -= num_pages % groups
         if num_pages // groups * config.page_size < self.max_model_len:
@@ -159,6 +171,8 @@ class Engine:
                     num_pages,
                     config.page_size,
                     dtype,
+                    num_seqs=config.max_num_seqs,
+                    lookahead=lookahead,
                     sharding=None
                     if mesh is None
                     else {k: NamedSharding(mesh, sharding.spec(a)) for k, a in spec.axes().items()},
@@ -173,6 +187,7 @@ class Engine:
             cfg,
             model,
             cache,
+            page_size=config.page_size,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens,

@@ -204,6 +204,7 @@ class ModelRunner:
         model: nnx.Module,
         cache: Cache,
         *,
+        page_size: int,
         max_num_seqs: int,
         max_model_len: int,
         max_num_batched_tokens: int,
@@ -219,7 +220,7 @@ class ModelRunner:
         self.family, self.cfg, self.mesh, self.precision = family, cfg, mesh, precision
         self.state = ModelState(model)
         self.max_logprobs = max_logprobs
-        self.page_size = next(iter(cache.values())).shape[2]
+        self.page_size = page_size
         self.groups = groups
         self.slots_per_group = max_num_seqs // groups
         self.max_tokens = max_num_batched_tokens

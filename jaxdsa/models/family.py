@@ -53,7 +53,7 @@ class ModelFamily(Protocol):
         """Checkpoint source of every parameter of ``model`` (keyed by state path)."""
 
     def cache_spec(self, cfg) -> CacheSpec:
-        """What one token stores per layer; the engine sizes and allocates pages from it."""
+        """What the cache holds per token (and per sequence); the engine sizes and allocates it."""
 
     def mtp_cache_spec(self, cfg) -> CacheSpec:
         """The same for the next-n layers."""
@@ -90,6 +90,16 @@ class ModelFamily(Protocol):
 
     def page_columns(self, cfg, mode, page_size: int, columns: int) -> int:
         """How many page-table columns a step in ``mode`` needs out of ``columns``."""
+
+    def page_size(self, cfg, requested: int | None) -> int:
+        """The cache page size: ``requested`` (vLLM's ``--block-size``) if the family's cache can use
+        it (ValueError otherwise), or its default."""
+        return 64 if requested is None else requested
+
+    def prefix_caching(self, cfg) -> bool:
+        """Whether a request can resume from cached pages of a shared prefix (False when the cache
+        also keeps per-sequence state that the pages do not hold)."""
+        return True
 
     def decode_traffic(self, cfg, par: Parallelism, batch: int, context: int) -> dict[str, float]:
         """For the planner: per-device cache bytes read and collective bytes of one decode step,

@@ -109,7 +109,9 @@ def test_greedy_output_is_the_main_models(name, pairs):
     assert got["to-max-len"]["reason"] is FinishReason.LENGTH
     assert len(got["logprobs"]["logprobs"]) == len(got["logprobs"]["tokens"])
     stats = spec.engine.stats()
-    assert stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["preemptions"] > 0
+    # V4's rings are not in the pages: no prefix caching there (the drafts then roll back in the rings)
+    assert (stats["prefix_cache_hits"] > 0) == spec.engine.config.enable_prefix_caching
     drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
     assert drafted > 50 and accepted / drafted < 0.25  # random MTP weights: drafts are guesses
     assert stats["generated_tokens"] == base.engine.stats()["generated_tokens"]

@@ -14,9 +14,11 @@ rotary dims are rotated back at the query position, then the grouped low-rank pr
 the heads (and with them the groups, ``wo_a``'s rows and ``wo_b``'s input) split over TP, the rest
 of the layer (the one K = V head, the compressors, the indexer's keys) is replicated.
 
-Cache (per layer, every row at the slot of the token it belongs to; :mod:`.family` lists it):
-``window`` holds each token's K = V row; the compressor's ``*_state`` and ``*_entries`` pages
-and, on CSA layers, the indexer's ``index_state`` / ``index_keys`` (see :mod:`.compressor`).
+Cache (:mod:`.family` lists it): ``window`` is a per-sequence ring of the last W (+ lookahead)
+K = V rows; the compressor's ``*_state`` rings and ``*_entries`` pages (one row per m tokens) and,
+on CSA layers, the indexer's ``index_state`` / ``index_keys`` (see :mod:`.compressor`). The window's
+positions before the step come from the ring, the step's own from its rows (:mod:`.context`): two
+parts of the one merge.
 """
 
 from __future__ import annotations
@@ -46,11 +48,11 @@ def window_positions(positions: jax.Array, window: int) -> jax.Array:
     return jnp.where(keys >= 0, keys, -1)
 
 
-def complete_entries(positions: jax.Array, context: int, ratio: int) -> jax.Array:
-    """[T, context // m] the positions completing every window a query may see (HCA): entry j sits
-    at ``(j + 1) m - 1``, visible when that is <= p; -1 otherwise."""
-    ends = (jnp.arange(context // ratio, dtype=jnp.int32) + 1) * ratio - 1
-    return jnp.where(ends[None, :] <= positions[:, None], ends[None, :], -1)
+def complete_entries(positions: jax.Array, entries: int, ratio: int) -> jax.Array:
+    """[T, entries] every compressed entry a query may see (HCA): entry j, complete once position
+    ``(j + 1) m - 1`` is, i.e. ``j < (p + 1) // m``; -1 otherwise."""
+    j = jnp.arange(entries, dtype=jnp.int32)
+    return jnp.where(j[None, :] < (positions[:, None] + 1) // ratio, j[None, :], -1)
 
 
 class Attention(nnx.Module):
@@ -98,14 +100,16 @@ class Attention(nnx.Module):
         q = (q32 * jax.lax.rsqrt(jnp.mean(q32 * q32, axis=-1, keepdims=True) + self.eps)).astype(q.dtype)
         q = rotate_tail(q, cos, sin)
         kv = rotate_tail(self.kv_norm(self.wkv(x)), cos, sin)
-        window = LayerPages(cache["window"], rows[0])
-        page = window.page_size
-        window = window.write(ctx.slots(ctx.positions, page), kv)
-        cache = {**cache, "window": window.stacked}
-        attend = lambda pages, positions: ops.sparse_mla(  # noqa: E731
-            q, *pages.rows(ctx.slots(positions, page)), sm_scale=self.softmax_scale, v_dim=q.shape[-1]
+        attend = lambda kv_rows, at: ops.sparse_mla(  # noqa: E731
+            q, kv_rows, at, sm_scale=self.softmax_scale, v_dim=q.shape[-1]
         )
-        parts = [attend(window, window_positions(ctx.positions, self.window))]
+        window = LayerPages(cache["window"], rows[0])
+        keys = window_positions(ctx.positions, self.window)
+        parts = [
+            attend(*window.rows(ctx.ring_slots(keys, window.page_size))),  # before the step: the ring
+            attend(kv, ctx.step_rows(keys)),  # the step's own rows
+        ]
+        cache = {**cache, "window": window.write(ctx.ring_writes(window.page_size), kv).stacked}
         if self.compressor is not None:
             state_name, entries_name = COMPRESSED_ENTRIES[self.kind]
             state, entries = self.compressor(
@@ -122,8 +126,9 @@ class Attention(nnx.Module):
                 )
                 cache |= {"index_state": index_state.stacked, "index_keys": index_keys.stacked}
             else:
-                picked = complete_entries(ctx.positions, ctx.meta.page_table.shape[1] * page, self.ratio)
-            parts.append(attend(entries, picked))
+                columns = ctx.meta.page_table.shape[1] * entries.page_size
+                picked = complete_entries(ctx.positions, columns, self.ratio)
+            parts.append(attend(*entries.rows(ctx.slots(picked, entries.page_size))))
         outs, lses = zip(*parts)
         o, _ = ops.merge_states(jnp.stack(outs), jnp.stack(lses), sink=self.sink[...])
         return self.output(o, cos, sin), cache

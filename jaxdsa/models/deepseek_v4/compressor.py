@@ -6,13 +6,13 @@ scores ``Z + ape[o]``. Entry j is the per-channel softmax-weighted sum of its wi
 the first d channels of window j - 1's rows and the last d channels of window j's rows, 2m slots),
 RMSNorm'ed, then roped at position ``j * m`` (the window's first token) with the compress RoPE.
 
-Over the paged cache nothing is carried per sequence. Each token writes its own source row
-``[C | Z + ape]`` (float32) at its own slot of the ``state`` pages, and the token that completes a
-window (position ``(j + 1) m - 1``) reads its window's rows back (CSA: and the previous window's),
-pools them and writes entry j at **its own** slot of the ``entries`` pages. What the reference keeps
-as the compressor's carried state (the last ``T mod m`` rows, CSA's previous window) is thus the
-last rows of the state pages: a chunk may end anywhere inside a window, a prefix-cached page holds
-only what its own tokens determine, and a preempted sequence is recomputed like any other.
+In the cache each token's source row ``[C | Z + ape]`` (float32) goes to a per-sequence ring of
+``m`` rows (CSA: ``2 m``, the previous window too), plus the speculative lookahead, and entry j to
+row j of the ``entries`` pages (one row per m tokens). The token completing a window (position
+``(j + 1) m - 1``) pools its window's rows: those of earlier steps from the ring, those of this step
+from the step's own rows (:mod:`.context`). This is the reference's carried state (the last
+``T mod m`` rows, CSA's previous window) kept per position: a chunk may end anywhere inside a window,
+and a speculative step's rejected rows are rewritten before they are read.
 """
 
 from __future__ import annotations
@@ -60,18 +60,24 @@ class Compressor(nnx.Module):
     def __call__(
         self, x: jax.Array, ctx: V4Context, state: LayerPages, entries: LayerPages
     ) -> tuple[LayerPages, LayerPages]:
-        """Write the step's source rows, then the entry of every window a token of the step completes."""
-        m, positions, page = self.ratio, ctx.positions, state.page_size
+        """Write the entry of every window a token of the step completes, and the step's source rows."""
+        m, positions = self.ratio, ctx.positions
         kv = self.wkv(x)
-        score = self.wgate(x) + self.ape[...][positions % m]
-        slots = ctx.slots(positions, page)
-        state = state.write(slots, jnp.concatenate([kv, score], axis=-1))
-        # Each token reads its own window (CSA: and the one before), rows past itself masked out.
-        start = positions // m * m
-        rows = start[:, None] + jnp.arange(-m if self.overlap else 0, m, dtype=jnp.int32)[None, :]
-        valid = ((rows >= 0) & (rows <= positions[:, None]))[..., None]
-        flat, at = state.rows(ctx.slots(rows, page))
-        got = flat[jnp.maximum(at, 0)].astype(jnp.float32)  # [T, (1 | 2) m, 2 c d]
+        rows = jnp.concatenate([kv, self.wgate(x) + self.ape[...][positions % m]], axis=-1)  # [T, 2 c d]
+        # Only the tokens completing a window pool: at most T // m + (one per sequence) of them.
+        T, B = positions.shape[0], ctx.meta.page_table.shape[0]
+        complete = (ctx.meta.seq_ids >= 0) & (positions % m == m - 1)
+        n = min(T, T // m + B)
+        (at,) = jnp.nonzero(complete, size=n, fill_value=0)
+        done = ctx.take(at, jnp.arange(n) < jnp.sum(complete))
+        start = done.positions // m * m
+        source = start[:, None] + jnp.arange(-m if self.overlap else 0, m, dtype=jnp.int32)[None, :]
+        flat, ring_at = state.rows(done.ring_slots(source, state.page_size))
+        step_at = done.step_rows(source)
+        got = jnp.where(
+            (step_at >= 0)[..., None], rows[jnp.maximum(step_at, 0)], flat[jnp.maximum(ring_at, 0)]
+        )  # [n, (1 | 2) m, 2 c d]
+        valid = (source >= 0)[..., None]
         cd = kv.shape[-1]
         kv_rows = jnp.where(valid, got[..., :cd], 0.0)
         score_rows = jnp.where(valid, got[..., cd:], -jnp.inf)
@@ -81,5 +87,5 @@ class Compressor(nnx.Module):
             score_rows = jnp.concatenate([score_rows[:, :m, :d], score_rows[:, m:, d:]], axis=1)
         pooled = ops.compress_pool(kv_rows, score_rows, self.norm.weight[...], eps=self.eps)
         entry = rotate_tail(pooled, *cos_sin(start, self.rope, self.rope_dims))
-        complete = positions % m == m - 1
-        return state, entries.write(jnp.where(complete, slots, -1), entry)
+        entries = entries.write(done.slots(done.positions // m, entries.page_size), entry)
+        return state.write(ctx.ring_writes(state.page_size), rows), entries

@@ -1,32 +1,31 @@
 """DeepSeek-V4 on the model-family seam (:class:`jaxdsa.models.family.ModelFamily`).
 
-The cache (models.md §5.3-§5.5 describe what serving engines keep; this is a simpler layout, chosen
-to be exact under chunked prefill, prefix caching and preemption with nothing outside the pages).
-Every row lives at the slot of the token it belongs to, so a page holds only what its own tokens
-determine and there is no per-sequence state:
+The cache (models.md §5.3-§5.6: the released engines' compact layout, in the model's dtype):
+what only the last positions need is a per-sequence ring (W rows of the window, the compressor's
+m or 2m source rows, each plus the speculative lookahead); what every later query may read is paged,
+one row per m tokens:
 
-=================  ===================  ===================  ===========================================
-entry              layers               width                written at the slot of
-=================  ===================  ===================  ===========================================
-``window``         all                  head_dim             every token: its K = V row (read: the last W)
-``csa_state``      CSA                  4 head_dim, f32      every token: ``[C | Z + ape]`` of its compressor
-``csa_entries``    CSA                  head_dim             the token completing a window: the entry
-``index_state``    CSA                  4 index_head_dim     every token: the indexer compressor's row, f32
-``index_keys``     CSA                  index_head_dim       the token completing a window: the index key
-``hca_state``      HCA                  2 head_dim, f32      every token: ``[C | Z + ape]``
-``hca_entries``    HCA                  head_dim             the token completing a window: the entry
-=================  ===================  ===================  ===========================================
+=================  ===========  ===================  ===========================================
+entry              layers       width                rows
+=================  ===========  ===================  ===========================================
+``window``         all          head_dim             ring of W: each token's K = V row
+``csa_state``      CSA          4 head_dim, f32      ring of 2m: ``[C | Z + ape]`` of the compressor
+``csa_entries``    CSA          head_dim             paged, 1 per m tokens: the compressed entries
+``index_state``    CSA          4 index_head_dim     ring of 2m: the indexer compressor's rows, f32
+``index_keys``     CSA          index_head_dim       paged, 1 per m tokens: the indexer's keys
+``hca_state``      HCA          2 head_dim, f32      ring of m: ``[C | Z + ape]``
+``hca_entries``    HCA          head_dim             paged, 1 per m tokens
+=================  ===========  ===================  ===========================================
 
-The compressor's carried state of the reference (the last ``T mod m`` rows and CSA's previous window)
-is thereby per token: the completing token reads its window's state rows back from the pages. Pages
-are sized like every family's: ``page_size`` tokens of every entry, ``bytes_per_token`` summed over
-the entries (float32 state included). That is far more than the released engines' layout (a ring of
-W window rows, entries 1/m as dense, state for 2m rows per sequence); it is the correct baseline
-those optimizations will be tested against.
+For V4-Flash that is 6.4 KB per token (bf16) and 18 MB per sequence. A ring holds only what its
+sequence computed, so a cached prefix cannot be resumed from its pages alone: prefix caching is off
+for V4 (:meth:`V4Family.prefix_caching`). The page size must be a multiple of every compression
+ratio (a page holds whole windows), 128 for the released models, like vLLM's V4 block size.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -45,20 +44,33 @@ from jaxdsa.sharding import Parallelism
 STEP = "window+compressed"
 
 
-def _cache_spec(cfg: V4Config, kinds: list[str]) -> CacheSpec:
-    d, di = cfg.head_dim, cfg.index_head_dim
-    csa, hca = kinds.count(CSA), kinds.count(HCA)
+def _cache_spec(cfg: V4Config, layers: list[tuple[str, int]]) -> CacheSpec:
+    """The cache of ``layers`` ((kind, ratio) each): a kind's layers are stacked, so share a ratio."""
+    d, di, W = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
+    ratio = {kind: {m for k, m in layers if k == kind} for kind in (CSA, HCA)}
+    for kind, ratios in ratio.items():
+        if len(ratios) > 1:
+            raise ValueError(
+                f"DeepSeek-V4: the {kind} layers have several compression ratios {sorted(ratios)}"
+            )
+    csa, hca = [sum(k == kind for k, _ in layers) for kind in (CSA, HCA)]
+    m_csa, m_hca = min(ratio[CSA] or {1}), min(ratio[HCA] or {1})
+    f32 = jnp.float32
     return CacheSpec(
         {
-            "window": CacheEntry(len(kinds), d),
-            "csa_state": CacheEntry(csa, 4 * d, jnp.float32),
-            "csa_entries": CacheEntry(csa, d),
-            "index_state": CacheEntry(csa, 4 * di, jnp.float32),
-            "index_keys": CacheEntry(csa, di),
-            "hca_state": CacheEntry(hca, 2 * d, jnp.float32),
-            "hca_entries": CacheEntry(hca, d),
+            "window": CacheEntry(len(layers), d, ring=W),
+            "csa_state": CacheEntry(csa, 4 * d, f32, ring=2 * m_csa),
+            "csa_entries": CacheEntry(csa, d, ratio=m_csa),
+            "index_state": CacheEntry(csa, 4 * di, f32, ring=2 * m_csa),
+            "index_keys": CacheEntry(csa, di, ratio=m_csa),
+            "hca_state": CacheEntry(hca, 2 * d, f32, ring=m_hca),
+            "hca_entries": CacheEntry(hca, d, ratio=m_hca),
         }
     )
+
+
+def _ratios(cfg: V4Config) -> set[int]:
+    return {m for m in (*cfg.compress_ratios, cfg.mtp_compress_ratio) if m}
 
 
 def _check_splits(cfg: V4Config, par: Parallelism) -> None:
@@ -112,10 +124,26 @@ class V4Family(ModelFamily):
         return params.param_spec(cfg, model)
 
     def cache_spec(self, cfg: V4Config) -> CacheSpec:
-        return _cache_spec(cfg, list(cfg.layer_types))
+        return _cache_spec(cfg, list(zip(cfg.layer_types, cfg.compress_ratios)))
 
     def mtp_cache_spec(self, cfg: V4Config) -> CacheSpec:
-        return _cache_spec(cfg, [cfg.mtp_layer_type])
+        return _cache_spec(cfg, [(cfg.mtp_layer_type, cfg.mtp_compress_ratio)])
+
+    def page_size(self, cfg: V4Config, requested: int | None) -> int:
+        """A page holds whole compression windows: a multiple of every ratio (default: the least one
+        of at least 64)."""
+        multiple = math.lcm(*_ratios(cfg))
+        if requested is None:
+            return multiple * -(-64 // multiple)
+        if requested % multiple:
+            raise ValueError(
+                f"DeepSeek-V4: page size (--block-size) {requested} is not a multiple of the compression "
+                f"ratios {sorted(_ratios(cfg))} (config.json); use a multiple of {multiple}"
+            )
+        return requested
+
+    def prefix_caching(self, cfg: V4Config) -> bool:
+        return False
 
     def hidden(self, model: V4Model, tokens, positions, cache: Cache, meta: StepMeta, mode):
         return model(tokens, positions, cache, meta)
@@ -138,14 +166,16 @@ class V4Family(ModelFamily):
     def decode_traffic(self, cfg: V4Config, par: Parallelism, batch: int, context: int) -> dict[str, float]:
         """Per device, one decode step of ``batch`` sequences per dp group at ``context`` tokens: the
         window rows, the compressed entries each layer attends (CSA: top-k, HCA: all), the index keys
-        the indexer scores and the state rows of the windows being pooled (the cache is whole on every
-        TP device: one K = V head); collectives as :func:`~jaxdsa.models.family.collective_bytes`."""
+        the indexer scores (one per m tokens) and the state rows every token gathers for pooling (a
+        decode step pools for every row, since whether a row completes a window is data), the cache
+        being whole on every TP device (one K = V head); collectives as
+        :func:`~jaxdsa.models.family.collective_bytes`."""
         item = 2  # bf16 rows; the state is float32
         d, di, rows = cfg.head_dim, cfg.index_head_dim, 0.0
         for kind, m in zip(cfg.layer_types, cfg.compress_ratios):
             rows += min(context, cfg.sliding_window) * d * item
             if kind == CSA:
-                rows += min(cfg.index_topk, context // m) * d * item + context * di * item
+                rows += min(cfg.index_topk, context // m) * d * item + context // m * di * item
                 rows += 2 * m * 4 * (d + di) * 4
             elif kind == HCA:
                 rows += context // m * d * item + m * 2 * d * 4
@@ -157,7 +187,9 @@ class V4Family(ModelFamily):
                 hidden=cfg.hidden_size,
                 layers=cfg.num_hidden_layers,
                 moe_layers=cfg.num_hidden_layers,
-                indexer_rows=cfg.layer_types.count(CSA) * context,
+                indexer_rows=sum(
+                    context // m for kind, m in zip(cfg.layer_types, cfg.compress_ratios) if kind == CSA
+                ),
                 experts_per_token=cfg.num_experts_per_tok,
             ),
             "experts_per_token": cfg.num_experts_per_tok,

@@ -5,10 +5,9 @@ per-head queries from the attention's q latent: ``I(p, j) = sum_h w_h relu(q_h .
 ``w = weights_proj(x) * index_head_dim^-0.5 * index_n_heads^-0.5``, over the entries complete at
 position p, and keeps the top ``index_topk``; -1 marks empty picks.
 
-Key j sits at the slot of the token that completed its window, position ``(j + 1) m - 1`` (see
-:mod:`.compressor`), so the paged indexer op scores every position ``s <= p`` of the query's
-sequence and the positions that complete no window are masked out: the selection is returned as
-those positions, which address the compressed entries the same way.
+Key j is row j of the sequence's key pages (one row per m tokens, :mod:`.compressor`), so the
+paged indexer op scores the keys ``j <= (p + 1) // m - 1`` (the complete ones) and the selection is
+returned as entry indices, which address the compressed entries the same way.
 """
 
 from __future__ import annotations
@@ -58,13 +57,12 @@ class Indexer(nnx.Module):
     def __call__(
         self, x: jax.Array, q_lat: jax.Array, ctx: V4Context, state: LayerPages, keys: LayerPages
     ) -> tuple[jax.Array, LayerPages, LayerPages]:
-        """-> (selected key positions [T, K] int32, -1 = none; the indexer's state and key pages)."""
+        """-> (selected entries [T, K] int32, -1 = none; the indexer's state ring and key pages)."""
         state, keys = self.compressor(x, ctx, state, keys)
         q = rotate_tail(self.wq_b(q_lat), *ctx.compress)
         w = self.weights_proj(x) * self.scale
         k_pages, table = keys.pages(ctx.meta.page_table)
-        logits = ops.indexer_logits_paged(q, w, k_pages, table, ctx.meta.seq_ids, ctx.positions)
-        s = jnp.arange(logits.shape[1], dtype=jnp.int32)
-        logits = jnp.where((s + 1) % self.ratio == 0, logits, -jnp.inf)
-        k = max(1, min(self.topk, logits.shape[1] // self.ratio))
+        last = (ctx.positions + 1) // self.ratio - 1  # the last complete key
+        logits = ops.indexer_logits_paged(q, w, k_pages, table, ctx.meta.seq_ids, last)
+        k = max(1, min(self.topk, logits.shape[1]))
         return ops.topk_indices(logits, k), state, keys

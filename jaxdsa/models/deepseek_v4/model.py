@@ -5,7 +5,7 @@
 head. A block is two hyper-connection sites around attention and the MoE. Layers of one kind
 (attention type, hash routing) are stacked and scanned (:mod:`jaxdsa.models.layer_groups`). Every
 layer writes its cache rows at its model-layer index (``window``) or at its index among the layers
-of its kind (the compressed layers' entries), see :mod:`.family`.
+of its kind (the compressed layers' state and entries), see :mod:`.family`.
 
 :meth:`V4Model.draft` runs the MTP block (models.md §3.10; DeepSeek's ``MTPBlock``, HF has none)
 on the main model's final streams with its own cache.
@@ -95,7 +95,7 @@ class V4Model(nnx.Module):
         cfg = self.cfg
         main = cos_sin(positions, cfg.rope, cfg.qk_rope_head_dim)
         compress = cos_sin(positions, cfg.compress_rope, cfg.qk_rope_head_dim)
-        return V4Context(tokens, positions, meta, main, compress)
+        return V4Context(tokens, positions, meta, main, compress, *V4Context.segments(positions, meta))
 
     def __call__(self, tokens, positions, cache: Cache, meta: StepMeta) -> tuple[jax.Array, Cache]:
         """Run every block -> (the final streams [T, n, D] of every token, the new cache)."""

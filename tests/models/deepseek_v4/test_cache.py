@@ -17,9 +17,12 @@ import pytest
 import jaxdsa
 from jaxdsa.cache import StepMeta, init_cache
 from jaxdsa.engine.runner import ModelState
+from jaxdsa.engine.speculative import SpeculativeConfig
+from jaxdsa.models.registry import family_for
 from tests.conftest import FIXTURES
 
 PAGE, STEP_TOKENS, TOLERANCE = 8, 8, 1e-4
+SPEC_2 = {"method": "mtp", "num_speculative_tokens": 2}
 
 
 def rel_l2(got, want):
@@ -49,7 +52,7 @@ def test_chunked_prefill_and_decode_equal_the_full_forward(llm, golden):
         table[s, : len(p)] = p
     family, state = llm.family, ModelState(llm.model)
     step = jax.jit(lambda leaves, *args: family.step(state.model(leaves), *args, None))
-    cache = init_cache(family.cache_spec(llm.config), 16, PAGE, jnp.float32)
+    cache = init_cache(family.cache_spec(llm.config), 16, PAGE, jnp.float32, num_seqs=2)
     done, got = [0, 0], [{}, {}]
     while done != [len(p) for p in prompts]:
         tokens, positions, seq_ids = [], [], []
@@ -86,9 +89,10 @@ def test_mtp_block(llm, golden):
     assert rel_l2(np.asarray(logits), golden["mtp_logits"]).max() <= TOLERANCE
 
 
-def test_engine_chunks_decodes_and_prefix_pages(golden):
+def test_engine_chunks_decodes_and_recomputes_a_repeated_prompt(golden):
     """Through the engine: a 6-token budget splits prompts inside windows and mixes prefill chunks
-    with decodes of another request; a repeated prompt then reuses the first one's cached pages."""
+    with decodes of another request (whose slot's rings the first request's used before); a repeated
+    prompt is computed again (no prefix caching: the rings are not in the pages) to the same result."""
     llm = jaxdsa.LLM(
         FIXTURES / "dsv4",
         dtype="float32",
@@ -103,7 +107,45 @@ def test_engine_chunks_decodes_and_prefix_pages(golden):
     assert tokens[0] == golden["greedy_tokens"].tolist()
     assert rel_l2(logits[0], golden["greedy_logits"]).max() <= TOLERANCE
     assert rel_l2(logits[1][:1], golden["logits_long"][-1:]).max() <= TOLERANCE
-    hits = llm.engine.stats()["prefix_cache_hits"]
     again, logits = llm.generate([greedy], max_new_tokens=n, return_logits=True)
-    assert llm.engine.stats()["prefix_cache_hits"] > hits
+    assert llm.engine.stats()["prefix_cache_hits"] == 0 and not llm.engine.config.enable_prefix_caching
     assert again[0] == tokens[0] and rel_l2(logits[0], golden["greedy_logits"]).max() <= TOLERANCE
+
+
+def test_compact_layout_at_released_sizes():
+    """V4-Flash / V4-Pro: one row per m tokens of the compressed entries and index keys, rings of W,
+    2m and m rows per sequence (models.md §5.6, counted here from the config independently), and
+    the page size a multiple of every ratio."""
+    from jaxdsa.models.deepseek_v4.config import v4_config_from_dict
+    from jaxdsa.models.deepseek_v4.presets import RELEASED
+
+    family = family_for("deepseek_v4")
+    for raw in RELEASED.values():
+        cfg = v4_config_from_dict(raw)
+        spec, ratios = family.cache_spec(cfg), raw["compress_ratios"][: raw["num_hidden_layers"]]
+        csa, hca = ratios.count(4), ratios.count(128)
+        assert csa + hca + ratios.count(0) == len(ratios) and csa and hca
+        d, di, W = raw["head_dim"], raw["index_head_dim"], raw["sliding_window"]
+        assert spec.bytes_per_token(jnp.bfloat16, 128) == csa * (d + di) * 2 / 4 + hca * d * 2 / 128
+        rings = len(ratios) * W * d * 2 + csa * 8 * 4 * (d + di) * 4 + hca * 128 * 2 * d * 4
+        assert spec.sequence_bytes(jnp.bfloat16) == rings
+        assert spec.sequence_bytes(jnp.bfloat16, lookahead=2) > rings
+        assert family.page_size(cfg, None) == 128 and family.page_size(cfg, 256) == 256
+        with pytest.raises(ValueError, match="--block-size.* 64 is not a multiple"):
+            family.page_size(cfg, 64)
+    flash = v4_config_from_dict(RELEASED["v4-flash"])
+    assert family.cache_spec(flash).bytes_per_token(jnp.bfloat16, 128) < 7 * 1024  # was 388 KB
+
+
+def test_engine_rings_hold_every_slot_and_the_draft_lookahead(llm):
+    """The engine's cache: rings [layers, max_num_seqs, rows + drafts, width], pages one row per m."""
+    engine = llm.new_engine(max_num_seqs=4, num_pages=32)
+    cache, cfg = engine.runner.cache, llm.config
+    assert cache["window"].shape == (cfg.num_hidden_layers, 4, cfg.sliding_window, cfg.head_dim)
+    assert cache["hca_state"].shape[1:3] == (4, 8) and cache["csa_state"].shape[1:3] == (4, 8)
+    assert cache["csa_entries"].shape[1:3] == (32, PAGE // 4) and cache["hca_entries"].shape[1:3] == (32, 1)
+    spec = llm.new_engine(max_num_seqs=4, num_pages=32, speculative=SpeculativeConfig.parse(SPEC_2))
+    assert spec.runner.cache["window"].shape[2] == cfg.sliding_window + 2
+    assert spec.runner.mtp_cache["window"].shape[1:3] == (4, cfg.sliding_window + 2)
+    with pytest.raises(ValueError, match="not a multiple of the compression ratios"):
+        jaxdsa.LLM(FIXTURES / "dsv4", dtype="float32", page_size=12, progress=False)
