@@ -9,6 +9,7 @@ dequantizing kernels run). Writes ``benchmarks/results/model-check-<gpu>.md``.
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import sys
 import time
@@ -30,10 +31,14 @@ def rel_l2(got, want) -> float:
     return float((np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)).max())
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="golden fixtures through the active kernels")
+    p.add_argument("--only", nargs="+", choices=NAMES, default=NAMES, help="these fixtures")
+    p.add_argument("--suffix", default="", help="results file name suffix, e.g. -v4")
+    args = p.parse_args(argv)
     print(f"kernels: {ops.get_kernels()}")
     failures, rows = 0, []
-    for name in NAMES:
+    for name in args.only:
         start = time.perf_counter()
         golden = np.load(FIXTURES / name / "golden.npz")
         llm = jaxdsa.LLM(FIXTURES / name, dtype="float32", page_size=8, progress=False, max_model_len=64)
@@ -65,7 +70,7 @@ def main() -> int:
         harness.markdown_table(rows, list(rows[0])),
         "",
     ]
-    print(harness.write_result("model-check", "\n".join(lines), rows=rows))
+    print(harness.write_result("model-check", "\n".join(lines), suffix=args.suffix, rows=rows))
     return 1 if failures else 0
 
 
