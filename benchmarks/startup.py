@@ -7,6 +7,8 @@ abstractly, draw the weights on the device, and compile every (token bucket, ste
 
     python -m benchmarks.startup                       # tiny GLM-5 widths, 4 and 78 layers (CPU)
     python -m benchmarks.startup --widths glm5 --layers 4 78 --max-num-batched-tokens 2048
+    python -m benchmarks.startup --widths glm5 --quantization int4 --experts 16 --scan-layers on \
+        --layers 78 --suffix=-glm5-int4-78   # GLM-5 widths on one GPU: fewer experts so 78 layers fit
 
 Writes benchmarks/results/startup-<device>.md (and the JSON beside it).
 """
@@ -24,8 +26,10 @@ import time
 TINY = "glm5"  # a checkpoints.tiny_presets name
 
 
-def model_config(widths: str, layers: int) -> dict:
-    """config.json of a GLM-5 model at ``layers`` layers: the tiny preset's widths or GLM-5's."""
+def model_config(widths: str, layers: int, experts: int | None = None) -> dict:
+    """config.json of a GLM-5 model at ``layers`` layers: the tiny preset's widths or GLM-5's, with
+    ``experts`` routed experts per layer if given (each of GLM-5's width: what one GPU holds of a
+    78-layer model is a model with fewer experts, not narrower ones)."""
     if widths == "tiny":
         from checkpoints.tiny_presets import TINY_PRESETS
 
@@ -34,7 +38,10 @@ def model_config(widths: str, layers: int) -> dict:
         from benchmarks.serve_gpu import GLM5
 
         raw = dict(GLM5)
-    return {**raw, "num_hidden_layers": layers, "indexer_types": ["full"] * layers}
+    raw = {**raw, "num_hidden_layers": layers, "indexer_types": ["full"] * layers}
+    if experts is not None:
+        raw |= {"n_routed_experts": experts, "n_group": 1, "topk_group": 1}
+    return raw
 
 
 def child(args: argparse.Namespace) -> None:
@@ -57,6 +64,8 @@ def child(args: argparse.Namespace) -> None:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        quantization=args.quantization,
+        scan_layers={"on": True, "off": False, "auto": None}[args.scan_layers],
     )
     jax.block_until_ready(nnx.state(llm.model))
     loaded = time.perf_counter()
@@ -82,6 +91,7 @@ def run_start(model_dir: str, cache_dir: str, args: argparse.Namespace) -> dict:
     cmd += ["--cache-dir", cache_dir, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
     cmd += ["--max-num-seqs", str(args.max_num_seqs)]
     cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    cmd += ["--quantization", args.quantization, "--scan-layers", args.scan_layers]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -94,6 +104,14 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument(
+        "--quantization", default="dequantize", help="dummy weights: dequantize (bf16) | int4 | fp8"
+    )
+    parser.add_argument("--experts", type=int, help="routed experts per layer (default: the preset's)")
+    parser.add_argument(
+        "--scan-layers", choices=["auto", "on", "off"], default="auto", help="LLM(scan_layers=...)"
+    )
+    parser.add_argument("--suffix", default="", help="results file name suffix")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
@@ -110,7 +128,7 @@ def main() -> None:
             model_dir, cache_dir = os.path.join(tmp, f"model{layers}"), os.path.join(tmp, f"cache{layers}")
             os.makedirs(model_dir)
             with open(os.path.join(model_dir, "config.json"), "w", encoding="utf-8") as fh:
-                json.dump(model_config(args.widths, layers), fh)
+                json.dump(model_config(args.widths, layers, args.experts), fh)
             for kind in ("cold", "warm"):  # warm reads what cold wrote
                 result = run_start(model_dir, cache_dir, args)
                 rows.append({"layers": layers, "start": kind, **result})
@@ -123,6 +141,8 @@ def main() -> None:
     lines = harness.report_header(
         f"Start-up against depth ({args.widths} widths, dummy {args.dtype} weights)",
         {
+            "weights": f"--quantization {args.quantization}, routed experts per layer "
+            f"{args.experts or 'as the preset'}, scan_layers {args.scan_layers}",
             "step variants compiled": f"{rows[0]['variants']} (token buckets x step modes)",
             "engine": f"max_num_batched_tokens {args.max_num_batched_tokens}, "
             f"max_num_seqs {args.max_num_seqs}, max_model_len {args.max_model_len}",
@@ -140,7 +160,7 @@ def main() -> None:
         ),
         "",
     ]
-    path = harness.write_result("startup", "\n".join(lines))
+    path = harness.write_result("startup", "\n".join(lines), suffix=args.suffix)
     harness.dump_json(str(path.with_suffix(".json")), rows)
     print(path)
 
