@@ -66,7 +66,10 @@ class LLM:
     (see :mod:`jaxdsa.sharding`); ``dp_attention``: the dp groups share the experts (``ep``
     counts the shards over all of them). Weights load straight into their sharded layout.
     ``max_logprobs``: the most top logprobs a request served by :attr:`engine` may ask for;
-    ``enable_prefix_caching``: its requests reuse the cache pages of token prefixes computed before.
+    ``enable_prefix_caching``: its requests reuse the cache pages of token prefixes computed before
+    (not for DeepSeek-V4, whose per-sequence rings the pages do not hold). ``page_size``: cache page
+    size in tokens (vLLM's block size; default the family's: 64, DeepSeek-V4 128, which needs a
+    multiple of its compression ratios).
     ``scan_layers``: stack layers of one kind and run them under ``lax.scan`` (compile time
     independent of depth). The default scans except with the Pallas kernels: a kernel is an XLA
     custom call, so inside a scan XLA copies the slice of each stacked weight it reads out of the
