@@ -71,10 +71,10 @@ def device_weight_bytes(family: ModelFamily, cfg, par: Parallelism, weights: str
     return sum(shard_elements(leaf, par) * leaf.width for leaf in parameter_leaves(family, cfg, par, weights))
 
 
-def cache_bytes_per_token(family: ModelFamily, cfg, page_size: int | None = None) -> float:
-    """bf16 cache rows of one token at the family's page size (per device: the cache is replicated
-    over tp and split over dp by sequence)."""
-    return family.cache_spec(cfg).bytes_per_token(jnp.bfloat16, family.page_size(cfg, page_size))
+def cache_bytes_per_token(family: ModelFamily, cfg) -> float:
+    """bf16 cache rows of one token at the family's default page size (per device: the cache is
+    replicated over tp and split over dp by sequence)."""
+    return family.cache_spec(cfg).bytes_per_token(jnp.bfloat16, family.page_size(cfg, None))
 
 
 def cache_bytes_per_sequence(family: ModelFamily, cfg) -> int:

@@ -24,6 +24,8 @@ from jaxdsa.sharding import Axes, Parallelism
 
 Path = tuple[Any, ...]
 
+DEFAULT_PAGE_SIZE = 64  # cache page size in tokens, unless a family needs another
+
 
 class ModelFamily(Protocol):
     """One architecture family. ``cfg`` is the family's own (frozen, hashable) config type."""
@@ -94,7 +96,7 @@ class ModelFamily(Protocol):
     def page_size(self, cfg, requested: int | None) -> int:
         """The cache page size: ``requested`` (vLLM's ``--block-size``) if the family's cache can use
         it (ValueError otherwise), or its default."""
-        return 64 if requested is None else requested
+        return DEFAULT_PAGE_SIZE if requested is None else requested
 
     def prefix_caching(self, cfg) -> bool:
         """Whether a request can resume from cached pages of a shared prefix (False when the cache

@@ -82,7 +82,7 @@ class V4Context:
         segment (-1 for positions of the step, negative positions and padding)."""
         seq = self._per_token(self.meta.seq_ids, positions)
         before = (seq >= 0) & (positions >= 0) & (positions < self._per_token(self.segment_start, positions))
-        return jnp.where(before, seq * ring + positions % ring, -1)
+        return _ring_slot(before, seq, positions, ring)
 
     def step_rows(self, positions: jax.Array) -> jax.Array:
         """Step indices of positions of each token's own segment (-1 for positions before it)."""
@@ -95,4 +95,9 @@ class V4Context:
         longer segment's earlier tokens would share rows with them), -1 for the rest."""
         seq, p = self.meta.seq_ids, self.positions
         keep = (seq >= 0) & (p > self.segment_end - ring)
-        return jnp.where(keep, seq * ring + p % ring, -1)
+        return _ring_slot(keep, seq, p, ring)
+
+
+def _ring_slot(valid: jax.Array, seq: jax.Array, positions: jax.Array, ring: int) -> jax.Array:
+    """Position t of sequence s sits in row ``t % ring`` of that sequence's ring; -1 where not valid."""
+    return jnp.where(valid, seq * ring + positions % ring, -1)

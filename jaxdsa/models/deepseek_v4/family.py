@@ -17,7 +17,7 @@ entry              layers       width                rows
 ``hca_entries``    HCA          head_dim             paged, 1 per m tokens
 =================  ===========  ===================  ===========================================
 
-For V4-Flash that is 6.4 KB per token (bf16) and 18 MB per sequence. A ring holds only what its
+For V4-Flash that is 6.9 KB per token (bf16) and 17 MiB per sequence. A ring holds only what its
 sequence computed, so a cached prefix cannot be resumed from its pages alone: prefix caching is off
 for V4 (:meth:`V4Family.prefix_caching`). The page size must be a multiple of every compression
 ratio (a page holds whole windows), 128 for the released models, like vLLM's V4 block size.
@@ -37,7 +37,7 @@ from jaxdsa.cache import Cache, CacheEntry, CacheSpec, StepMeta
 from jaxdsa.models.deepseek_v4 import params
 from jaxdsa.models.deepseek_v4.config import CSA, HCA, MODEL_TYPE, V4Config, v4_config_from_dict
 from jaxdsa.models.deepseek_v4.model import V4Model
-from jaxdsa.models.family import ModelFamily, collective_bytes
+from jaxdsa.models.family import DEFAULT_PAGE_SIZE, ModelFamily, collective_bytes
 from jaxdsa.sharding import Parallelism
 
 # V4 has one step variant: every step runs the window, the compressors and the indexer.
@@ -131,10 +131,10 @@ class V4Family(ModelFamily):
 
     def page_size(self, cfg: V4Config, requested: int | None) -> int:
         """A page holds whole compression windows: a multiple of every ratio (default: the least one
-        of at least 64)."""
+        of at least the usual default)."""
         multiple = math.lcm(*_ratios(cfg))
         if requested is None:
-            return multiple * -(-64 // multiple)
+            return multiple * -(-DEFAULT_PAGE_SIZE // multiple)
         if requested % multiple:
             raise ValueError(
                 f"DeepSeek-V4: page size (--block-size) {requested} is not a multiple of the compression "
