@@ -10,8 +10,8 @@ Run ``python -m benchmarks.quant`` on a GPU. Per format and T it times, in one p
 * ``pallas:software``: FP8 with the sm_80 integer e4m3 decode forced (``decode="software"``), the
   path A100s run (on parts where it is the default, ``pallas`` is that path already); FP4 is
   always decoded with integer ops, on every part;
-* variants (``QUANT_VARIANTS=0`` skips them): INT4 with the other INT4 arithmetic
-  (``pallas:int4-f32`` / ``-bf16``, :func:`pallas_kernels.quant_matmul.decode.int4_decode`), and at
+* variants (``QUANT_VARIANTS=0`` skips them): INT4 with each other INT4 arithmetic
+  (``pallas:int4-f32`` / ``-bf16`` / ``-ptx``, :func:`pallas_kernels.quant_matmul.decode.int4_decode`), and at
   T <= 32 two 4-bit MoE tile variants (4 warps; 64-column tiles);
 * ``torch``: dequantize to bf16 then ``torch._grouped_mm`` / ``torch.matmul``
   (:mod:`benchmarks.torch_peer`) on the same arrays, shared through DLPack; skipped without torch;
@@ -426,7 +426,7 @@ VARIANT_TOKENS = (1, 8, 32)  # 4-bit MoE tile variants are tried at these T
 def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
     """The JAX rows of a case. bf16: the bf16 MoE kernel and XLA's dot (the unquantized baselines).
     FP8: also the software e4m3 decode where it is not already the default (sm_80 / sm_86, the CPU).
-    INT4: also the other INT4 arithmetic (:func:`decode.int4_decode`); 4-bit MoE (INT4, FP4) at small
+    INT4: also each other INT4 arithmetic (:func:`decode.int4_decode`); 4-bit MoE (INT4, FP4) at small
     T: two tile variants (4 warps, the tiles' own before ``warps_4bit``; 64-column tiles, twice the
     programs)."""
     if fmt == "bf16":
@@ -435,8 +435,8 @@ def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
     if fmt == "fp8" and fp_decode() != "software":
         impls.append(Impl("pallas:software", decode="software"))
     if fmt == "int4":
-        other = "bf16" if decode.int4_decode() == "f32" else "f32"
-        impls.append(Impl(f"pallas:int4-{other}", int4=other, variant=True))
+        default = decode.int4_decode()
+        impls += [Impl(f"pallas:int4-{m}", int4=m, variant=True) for m in decode.INT4_MODES if m != default]
     if fmt in ("int4", "fp4") and kind == "moe" and t in VARIANT_TOKENS:
         impls.append(Impl("pallas:w4", tiles=_both_tiles(num_warps=4), variant=True))
         impls.append(Impl("pallas:n64", tiles=_both_tiles(block_n=64), variant=True))

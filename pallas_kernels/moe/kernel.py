@@ -267,7 +267,7 @@ def moe_experts(
         weight_bits=(4 if experts["gate_up"].packed else 8) if quantized else None,
     )
     decode = fp_decode(decode) if quantized else None
-    int4 = int4_decode_mode(int4_decode) if quantized else None
+    int4 = int4_decode_mode(int4_decode, interpret=interpret) if quantized else None
     bmap = route(topk_ids, num_experts, cfg.block_m)
     act = gate_up(
         x,
@@ -330,7 +330,7 @@ def gate_up(
     """``act [blocks * block_m, N]``: SwiGLU of the gathered token rows through their expert's
     gate|up weights ``w [E, D, 2N]`` (dense, or a quantized stack), in block-padded row order."""
     _, d_model, two_n = w.shape
-    spec, arrays = tiles.operands(w, decode, int4_decode)
+    spec, arrays = tiles.operands(w, decode, int4_decode, interpret=interpret)
     dtype = w.dtype if spec.format is None else x.dtype  # dense experts set the dtype; quantized follow x
     k_floor = max(spec.kpack, 16)
     n_inter, bm = two_n // 2, cfg.block_m
@@ -375,7 +375,7 @@ def down(
     ``w [E, N, D]`` (dense, or a quantized stack), scattered back to slot order (rows of dropped
     slots and the spare tail are never written)."""
     _, n_inter, d_model = w.shape
-    spec, arrays = tiles.operands(w, decode, int4_decode)
+    spec, arrays = tiles.operands(w, decode, int4_decode, interpret=interpret)
     k_floor = max(spec.kpack, 16)
     bm = cfg.block_m
     block_n, block_k = _fit(cfg.down.block_n, d_model, "D"), _fit(cfg.down.block_k, n_inter, "N", k_floor)

@@ -11,14 +11,19 @@ e2m1 (FP4) and ue8m0 are always decoded with integer ops: Hopper has no e2m1 con
 Pallas-Triton lowering has no 4-bit float types, and an e8m0 byte is a float32 exponent field.
 Every decoder is exact, NaN codes included (e4m3 0x7F / 0xFF, e8m0 0xFF).
 
-INT4 codes have two exact ways to their bf16 weights (:func:`int4_decode` chooses): "f32" converts
+INT4 codes have three exact ways to their bf16 weights (:func:`int4_decode` chooses): "f32" converts
 ``q - zp`` to float32, multiplies by the scale and rounds to bf16 (two int/float conversions per
 weight); "bf16" builds ``128 + q`` and ``128 + zp`` as bf16 bit patterns with integer ops, subtracts
-and multiplies by the bf16 scale in bf16 arithmetic (``fma.rn.bf16``, sm_80+). The difference is an
-exact small integer and the product of a 4-bit integer and a bf16 scale is rounded once, so both
-give the same bits; "bf16" applies only where the scales and the activations are bf16 (it is the
-default: on the H100 the INT4 MoE took 260 / 1840 / 4629 / 7201 us at T = 1 / 8 / 32 / 128 against
-301 / 2135 / 5289 / 8222 us with "f32").
+and multiplies by the bf16 scale in bf16 arithmetic, one element per instruction; "ptx" does the
+same on packed registers (:func:`int4_ptx`): the low (or high) nibbles of four code bytes become
+two ``bf16x2`` registers with two ``prmt`` and two ``lop3`` (and two shifts), then two
+``fma.rn.bf16x2`` per register subtract the zero point and apply the scale, so a weight costs
+about two instructions instead of eight. The difference ``q - zp`` is an exact small integer and its product
+with a bf16 scale is rounded once, so all three give the same bits. "bf16" and "ptx" apply only
+where the scales and the activations are bf16. "ptx" is the default on a GPU (sm_80+: ``lop3``,
+``prmt`` and ``fma.rn.bf16x2`` exist from sm_80 on); the Pallas interpreter cannot run inline
+assembly, so CPU runs default to "bf16". On the H100 "bf16" took the INT4 MoE to 260 / 1840 /
+4629 / 7201 us at T = 1 / 8 / 32 / 128 against 301 / 2135 / 5289 / 8222 us with "f32".
 """
 
 from __future__ import annotations
@@ -29,13 +34,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._triton import compute_capability
+from pallas_kernels._triton import compute_capability, pltriton
 
 ENV = "JAXDSA_FP_DECODE"
 MODES = ("native", "software")
 INT4_ENV = "JAXDSA_INT4_DECODE"
-INT4_MODES = ("f32", "bf16")
-INT4_DEFAULT = "bf16"  # H100: 12-14 % faster MoE at T = 1-128 (benchmarks/results/quant-h100.md)
+INT4_MODES = ("f32", "bf16", "ptx")
 
 
 def fp_decode(mode: str | None = None, *, cc: int | None = None) -> str:
@@ -51,14 +55,20 @@ def fp_decode(mode: str | None = None, *, cc: int | None = None) -> str:
     return mode
 
 
-def int4_decode(mode: str | None = None) -> str:
-    """'f32' or 'bf16' (module docstring): ``mode`` if given, else ``$JAXDSA_INT4_DECODE``, else
-    :data:`INT4_DEFAULT`."""
-    mode = mode or os.environ.get(INT4_ENV, "").strip().lower() or INT4_DEFAULT
+def int4_decode(mode: str | None = None, *, interpret: bool = False, cc: int | None = None) -> str:
+    """'f32', 'bf16' or 'ptx' (module docstring): ``mode`` if given, else ``$JAXDSA_INT4_DECODE``, else
+    'ptx' on a GPU from sm_80 on and 'bf16' in the interpreter (which cannot run inline assembly:
+    asking for 'ptx' there is an error)."""
+    mode = mode or os.environ.get(INT4_ENV, "").strip().lower() or None
+    if mode is None:
+        cc = compute_capability() if cc is None else cc
+        return "ptx" if cc >= 80 and not interpret else "bf16"
     if mode not in INT4_MODES:
         raise ValueError(
             f"int4 decode mode {mode!r}: choose one of {', '.join(INT4_MODES)} (or unset {INT4_ENV})"
         )
+    if mode == "ptx" and interpret:
+        raise ValueError("int4 decode mode 'ptx' is inline PTX, which the Pallas interpreter cannot run")
     return mode
 
 
@@ -66,6 +76,42 @@ def nibble_plus_128_bf16(n: jax.Array) -> jax.Array:
     """Integers 0..127 (int32) -> bf16 equal to ``128 + n``: the bits of 128.0 (0x4300) with ``n``
     in the 7 mantissa bits."""
     return lax.bitcast_convert_type((n | 0x4300).astype(jnp.uint16), jnp.bfloat16)
+
+
+def _int4_ptx_asm(high: bool) -> str:
+    """PTX for one instance: 4 code bytes ($6; byte i in bits 8i..8i+7) -> the bf16 weights of their
+    low (or ``high``) nibbles, two per output register ($0, $1; element 2j in the low half), from the
+    scales ($2, $3) and the zero points as bf16 ``128 + zp`` ($4, $5). ``prmt`` spreads bytes 0, 1
+    (2, 3) into the low bytes of a register's two halves; ``lop3`` (a & b) | c (lut 0xEA) keeps one
+    nibble per half under the bits of bf16 128.0 (0x4300), giving 128 + q; the first ``fma``
+    subtracts 128 + zp exactly (q - zp), the second multiplies by the scale, rounded once (adding -0
+    keeps the product as it is)."""
+    shift = "shr.u32 t0, t0, 4;\nshr.u32 t1, t1, 4;\n" if high else ""
+    return (
+        "{\n.reg .b32 t<2>, v<2>, negone, negzero;\n"
+        "mov.b32 negone, 0xBF80BF80;\nmov.b32 negzero, 0x80008000;\n"
+        "prmt.b32 t0, $6, 0, 0x4140;\nprmt.b32 t1, $6, 0, 0x4342;\n"
+        + shift
+        + "lop3.b32 v0, t0, 0x000F000F, 0x43004300, 0xEA;\n"
+        "lop3.b32 v1, t1, 0x000F000F, 0x43004300, 0xEA;\n"
+        "fma.rn.bf16x2 v0, $4, negone, v0;\nfma.rn.bf16x2 v1, $5, negone, v1;\n"
+        "fma.rn.bf16x2 $0, v0, $2, negzero;\nfma.rn.bf16x2 $1, v1, $3, negzero;\n}"
+    )
+
+
+def int4_ptx(codes: jax.Array, scale: jax.Array, zero: jax.Array, *, high: bool) -> jax.Array:
+    """Packed INT4 bytes ``[r, c]`` uint8 -> bf16 ``[r, c]`` weights ``(q - zp) * scale`` of their low
+    (or ``high``) nibbles; ``scale`` bf16 and ``zero`` bf16 ``128 + zp`` (codes and zero points in the
+    same offset domain), both ``[r, c]``. Inline PTX on packed registers (module docstring); GPU
+    only. One asm per half: JAX's lowering returns only the first result of a multi-result asm."""
+    [out] = pltriton.elementwise_inline_asm(
+        _int4_ptx_asm(high),
+        args=[scale, zero, codes],
+        constraints="=r,=r,r,r,r,r,r",
+        pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)],
+    )
+    return out
 
 
 def e4m3_to_f32(u: jax.Array, mode: str) -> jax.Array:

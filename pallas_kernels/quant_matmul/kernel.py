@@ -58,7 +58,7 @@ def quant_matmul(
 ) -> jax.Array:
     """``x [M, K] @ W [K, N] -> [M, N]`` in x's dtype (bf16 or float32), W dequantized in the kernel to
     x's dtype, float32 accumulation. ``decode``: 'native' / 'software' e4m3 decoding (default:
-    :func:`.decode.fp_decode`); ``int4_decode``: 'f32' / 'bf16' INT4 arithmetic (default:
+    :func:`.decode.fp_decode`); ``int4_decode``: 'f32' / 'bf16' / 'ptx' INT4 arithmetic (default:
     :func:`.decode.int4_decode`); ``config`` overrides the tuning table (benchmark sweeps). An N that
     is not a multiple of 16 (a tiny model's 136-wide ``kv_a``) is padded with zero columns, sliced
     off the result; an FP8 weight's K likewise with zero rows (and x with zero columns: a tiny V4's
@@ -68,7 +68,12 @@ def quant_matmul(
     if k % 16:
         x, w = jnp.pad(x, ((0, 0), (0, -k % 16))), layout.pad_k(w, -(-k // 16) * 16)
     out = _quant_matmul(
-        x, w, interpret=interpret, decode=fp_decode(decode), config=config, int4=int4_mode(int4_decode)
+        x,
+        w,
+        interpret=interpret,
+        decode=fp_decode(decode),
+        config=config,
+        int4=int4_mode(int4_decode, interpret=interpret),
     )
     return out if out.shape[-1] == n else out[:, :n]
 
@@ -79,7 +84,7 @@ def _quant_matmul(x, w, *, interpret: bool, decode: str, config: tuning.QmmConfi
     wk, n = w.shape
     if wk != k:
         raise ValueError(f"quant_matmul: x has K = {k}, the weight {wk}")
-    spec, arrays = tiles.operands(w, decode, int4)
+    spec, arrays = tiles.operands(w, decode, int4, interpret=interpret)
     min_block_k = max(spec.kpack, 16)
     cfg = config or tuning.choose(
         m, k, n, itemsize=x.dtype.itemsize, weight_bits=4 if spec.packed else 8, min_block_k=min_block_k

@@ -39,7 +39,7 @@ class WeightSpec:
     scale_e8m0: bool = False
     has_zeros: bool = False
     decode: str = "native"
-    int4_decode: str = "f32"  # decode.int4_decode; "bf16" is used only with bf16 scales and activations
+    int4_decode: str = "f32"  # decode.int4_decode; "bf16" / "ptx" apply only with bf16 scales and activations
 
     @property
     def packed(self) -> bool:
@@ -47,11 +47,12 @@ class WeightSpec:
 
 
 def operands(
-    w, decode_mode: str | None = None, int4_mode: str | None = None
+    w, decode_mode: str | None = None, int4_mode: str | None = None, *, interpret: bool = False
 ) -> tuple[WeightSpec, tuple[jax.Array, ...]]:
     """The spec and the arrays a kernel receives for weight ``w`` (dense array or
     :class:`QuantizedWeight`). One-byte float types travel as uint8 (a free bitcast): masked loads
-    need a fill value, and sm_80 cannot touch e4m3 values at all."""
+    need a fill value, and sm_80 cannot touch e4m3 values at all. ``interpret``: the kernel runs in
+    the Pallas interpreter (no inline PTX)."""
     if not isinstance(w, QuantizedWeight):
         return WeightSpec(), (w,)
     as_bytes = lambda a: (  # noqa: E731
@@ -65,7 +66,7 @@ def operands(
         scale_e8m0=np.dtype(w.scales.dtype) == E8M0,
         has_zeros=w.zeros is not None,
         decode=decode.fp_decode(decode_mode),
-        int4_decode=decode.int4_decode(int4_mode),
+        int4_decode=decode.int4_decode(int4_mode, interpret=interpret),
     )
     arrays = (as_bytes(w.codes), as_bytes(w.scales)) + ((w.zeros,) if w.zeros is not None else ())
     return spec, arrays
@@ -91,6 +92,33 @@ def _group_tile(ref, lead: tuple, spec: WeightSpec, r0, rows: int, n0, cols: int
     return _expand(tile, rows, cols)
 
 
+def _bf16_int4(spec: WeightSpec, dtype) -> bool:
+    """Whether an INT4 weight takes a bf16-arithmetic decode ("bf16" / "ptx"): bf16 scales and
+    activations (the product is rounded to the scales' dtype, then used in the activations')."""
+    return spec.int4_decode != "f32" and spec.scale_dtype == jnp.bfloat16 and dtype == jnp.bfloat16
+
+
+def _int4_ptx_chunk(
+    spec: WeightSpec, refs: Sequence, lead: tuple, byte, r0, n0
+) -> tuple[jax.Array, jax.Array]:
+    """A packed chunk's bytes ``[half, cols]`` (uint8; weight rows ``r0 ...`` in the low nibbles, the
+    next ``half`` rows in the high ones) -> both halves' bf16 weights via :func:`decode.int4_ptx`.
+    Scales and zero points are loaded per group and broadcast over the tile (the asm is elementwise)."""
+    half, cols = byte.shape
+
+    def groups(ref, row):
+        return jnp.broadcast_to(_group_tile(ref, lead, spec, row, half, n0, cols), (half, cols))
+
+    if spec.has_zeros:
+        zero = lambda row: decode.nibble_plus_128_bf16(groups(refs[2], row).astype(jnp.int32))  # noqa: E731
+    else:
+        zero = lambda row: jnp.full((half, cols), 136, jnp.bfloat16)  # noqa: E731  codes hold q + 8
+    return tuple(
+        decode.int4_ptx(byte, groups(refs[1], row), zero(row), high=high)
+        for row, high in ((r0, False), (r0 + half, True))
+    )
+
+
 def _int4_bf16(spec: WeightSpec, refs: Sequence, lead: tuple, codes, r0, n0) -> jax.Array:
     """INT4 codes -> bf16 in bf16 arithmetic (:mod:`.decode`): ``((128 + q) - (128 + zp)) * scale``,
     the subtraction exact, the product rounded once, as the float32 path rounds it."""
@@ -114,7 +142,7 @@ def _dequantize(spec: WeightSpec, refs: Sequence, lead: tuple, codes, r0, n0, dt
         return (decode.e4m3_to_f32(codes, spec.decode) * s).astype(dtype)
     if spec.format == "fp4":
         return (decode.e2m1_to_f32(codes) * s).astype(dtype)
-    if spec.int4_decode == "bf16" and spec.scale_dtype == jnp.bfloat16 and dtype == jnp.bfloat16:
+    if _bf16_int4(spec, dtype):
         return _int4_bf16(spec, refs, lead, codes, r0, n0)
     zero = _group_tile(refs[2], lead, spec, r0, rows, n0, cols).astype(jnp.int32) if spec.has_zeros else 8
     value = (codes - zero).astype(jnp.float32) * s
@@ -133,10 +161,16 @@ def pieces(
         codes = refs[0][(*lead, pl.ds(k0, block_k), cols)].astype(jnp.int32)
         return [(0, block_k, _dequantize(spec, refs, lead, codes, k0, n0, dtype))]
     half = spec.kpack // 2
+    ptx = spec.format == "int4" and spec.int4_decode == "ptx" and _bf16_int4(spec, dtype)
     out = []
     for c in range(block_k // spec.kpack):
         row = pl.multiple_of(k0 // 2 + c * half, half)  # byte row of this chunk
-        byte = refs[0][(*lead, pl.ds(row, half), cols)].astype(jnp.int32)
+        byte = refs[0][(*lead, pl.ds(row, half), cols)]
+        if ptx:
+            lo, hi = _int4_ptx_chunk(spec, refs, lead, byte, k0 + c * spec.kpack, n0)
+            out += [(c * spec.kpack, half, lo), (c * spec.kpack + half, half, hi)]
+            continue
+        byte = byte.astype(jnp.int32)
         for h, codes in enumerate((byte & 0xF, byte >> 4)):
             offset = c * spec.kpack + h * half
             out.append((offset, half, _dequantize(spec, refs, lead, codes, k0 + offset, n0, dtype)))

@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from pallas_kernels._triton import compute_capability
 from pallas_kernels.moe import kernel, ref
 from pallas_kernels.moe.tuning import MoeConfig, Tile
 from pallas_kernels.quant_matmul import layout
@@ -110,3 +111,22 @@ def test_experts_over_several_blocks():
     x = jnp.asarray(rng.standard_normal((ids.shape[0], 64)), jnp.float32)
     cfg = MoeConfig(16, Tile(32, 64, 4, 2), Tile(32, 32, 4, 2), absorb_m=0)
     _check(x, ids, jnp.ones(ids.shape, jnp.float32), experts, config=cfg)
+
+
+@pytest.mark.skipif(compute_capability() < 80, reason="inline PTX runs only on a GPU")
+@pytest.mark.parametrize("t", [1, 8, 300])
+@pytest.mark.parametrize("group,symmetric", [(32, False), (128, True)])
+def test_int4_ptx_decode_on_gpu(t, group, symmetric):
+    """On a GPU, compiled: the packed-register INT4 decode ('ptx') gives the bf16-arithmetic decode's
+    bits in both kernels (one block per slot at T = 1, grouped blocks above), and the reference."""
+    rng = np.random.default_rng(t + group)
+    experts = _experts(rng, "int4", 16, 256, 128, group=group, symmetric=symmetric)
+    x = jnp.asarray(rng.standard_normal((t, 256)), jnp.bfloat16)
+    ids, weights = _routing(rng, t, 4, 16, skew=1.0), jnp.asarray(rng.random((t, 4)), jnp.float32)
+    run = jax.jit(kernel.moe_experts, static_argnames="int4_decode")
+    got = run(x, ids, weights, experts, int4_decode="ptx")
+    np.testing.assert_array_equal(
+        np.asarray(got), np.asarray(run(x, ids, weights, experts, int4_decode="bf16"))
+    )
+    want = np.asarray(_ref(x, ids, weights, experts, swiglu_limit=None), np.float32)
+    assert np.linalg.norm(np.asarray(got, np.float32) - want) <= 2e-2 * np.linalg.norm(want)

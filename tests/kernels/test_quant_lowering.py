@@ -96,13 +96,14 @@ def test_quantized_moe_lowers(target, fmt, t, dtype):
 
 @pytest.mark.parametrize("target", list(TARGETS))
 @pytest.mark.parametrize("zeros", [True, False])
-def test_int4_bf16_decode_lowers(target, zeros):
-    """The bf16-arithmetic INT4 decode (bf16 bit patterns, fma.rn.bf16) in both kernels at GLM-5 shapes."""
+@pytest.mark.parametrize("mode", ["bf16", "ptx"])
+def test_int4_bf16_decode_lowers(target, zeros, mode):
+    """The bf16-arithmetic INT4 decodes (bf16 bit patterns, fma.rn.bf16; the inline-PTX one on packed
+    registers, carried into the Triton IR) in both kernels at GLM-5 shapes."""
     w = _abstract("int4", (), D, N, zeros=zeros)
     x = jax.ShapeDtypeStruct((8, D), jnp.bfloat16)
-    assert "__gpu$xla.gpu.triton" in lower_for_cuda(
-        kernel.quant_matmul, x, w, target=target, int4_decode="bf16"
-    )
+    text = lower_for_cuda(kernel.quant_matmul, x, w, target=target, int4_decode=mode)
+    assert "__gpu$xla.gpu.triton" in text and ("lop3.b32" in text) == (mode == "ptx")
     experts = {"gate_up": _abstract("int4", (E,), D, 2 * N), "down": _abstract("int4", (E,), N, D)}
     text = lower_for_cuda(
         moe_kernel.moe_experts,
@@ -111,9 +112,9 @@ def test_int4_bf16_decode_lowers(target, zeros):
         jax.ShapeDtypeStruct((1, TOP_K), jnp.float32),
         experts,
         target=target,
-        int4_decode="bf16",
+        int4_decode=mode,
     )
-    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert text.count("__gpu$xla.gpu.triton") == 2 and ("lop3.b32" in text) == (mode == "ptx")
 
 
 @pytest.mark.parametrize("itemsize", [2, 4])

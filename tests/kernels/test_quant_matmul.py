@@ -16,6 +16,7 @@ import pytest
 
 from checkpoints import quant as formats
 from jaxdsa import ops
+from pallas_kernels._triton import compute_capability
 from pallas_kernels.quant_matmul import decode, kernel, layout, ref, tuning
 
 BF16 = ml_dtypes.bfloat16
@@ -288,25 +289,42 @@ def test_kernel_dequantizes_bit_for_bit(fmt, mode):
     _same_bits(got, want + np.float32(0))  # a sum turns -0 into +0; every other bit must agree
 
 
-@pytest.mark.parametrize("int4_mode", decode.INT4_MODES)
+ON_GPU = compute_capability() >= 80
+INT4_MODES = [
+    pytest.param(
+        m, marks=pytest.mark.skipif(m == "ptx" and not ON_GPU, reason="inline PTX runs only on a GPU")
+    )
+    for m in decode.INT4_MODES
+]
+
+
+@pytest.mark.parametrize("int4_mode", INT4_MODES)
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_int4_bf16_activations_bit_for_bit(int4_mode, symmetric):
-    """bf16 activations take the bf16-arithmetic INT4 decode when asked ('bf16': 128 + q and 128 + zp
-    as bf16 bit patterns, one rounding of the product): the same bits as the float32 path and as the
-    format's definition, with and without zero points."""
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_bf16_activations_bit_for_bit(int4_mode, symmetric, group):
+    """bf16 activations take the bf16-arithmetic INT4 decodes when asked ('bf16': 128 + q and 128 + zp
+    as bf16 bit patterns, one rounding of the product; 'ptx': the same on packed registers, GPU
+    only): the same bits as the float32 path and as the format's definition, with and without zero
+    points, one or two scale groups per packed chunk."""
     rng = np.random.default_rng(8)
-    w, want = random_int4(rng, (), 48, 128, 32, symmetric=symmetric)
-    eye = jnp.eye(128, dtype=jnp.bfloat16)
-    got = kernel.quant_matmul(eye, _device(w), interpret=True, int4_decode=int4_mode)
+    w, want = random_int4(rng, (), 48, 256, group, symmetric=symmetric)
+    eye = jnp.eye(256, dtype=jnp.bfloat16)
+    got = kernel.quant_matmul(eye, _device(w), interpret=int4_mode != "ptx", int4_decode=int4_mode)
     assert got.dtype == jnp.bfloat16
     _same_bits(got, want + np.float32(0))
 
 
 def test_int4_decode_switch(monkeypatch):
+    """'ptx' on GPUs, 'bf16' in the interpreter (no inline assembly there); the variable and an
+    explicit mode win; 'ptx' in the interpreter is an error, not a silent switch."""
     monkeypatch.delenv(decode.INT4_ENV, raising=False)
-    assert decode.int4_decode() == decode.INT4_DEFAULT and decode.int4_decode("bf16") == "bf16"
+    assert decode.int4_decode(cc=90) == "ptx" and decode.int4_decode(cc=80) == "ptx"
+    assert decode.int4_decode(cc=0) == "bf16" and decode.int4_decode(cc=90, interpret=True) == "bf16"
+    assert decode.int4_decode("f32", cc=90) == "f32"
     monkeypatch.setenv(decode.INT4_ENV, "bf16")
-    assert decode.int4_decode() == "bf16" and decode.int4_decode("f32") == "f32"
+    assert decode.int4_decode(cc=90) == "bf16" and decode.int4_decode("f32") == "f32"
+    with pytest.raises(ValueError, match="interpreter"):
+        decode.int4_decode("ptx", interpret=True)
     monkeypatch.setenv(decode.INT4_ENV, "fp16")
     with pytest.raises(ValueError, match="int4 decode mode"):
         decode.int4_decode()
