@@ -12,7 +12,8 @@ Run ``python -m benchmarks.quant`` on a GPU. Per format and T it times, in one p
   always decoded with integer ops, on every part;
 * variants (``QUANT_VARIANTS=0`` skips them): INT4 with each other INT4 arithmetic
   (``pallas:int4-f32`` / ``-bf16`` / ``-ptx``, :func:`pallas_kernels.quant_matmul.decode.int4_decode`), and at
-  T <= 32 two 4-bit MoE tile variants (4 warps; 64-column tiles);
+  T <= 32 4-bit MoE tile variants (4 warps; 64-column tiles; or ``QUANT_MOE_TILES``, see
+  :func:`_tile_variants`; ``QUANT_VARIANT_TOKENS=1,8`` picks the T);
 * ``torch``: dequantize to bf16 then ``torch._grouped_mm`` / ``torch.matmul``
   (:mod:`benchmarks.torch_peer`) on the same arrays, shared through DLPack; skipped without torch;
 * bf16 rows: the bf16 MoE kernel and XLA's dot, the unquantized baselines.
@@ -57,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
+from pallas_kernels._triton import compute_capability
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe import tuning as moe_tuning
 from pallas_kernels.quant_matmul import decode
@@ -420,7 +422,7 @@ def _both_tiles(**changes) -> Callable:
     )
 
 
-VARIANT_TOKENS = (1, 8, 32)  # 4-bit MoE tile variants are tried at these T
+VARIANT_TOKENS = (1, 8, 32)  # 4-bit MoE tile variants are tried at these T (default)
 
 
 def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
@@ -436,11 +438,25 @@ def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
         impls.append(Impl("pallas:software", decode="software"))
     if fmt == "int4":
         default = decode.int4_decode()
-        impls += [Impl(f"pallas:int4-{m}", int4=m, variant=True) for m in decode.INT4_MODES if m != default]
-    if fmt in ("int4", "fp4") and kind == "moe" and t in VARIANT_TOKENS:
-        impls.append(Impl("pallas:w4", tiles=_both_tiles(num_warps=4), variant=True))
-        impls.append(Impl("pallas:n64", tiles=_both_tiles(block_n=64), variant=True))
+        runnable = [m for m in decode.INT4_MODES if m != "ptx" or compute_capability() >= 80]  # no PTX on CPU
+        impls += [Impl(f"pallas:int4-{m}", int4=m, variant=True) for m in runnable if m != default]
+    if fmt in ("int4", "fp4") and kind == "moe" and t in _env_list("QUANT_VARIANT_TOKENS", VARIANT_TOKENS):
+        impls += [
+            Impl(f"pallas:{name}", tiles=_both_tiles(**changes), variant=True)
+            for name, changes in _tile_variants()
+        ]
     return impls
+
+
+def _tile_variants() -> list[tuple[str, dict[str, int]]]:
+    """4-bit MoE tile variants: ``$QUANT_MOE_TILES`` as ``name:field=value+field=value,...`` (fields of
+    :class:`pallas_kernels.moe.tuning.Tile`, applied to both kernels), else 4 warps and 64-column tiles."""
+    spec = os.environ.get("QUANT_MOE_TILES", "w4:num_warps=4,n64:block_n=64")
+    out = []
+    for item in filter(None, spec.split(",")):
+        name, _, fields = item.partition(":")
+        out.append((name, {k: int(v) for k, v in (f.split("=") for f in fields.split("+"))}))
+    return out
 
 
 @dataclasses.dataclass
