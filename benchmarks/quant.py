@@ -13,7 +13,9 @@ Run ``python -m benchmarks.quant`` on a GPU. Per format and T it times, in one p
 * variants (``QUANT_VARIANTS=0`` skips them): INT4 with each other INT4 arithmetic
   (``pallas:int4-f32`` / ``-bf16`` / ``-ptx``, :func:`pallas_kernels.quant_matmul.decode.int4_decode`), and at
   T <= 32 4-bit MoE tile variants (4 warps; 64-column tiles; or ``QUANT_MOE_TILES``, see
-  :func:`_tile_variants`; ``QUANT_VARIANT_TOKENS=1,8`` picks the T);
+  :func:`_tile_variants`; ``QUANT_VARIANT_TOKENS=1,8`` picks the T); linears at T >= 128 both ways
+  (``pallas:dequantize-first``: the weight dequantized in XLA, then XLA's dot; ``-never``: the
+  kernel), whatever the tuning table picks for ``pallas``;
 * ``torch``: dequantize to bf16 then ``torch._grouped_mm`` / ``torch.matmul``
   (:mod:`benchmarks.torch_peer`) on the same arrays, shared through DLPack; skipped without torch;
 * bf16 rows: the bf16 MoE kernel and XLA's dot, the unquantized baselines.
@@ -371,6 +373,7 @@ class Impl:
     int4: str | None = None  # INT4 arithmetic (None: decode.int4_decode's default)
     tiles: Callable | None = None  # MoeConfig -> MoeConfig: a tile variant of the table's choice
     variant: bool = False  # a tuning variant (QUANT_VARIANTS=0 skips them)
+    dequantize_first: bool | None = None  # linears: dequantize in XLA, then XLA's dot (None: the table)
 
 
 def _moe_fn(shapes: Shapes, impl: Impl) -> Callable:
@@ -401,7 +404,12 @@ def _linear_fn(shapes: Shapes, fmt: str, impl: Impl) -> Callable:
     if fmt == "bf16":
         return lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
     return lambda x, w: qmm_kernel.quant_matmul(
-        x, w, interpret=shapes.interpret, decode=impl.decode, int4_decode=impl.int4
+        x,
+        w,
+        interpret=shapes.interpret,
+        decode=impl.decode,
+        int4_decode=impl.int4,
+        dequantize_first=impl.dequantize_first,
     )
 
 
@@ -423,6 +431,7 @@ def _both_tiles(**changes) -> Callable:
 
 
 VARIANT_TOKENS = (1, 8, 32)  # 4-bit MoE tile variants are tried at these T (default)
+DEQUANTIZE_VARIANT_TOKENS = 128  # linears from this T on: also dequantize-then-dot, and the kernel forced
 
 
 def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
@@ -440,6 +449,11 @@ def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
         default = decode.int4_decode()
         runnable = [m for m in decode.INT4_MODES if m != "ptx" or compute_capability() >= 80]  # no PTX on CPU
         impls += [Impl(f"pallas:int4-{m}", int4=m, variant=True) for m in runnable if m != default]
+    if kind == "linear" and t >= DEQUANTIZE_VARIANT_TOKENS:
+        impls += [
+            Impl(f"pallas:dequantize-{'first' if on else 'never'}", dequantize_first=on, variant=True)
+            for on in (True, False)
+        ]
     if fmt in ("int4", "fp4") and kind == "moe" and t in _env_list("QUANT_VARIANT_TOKENS", VARIANT_TOKENS):
         impls += [
             Impl(f"pallas:{name}", tiles=_both_tiles(**changes), variant=True)

@@ -55,6 +55,7 @@ def quant_matmul(
     decode: str | None = None,
     config: tuning.QmmConfig | None = None,
     int4_decode: str | None = None,
+    dequantize_first: bool | None = None,
 ) -> jax.Array:
     """``x [M, K] @ W [K, N] -> [M, N]`` in x's dtype (bf16 or float32), W dequantized in the kernel to
     x's dtype, float32 accumulation. ``decode``: 'native' / 'software' e4m3 decoding (default:
@@ -62,7 +63,11 @@ def quant_matmul(
     :func:`.decode.int4_decode`); ``config`` overrides the tuning table (benchmark sweeps). An N that
     is not a multiple of 16 (a tiny model's 136-wide ``kv_a``) is padded with zero columns, sliced
     off the result; an FP8 weight's K likewise with zero rows (and x with zero columns: a tiny V4's
-    40-wide ``q_lora``). 4-bit weights' K is whole packed chunks (32 or 64 rows) by their layout."""
+    40-wide ``q_lora``). 4-bit weights' K is whole packed chunks (32 or 64 rows) by their layout.
+    ``dequantize_first``: dequantize W in XLA and multiply with XLA's dot instead of the kernel
+    (default: from the tuning table's row count on, :func:`.tuning.dequantize_first`)."""
+    if tuning.dequantize_first(x.shape[0]) if dequantize_first is None else dequantize_first:
+        return _dequantize_then_dot(x, w)
     k, n = x.shape[-1], w.shape[-1]
     w = layout.pad_n(w, -(-n // 16) * 16)
     if k % 16:
@@ -76,6 +81,15 @@ def quant_matmul(
         int4=int4_mode(int4_decode, interpret=interpret),
     )
     return out if out.shape[-1] == n else out[:, :n]
+
+
+@jax.jit
+def _dequantize_then_dot(x, w):
+    """Prefill-sized ``x @ W``: W dequantized to x's dtype by its format's definition (the kernel's
+    values), then one XLA GEMM with float32 accumulation."""
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    w = layout.dequantize(w, x.dtype)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision).astype(x.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "decode", "config", "int4"))

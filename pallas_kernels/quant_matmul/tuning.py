@@ -43,6 +43,10 @@ class _Entry:
     mid: QmmConfig
     compute: QmmConfig
     sms: int  # streaming multiprocessors: the split rule fills about two programs per SM
+    # From this many rows on, dequantize the weight once in XLA and let XLA's GEMM multiply (None:
+    # never). Tensor-core tiles fed by an in-loop decode fall far behind a plain GEMM at prefill
+    # sizes, while dequantizing costs one pass over the weight (~4.5 bytes per weight).
+    dequantize_min_m: int | None = None
 
 
 _BIG = _Entry(  # H100 / H200 / B200: 227 KiB of shared memory per block
@@ -74,6 +78,12 @@ def smem_bytes(cfg: QmmConfig, *, itemsize: int, weight_bits: int) -> int:
         resident=cfg.block_k * cfg.block_n * itemsize,
         epilogue=cfg.block_m * cfg.block_n * 4,
     )
+
+
+def dequantize_first(m: int, cc: int | None = None) -> bool:
+    """Whether ``m`` rows are enough to dequantize the weight first (:attr:`_Entry.dequantize_min_m`)."""
+    threshold = TABLE.get(compute_capability() if cc is None else cc, DEFAULT).dequantize_min_m
+    return threshold is not None and m >= threshold
 
 
 def fit_block(block: int, dim: int, floor: int, what: str) -> int:

@@ -369,3 +369,28 @@ def test_tuning_regimes_and_budgets():
                 assert nbytes <= tuning.shared_memory_budget(cc), (cc, m, cfg)
     decode_cfg = tuning.choose(1, 6144, 2048, itemsize=2, weight_bits=4, min_block_k=64, cc=90)
     assert decode_cfg.splits > 1 and decode_cfg.block_m == 16  # 32 N tiles alone would leave SMs idle
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8", "fp4"])
+def test_dequantize_first_matches_the_kernel(fmt):
+    """Prefill-sized products may dequantize the weight in XLA and use XLA's dot: the same weights
+    (the format's definition), so the same result as the kernel up to summation order."""
+    rng = np.random.default_rng(11)
+    make = {"int4": functools.partial(random_int4, group=32, symmetric=False), "fp8": random_fp8}
+    w, want = make.get(fmt, random_fp4)(rng, (), 96, 128)
+    x = jnp.asarray(rng.standard_normal((40, 128)), jnp.float32)
+    first = kernel.quant_matmul(x, _device(w), dequantize_first=True)
+    kern = kernel.quant_matmul(x, _device(w), interpret=True, dequantize_first=False)
+    np.testing.assert_allclose(np.asarray(first), np.asarray(x) @ want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(first), np.asarray(kern), rtol=1e-5, atol=1e-5)
+
+
+def test_dequantize_first_threshold():
+    """Only a part whose table names a row count dequantizes first, and only from that count on."""
+    for cc, entry in tuning.TABLE.items():
+        if entry.dequantize_min_m is None:
+            assert not tuning.dequantize_first(1 << 20, cc=cc)
+        else:
+            m = entry.dequantize_min_m
+            assert tuning.dequantize_first(m, cc=cc) and not tuning.dequantize_first(m - 1, cc=cc)
+    assert not tuning.dequantize_first(1 << 20, cc=0)  # the interpreter always runs the kernel
