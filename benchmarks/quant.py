@@ -126,7 +126,8 @@ def _env_list(name: str, default: tuple) -> tuple:
     raw = os.environ.get(name)
     if raw == "none":
         return ()
-    return tuple(type(default[0])(v) for v in raw.split(",")) if raw else default
+    cast = type(default[0]) if default else int
+    return tuple(cast(v) for v in raw.split(",")) if raw else default
 
 
 # ---- weights and inputs, made on the device ------------------------------------------------------
