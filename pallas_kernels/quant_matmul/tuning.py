@@ -7,7 +7,9 @@ Three regimes by the number of rows M (tokens):
   about two programs per SM, since a 2048-column projection has only 32 tiles of 64 columns.
 * ``mid`` (M <= 128): 64-row tiles; weights are read once per 64 tokens.
 * ``compute`` (prefill): 128 x 128 tensor-core tiles, no split unless the grid is smaller than the
-  GPU.
+  GPU. From ``dequantize_min_m`` rows on (512 on every listed part; measured on H100) the kernel is
+  not used at all: the weight is dequantized once in XLA and XLA's GEMM multiplies (2.3x faster
+  for INT4 at T = 4096 on H100), see :func:`dequantize_first`.
 
 ``block_k`` counts weight rows for 8-bit codes; 4-bit codes take twice as many rows per step (the
 same bytes per load). These are reasoned starting points, sized like the MoE kernel's measured
@@ -54,6 +56,11 @@ _BIG = _Entry(  # H100 / H200 / B200: 227 KiB of shared memory per block
     mid=QmmConfig(64, 128, 64, 1, 4, 4),
     compute=QmmConfig(128, 128, 64, 1, 8, 3),
     sms=132,
+    # H100, GLM-5's ten linears summed (benchmarks/results/quant-h100-ptx.md): INT4 1835 vs 2135 us
+    # at T = 512, 2621 vs 4090 at 1024, 6674 vs 15071 at 4096, but 1563 vs 1214 at 256; FP8 1358 vs
+    # 1421 at 512, 6242 vs 8991 at 4096. The other parts keep this row count until measured (vLLM's
+    # AWQ path switches at 256 tokens for the same reason).
+    dequantize_min_m=512,
 )
 _A100 = dataclasses.replace(_BIG, sms=108)  # 163 KiB: the same tiles fit
 _SMALL = _Entry(  # 99 KiB consumer / workstation parts
@@ -61,9 +68,10 @@ _SMALL = _Entry(  # 99 KiB consumer / workstation parts
     mid=QmmConfig(64, 64, 64, 1, 4, 3),
     compute=QmmConfig(128, 64, 64, 1, 4, 2),
     sms=84,
+    dequantize_min_m=512,
 )
 TABLE: dict[int, _Entry] = {80: _A100, 86: _SMALL, 89: _SMALL, 90: _BIG, 100: _BIG, 120: _SMALL, 121: _SMALL}
-DEFAULT = _SMALL  # unknown GPUs and the CPU interpreter
+DEFAULT = dataclasses.replace(_SMALL, dequantize_min_m=None)  # unknown GPUs and the CPU interpreter
 
 _MAX_SPLITS = 16
 

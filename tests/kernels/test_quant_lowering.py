@@ -46,9 +46,22 @@ LINEARS = [  # (format, T, K, N, group, zero points)
 @pytest.mark.parametrize("target", list(TARGETS))
 @pytest.mark.parametrize("fmt,t,k,n,group,zeros", LINEARS)
 def test_quant_matmul_lowers(target, fmt, t, k, n, group, zeros):
+    """The kernel at every size (prefill sizes forced onto it: by default they dequantize first)."""
     w = _abstract(fmt, (), k, n, group=group, zeros=zeros)
-    text = lower_for_cuda(kernel.quant_matmul, jax.ShapeDtypeStruct((t, k), jnp.bfloat16), w, target=target)
+    x = jax.ShapeDtypeStruct((t, k), jnp.bfloat16)
+    text = lower_for_cuda(kernel.quant_matmul, x, w, target=target, dequantize_first=False)
     assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_prefill_sizes_dequantize_first(target):
+    """From 512 rows on the weight is dequantized in XLA and multiplied by XLA's dot: no kernel."""
+    w = _abstract("int4", (), D, N)
+    for t, kernels in ((511, 1), (512, 0)):
+        text = lower_for_cuda(
+            kernel.quant_matmul, jax.ShapeDtypeStruct((t, D), jnp.bfloat16), w, target=target
+        )
+        assert text.count("__gpu$xla.gpu.triton") == kernels, t
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
