@@ -424,10 +424,16 @@ def read_ceiling_gbs(nbytes: int) -> float:
 
 
 def _both_tiles(**changes) -> Callable:
+    """A config variant: fields of :class:`~pallas_kernels.moe.tuning.MoeConfig` (``fma_m``,
+    ``block_m`` ...) set on the config, fields of its ``Tile`` on both kernels' tiles."""
+    own = {f.name for f in dataclasses.fields(moe_tuning.MoeConfig)}
+    config = {k: v for k, v in changes.items() if k in own}
+    tile = {k: v for k, v in changes.items() if k not in own}
     return lambda cfg: dataclasses.replace(
         cfg,
-        gate_up=dataclasses.replace(cfg.gate_up, **changes),
-        down=dataclasses.replace(cfg.down, **changes),
+        gate_up=dataclasses.replace(cfg.gate_up, **tile),
+        down=dataclasses.replace(cfg.down, **tile),
+        **config,
     )
 
 
@@ -465,7 +471,8 @@ def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
 
 def _tile_variants() -> list[tuple[str, dict[str, int]]]:
     """4-bit MoE tile variants: ``$QUANT_MOE_TILES`` as ``name:field=value+field=value,...`` (fields of
-    :class:`pallas_kernels.moe.tuning.Tile`, applied to both kernels), else 4 warps and 64-column tiles."""
+    :class:`pallas_kernels.moe.tuning.Tile`, applied to both kernels, or of ``MoeConfig``, see
+    :func:`_both_tiles`), else 4 warps and 64-column tiles."""
     spec = os.environ.get("QUANT_MOE_TILES", "w4:num_warps=4,n64:block_n=64")
     out = []
     for item in filter(None, spec.split(",")):
