@@ -113,12 +113,13 @@ def test_experts_over_several_blocks():
     _check(x, ids, jnp.ones(ids.shape, jnp.float32), experts, config=cfg)
 
 
-@pytest.mark.skipif(compute_capability() < 80, reason="inline PTX runs only on a GPU")
 @pytest.mark.parametrize("t", [1, 8, 300])
 @pytest.mark.parametrize("group,symmetric", [(32, False), (128, True)])
 def test_int4_ptx_decode_on_gpu(t, group, symmetric):
     """On a GPU, compiled: the packed-register INT4 decode ('ptx') gives the bf16-arithmetic decode's
     bits in both kernels (one block per slot at T = 1, grouped blocks above), and the reference."""
+    if compute_capability() < 80:  # asked at run time: JAX must not start at collection
+        pytest.skip("inline PTX runs only on a GPU")
     rng = np.random.default_rng(t + group)
     experts = _experts(rng, "int4", 16, 256, 128, group=group, symmetric=symmetric)
     x = jnp.asarray(rng.standard_normal((t, 256)), jnp.bfloat16)
