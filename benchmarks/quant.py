@@ -424,7 +424,7 @@ def read_ceiling_gbs(nbytes: int) -> float:
 
 
 def _both_tiles(**changes) -> Callable:
-    """A config variant: fields of :class:`~pallas_kernels.moe.tuning.MoeConfig` (``fma_m``,
+    """A config variant: fields of :class:`~pallas_kernels.moe.tuning.MoeConfig` (``absorb_m``,
     ``block_m`` ...) set on the config, fields of its ``Tile`` on both kernels' tiles."""
     own = {f.name for f in dataclasses.fields(moe_tuning.MoeConfig)}
     config = {k: v for k, v in changes.items() if k in own}

@@ -89,11 +89,8 @@ def _row_powers(top: int, bottom: int) -> list[tuple[int, int]]:
     return out
 
 
-def _with_row_tiles(
-    meta_ref, block, *, block_m: int, min_m: int, absorb_m: int, fma_m: int, body, fma_body
-) -> None:
-    """Run ``body(m, extra)`` for this block: ``m`` rows of its own, ``extra`` rows of the next; or
-    ``fma_body(m)`` when the block holds at most ``fma_m`` rows (``m`` the power of two >= its rows).
+def _with_row_tiles(meta_ref, block, *, block_m: int, min_m: int, absorb_m: int, body) -> None:
+    """Run ``body(m, extra)`` for this block: ``m`` rows of its own, ``extra`` rows of the next.
 
     A block runs with the smallest power-of-two row tile ``m`` in ``[min_m, block_m]`` that holds
     its filled rows (valid rows are a prefix), so a partly filled block multiplies ``m`` rows, not
@@ -117,10 +114,7 @@ def _with_row_tiles(
                 functools.partial(body, block_m, extra)
             )
     for m, lower in _row_powers(block_m, min_m):
-        lower = max(lower, fma_m)
         pl.when(plain & (rows > lower) & (rows <= m))(functools.partial(body, m, 0))
-    for m, lower in _row_powers(fma_m, 1) if fma_m else ():
-        pl.when(plain & (rows > lower) & (rows <= m))(functools.partial(fma_body, m))
 
 
 def _row_groups(block, block_m: int, m: int, extra: int) -> list[tuple[pl.Slice, int]]:
@@ -143,7 +137,6 @@ def _gate_up_kernel(
     block_m: int,
     min_m: int,
     absorb_m: int,
-    fma_m: int,
     block_n: int,
     block_k: int,
     n_tiles: int,
@@ -155,13 +148,6 @@ def _gate_up_kernel(
     n0 = pl.multiple_of(tile * block_n, block_n)
     expert = meta_ref[_EXPERT, block]
     d_model = x_ref.shape[1]
-    tile_at = lambda k0, n: tiles.pieces(w_spec, w_refs, (expert,), k0, n, block_k, block_n, x_ref.dtype)  # noqa: E731
-
-    def swiglu(gate, up):
-        if swiglu_limit is not None:
-            gate = jnp.minimum(gate, swiglu_limit)
-            up = jnp.clip(up, -swiglu_limit, swiglu_limit)
-        return jax.nn.silu(gate) * up
 
     def run(m: int, extra: int) -> None:
         groups = _row_groups(block, block_m, m, extra)
@@ -172,7 +158,8 @@ def _gate_up_kernel(
 
         def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
-            for (offset, length, w_gate), (_, _, w_up) in zip(tile_at(k0, n0), tile_at(k0, n_inter + n0)):
+            tile_at = lambda n: tiles.pieces(w_spec, w_refs, (expert,), k0, n, block_k, block_n, x_ref.dtype)  # noqa: E731
+            for (offset, length, w_gate), (_, _, w_up) in zip(tile_at(n0), tile_at(n_inter + n0)):
                 cols = k0 + offset + jnp.arange(length, dtype=jnp.int32)
                 out = []
                 for (gate, up), (tokens, valid) in zip(acc, gathers):
@@ -186,42 +173,12 @@ def _gate_up_kernel(
         zeros = tuple((jnp.zeros((n, block_n), jnp.float32),) * 2 for _, n in groups)
         acc = jax.lax.fori_loop(0, d_model // block_k, step, zeros)
         for (rows, _), (gate, up) in zip(groups, acc):
-            act_ref[rows, pl.ds(n0, block_n)] = swiglu(gate, up).astype(act_ref.dtype)
+            if swiglu_limit is not None:
+                gate = jnp.minimum(gate, swiglu_limit)
+                up = jnp.clip(up, -swiglu_limit, swiglu_limit)
+            act_ref[rows, pl.ds(n0, block_n)] = (jax.nn.silu(gate) * up).astype(act_ref.dtype)
 
-    def run_fma(m: int) -> None:  # rows 0 .. m-1 of the block, one at a time on the CUDA cores
-        base = block * block_m
-        slots = [row_slot_ref[base + r] for r in range(m)]
-        tokens = [jnp.where(slot >= 0, slot // top_k, 0) for slot in slots]
-
-        def step(i, acc):
-            k0 = pl.multiple_of(i * block_k, block_k)
-            for (offset, length, w_gate), (_, _, w_up) in zip(tile_at(k0, n0), tile_at(k0, n_inter + n0)):
-                w_gate, w_up = w_gate.astype(jnp.float32), w_up.astype(jnp.float32)
-                out = []
-                for (gate, up), token in zip(acc, tokens):
-                    xs = x_ref[token, pl.ds(k0 + offset, length)].astype(jnp.float32)[:, None]
-                    out.append((gate + xs * w_gate, up + xs * w_up))
-                acc = tuple(out)
-            return acc
-
-        zeros = tuple(
-            (jnp.zeros((_piece_rows(w_spec, block_k), block_n), jnp.float32),) * 2 for _ in range(m)
-        )
-        acc = jax.lax.fori_loop(0, d_model // block_k, step, zeros)
-        for r, ((gate, up), slot) in enumerate(zip(acc, slots)):
-            act = jnp.where(slot >= 0, swiglu(gate.sum(axis=0), up.sum(axis=0)), 0.0)  # padding rows stay 0
-            act_ref[base + r, pl.ds(n0, block_n)] = act.astype(act_ref.dtype)
-
-    _with_row_tiles(
-        meta_ref,
-        block,
-        block_m=block_m,
-        min_m=min_m,
-        absorb_m=absorb_m,
-        fma_m=fma_m,
-        body=run,
-        fma_body=run_fma,
-    )
+    _with_row_tiles(meta_ref, block, block_m=block_m, min_m=min_m, absorb_m=absorb_m, body=run)
 
 
 def _down_kernel(
@@ -233,7 +190,6 @@ def _down_kernel(
     block_m: int,
     min_m: int,
     absorb_m: int,
-    fma_m: int,
     block_n: int,
     block_k: int,
     n_tiles: int,
@@ -277,45 +233,7 @@ def _down_kernel(
             dest = y_ref.at[jnp.where(valid, slots, spare)[:, None], cols[None, :]]
             pltriton.store(dest, out.astype(y_ref.dtype), mask=valid[:, None])
 
-    def run_fma(m: int) -> None:  # reads the act rows gate|up's run_fma(m) wrote
-        base = block * block_m
-
-        def step(i, acc):
-            k0 = pl.multiple_of(i * block_k, block_k)
-            for offset, length, w in tiles.pieces(
-                w_spec, w_refs, (expert,), k0, d0, block_k, block_n, act_ref.dtype
-            ):
-                w = w.astype(jnp.float32)
-                acc = tuple(
-                    a + act_ref[base + r, pl.ds(k0 + offset, length)].astype(jnp.float32)[:, None] * w
-                    for r, a in enumerate(acc)
-                )
-            return acc
-
-        zeros = tuple(jnp.zeros((_piece_rows(w_spec, block_k), block_n), jnp.float32) for _ in range(m))
-        acc = jax.lax.fori_loop(0, n_inter // block_k, step, zeros)
-        for r, a in enumerate(acc):
-            slot = row_slot_ref[base + r]
-
-            @pl.when(slot >= 0)
-            def _store(a=a, slot=slot):
-                y_ref[slot, pl.ds(d0, block_n)] = a.sum(axis=0).astype(y_ref.dtype)
-
-    _with_row_tiles(
-        meta_ref,
-        block,
-        block_m=block_m,
-        min_m=min_m,
-        absorb_m=absorb_m,
-        fma_m=fma_m,
-        body=run,
-        fma_body=run_fma,
-    )
-
-
-def _piece_rows(spec: tiles.WeightSpec, block_k: int) -> int:
-    """Rows of each piece :func:`tiles.pieces` returns: half a packed chunk (4-bit), else the K step."""
-    return spec.kpack // 2 if spec.packed else block_k
+    _with_row_tiles(meta_ref, block, block_m=block_m, min_m=min_m, absorb_m=absorb_m, body=run)
 
 
 def moe_experts(
@@ -393,13 +311,6 @@ def _absorb_m(cfg: tuning.MoeConfig) -> int:
     return 1 << (m.bit_length() - 1) if m >= 16 else 0
 
 
-def _fma_m(cfg: tuning.MoeConfig) -> int:
-    """Largest row count a block multiplies on the CUDA cores: a power of two below the smallest
-    tensor-core row tile, or 0 (never)."""
-    m = min(cfg.fma_m, min(cfg.min_block_m, cfg.block_m) // 2)
-    return 1 << (m.bit_length() - 1) if m >= 1 else 0
-
-
 def _precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
@@ -435,7 +346,6 @@ def gate_up(
             block_m=bm,
             min_m=min(cfg.min_block_m, bm),
             absorb_m=_absorb_m(cfg),
-            fma_m=_fma_m(cfg),
             block_n=block_n,
             block_k=block_k,
             n_tiles=n_tiles,
@@ -477,7 +387,6 @@ def down(
             block_m=bm,
             min_m=min(cfg.min_block_m, bm),
             absorb_m=_absorb_m(cfg),
-            fma_m=_fma_m(cfg),
             block_n=block_n,
             block_k=block_k,
             n_tiles=n_tiles,

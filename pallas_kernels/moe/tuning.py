@@ -61,9 +61,6 @@ class MoeConfig:
     down: Tile
     min_block_m: int = 16  # smallest row tile a partly filled block shrinks to (block_m: never)
     absorb_m: int = 16  # an expert's last block with <= this many rows rides on the block before (0: never)
-    # a block with <= this many rows multiplies them on the CUDA cores, one row at a time, instead of
-    # a 16-row tensor-core tile (0: never): decode blocks mostly hold one or two slots
-    fma_m: int = 0
 
 
 Tiles = tuple[Tile, Tile]  # (gate|up, down)

@@ -131,34 +131,3 @@ def test_int4_ptx_decode_on_gpu(t, group, symmetric):
     )
     want = np.asarray(_ref(x, ids, weights, experts, swiglu_limit=None), np.float32)
     assert np.linalg.norm(np.asarray(got, np.float32) - want) <= 2e-2 * np.linalg.norm(want)
-
-
-FMA_CASES = [  # (format, T, experts, dtype, fma_m, block_m)
-    pytest.param("int4", 1, 64, jnp.bfloat16, 1, 16, id="int4-T1-fma1"),
-    pytest.param("int4", 24, 16, jnp.float32, 2, 16, id="int4-T24-fma2"),
-    pytest.param("fp8", 12, 16, jnp.bfloat16, 4, 16, id="fp8-T12-fma4"),
-    pytest.param("fp4", 9, 8, jnp.float32, 8, 32, id="fp4-T9-fma8-bm32"),
-    pytest.param(None, 30, 16, jnp.float32, 4, 16, id="dense-T30-fma4"),
-]
-
-
-@pytest.mark.parametrize("fmt,t,e,dtype,fma_m,block_m", FMA_CASES)
-def test_rows_on_cuda_cores(fmt, t, e, dtype, fma_m, block_m):
-    """Blocks of at most ``fma_m`` rows multiply one row at a time on the CUDA cores (no tensor-core
-    tile); fuller blocks of the same call keep their tiles, and both agree with the reference, with
-    dropped ids and padding rows in the small blocks."""
-    rng = np.random.default_rng(t * 5 + fma_m)
-    d, n = 128, 64
-    if fmt is None:
-        experts = ref.pack_experts(
-            *(
-                jnp.asarray(rng.standard_normal((e, a, b)) / np.sqrt(b), dtype)
-                for a, b in ((n, d), (n, d), (d, n))
-            )
-        )
-    else:
-        experts = _experts(rng, fmt, e, d, n)
-    x = jnp.asarray(rng.standard_normal((t, d)), dtype)
-    ids = _routing(rng, t, 4, e, skew=1.5)
-    cfg = MoeConfig(block_m, Tile(32, 64, 4, 2), Tile(32, 64, 4, 2), fma_m=fma_m)
-    _check(x, ids, jnp.asarray(rng.random((t, 4)), jnp.float32), experts, config=cfg, swiglu_limit=0.5)

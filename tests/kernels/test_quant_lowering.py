@@ -5,8 +5,6 @@ e4m3 cast, which is why the software path exists. Plus the quantized MoE tiles' 
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -148,23 +146,3 @@ def test_quantized_moe_tiles_fit(bits, itemsize):
     bf16 = moe_tuning.choose(8 * TOP_K, E, itemsize=2, cc=90)
     assert moe_tuning.choose(8 * TOP_K, E, itemsize=2, cc=90, weight_bits=8).gate_up == bf16.gate_up
     assert np.all(moe_tuning.choose(8 * TOP_K, E, itemsize=2, cc=90, weight_bits=4).gate_up.block_k == 128)
-
-
-@pytest.mark.parametrize("target", list(TARGETS))
-@pytest.mark.parametrize("fmt", ["int4", "fp8"])
-def test_cuda_core_rows_lower(target, fmt):
-    """Blocks of one or two rows on the CUDA cores (``fma_m``) beside the tensor-core tiles, both kernels."""
-    experts = {"gate_up": _abstract(fmt, (E,), D, 2 * N), "down": _abstract(fmt, (E,), N, D)}
-    cfg = moe_tuning.choose(
-        8 * TOP_K, E, itemsize=2, cc=TARGETS[target], weight_bits=4 if fmt == "int4" else 8
-    )
-    text = lower_for_cuda(
-        moe_kernel.moe_experts,
-        jax.ShapeDtypeStruct((8, D), jnp.bfloat16),
-        jax.ShapeDtypeStruct((8, TOP_K), jnp.int32),
-        jax.ShapeDtypeStruct((8, TOP_K), jnp.float32),
-        experts,
-        target=target,
-        config=dataclasses.replace(cfg, fma_m=2),
-    )
-    assert text.count("__gpu$xla.gpu.triton") == 2
