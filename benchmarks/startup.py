@@ -65,7 +65,7 @@ def child(args: argparse.Namespace) -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         quantization=args.quantization,
-        scan_layers={"on": True, "off": False, "auto": None}[args.scan_layers],
+        scan_layers=args.scan_layers == "on",
     )
     jax.block_until_ready(nnx.state(llm.model))
     loaded = time.perf_counter()
@@ -108,9 +108,7 @@ def main() -> None:
         "--quantization", default="dequantize", help="dummy weights: dequantize (bf16) | int4 | fp8"
     )
     parser.add_argument("--experts", type=int, help="routed experts per layer (default: the preset's)")
-    parser.add_argument(
-        "--scan-layers", choices=["auto", "on", "off"], default="auto", help="LLM(scan_layers=...)"
-    )
+    parser.add_argument("--scan-layers", choices=["on", "off"], default="on", help="LLM(scan_layers=...)")
     parser.add_argument("--suffix", default="", help="results file name suffix")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)

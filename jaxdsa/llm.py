@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxdsa import ops, sharding
+from jaxdsa import sharding
 from jaxdsa.cache import StepMeta, init_cache
 from jaxdsa.engine import Engine, EngineConfig, SamplingParams
 from jaxdsa.engine.buckets import bucket
@@ -71,10 +71,10 @@ class LLM:
     size in tokens (vLLM's block size; default the family's: 64, DeepSeek-V4 128, which needs a
     multiple of its compression ratios).
     ``scan_layers``: stack layers of one kind and run them under ``lax.scan`` (compile time
-    independent of depth). The default scans except with the Pallas kernels: a kernel is an XLA
-    custom call, so inside a scan XLA copies the slice of each stacked weight it reads out of the
-    stack every step (on an H100, one GLM-5 MoE layer's bf16 experts: an 18 GiB temporary), until
-    the kernels index the stacks themselves.
+    independent of depth; the default), or ``False``: one module per layer, unrolled. Scanned, the
+    weights the Pallas kernels read (routed experts, quantized linears) reach them as whole stacks
+    with the traced layer index, so XLA never copies a layer's slice out of a stack for a kernel
+    (see :mod:`jaxdsa.models.layer_groups`).
     """
 
     def __init__(
@@ -96,7 +96,7 @@ class LLM:
         seed: int = 0,
         load_format: str = "safetensors",
         progress: bool = True,
-        scan_layers: bool | None = None,
+        scan_layers: bool = True,
         quantization: str = "auto",
         speculative_config: str | dict | SpeculativeConfig | None = None,
     ):
@@ -122,7 +122,7 @@ class LLM:
             load_format=load_format,
             seed=seed,
             progress=progress,
-            scan_layers=ops.get_kernels() != "pallas" if scan_layers is None else scan_layers,
+            scan_layers=scan_layers,
             quantization=quantization,
         )
         self.eos_token_ids = generation_eos_ids(self.path, self.config.eos_token_ids)

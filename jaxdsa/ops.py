@@ -22,16 +22,23 @@ N expert width):
   ``k_scale [P,page]`` marks fp8 keys (value = k * scale); seq_ids < 0 = padding.
 - ``topk_indices(logits [T,S], k) -> [T,k] int32``: indices of the k largest finite values, any
   order, -1 where a row has fewer.
-- ``moe_experts(x [T,D], topk_ids [T,k], topk_weights [T,k], experts, *, swiglu_limit=None) -> [T,D]``
-  with ``experts = {'gate_up': [E,D,2N], 'down': [E,N,D]}`` (:func:`pallas_kernels.moe.ref.pack_experts`;
-  quantized experts: ``pack_experts`` of three ``QuantizedWeight`` stacks ``[E, in, out]``).
-- ``quant_matmul(x [T,K], w: QuantizedWeight [K,N], *, axes=(k, n)) -> [T,N]``: ``x @ W`` with W kept
-  INT4 / FP8 / FP4 (``pallas_kernels.quant_matmul.layout``), dequantized in the kernel to x's dtype.
-  Its sharding depends on the call site, so the caller passes W's logical axes: a split N
-  (column-parallel) splits the output, a split K (row-parallel) splits x too and sums the partial
-  products (:func:`quant_matmul_sharding`).
+- ``moe_experts(x [T,D], topk_ids [T,k], topk_weights [T,k], experts, *, swiglu_limit=None, layer=None)
+  -> [T,D]`` with ``experts = {'gate_up': [E,D,2N], 'down': [E,N,D]}``
+  (:func:`pallas_kernels.moe.ref.pack_experts`; quantized experts: ``pack_experts`` of three
+  ``QuantizedWeight`` stacks ``[E, in, out]``).
+- ``quant_matmul(x [T,K], w: QuantizedWeight [K,N], *, axes=(k, n), layer=None) -> [T,N]``: ``x @ W``
+  with W kept INT4 / FP8 / FP4 (``pallas_kernels.quant_matmul.layout``), dequantized in the kernel
+  to x's dtype. Its sharding depends on the call site, so the caller passes W's logical axes: a
+  split N (column-parallel) splits the output, a split K (row-parallel) splits x too and sums the
+  partial products (:func:`quant_matmul_sharding`).
 - ``indexer_logits(q [T,Hi,Di], w [T,Hi], k [S,Di], *, q_pos [T]) -> [T,S] f32``: the same sum over one
   flat key sequence, ``s <= q_pos[t]`` (DeepSeek-V4's compressed keys).
+
+``moe_experts`` and ``quant_matmul`` take their weights as whole stacks over scanned layers
+(``gate_up [L,E,D,2N]``, ``w [L,K,N]``, ...) when given ``layer``, an int32 scalar (traced inside
+``lax.scan``): the kernels read that layer in place, so the scan never copies a layer's weights
+out of the stack for a custom call. On a mesh the stacks' leading dim is never split and the
+index is replicated (:meth:`jaxdsa.sharding.OpSharding.with_layer_stacks`).
 
 DeepSeek-V4 (models.md §3; on a mesh these run replicated: V4's streams and compressors are):
 
@@ -58,6 +65,7 @@ import jax
 # call of the same jitted function misses JAX's cache and compiles everything a second time.
 # Importing them here, before any trace, keeps it to one compilation.
 import jax.experimental.pallas.fuser  # noqa: F401
+import jax.numpy as jnp
 
 from jaxdsa.sharding import OpSharding, wrap_op
 from pallas_kernels.compress_pool import kernel as compress_pool_kernel
@@ -87,6 +95,7 @@ class Op:
     reference: Callable[..., Any]
     kernel: Callable[..., Any]
     sharding: OpSharding | None  # None: the caller places it (no shard_map here)
+    weights: tuple[int, ...] = ()  # positions of the weight operands that may come as layer stacks
 
 
 _EXPERTS = {"gate_up": ("experts", None, "expert_mlp"), "down": ("experts", "expert_mlp", None)}
@@ -137,8 +146,9 @@ OPS: dict[str, Op] = {
             index_args={1: "experts"},
             across_dp="gather_tokens",
         ),
+        weights=(3,),
     ),
-    "quant_matmul": Op(quant_matmul_ref.quant_matmul, quant_matmul_kernel.quant_matmul, None),
+    "quant_matmul": Op(quant_matmul_ref.quant_matmul, quant_matmul_kernel.quant_matmul, None, weights=(1,)),
     "indexer_logits": Op(
         indexer_logits_ref.indexer_logits,
         indexer_logits_kernel.indexer_logits,
@@ -188,15 +198,22 @@ def set_kernels(name: str) -> None:
         jax.clear_caches()
 
 
-@functools.cache
-def _impl(name: str, backend: str) -> Callable[..., Any]:
+def _fn(name: str, backend: str) -> Callable[..., Any]:
     op = OPS[name]
-    fn = (
+    return (
         op.reference
         if backend == "reference"
         else functools.partial(op.kernel, interpret=backend == "interpret")
     )
-    return fn if op.sharding is None else wrap_op(op.sharding, fn)
+
+
+@functools.cache
+def _impl(name: str, backend: str, stacked: bool = False) -> Callable[..., Any]:
+    """The op on ``backend``, under its shard_map; ``stacked``: its weights come as layer stacks."""
+    op = OPS[name]
+    if op.sharding is None:
+        return _fn(name, backend)
+    return wrap_op(op.sharding.with_layer_stacks(*op.weights) if stacked else op.sharding, _fn(name, backend))
 
 
 def sparse_mla(q, kv, indices, *, sm_scale: float, sink=None, v_dim: int = 512):
@@ -217,8 +234,12 @@ def topk_indices(logits, k: int):
     return _impl("topk_indices", get_kernels())(logits, k)
 
 
-def moe_experts(x, topk_ids, topk_weights, experts, *, swiglu_limit: float | None = None):
-    return _impl("moe_experts", get_kernels())(x, topk_ids, topk_weights, experts, swiglu_limit=swiglu_limit)
+def moe_experts(x, topk_ids, topk_weights, experts, *, swiglu_limit: float | None = None, layer=None):
+    if layer is None:
+        impl = _impl("moe_experts", get_kernels())
+        return impl(x, topk_ids, topk_weights, experts, swiglu_limit=swiglu_limit)
+    impl = _impl("moe_experts", get_kernels(), stacked=True)
+    return impl(x, topk_ids, topk_weights, experts, swiglu_limit=swiglu_limit, layer=_index(layer))
 
 
 def quant_matmul_sharding(k: str | None, n: str | None) -> OpSharding:
@@ -228,13 +249,22 @@ def quant_matmul_sharding(k: str | None, n: str | None) -> OpSharding:
 
 
 @functools.cache
-def _quant_matmul_impl(backend: str, k: str | None, n: str | None) -> Callable[..., Any]:
-    fn = _impl("quant_matmul", backend)
-    return wrap_op(quant_matmul_sharding(k, n), fn)
+def _quant_matmul_impl(backend: str, k: str | None, n: str | None, stacked: bool) -> Callable[..., Any]:
+    sharding = quant_matmul_sharding(k, n)
+    if stacked:
+        sharding = sharding.with_layer_stacks(*OPS["quant_matmul"].weights)
+    return wrap_op(sharding, _fn("quant_matmul", backend))
 
 
-def quant_matmul(x, w, *, axes: tuple[str | None, str | None] = (None, None)):
-    return _quant_matmul_impl(get_kernels(), *axes)(x, w)
+def quant_matmul(x, w, *, axes: tuple[str | None, str | None] = (None, None), layer=None):
+    if layer is None:
+        return _quant_matmul_impl(get_kernels(), *axes, False)(x, w)
+    return _quant_matmul_impl(get_kernels(), *axes, True)(x, w, layer=_index(layer))
+
+
+def _index(layer) -> jax.Array:
+    """A layer index as the int32 scalar array the ops' shard_maps and kernels take."""
+    return jnp.asarray(layer, jnp.int32)
 
 
 def indexer_logits(q, w, k, *, q_pos):

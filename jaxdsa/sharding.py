@@ -220,6 +220,14 @@ class OpSharding:
     index_args: Mapping[int, str] = dataclasses.field(default_factory=dict)
     across_dp: str | None = None
 
+    def with_layer_stacks(self, *weights: int) -> OpSharding:
+        """The same op given the operands at positions ``weights`` as whole stacks over scanned
+        layers plus a ``layer`` index keyword: every leaf of those operands gets one leading
+        ``layers`` dim (never split), and the index is replicated."""
+        lead = lambda axes: jax.tree.map(lambda ax: ("layers", *ax), axes, is_leaf=_is_axes)  # noqa: E731
+        args = tuple(lead(axes) if i in weights else axes for i, axes in enumerate(self.args))
+        return dataclasses.replace(self, args=args, kwargs={**self.kwargs, "layer": ()})
+
 
 def _is_axes(x) -> bool:
     return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)

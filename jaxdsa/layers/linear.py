@@ -10,6 +10,7 @@ from flax import nnx
 
 from jaxdsa import ops, sharding
 from jaxdsa.layers.params import fan_in, normal
+from jaxdsa.layers.stacks import layer_value, split_layer
 from jaxdsa.sharding import Axes
 from pallas_kernels.quant_matmul import layout
 from pallas_kernels.quant_matmul.layout import QuantizedWeight
@@ -43,6 +44,8 @@ class Linear(nnx.Module):
     :attr:`matrix_axes`): the layer then runs :func:`jaxdsa.ops.quant_matmul`. Only layers with
     neither ``compute_dtype`` nor ``out_dtype`` are :attr:`quantizable`: those two ask for more
     precision than the activations carry, which a kernel dequantizing to x's dtype does not give.
+    Scanned, a quantized weight reaches the layer as a :class:`~jaxdsa.layers.stacks.LayerSlice`
+    (:meth:`stack_reads`) and the kernel reads it in the stack.
     """
 
     def __init__(
@@ -69,12 +72,20 @@ class Linear(nnx.Module):
     def in_ndim(self) -> int:
         return len(self.in_shape)
 
+    def stack_reads(self) -> tuple[str, ...]:
+        """The weight when it is quantized: only ``quant_matmul``'s kernel reads it in ``__call__``
+        (a dense one goes to XLA's dot, which takes the scan's slice as it is)."""
+        return ("weight",) if isinstance(self.weight.get_value(), QuantizedWeight) else ()
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = self.weight.get_value()
-        if isinstance(w, QuantizedWeight):
+        value = self.weight.get_value()
+        stack, layer = split_layer(value)
+        if isinstance(stack, QuantizedWeight):
             lead = x.shape[: x.ndim - self.in_ndim]
             flat = x.reshape(math.prod(lead), -1)
-            return ops.quant_matmul(flat, w, axes=self.matrix_axes).reshape(*lead, *self.out_shape)
+            y = ops.quant_matmul(flat, stack, axes=self.matrix_axes, layer=layer)
+            return y.reshape(*lead, *self.out_shape)
+        w = layer_value(value)
         if self.compute_dtype is not None:
             x, w = x.astype(self.compute_dtype), w.astype(self.compute_dtype)
         return jnp.tensordot(x, w, axes=self.in_ndim, preferred_element_type=self.out_dtype)
@@ -84,7 +95,7 @@ class Linear(nnx.Module):
         here, in the step. For products no ``[K, N]`` matmul expresses (the absorbed MLA form
         multiplies each head by its own slice); a step reads the codes once, as it would a dense
         weight's values."""
-        w = self.weight.get_value()
+        w = layer_value(self.weight.get_value())
         if isinstance(w, QuantizedWeight):
             return layout.dequantize(w, dtype).reshape(*self.in_shape, *self.out_shape)
         return w

@@ -9,6 +9,7 @@ from flax import nnx
 from jaxdsa import ops
 from jaxdsa.layers.linear import Linear
 from jaxdsa.layers.params import normal, zeros
+from jaxdsa.layers.stacks import split_layer
 
 
 class MLP(nnx.Module):
@@ -77,6 +78,8 @@ class Experts(nnx.Module):
 
     A loader may replace either by a :class:`~pallas_kernels.quant_matmul.layout.QuantizedWeight`
     stack of the same shape and logical axes (the op's kernels dequantize experts in their K loop).
+    Scanned, both reach the module as :class:`~jaxdsa.layers.stacks.LayerSlice` s of the layers'
+    stacks (:meth:`stack_reads`), which the op's kernels read in place.
     """
 
     quantizable = True
@@ -90,9 +93,15 @@ class Experts(nnx.Module):
         self.down = normal(rngs, (num, inter, hidden), inter, dtype, ("experts", "expert_mlp", "embed"))
         self.swiglu_limit = swiglu_limit
 
+    def stack_reads(self) -> tuple[str, ...]:
+        """Both weights: only the op's kernels read them."""
+        return ("gate_up", "down")
+
     def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
-        experts = {"gate_up": self.gate_up.get_value(), "down": self.down.get_value()}
-        return ops.moe_experts(x, ids, weights, experts, swiglu_limit=self.swiglu_limit)
+        gate_up, layer = split_layer(self.gate_up.get_value())
+        down, _ = split_layer(self.down.get_value())  # the same layer: both come from one scan
+        experts = {"gate_up": gate_up, "down": down}
+        return ops.moe_experts(x, ids, weights, experts, swiglu_limit=self.swiglu_limit, layer=layer)
 
 
 class MoE(nnx.Module):

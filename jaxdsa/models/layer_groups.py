@@ -7,6 +7,12 @@ times and a remainder. Each group's parameters are stacked on a leading ``layers
 (:class:`ScannedLayers`, built with ``nnx.vmap``) and run with ``lax.scan``, so the traced step
 holds one copy of each distinct block.
 
+The weights that Pallas kernels read (routed experts, quantized linears: each module's
+``stack_reads()``) are not scanned over: the scan body hands them to the layer whole, as
+:class:`~jaxdsa.layers.stacks.LayerSlice` s of their loop-invariant stacks, and the kernels read
+the layer in place. Scanned as ``xs`` they would reach a kernel (an XLA custom call) as slices
+that XLA copies out of the stack every step.
+
 A notebook can take one layer out of its stack (:meth:`ScannedLayers.split_at`) to inspect or
 replace its modules; the model then runs that block unrolled (:class:`UnrolledLayers`).
 """
@@ -21,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from checkpoints.spec import Leaf, Spec, Stacked
+from jaxdsa.layers.stacks import LayerSlice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +73,8 @@ class ScannedLayers(nnx.Module):
     """A group whose block parameters are stacked ``[repeats, ...]`` and run under ``lax.scan``.
 
     ``run_layer(layer, carry, layer_index)`` applies one layer; ``layer_index`` is the traced
-    model-layer number (cache rows are addressed by it).
+    model-layer number (cache rows are addressed by it). The variables of :meth:`whole_paths`
+    reach the layer as :class:`LayerSlice` s of their stacks, every other one as its slice.
     """
 
     def __init__(self, group: LayerGroup, blocks: Block):
@@ -88,13 +96,29 @@ class ScannedLayers(nnx.Module):
 
         return cls(group, make_blocks(rngs))
 
+    def whole_paths(self) -> set[tuple]:
+        """Paths (in ``self.blocks``) of the variables that modules read as whole stacks: each
+        module's ``stack_reads()``, asked of the stacked module (a quantized weight is one whatever
+        the layer)."""
+        return {
+            (*path, name)
+            for path, node in nnx.iter_graph(self.blocks)
+            if hasattr(node, "stack_reads")
+            for name in node.stack_reads()
+        }
+
     def __call__(self, carry, run_layer):
-        graphdef, state = nnx.split(self.blocks)
+        whole = self.whole_paths()
+        graphdef, stacks, state = nnx.split(self.blocks, lambda path, _: path in whole, ...)
+        is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
         g = self.group
 
         def body(carry, xs):
             b, block_state = xs
-            block = nnx.merge(graphdef, block_state)
+            views = jax.tree.map(
+                lambda v: v.replace(LayerSlice(v.get_value(), b)), stacks, is_leaf=is_variable
+            )
+            block = nnx.merge(graphdef, views, block_state)
             for j, layer in enumerate(block.layers):
                 carry = run_layer(layer, carry, g.first + b * g.period + j)
             return carry, None

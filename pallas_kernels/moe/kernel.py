@@ -36,7 +36,9 @@ construction (tiles divide D and N, nothing overhangs), so JAX 0.11.2 and 0.12 a
 
 Weights use :func:`.ref.pack_experts`'s layout (``gate_up [E, D, 2N]``, ``down [E, N, D]``, dense or
 quantized), so packed weights work with the reference backend too and switching backends needs no
-repacking.
+repacking. With ``layer`` they are stacks over scanned layers (``[L, E, D, 2N]``, ``[L, E, N, D]``)
+read in place at that traced layer (:func:`pallas_kernels.quant_matmul.tiles.operands`): a scan
+over layers then never copies a layer's experts out of the stack for the kernels.
 """
 
 from __future__ import annotations
@@ -144,9 +146,10 @@ def _gate_up_kernel(
     precision,
 ):
     *w_refs, act_ref = refs
+    layer, w_refs = tiles.layer_lead(w_spec, w_refs)
     block, tile = _block_and_tile(meta_ref, n_tiles)
     n0 = pl.multiple_of(tile * block_n, block_n)
-    expert = meta_ref[_EXPERT, block]
+    lead = (*layer, meta_ref[_EXPERT, block])
     d_model = x_ref.shape[1]
 
     def run(m: int, extra: int) -> None:
@@ -158,7 +161,7 @@ def _gate_up_kernel(
 
         def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
-            tile_at = lambda n: tiles.pieces(w_spec, w_refs, (expert,), k0, n, block_k, block_n, x_ref.dtype)  # noqa: E731
+            tile_at = lambda n: tiles.pieces(w_spec, w_refs, lead, k0, n, block_k, block_n, x_ref.dtype)  # noqa: E731
             for (offset, length, w_gate), (_, _, w_up) in zip(tile_at(n0), tile_at(n_inter + n0)):
                 cols = k0 + offset + jnp.arange(length, dtype=jnp.int32)
                 out = []
@@ -196,9 +199,10 @@ def _down_kernel(
     precision,
 ):
     *w_refs, y_ref = refs
+    layer, w_refs = tiles.layer_lead(w_spec, w_refs)
     block, tile = _block_and_tile(meta_ref, n_tiles)
     d0 = pl.multiple_of(tile * block_n, block_n)
-    expert = meta_ref[_EXPERT, block]
+    lead = (*layer, meta_ref[_EXPERT, block])
     n_inter = act_ref.shape[1]
 
     def run(m: int, extra: int) -> None:  # reads exactly the act rows the gate|up program of (m, extra) wrote
@@ -207,7 +211,7 @@ def _down_kernel(
         def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
             for offset, length, w in tiles.pieces(
-                w_spec, w_refs, (expert,), k0, d0, block_k, block_n, act_ref.dtype
+                w_spec, w_refs, lead, k0, d0, block_k, block_n, act_ref.dtype
             ):
                 acc = tuple(
                     a
@@ -243,6 +247,7 @@ def moe_experts(
     experts: dict,
     *,
     swiglu_limit: float | None = None,
+    layer: jax.Array | None = None,
     interpret: bool = False,
     config: tuning.MoeConfig | None = None,
     decode: str | None = None,
@@ -256,9 +261,11 @@ def moe_experts(
     multiples of 16. Dense experts compute in their own dtype (x is cast to it); quantized experts
     are dequantized to x's dtype (``decode``: e4m3 path, see
     :func:`pallas_kernels.quant_matmul.decode.fp_decode`; ``int4_decode``: INT4 arithmetic, see
-    :func:`pallas_kernels.quant_matmul.decode.int4_decode`). Returns [T, D] in x's dtype.
+    :func:`pallas_kernels.quant_matmul.decode.int4_decode`). ``layer`` (int32 scalar, may be
+    traced): the experts are stacks over layers, read in place at that layer (module docstring).
+    Returns [T, D] in x's dtype.
     """
-    num_experts = experts["gate_up"].shape[0]
+    num_experts = experts["gate_up"].shape[-3]
     quantized = isinstance(experts["gate_up"], QuantizedWeight)
     cfg = config or tuning.choose(
         topk_ids.size,
@@ -276,6 +283,7 @@ def moe_experts(
         cfg,
         top_k=topk_ids.shape[1],
         swiglu_limit=swiglu_limit,
+        layer=layer,
         interpret=interpret,
         decode=decode,
         int4_decode=int4,
@@ -286,6 +294,7 @@ def moe_experts(
         experts["down"],
         cfg,
         num_slots=topk_ids.size,
+        layer=layer,
         interpret=interpret,
         decode=decode,
         int4_decode=int4,
@@ -311,6 +320,13 @@ def _absorb_m(cfg: tuning.MoeConfig) -> int:
     return 1 << (m.bit_length() - 1) if m >= 16 else 0
 
 
+def _expert_matrix(w, layer) -> tuple[int, int]:
+    """``(K, N)`` of each expert's matrix in ``w``: ``[E, K, N]``, or ``[L, E, K, N]`` with a layer."""
+    if len(w.shape) != (3 if layer is None else 4):
+        raise ValueError(f"moe_experts: expert weights of shape {w.shape} with layer={layer}")
+    return w.shape[-2], w.shape[-1]
+
+
 def _precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
@@ -323,14 +339,16 @@ def gate_up(
     *,
     top_k: int,
     swiglu_limit: float | None = None,
+    layer: jax.Array | None = None,
     interpret: bool = False,
     decode: str | None = None,
     int4_decode: str | None = None,
 ) -> jax.Array:
     """``act [blocks * block_m, N]``: SwiGLU of the gathered token rows through their expert's
-    gate|up weights ``w [E, D, 2N]`` (dense, or a quantized stack), in block-padded row order."""
-    _, d_model, two_n = w.shape
-    spec, arrays = tiles.operands(w, decode, int4_decode, interpret=interpret)
+    gate|up weights ``w [E, D, 2N]`` (dense, or a quantized stack; ``[L, E, D, 2N]`` read at
+    ``layer``), in block-padded row order."""
+    d_model, two_n = _expert_matrix(w, layer)
+    spec, arrays = tiles.operands(w, decode, int4_decode, layer, interpret=interpret)
     dtype = w.dtype if spec.format is None else x.dtype  # dense experts set the dtype; quantized follow x
     k_floor = max(spec.kpack, 16)
     n_inter, bm = two_n // 2, cfg.block_m
@@ -367,15 +385,16 @@ def down(
     cfg: tuning.MoeConfig,
     *,
     num_slots: int,
+    layer: jax.Array | None = None,
     interpret: bool = False,
     decode: str | None = None,
     int4_decode: str | None = None,
 ) -> jax.Array:
     """``y [num_slots + block_m, D]``: each slot's ``act`` row through its expert's down weights
-    ``w [E, N, D]`` (dense, or a quantized stack), scattered back to slot order (rows of dropped
-    slots and the spare tail are never written)."""
-    _, n_inter, d_model = w.shape
-    spec, arrays = tiles.operands(w, decode, int4_decode, interpret=interpret)
+    ``w [E, N, D]`` (dense, or a quantized stack; ``[L, E, N, D]`` read at ``layer``), scattered
+    back to slot order (rows of dropped slots and the spare tail are never written)."""
+    n_inter, d_model = _expert_matrix(w, layer)
+    spec, arrays = tiles.operands(w, decode, int4_decode, layer, interpret=interpret)
     k_floor = max(spec.kpack, 16)
     bm = cfg.block_m
     block_n, block_k = _fit(cfg.down.block_n, d_model, "D"), _fit(cfg.down.block_k, n_inter, "N", k_floor)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quant_matmul.layout import QuantizedWeight, concat_n, dequantize
+from pallas_kernels.quant_matmul.layout import QuantizedWeight, concat_n, dequantize, take_layer
 
 
 def pack_experts(gate, up, down):
@@ -24,12 +24,18 @@ def _weights(w, dtype):
     return dequantize(w, dtype) if isinstance(w, QuantizedWeight) else w
 
 
-def moe_experts(x, topk_ids, topk_weights, experts, *, swiglu_limit: float | None = None):
+def moe_experts(
+    x, topk_ids, topk_weights, experts, *, swiglu_limit: float | None = None, layer: jax.Array | None = None
+):
     """out[t] = sum_j w[t,j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t,j].
 
     Ids outside [0, E) contribute nothing, so an expert-parallel shard can pass global routing
-    shifted to its local range. Quantized experts are dequantized to x's dtype.
+    shifted to its local range. Quantized experts are dequantized to x's dtype. ``layer``: the
+    experts are stacks over layers (``gate_up [L, E, D, 2N]``, ``down [L, E, N, D]``) and layer
+    ``layer``'s are used.
     """
+    if layer is not None:
+        experts = take_layer(experts, layer)
     T, k = topk_ids.shape
     E, _, two_n = experts["gate_up"].shape
     n = two_n // 2

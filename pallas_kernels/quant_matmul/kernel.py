@@ -9,6 +9,10 @@ decode (one M tile) is a pure weight stream at the codes' width: 4 or 8 bits per
 
 Activation rows past M are masked on load (``other = 0``); the output is padded to whole M tiles,
 so every store is in bounds and unmasked, and the padding is sliced off outside.
+
+``layer``: W is a stack ``[L, K, N]`` of scanned layers' weights, read in place at that (traced)
+layer (:func:`.tiles.operands`), so a scan over layers never copies a layer's weight out of the
+stack for the kernel.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ def _kernel(
     x_ref, *refs, spec, block_m: int, block_n: int, block_k: int, steps: int, m_total: int, precision
 ):
     *w_refs, o_ref = refs
+    lead, w_refs = tiles.layer_lead(spec, w_refs)
     i, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     m0, n0 = pl.multiple_of(i * block_m, block_m), pl.multiple_of(j * block_n, block_n)
     rows = m0 + jnp.arange(block_m, dtype=jnp.int32)
@@ -37,7 +42,7 @@ def _kernel(
 
     def step(t, acc):
         k0 = pl.multiple_of((split * steps + t) * block_k, block_k)
-        for offset, length, w in tiles.pieces(spec, w_refs, (), k0, n0, block_k, block_n, x_ref.dtype):
+        for offset, length, w in tiles.pieces(spec, w_refs, lead, k0, n0, block_k, block_n, x_ref.dtype):
             cols = k0 + offset + jnp.arange(length, dtype=jnp.int32)
             xs = pltriton.load(x_ref.at[safe[:, None], cols[None, :]], mask=valid[:, None], other=0)
             acc += jnp.dot(xs, w, preferred_element_type=jnp.float32, precision=precision)
@@ -51,6 +56,7 @@ def quant_matmul(
     x: jax.Array,
     w: QuantizedWeight,
     *,
+    layer: jax.Array | None = None,
     interpret: bool = False,
     decode: str | None = None,
     config: tuning.QmmConfig | None = None,
@@ -65,16 +71,22 @@ def quant_matmul(
     off the result; an FP8 weight's K likewise with zero rows (and x with zero columns: a tiny V4's
     40-wide ``q_lora``). 4-bit weights' K is whole packed chunks (32 or 64 rows) by their layout.
     ``dequantize_first``: dequantize W in XLA and multiply with XLA's dot instead of the kernel
-    (default: from the tuning table's row count on, :func:`.tuning.dequantize_first`)."""
+    (default: from the tuning table's row count on, :func:`.tuning.dequantize_first`). ``layer``
+    (int32 scalar, may be traced): W is a stack ``[L, K, N]`` read at that layer in place (a weight
+    that needs padding is sliced first: padding copies it anyway; dequantizing first reads only
+    that layer's slice)."""
     if tuning.dequantize_first(x.shape[0]) if dequantize_first is None else dequantize_first:
-        return _dequantize_then_dot(x, w)
+        return _dequantize_then_dot(x, w if layer is None else layout.take_layer(w, layer))
     k, n = x.shape[-1], w.shape[-1]
+    if layer is not None and (k % 16 or n % 16):
+        w, layer = layout.take_layer(w, layer), None
     w = layout.pad_n(w, -(-n // 16) * 16)
     if k % 16:
         x, w = jnp.pad(x, ((0, 0), (0, -k % 16))), layout.pad_k(w, -(-k // 16) * 16)
     out = _quant_matmul(
         x,
         w,
+        layer,
         interpret=interpret,
         decode=fp_decode(decode),
         config=config,
@@ -93,12 +105,14 @@ def _dequantize_then_dot(x, w):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "decode", "config", "int4"))
-def _quant_matmul(x, w, *, interpret: bool, decode: str, config: tuning.QmmConfig | None, int4: str):
+def _quant_matmul(x, w, layer, *, interpret: bool, decode: str, config: tuning.QmmConfig | None, int4: str):
     m, k = x.shape
-    wk, n = w.shape
+    if len(w.shape) != (2 if layer is None else 3):
+        raise ValueError(f"quant_matmul: a weight of shape {w.shape} with layer={layer}")
+    wk, n = w.shape[-2:]
     if wk != k:
         raise ValueError(f"quant_matmul: x has K = {k}, the weight {wk}")
-    spec, arrays = tiles.operands(w, decode, int4, interpret=interpret)
+    spec, arrays = tiles.operands(w, decode, int4, layer, interpret=interpret)
     min_block_k = max(spec.kpack, 16)
     cfg = config or tuning.choose(
         m, k, n, itemsize=x.dtype.itemsize, weight_bits=4 if spec.packed else 8, min_block_k=min_block_k

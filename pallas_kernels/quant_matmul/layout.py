@@ -87,6 +87,13 @@ class QuantizedWeight:
         return dataclasses.replace(self, **changes)
 
 
+def take_layer(stack: Any, layer: jax.Array) -> Any:
+    """Layer ``layer`` (a traced int32 scalar) of a weight stacked over layers ``[L, ...]``: an array, a
+    :class:`QuantizedWeight`, or a dict of them (every leaf sliced along its leading dim). What a
+    reference implementation does with a stack the kernels index in place."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), stack)
+
+
 def _xp(a):
     return jnp if isinstance(a, jax.Array) else np
 

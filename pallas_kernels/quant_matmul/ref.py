@@ -5,12 +5,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quant_matmul.layout import QuantizedWeight, dequantize
+from pallas_kernels.quant_matmul.layout import QuantizedWeight, dequantize, take_layer
 
 
-def quant_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+def quant_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = None) -> jax.Array:
     """``x [M, K] @ W [K, N] -> [M, N]`` in x's dtype; W dequantized to x's dtype (float32 for float32
-    activations: exactly the format's values), products accumulated in float32."""
+    activations: exactly the format's values), products accumulated in float32. ``layer``: W is a
+    stack ``[L, K, N]`` and layer ``layer`` of it is multiplied."""
+    if layer is not None:
+        w = take_layer(w, layer)
     wd = dequantize(w, x.dtype)
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     return jnp.dot(x, wd, preferred_element_type=jnp.float32, precision=precision).astype(x.dtype)

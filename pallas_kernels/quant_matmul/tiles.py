@@ -9,6 +9,13 @@ loaded as the few rows and columns the tile spans and broadcast over it.
 
 Tiles must be aligned to the scale groups: ``block_k`` a multiple of ``kpack`` (4-bit), and every
 power-of-two tile side either divides its group or is a multiple of it.
+
+A weight stacked over scanned layers (``[L, ...]``) is passed whole with a traced layer index
+(:func:`operands` with ``layer``): the index travels as a ``(1,)`` int32 operand in front of the
+weight's arrays, the kernel reads it once (:func:`layer_lead`) and prepends it to the leading
+indices it gives :func:`pieces`. Inside ``lax.scan`` this is what keeps XLA from copying the
+layer's slice out of the stack before every kernel call (a custom call needs its operands
+materialized).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ class WeightSpec:
     has_zeros: bool = False
     decode: str = "native"
     int4_decode: str = "f32"  # decode.int4_decode; "bf16" / "ptx" apply only with bf16 scales and activations
+    stacked: bool = False  # a [L, ...] stack whose layer index leads the operands (layer_lead)
 
     @property
     def packed(self) -> bool:
@@ -47,14 +55,22 @@ class WeightSpec:
 
 
 def operands(
-    w, decode_mode: str | None = None, int4_mode: str | None = None, *, interpret: bool = False
+    w,
+    decode_mode: str | None = None,
+    int4_mode: str | None = None,
+    layer: jax.Array | None = None,
+    *,
+    interpret: bool = False,
 ) -> tuple[WeightSpec, tuple[jax.Array, ...]]:
     """The spec and the arrays a kernel receives for weight ``w`` (dense array or
     :class:`QuantizedWeight`). One-byte float types travel as uint8 (a free bitcast): masked loads
-    need a fill value, and sm_80 cannot touch e4m3 values at all. ``interpret``: the kernel runs in
-    the Pallas interpreter (no inline PTX)."""
+    need a fill value, and sm_80 cannot touch e4m3 values at all. With ``layer`` (an int32
+    scalar, may be traced), ``w`` is a stack ``[L, ...]`` read in place at that layer: the index
+    leads the arrays as a ``(1,)`` operand (see the module docstring). ``interpret``: the kernel
+    runs in the Pallas interpreter (no inline PTX)."""
+    index = () if layer is None else (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),)
     if not isinstance(w, QuantizedWeight):
-        return WeightSpec(), (w,)
+        return WeightSpec(stacked=layer is not None), (*index, w)
     as_bytes = lambda a: (  # noqa: E731
         jax.lax.bitcast_convert_type(a, jnp.uint8) if np.dtype(a.dtype) in (E4M3, E8M0) else a
     )
@@ -67,9 +83,19 @@ def operands(
         has_zeros=w.zeros is not None,
         decode=decode.fp_decode(decode_mode),
         int4_decode=decode.int4_decode(int4_mode, interpret=interpret),
+        stacked=layer is not None,
     )
     arrays = (as_bytes(w.codes), as_bytes(w.scales)) + ((w.zeros,) if w.zeros is not None else ())
-    return spec, arrays
+    return spec, (*index, *arrays)
+
+
+def layer_lead(spec: WeightSpec, refs: Sequence) -> tuple[tuple, Sequence]:
+    """``(lead, weight refs)`` from the refs of :func:`operands`' arrays: for a stacked weight the
+    layer index (read once, as a scalar) to put in front of the other leading indices, and the refs
+    after it; ``((), refs)`` otherwise."""
+    if not spec.stacked:
+        return (), refs
+    return (refs[0][0],), refs[1:]
 
 
 def _expand(s: jax.Array, rows: int, cols: int) -> jax.Array:

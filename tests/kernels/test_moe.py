@@ -110,6 +110,23 @@ def test_block_size_override(block_m, min_block_m):
     _check(x, ids, weights, experts, config=cfg)
 
 
+@pytest.mark.parametrize("t,dtype", [(1, jnp.bfloat16), (37, jnp.float32)])
+def test_layer_stack_read_in_place(t, dtype):
+    """Experts stacked over 3 layers (``[L, E, D, 2N]``, ``[L, E, N, D]``) with a traced layer index:
+    exactly the result on that layer's own experts, for every layer, in the kernels and in the
+    reference."""
+    x, ids, weights, _ = _inputs(50, t, 4, 8, 64, 32, dtype)
+    per_layer = [_inputs(51 + i, t, 4, 8, 64, 32, dtype)[3] for i in range(3)]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+    assert stack["gate_up"].shape == (3, 8, 64, 64)
+    stacked = jax.jit(lambda layer: kernel.moe_experts(x, ids, weights, stack, layer=layer, interpret=True))
+    stacked_ref = jax.jit(lambda layer: ref.moe_experts(x, ids, weights, stack, layer=layer))
+    for i, experts in enumerate(per_layer):
+        want = _kernel(x, ids, weights, experts, swiglu_limit=None, config=None)
+        np.testing.assert_array_equal(stacked(jnp.int32(i)), want)
+        np.testing.assert_array_equal(stacked_ref(jnp.int32(i)), _ref(x, ids, weights, experts))
+
+
 def test_ops_dispatch_interpret():
     x, ids, weights, _ = _inputs(3, 4, 2, 8, 64, 32, jnp.float32)
     rng = np.random.default_rng(3)

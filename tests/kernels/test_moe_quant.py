@@ -101,6 +101,23 @@ def test_matches_reference(fmt, t, k, e, d, n, dtype, mode, group, symmetric, sk
     )
 
 
+@pytest.mark.parametrize("fmt", ["int4", "fp8", "fp4"])
+def test_layer_stack_read_in_place(fmt):
+    """Quantized experts stacked over 3 layers (codes, scales and zero points ``[L, E, ...]``) with a
+    traced layer index: exactly the result on that layer's own experts, for every layer."""
+    rng = np.random.default_rng(21)
+    per_layer = [_experts(rng, fmt, 8, 64, 32) for _ in range(3)]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+    assert stack["gate_up"].shape == (3, 8, 64, 64) and stack["down"].shape == (3, 8, 32, 64)
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.bfloat16)
+    ids, weights = _routing(rng, 5, 2, 8, skew=1.0), jnp.asarray(rng.random((5, 2)), jnp.float32)
+    run = jax.jit(lambda layer: kernel.moe_experts(x, ids, weights, stack, layer=layer, interpret=True))
+    run_ref = jax.jit(lambda layer: ref.moe_experts(x, ids, weights, stack, layer=layer))
+    for i, experts in enumerate(per_layer):
+        np.testing.assert_array_equal(run(jnp.int32(i)), _kernel(x, ids, weights, experts, swiglu_limit=None))
+        np.testing.assert_array_equal(run_ref(jnp.int32(i)), _ref(x, ids, weights, experts))
+
+
 def test_experts_over_several_blocks():
     """16-row blocks: experts spanning up to four blocks, an empty expert, with INT4 weights (the row
     tiling is the dense kernels'; only the weight reads differ)."""

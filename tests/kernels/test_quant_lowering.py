@@ -130,6 +130,36 @@ def test_int4_bf16_decode_lowers(target, zeros, mode):
     assert text.count("__gpu$xla.gpu.triton") == 2 and ("lop3.b32" in text) == (mode == "ptx")
 
 
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_layer_stacks_lower(target, fmt):
+    """Weights stacked over GLM-5's 78 layers, read in place at a traced layer index (how scanned
+    layers call the kernels): the stacks go into the Triton calls as they are, with no slice (a
+    ``dynamic_slice`` before a custom call is a copy of the layer's weights)."""
+    layers, i32 = 78, jax.ShapeDtypeStruct((), jnp.int32)
+    w = _abstract(fmt, (layers,), D, N)
+    x = jax.ShapeDtypeStruct((8, D), jnp.bfloat16)
+    qmm = lambda x, w, layer: kernel.quant_matmul(x, w, layer=layer)  # noqa: E731
+    text = lower_for_cuda(qmm, x, w, i32, target=target)
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "dynamic_slice" not in text
+    experts = {"gate_up": _abstract(fmt, (layers, E), D, 2 * N), "down": _abstract(fmt, (layers, E), N, D)}
+    moe = lambda x, ids, weights, experts, layer: moe_kernel.moe_experts(
+        x, ids, weights, experts, layer=layer
+    )  # noqa: E731
+    text = lower_for_cuda(
+        moe,
+        x,
+        jax.ShapeDtypeStruct((8, TOP_K), jnp.int32),
+        jax.ShapeDtypeStruct((8, TOP_K), jnp.float32),
+        experts,
+        i32,
+        target=target,
+    )
+    assert text.count("__gpu$xla.gpu.triton") == 2 and "dynamic_slice" not in text
+    for leaf in jax.tree.leaves(experts):  # the whole stacks are the kernels' operands
+        assert f"tensor<{'x'.join(map(str, leaf.shape))}x" in text
+
+
 @pytest.mark.parametrize("itemsize", [2, 4])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_moe_tiles_fit(bits, itemsize):

@@ -341,6 +341,24 @@ def test_k_splits(splits, block_m):
     _check(x, _device(w), config=tuning.QmmConfig(block_m, 32, 128, splits, 4, 2))
 
 
+@pytest.mark.parametrize("make,m,dtype,mode", CASES)
+def test_layer_stack_read_in_place(make, m, dtype, mode):
+    """A weight stacked over 3 layers (``[L, K, N]`` codes, scales, zero points) with a traced layer
+    index: exactly the result on that layer's weight, for every layer and format (the padded
+    K = 40, N = 24 case slices the layer first), in the kernel and in the reference."""
+    rng = np.random.default_rng(m + 1)
+    per_layer = [_device(make(rng, ())[0]) for _ in range(3)]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+    assert stack.shape == (3, *per_layer[0].shape)
+    x = jnp.asarray(rng.standard_normal((m, stack.shape[1])), dtype)
+    run = jax.jit(lambda layer: kernel.quant_matmul(x, stack, layer=layer, interpret=True, decode=mode))
+    run_ref = jax.jit(lambda layer: ref.quant_matmul(x, stack, layer=layer))
+    for i, w in enumerate(per_layer):
+        want = jax.jit(lambda w: kernel.quant_matmul(x, w, interpret=True, decode=mode))(w)
+        np.testing.assert_array_equal(run(jnp.int32(i)), want)
+        np.testing.assert_array_equal(run_ref(jnp.int32(i)), _ref(x, w))
+
+
 def test_ops_dispatch_interpret():
     rng = np.random.default_rng(11)
     w, want = random_fp8(rng, (), 32, 128)

@@ -81,8 +81,7 @@ def test_group_layers():
 
 
 def test_unrolled_layers_compute_the_same_model():
-    """``scan_layers=False`` (the Pallas default until the kernels index stacked weights): one
-    module per layer, loaded from the same files, the same logits."""
+    """``scan_layers=False``: one module per layer, loaded from the same files, the same logits."""
     import numpy as np
 
     import jaxdsa
