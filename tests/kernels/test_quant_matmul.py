@@ -407,3 +407,14 @@ def test_dequantize_first_threshold():
             m = entry.dequantize_min_m
             assert tuning.dequantize_first(m, cc=cc) and not tuning.dequantize_first(m - 1, cc=cc)
     assert not tuning.dequantize_first(1 << 20, cc=0)  # the interpreter always runs the kernel
+
+
+def test_dequantize_first_reads_the_stacks_layer():
+    """Dequantizing first from a layer stack dequantizes that layer only: each layer's product."""
+    rng = np.random.default_rng(12)
+    made = [random_int4(rng, (), 64, 128, 32, symmetric=False) for _ in range(3)]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *[_device(w) for w, _ in made])
+    x = jnp.asarray(rng.standard_normal((8, 128)), jnp.float32)
+    for layer, (_, want) in enumerate(made):
+        got = kernel.quant_matmul(x, stack, layer=jnp.int32(layer), dequantize_first=True)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(x) @ want, rtol=1e-5, atol=1e-5)
