@@ -18,6 +18,7 @@ import argparse
 import gc
 import json
 import os
+import pathlib
 import sys
 import tempfile
 import time
@@ -56,7 +57,8 @@ def measure(model_dir: str, scan: bool, args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> pathlib.Path:
+    """Time both settings and write the results file; returns its path."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--widths", choices=["tiny", "glm5"], default="tiny")
     parser.add_argument("--layers", type=int, default=6)
@@ -68,7 +70,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--suffix", default="", help="results file name suffix")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from benchmarks import harness
     from benchmarks.startup import model_config
@@ -98,8 +100,8 @@ def main() -> None:
     ]
     path = harness.write_result("layer_scan", "\n".join(lines), suffix=args.suffix)
     harness.dump_json(str(path.with_suffix(".json")), rows)
-    print(path)
+    return path
 
 
 if __name__ == "__main__":
-    main()
+    print(main())
