@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._triton import compiler_params, pl, pltriton
-from pallas_kernels.quant_matmul import layout, tiles, tuning
+from pallas_kernels.quant_matmul import layout, ref, tiles, tuning
 from pallas_kernels.quant_matmul.decode import fp_decode
 from pallas_kernels.quant_matmul.decode import int4_decode as int4_mode
 from pallas_kernels.quant_matmul.layout import QuantizedWeight
@@ -76,7 +76,7 @@ def quant_matmul(
     that needs padding is sliced first: padding copies it anyway; dequantizing first reads only
     that layer's slice)."""
     if tuning.dequantize_first(x.shape[0]) if dequantize_first is None else dequantize_first:
-        return _dequantize_then_dot(x, w if layer is None else layout.take_layer(w, layer))
+        return ref.quant_matmul(x, w, layer=layer)  # the definition is also the fastest prefill path
     k, n = x.shape[-1], w.shape[-1]
     if layer is not None and (k % 16 or n % 16):
         w, layer = layout.take_layer(w, layer), None
@@ -93,15 +93,6 @@ def quant_matmul(
         int4=int4_mode(int4_decode, interpret=interpret),
     )
     return out if out.shape[-1] == n else out[:, :n]
-
-
-@jax.jit
-def _dequantize_then_dot(x, w):
-    """Prefill-sized ``x @ W``: W dequantized to x's dtype by its format's definition (the kernel's
-    values), then one XLA GEMM with float32 accumulation."""
-    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    w = layout.dequantize(w, x.dtype)
-    return jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision).astype(x.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "decode", "config", "int4"))

@@ -132,17 +132,24 @@ def _int4_ptx_chunk(
     Scales and zero points are loaded per group and broadcast over the tile (the asm is elementwise)."""
     half, cols = byte.shape
 
-    def groups(ref, row):
-        return jnp.broadcast_to(_group_tile(ref, lead, spec, row, half, n0, cols), (half, cols))
+    def scale(row):
+        return jnp.broadcast_to(_group_tile(refs[1], lead, spec, row, half, n0, cols), (half, cols))
 
-    if spec.has_zeros:
-        zero = lambda row: decode.nibble_plus_128_bf16(groups(refs[2], row).astype(jnp.int32))  # noqa: E731
-    else:
-        zero = lambda row: jnp.full((half, cols), 136, jnp.bfloat16)  # noqa: E731  codes hold q + 8
+    def zero(row):
+        return jnp.broadcast_to(_int4_zero_bf16(spec, refs, lead, row, half, n0, cols), (half, cols))
+
     return tuple(
-        decode.int4_ptx(byte, groups(refs[1], row), zero(row), high=high)
+        decode.int4_ptx(byte, scale(row), zero(row), high=high)
         for row, high in ((r0, False), (r0 + half, True))
     )
+
+
+def _int4_zero_bf16(spec: WeightSpec, refs: Sequence, lead: tuple, r0, rows: int, n0, cols: int):
+    """The zero points of weight rows ``r0 ...`` as bf16 ``128 + (zp + 8)`` (the codes' offset domain),
+    a group tile to broadcast; 136 when the weight is symmetric (codes hold q + 8)."""
+    if not spec.has_zeros:
+        return jnp.bfloat16(136)
+    return decode.nibble_plus_128_bf16(_group_tile(refs[2], lead, spec, r0, rows, n0, cols).astype(jnp.int32))
 
 
 def _int4_bf16(spec: WeightSpec, refs: Sequence, lead: tuple, codes, r0, n0) -> jax.Array:
@@ -150,12 +157,7 @@ def _int4_bf16(spec: WeightSpec, refs: Sequence, lead: tuple, codes, r0, n0) -> 
     the subtraction exact, the product rounded once, as the float32 path rounds it."""
     rows, cols = codes.shape
     s = _group_tile(refs[1], lead, spec, r0, rows, n0, cols)
-    if spec.has_zeros:
-        zero = decode.nibble_plus_128_bf16(
-            _group_tile(refs[2], lead, spec, r0, rows, n0, cols).astype(jnp.int32)
-        )
-    else:
-        zero = jnp.bfloat16(136)  # symmetric: codes hold q + 8
+    zero = _int4_zero_bf16(spec, refs, lead, r0, rows, n0, cols)
     return (decode.nibble_plus_128_bf16(codes) - zero) * s
 
 
