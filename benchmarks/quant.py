@@ -11,13 +11,16 @@ Run ``python -m benchmarks.quant`` on a GPU. Per format and T it times, in one p
   path A100s run (on parts where it is the default, ``pallas`` is that path already); FP4 is
   always decoded with integer ops, on every part;
 * variants (``QUANT_VARIANTS=0`` skips them): INT4 with each other INT4 arithmetic
-  (``pallas:int4-f32`` / ``-bf16`` / ``-ptx``, :func:`pallas_kernels.quant_matmul.decode.int4_decode`), and at
+  (``pallas:int4-f32`` / ``-bf16`` / ``-ptx``, :func:`pallas_kernels.quant_matmul.decode.int4_decode`;
+  ``QUANT_INT4_VARIANTS=0`` skips these), and at
   T <= 32 4-bit MoE tile variants (4 warps; 64-column tiles; or ``QUANT_MOE_TILES``, see
-  :func:`_tile_variants`; ``QUANT_VARIANT_TOKENS=1,8`` picks the T); linears at T >= 128 both ways
+  :func:`_tile_variants`; ``QUANT_VARIANT_TOKENS=1,8`` picks the T) and quantized linears' variants
+  at those T (``QUANT_QMM_TILES``, none by default); linears at T >= 128 both ways
   (``pallas:dequantize-first``: the weight dequantized in XLA, then XLA's dot; ``-never``: the
   kernel), whatever the tuning table picks for ``pallas``;
 * ``torch``: dequantize to bf16 then ``torch._grouped_mm`` / ``torch.matmul``
-  (:mod:`benchmarks.torch_peer`) on the same arrays, shared through DLPack; skipped without torch;
+  (:mod:`benchmarks.torch_peer`) on the same arrays, shared through DLPack; skipped without torch
+  or with ``QUANT_TORCH=0``;
 * bf16 rows: the bf16 MoE kernel and XLA's dot, the unquantized baselines.
 
 Every implementation is first checked against a float32 reference on sampled rows (the weights
@@ -65,6 +68,7 @@ from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe import tuning as moe_tuning
 from pallas_kernels.quant_matmul import decode
 from pallas_kernels.quant_matmul import kernel as qmm_kernel
+from pallas_kernels.quant_matmul import tuning as qmm_tuning
 from pallas_kernels.quant_matmul.decode import fp_decode
 from pallas_kernels.quant_matmul.layout import QuantizedWeight, dequantize
 
@@ -372,7 +376,7 @@ class Impl:
     name: str
     decode: str | None = None  # e4m3 path (None: the device's default)
     int4: str | None = None  # INT4 arithmetic (None: decode.int4_decode's default)
-    tiles: Callable | None = None  # MoeConfig -> MoeConfig: a tile variant of the table's choice
+    tiles: Callable | None = None  # MoeConfig -> MoeConfig (QmmConfig -> QmmConfig for linears): a variant
     variant: bool = False  # a tuning variant (QUANT_VARIANTS=0 skips them)
     dequantize_first: bool | None = None  # linears: dequantize in XLA, then XLA's dot (None: the table)
 
@@ -404,14 +408,31 @@ def _moe_fn(shapes: Shapes, impl: Impl) -> Callable:
 def _linear_fn(shapes: Shapes, fmt: str, impl: Impl) -> Callable:
     if fmt == "bf16":
         return lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-    return lambda x, w: qmm_kernel.quant_matmul(
-        x,
-        w,
-        interpret=shapes.interpret,
-        decode=impl.decode,
-        int4_decode=impl.int4,
-        dequantize_first=impl.dequantize_first,
-    )
+
+    def fn(x, w):
+        config = None
+        if impl.tiles is not None:
+            bits = 4 if w.packed else 8
+            config = impl.tiles(
+                qmm_tuning.choose(
+                    x.shape[0],
+                    *w.shape,
+                    itemsize=x.dtype.itemsize,
+                    weight_bits=bits,
+                    min_block_k=max(w.kpack, 16),
+                )
+            )
+        return qmm_kernel.quant_matmul(
+            x,
+            w,
+            interpret=shapes.interpret,
+            decode=impl.decode,
+            int4_decode=impl.int4,
+            dequantize_first=impl.dequantize_first,
+            config=config,
+        )
+
+    return fn
 
 
 # ---- the run ------------------------------------------------------------------------------------------
@@ -452,7 +473,7 @@ def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
     impls = [Impl("pallas")]
     if fmt == "fp8" and fp_decode() != "software":
         impls.append(Impl("pallas:software", decode="software"))
-    if fmt == "int4":
+    if fmt == "int4" and os.environ.get("QUANT_INT4_VARIANTS", "1") != "0":
         default = decode.int4_decode()
         runnable = [m for m in decode.INT4_MODES if m != "ptx" or compute_capability() >= 80]  # no PTX on CPU
         impls += [Impl(f"pallas:int4-{m}", int4=m, variant=True) for m in runnable if m != default]
@@ -461,21 +482,29 @@ def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
             Impl(f"pallas:dequantize-{'first' if on else 'never'}", dequantize_first=on, variant=True)
             for on in (True, False)
         ]
-    if fmt in ("int4", "fp4") and kind == "moe" and t in _env_list("QUANT_VARIANT_TOKENS", VARIANT_TOKENS):
+    if t not in _env_list("QUANT_VARIANT_TOKENS", VARIANT_TOKENS):
+        return impls
+    if fmt in ("int4", "fp4") and kind == "moe":
         impls += [
             Impl(f"pallas:{name}", tiles=_both_tiles(**changes), variant=True)
-            for name, changes in _tile_variants()
+            for name, changes in _tile_variants("QUANT_MOE_TILES", "w4:num_warps=4,n64:block_n=64")
+        ]
+    if fmt != "bf16" and kind == "linear":
+        impls += [
+            Impl(f"pallas:{name}", tiles=functools.partial(dataclasses.replace, **changes), variant=True)
+            for name, changes in _tile_variants("QUANT_QMM_TILES", "")
         ]
     return impls
 
 
-def _tile_variants() -> list[tuple[str, dict[str, int]]]:
-    """4-bit MoE tile variants: ``$QUANT_MOE_TILES`` as ``name:field=value+field=value,...`` (fields of
-    :class:`pallas_kernels.moe.tuning.Tile`, applied to both kernels, or of ``MoeConfig``, see
-    :func:`_both_tiles`), else 4 warps and 64-column tiles."""
-    spec = os.environ.get("QUANT_MOE_TILES", "w4:num_warps=4,n64:block_n=64")
+def _tile_variants(env: str, default: str) -> list[tuple[str, dict[str, int]]]:
+    """Tile variants from ``$env`` (else ``default``) as ``name:field=value+field=value,...``: for the
+    4-bit MoE (``QUANT_MOE_TILES``) fields of :class:`pallas_kernels.moe.tuning.Tile`, applied to
+    both kernels, or of ``MoeConfig`` (see :func:`_both_tiles`); for the quantized linears
+    (``QUANT_QMM_TILES``, none by default) fields of
+    :class:`pallas_kernels.quant_matmul.tuning.QmmConfig`."""
     out = []
-    for item in filter(None, spec.split(",")):
+    for item in filter(None, os.environ.get(env, default).split(",")):
         name, _, fields = item.partition(":")
         out.append((name, {k: int(v) for k, v in (f.split("=") for f in fields.split("+"))}))
     return out
@@ -493,16 +522,18 @@ class _Item:
 
 def _work(shapes: Shapes, fmt: str, linear_tokens: tuple[int, ...], variants: bool) -> list[_Item]:
     """The rows of one format, most wanted first: every MoE row (variants and torch included), then
-    the linears' rows, then the linears' variant rows, each phase by T."""
+    the linears' rows, then the linears' variant rows, each phase by T. ``QUANT_TORCH=0`` leaves the
+    torch peer's rows out (it dequantizes every touched expert per call: slow to time at large T)."""
+    torch = os.environ.get("QUANT_TORCH", "1") != "0"
     items = []
     for t in shapes.tokens:
         impls = [i for i in _impls(fmt, "moe", t) if variants or not i.variant]
-        items += [_Item(("moe", t), i) for i in impls] + [_Item(("moe", t), None)]
+        items += [_Item(("moe", t), i) for i in impls] + [_Item(("moe", t), None)] * torch
     names = () if fmt in MOE_ONLY else tuple(shapes.linears)
     keys = [("linear", name, t) for t in linear_tokens for name in names]
     for key in keys:
         items += [_Item(key, i) for i in _impls(fmt, "linear", key[2]) if not i.variant]
-        items.append(_Item(key, None))
+        items += [_Item(key, None)] * torch
     if variants:
         items += [_Item(key, i) for key in keys for i in _impls(fmt, "linear", key[2]) if i.variant]
     return items
@@ -544,7 +575,7 @@ def run(
     log(f"quant: copy {copy_gbs:.0f} GB/s, read {read_gbs:.0f} GB/s")
     rows: list[dict] = []
     deadline = _deadlines(formats, budget_s, slices or {})
-    linear_tokens = linear_tokens or shapes.tokens
+    linear_tokens = shapes.tokens if linear_tokens is None else linear_tokens
     for fmt in formats:
         over = lambda fmt=fmt: time.perf_counter() - start > deadline[fmt]  # noqa: E731
         items = _work(shapes, fmt, linear_tokens, variants)
