@@ -25,12 +25,10 @@ before it, which multiplies those rows with the weight tiles it already has in s
 (H100, T = 4096: 4.7 vs 4.9 ms for routing + gate|up, ``benchmarks/results/moe-h100-sweep-*.md``).
 With decode-sized batches ``block_m`` almost always covers all of an expert's slots, so each
 touched expert's weights are streamed from HBM once (see :mod:`.tuning`). Both kernels read
-weights only through :mod:`pallas_kernels.quant_matmul.tiles` (``fetch`` / ``unpack``): bf16 /
-float32 weights as ``[block_k, block_n]`` slices, INT4 / FP8 / FP4 experts (a
+weights only through :func:`pallas_kernels.quant_matmul.tiles.pieces`: bf16 / float32 weights as
+``[block_k, block_n]`` slices, INT4 / FP8 / FP4 experts (a
 :class:`~pallas_kernels.quant_matmul.layout.QuantizedWeight` per matrix) dequantized in the K loop
-to the activations' dtype, so quantized experts stream 4 or 8 bits per weight. With a tile's
-``prefetch`` the next K step's weight loads are issued before this step's decode
-(:func:`pallas_kernels.quant_matmul.tiles.k_loop`).
+to the activations' dtype, so quantized experts stream 4 or 8 bits per weight.
 
 Loads and stores that can touch padding (the gathered ``x`` rows, the ``y`` scatter) carry
 explicit masks and ``other``; the weight, ``act`` and block-map accesses are in bounds by
@@ -146,7 +144,6 @@ def _gate_up_kernel(
     n_tiles: int,
     swiglu_limit: float | None,
     precision,
-    prefetch: bool,
 ):
     *w_refs, act_ref = refs
     layer, w_refs = tiles.layer_lead(w_spec, w_refs)
@@ -162,16 +159,10 @@ def _gate_up_kernel(
             slots = row_slot_ref[rows]
             gathers.append((jnp.where(slots >= 0, slots // top_k, 0), slots >= 0))
 
-        def fetch_at(i):  # the gate and the up tile of K step i
-            k0 = tiles.aligned(i * block_k, block_k)
-            return tuple(
-                tiles.fetch(w_spec, w_refs, lead, k0, n, block_k, block_n) for n in (n0, n_inter + n0)
-            )
-
-        def step(i, loaded, acc):
+        def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
-            gate_pieces, up_pieces = (tiles.unpack(w_spec, t, x_ref.dtype) for t in loaded)
-            for (offset, length, w_gate), (_, _, w_up) in zip(gate_pieces, up_pieces):
+            tile_at = lambda n: tiles.pieces(w_spec, w_refs, lead, k0, n, block_k, block_n, x_ref.dtype)  # noqa: E731
+            for (offset, length, w_gate), (_, _, w_up) in zip(tile_at(n0), tile_at(n_inter + n0)):
                 cols = k0 + offset + jnp.arange(length, dtype=jnp.int32)
                 out = []
                 for (gate, up), (tokens, valid) in zip(acc, gathers):
@@ -183,7 +174,7 @@ def _gate_up_kernel(
             return acc
 
         zeros = tuple((jnp.zeros((n, block_n), jnp.float32),) * 2 for _, n in groups)
-        acc = tiles.k_loop(d_model // block_k, fetch_at, step, zeros, prefetch=prefetch)
+        acc = jax.lax.fori_loop(0, d_model // block_k, step, zeros)
         for (rows, _), (gate, up) in zip(groups, acc):
             if swiglu_limit is not None:
                 gate = jnp.minimum(gate, swiglu_limit)
@@ -206,7 +197,6 @@ def _down_kernel(
     block_k: int,
     n_tiles: int,
     precision,
-    prefetch: bool,
 ):
     *w_refs, y_ref = refs
     layer, w_refs = tiles.layer_lead(w_spec, w_refs)
@@ -218,14 +208,11 @@ def _down_kernel(
     def run(m: int, extra: int) -> None:  # reads exactly the act rows the gate|up program of (m, extra) wrote
         groups = _row_groups(block, block_m, m, extra)
 
-        def fetch_at(i):
-            return tiles.fetch(
-                w_spec, w_refs, lead, tiles.aligned(i * block_k, block_k), d0, block_k, block_n
-            )
-
-        def step(i, loaded, acc):
+        def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
-            for offset, length, w in tiles.unpack(w_spec, loaded, act_ref.dtype):
+            for offset, length, w in tiles.pieces(
+                w_spec, w_refs, lead, k0, d0, block_k, block_n, act_ref.dtype
+            ):
                 acc = tuple(
                     a
                     + jnp.dot(
@@ -239,7 +226,7 @@ def _down_kernel(
             return acc
 
         zeros = tuple(jnp.zeros((n, block_n), jnp.float32) for _, n in groups)
-        acc = tiles.k_loop(n_inter // block_k, fetch_at, step, zeros, prefetch=prefetch)
+        acc = jax.lax.fori_loop(0, n_inter // block_k, step, zeros)
         cols = d0 + jnp.arange(block_n, dtype=jnp.int32)
         for (rows, n), out in zip(groups, acc):
             slots = row_slot_ref[rows]
@@ -382,7 +369,6 @@ def gate_up(
             n_tiles=n_tiles,
             swiglu_limit=swiglu_limit,
             precision=_precision(dtype),
-            prefetch=cfg.gate_up.prefetch,
         ),
         out_shape=jax.ShapeDtypeStruct((n_blocks * bm, n_inter), dtype),
         grid=(n_blocks * n_tiles,),
@@ -424,7 +410,6 @@ def down(
             block_k=block_k,
             n_tiles=n_tiles,
             precision=_precision(act.dtype),
-            prefetch=cfg.down.prefetch,
         ),
         out_shape=jax.ShapeDtypeStruct((num_slots + bm, d_model), act.dtype),
         grid=(n_blocks * n_tiles,),

@@ -52,7 +52,6 @@ class Tile:
     block_k: int  # reduction step
     num_warps: int
     num_stages: int
-    prefetch: bool = False  # load the next K step's weight tile while this one is decoded (tiles.k_loop)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Pallas-Triton ``quant_matmul``: ``x @ W`` with W kept quantized and dequantized tile by tile.
 
 Grid (M tiles, N tiles, K splits). A program walks its share of K in ``block_k`` steps: it reads
-the weight's codes and the scale (and zero-point) rows of the step (:func:`.tiles.fetch`),
+the weight's codes and the scale (and zero-point) rows of the step (:func:`.tiles.pieces`),
 dequantizes them in registers to the activations' dtype and multiplies them with the matching
 activation columns, accumulating in float32. Weight bytes are read from HBM once per M tile, so
 decode (one M tile) is a pure weight stream at the codes' width: 4 or 8 bits per weight instead of
@@ -30,16 +30,7 @@ from pallas_kernels.quant_matmul.layout import QuantizedWeight
 
 
 def _kernel(
-    x_ref,
-    *refs,
-    spec,
-    block_m: int,
-    block_n: int,
-    block_k: int,
-    steps: int,
-    m_total: int,
-    precision,
-    prefetch: bool,
+    x_ref, *refs, spec, block_m: int, block_n: int, block_k: int, steps: int, m_total: int, precision
 ):
     *w_refs, o_ref = refs
     lead, w_refs = tiles.layer_lead(spec, w_refs)
@@ -49,20 +40,15 @@ def _kernel(
     valid = rows < m_total
     safe = jnp.where(valid, rows, 0)
 
-    def fetch_at(t):
-        k0 = tiles.aligned((split * steps + t) * block_k, block_k)
-        return tiles.fetch(spec, w_refs, lead, k0, n0, block_k, block_n)
-
-    def step(t, loaded, acc):
+    def step(t, acc):
         k0 = pl.multiple_of((split * steps + t) * block_k, block_k)
-        for offset, length, w in tiles.unpack(spec, loaded, x_ref.dtype):
+        for offset, length, w in tiles.pieces(spec, w_refs, lead, k0, n0, block_k, block_n, x_ref.dtype):
             cols = k0 + offset + jnp.arange(length, dtype=jnp.int32)
             xs = pltriton.load(x_ref.at[safe[:, None], cols[None, :]], mask=valid[:, None], other=0)
             acc += jnp.dot(xs, w, preferred_element_type=jnp.float32, precision=precision)
         return acc
 
-    zeros = jnp.zeros((block_m, block_n), jnp.float32)
-    acc = tiles.k_loop(steps, fetch_at, step, zeros, prefetch=prefetch)
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
     o_ref[split, pl.ds(m0, block_m), pl.ds(n0, block_n)] = acc.astype(o_ref.dtype)
 
 
@@ -137,7 +123,6 @@ def _quant_matmul(x, w, layer, *, interpret: bool, decode: str, config: tuning.Q
             steps=steps,
             m_total=m,
             precision=jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None,
-            prefetch=cfg.prefetch,
         ),
         out_shape=jax.ShapeDtypeStruct(
             (cfg.splits, m_tiles * cfg.block_m, n), x.dtype if cfg.splits == 1 else jnp.float32

@@ -37,7 +37,6 @@ class QmmConfig:
     splits: int  # K splits; partial sums in float32, added outside the kernel
     num_warps: int
     num_stages: int
-    prefetch: bool = False  # load the next K step's weight tile while this one is decoded (tiles.k_loop)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -130,23 +130,6 @@ def test_experts_over_several_blocks():
     _check(x, ids, jnp.ones(ids.shape, jnp.float32), experts, config=cfg)
 
 
-@pytest.mark.parametrize("fmt", ["int4", "fp8", "fp4", "bf16"])
-def test_prefetch_is_bit_for_bit(fmt):
-    """Loading the next K step's weight tile during this one (``Tile.prefetch``) changes nothing:
-    the same bits over several K steps and blocks, for every format and dense bf16 experts."""
-    rng = np.random.default_rng(17)
-    experts = _experts(rng, "int4" if fmt == "bf16" else fmt, 8, 256, 128, group=32)
-    if fmt == "bf16":
-        experts = {name: layout.dequantize(w, jnp.bfloat16) for name, w in experts.items()}
-    x = jnp.asarray(rng.standard_normal((24, 256)), jnp.bfloat16)
-    ids, weights = _routing(rng, 24, 4, 8, skew=1.0), jnp.asarray(rng.random((24, 4)), jnp.float32)
-    plain = MoeConfig(16, Tile(32, 64, 4, 2), Tile(32, 64, 4, 2))  # 4 and 2 K steps
-    ahead = MoeConfig(16, Tile(32, 64, 4, 2, prefetch=True), Tile(32, 64, 4, 2, prefetch=True))
-    got = _kernel(x, ids, weights, experts, swiglu_limit=None, config=ahead)
-    np.testing.assert_array_equal(got, _kernel(x, ids, weights, experts, swiglu_limit=None, config=plain))
-    _check(x, ids, weights, experts, config=ahead)
-
-
 @pytest.mark.parametrize("t", [1, 8, 300])
 @pytest.mark.parametrize("group,symmetric", [(32, False), (128, True)])
 def test_int4_ptx_decode_on_gpu(t, group, symmetric):

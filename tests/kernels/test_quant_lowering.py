@@ -76,22 +76,6 @@ def test_scale_groups_smaller_than_tiles_lower(target):
     assert "__gpu$xla.gpu.triton" in lower_for_cuda(kernel.quant_matmul, x, w, target=target, config=cfg)
 
 
-@pytest.mark.parametrize("target", list(TARGETS))
-def test_prefetching_kernels_lower(target):
-    """With ``prefetch`` (the next K step's loads carried through the loop) both INT4 kernels lower
-    at GLM-5 decode shapes."""
-    x = jax.ShapeDtypeStruct((1, D), jnp.bfloat16)
-    w = _abstract("int4", (), D, N)
-    cfg = kernel.tuning.QmmConfig(16, 64, 256, 1, 4, 2, prefetch=True)
-    assert "__gpu$xla.gpu.triton" in lower_for_cuda(kernel.quant_matmul, x, w, target=target, config=cfg)
-    experts = {"gate_up": _abstract("int4", (E,), D, 2 * N), "down": _abstract("int4", (E,), N, D)}
-    tile = moe_tuning.Tile(128, 128, 8, 2, prefetch=True)
-    moe_cfg = moe_tuning.MoeConfig(16, tile, tile)
-    ids, weights = jax.ShapeDtypeStruct((1, TOP_K), jnp.int32), jax.ShapeDtypeStruct((1, TOP_K), jnp.float32)
-    text = lower_for_cuda(moe_kernel.moe_experts, x, ids, weights, experts, target=target, config=moe_cfg)
-    assert text.count("__gpu$xla.gpu.triton") == 2
-
-
 def test_native_e4m3_does_not_lower_on_sm80():
     w = _abstract("fp8", (), D, 576)
     x = jax.ShapeDtypeStruct((8, D), jnp.bfloat16)
