@@ -117,10 +117,9 @@ def main() -> None:
     if args.child:
         return child(args)
 
-    from benchmarks import harness
-
     began = time.perf_counter()
-    rows = []
+    rows: list[dict] = []
+    path = None
     with tempfile.TemporaryDirectory() as tmp:
         for layers in args.layers:
             model_dir, cache_dir = os.path.join(tmp, f"model{layers}"), os.path.join(tmp, f"cache{layers}")
@@ -131,10 +130,21 @@ def main() -> None:
                 result = run_start(model_dir, cache_dir, args)
                 rows.append({"layers": layers, "start": kind, **result})
                 print(f"{layers} layers, {kind}: {result}", file=sys.stderr, flush=True)
+                path = write_report(rows, args, time.perf_counter() - began)  # a call cut short keeps these
+    print(path)
 
-    def ratio(kind: str) -> float:
-        by_depth = {r["layers"]: r["total_s"] for r in rows if r["start"] == kind}
-        return by_depth[max(by_depth)] / by_depth[min(by_depth)]
+
+def _ratio(rows: list[dict], kind: str) -> str:
+    """Total start time of the deepest model over the shallowest's, for ``kind`` starts."""
+    by_depth = {r["layers"]: r["total_s"] for r in rows if r["start"] == kind}
+    if len(by_depth) < 2:
+        return "n/a (one depth)"
+    return f"{by_depth[max(by_depth)] / by_depth[min(by_depth)]:.2f}x"
+
+
+def write_report(rows: list[dict], args: argparse.Namespace, wall_s: float):
+    """Write the results file (and its JSON) for the starts so far; returns its path."""
+    from benchmarks import harness
 
     lines = harness.report_header(
         f"Start-up against depth ({args.widths} widths, dummy {args.dtype} weights)",
@@ -144,9 +154,9 @@ def main() -> None:
             "step variants compiled": f"{rows[0]['variants']} (token buckets x step modes)",
             "engine": f"max_num_batched_tokens {args.max_num_batched_tokens}, "
             f"max_num_seqs {args.max_num_seqs}, max_model_len {args.max_model_len}",
-            "deepest / shallowest, cold": f"{ratio('cold'):.2f}x",
-            "deepest / shallowest, warm": f"{ratio('warm'):.2f}x",
-            "benchmark wall time": f"{time.perf_counter() - began:.0f} s",
+            "deepest / shallowest, cold": _ratio(rows, "cold"),
+            "deepest / shallowest, warm": _ratio(rows, "warm"),
+            "benchmark wall time": f"{wall_s:.0f} s",
         },
     )
     lines += [
@@ -160,7 +170,7 @@ def main() -> None:
     ]
     path = harness.write_result("startup", "\n".join(lines), suffix=args.suffix)
     harness.dump_json(str(path.with_suffix(".json")), rows)
-    print(path)
+    return path
 
 
 if __name__ == "__main__":
