@@ -125,16 +125,27 @@ def write_model_dir(directory: str, layers: int, overrides: dict | None = None, 
     return raw
 
 
-def step_bytes(raw: dict, weights: str, context: int, batch: int) -> float:
-    """Bytes one decode step of ``batch`` sequences at ``context`` tokens reads on one GPU (the planner's)."""
+def step_bytes(raw: dict, weights: str, context: int, batch: int, par: Parallelism | None = None) -> float:
+    """Bytes one decode step of ``batch`` sequences (per dp group) at ``context`` tokens reads on one
+    GPU (the planner's), with the model split as ``par`` says (default: one GPU)."""
     cfg = config_from_dict(raw)
-    step = plan.decode_step(family_for(cfg.model_type), cfg, Parallelism(), weights, batch, context)
+    step = plan.decode_step(family_for(cfg.model_type), cfg, par or Parallelism(), weights, batch, context)
     return step["bytes_read"]
 
 
-def planned_weight_bytes(raw: dict, weights: str) -> float:
+def planned_weight_bytes(raw: dict, weights: str, par: Parallelism | None = None) -> float:
+    """Weight bytes on one GPU, as the planner counts them."""
     cfg = config_from_dict(raw)
-    return plan.device_weight_bytes(family_for(cfg.model_type), cfg, Parallelism(), weights)
+    return plan.device_weight_bytes(family_for(cfg.model_type), cfg, par or Parallelism(), weights)
+
+
+def parallelism(args: argparse.Namespace) -> Parallelism:
+    return Parallelism(
+        tp=args.tensor_parallel_size,
+        ep=args.expert_parallel_size,
+        dp=args.data_parallel_size,
+        dp_attention=args.enable_dp_attention,
+    )
 
 
 def _wait_health(url: str, proc: subprocess.Popen, timeout: float) -> None:
@@ -169,7 +180,13 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--torch-ceilings", action="store_true", help="measure torch's streams too")
+    # the server's (and vLLM's) parallelism flags, passed on; the planner splits the model the same way
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    p.add_argument("--enable-dp-attention", action="store_true")
     args = p.parse_args(argv)
+    par = parallelism(args)  # checked before anything starts
 
     work = tempfile.mkdtemp(prefix=f"{args.preset}-shaped-")
     raw = write_model_dir(work, args.layers, json.loads(args.overrides), args.preset)
@@ -196,7 +213,13 @@ def main(argv=None) -> int:
         str(args.max_num_batched_tokens),
         "--served-model-name",
         f"{args.preset}-shaped",
-    ]
+        "--tensor-parallel-size",
+        str(par.tp),
+        "--expert-parallel-size",
+        str(par.ep),
+        "--data-parallel-size",
+        str(par.dp),
+    ] + ["--enable-dp-attention"] * par.dp_attention
     start = time.time()
     log_path = os.path.join(work, "serve.log")
     log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 (closed after the server ends)
@@ -238,6 +261,14 @@ def main(argv=None) -> int:
     return 0
 
 
+def _parallel_flags(par: Parallelism) -> str:
+    """The server's parallelism flags as the report names them ('' on one GPU)."""
+    if (par.tp, par.ep, par.dp) == (1, 1, 1):
+        return ""
+    flags = f" -tp {par.tp} -ep {par.ep} -dp {par.dp}"
+    return flags + " --enable-dp-attention" * par.dp_attention + f" ({par.num_devices} GPUs)"
+
+
 def _report(rows, raw, args, ceilings: harness.Ceilings, startup: float) -> None:
     context = args.input_len + args.output_len / 2
     header = harness.device_header()
@@ -256,7 +287,8 @@ def _report(rows, raw, args, ceilings: harness.Ceilings, startup: float) -> None
             "ITL p99 ms": r["itl_ms"]["p99"],
             "failed": r["failed"],
         }
-        nbytes = step_bytes(raw, WEIGHTS[args.quantization], int(context), r["concurrency"])
+        batch = -(-r["concurrency"] // args.data_parallel_size)  # sequences per dp group
+        nbytes = step_bytes(raw, WEIGHTS[args.quantization], int(context), batch, parallelism(args))
         row["routed experts/layer"] = plan.expected_experts(
             raw["n_routed_experts"], raw["num_experts_per_tok"], r["concurrency"]
         )
@@ -266,7 +298,7 @@ def _report(rows, raw, args, ceilings: harness.Ceilings, startup: float) -> None
         table.append(row)
     cols = list(table[0])
     name = NAMES[args.preset]
-    planned = planned_weight_bytes(raw, WEIGHTS[args.quantization])
+    planned = planned_weight_bytes(raw, WEIGHTS[args.quantization], parallelism(args))
     cfg = config_from_dict(raw)
     if cfg.model_type == "deepseek_v4":
         layers = ", ".join(cfg.layer_types)
@@ -286,7 +318,8 @@ def _report(rows, raw, args, ceilings: harness.Ceilings, startup: float) -> None
                 f"{args.output_len} out, ignore_eos, streaming",
                 "server": f"python -m serve --max-num-seqs {max(r['concurrency'] for r in rows)} "
                 f"--max-num-batched-tokens {args.max_num_batched_tokens} "
-                f"--max-model-len {args.max_model_len} (buckets compiled at start-up)",
+                f"--max-model-len {args.max_model_len} (buckets compiled at start-up)"
+                + _parallel_flags(parallelism(args)),
                 **ceilings.rows(),
                 "server start to /health": f"{startup:.0f} s",
             },

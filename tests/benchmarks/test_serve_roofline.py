@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.serve_gpu import GLM5, GLM52, step_bytes, write_model_dir
+from benchmarks.serve_gpu import (
+    GLM5,
+    GLM52,
+    _parallel_flags,
+    planned_weight_bytes,
+    step_bytes,
+    write_model_dir,
+)
 from jaxdsa.models.deepseek_v4.config import CSA, HCA, SWA
 from jaxdsa.models.registry import config_from_dict
 from jaxdsa.plan import expected_experts
+from jaxdsa.sharding import Parallelism
 
 TINY = {
     **GLM5,
@@ -55,6 +63,19 @@ def test_step_bytes_count_the_expected_experts_and_every_sequences_cache():
 def test_quantized_steps_read_fewer_bytes():
     bf16, fp8, int4 = (step_bytes(TINY, w, 16, 1) for w in ("bf16", "fp8", "int4"))
     assert int4 < fp8 < bf16
+
+
+def test_split_models_count_one_gpus_share():
+    """With the server's parallelism flags the roofline and the planned weights are one GPU's: tp = 2
+    holds about half of every split weight; ep = 2 without tp half of the experts, the rest whole."""
+    one, tp2 = planned_weight_bytes(TINY, "bf16"), planned_weight_bytes(TINY, "bf16", Parallelism(tp=2))
+    assert one / 2 < tp2 < one
+    assert tp2 < planned_weight_bytes(TINY, "bf16", Parallelism(ep=2)) < one
+    assert step_bytes(TINY, "bf16", 16, 4, Parallelism(tp=2)) < step_bytes(TINY, "bf16", 16, 4)
+    assert _parallel_flags(Parallelism()) == ""
+    assert _parallel_flags(Parallelism(ep=8, dp=8, dp_attention=True)) == (
+        " -tp 1 -ep 8 -dp 8 --enable-dp-attention (8 GPUs)"
+    )
 
 
 def test_glm52_preset_has_shared_indexer_layers(tmp_path):
