@@ -188,10 +188,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     par = parallelism(args)  # checked before anything starts
 
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if args.num_prompts < max(levels):  # a level with fewer requests than streams never reaches them
+        p.error(f"--num-prompts {args.num_prompts} is below the highest --concurrency ({max(levels)})")
     work = tempfile.mkdtemp(prefix=f"{args.preset}-shaped-")
     raw = write_model_dir(work, args.layers, json.loads(args.overrides), args.preset)
     url = f"http://127.0.0.1:{args.port}"
-    levels = [int(c) for c in args.concurrency.split(",")]
     cmd = [
         sys.executable,
         "-m",

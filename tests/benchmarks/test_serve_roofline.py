@@ -8,6 +8,7 @@ from benchmarks.serve_gpu import (
     GLM5,
     GLM52,
     _parallel_flags,
+    main,
     planned_weight_bytes,
     step_bytes,
     write_model_dir,
@@ -91,3 +92,10 @@ def test_v4flash_preset_is_the_release_schedule_cut_to_its_layers(tmp_path):
     assert cfg.layer_types == (SWA, SWA, CSA, HCA) and cfg.hidden_size == 4096
     assert (tmp_path / "tokenizer.json").exists()
     assert 0 < step_bytes(raw, "bf16", 544, 1) < step_bytes(raw, "bf16", 544, 8)
+
+
+def test_fewer_prompts_than_streams_is_refused(capsys):
+    """A level sending fewer requests than its concurrency would report streams that never ran."""
+    with pytest.raises(SystemExit):
+        main(["--concurrency", "1,32", "--num-prompts", "16"])
+    assert "--num-prompts 16 is below the highest --concurrency (32)" in capsys.readouterr().err
