@@ -68,7 +68,6 @@ from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe import tuning as moe_tuning
 from pallas_kernels.quant_matmul import decode
 from pallas_kernels.quant_matmul import kernel as qmm_kernel
-from pallas_kernels.quant_matmul import tuning as qmm_tuning
 from pallas_kernels.quant_matmul.decode import fp_decode
 from pallas_kernels.quant_matmul.layout import QuantizedWeight, dequantize
 
@@ -383,14 +382,7 @@ class Impl:
 
 def _moe_fn(shapes: Shapes, impl: Impl) -> Callable:
     def fn(x, ids, w, ex):
-        config = None
-        if impl.tiles is not None:
-            quantized = isinstance(ex["gate_up"], QuantizedWeight)
-            bits = (4 if ex["gate_up"].packed else 8) if quantized else None
-            itemsize = (x if quantized else ex["gate_up"]).dtype.itemsize
-            config = impl.tiles(
-                moe_tuning.choose(ids.size, shapes.experts, itemsize=itemsize, weight_bits=bits)
-            )
+        config = None if impl.tiles is None else impl.tiles(moe_kernel.default_config(x, ids, ex))
         return moe_kernel.moe_experts(
             x,
             ids,
@@ -410,18 +402,7 @@ def _linear_fn(shapes: Shapes, fmt: str, impl: Impl) -> Callable:
         return lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
     def fn(x, w):
-        config = None
-        if impl.tiles is not None:
-            bits = 4 if w.packed else 8
-            config = impl.tiles(
-                qmm_tuning.choose(
-                    x.shape[0],
-                    *w.shape,
-                    itemsize=x.dtype.itemsize,
-                    weight_bits=bits,
-                    min_block_k=max(w.kpack, 16),
-                )
-            )
+        config = None if impl.tiles is None else impl.tiles(qmm_kernel.default_config(x.shape[0], w, x.dtype))
         return qmm_kernel.quant_matmul(
             x,
             w,

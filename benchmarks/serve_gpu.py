@@ -274,6 +274,7 @@ def _parallel_flags(par: Parallelism) -> str:
 def _report(rows, raw, args, ceilings: harness.Ceilings, startup: float) -> None:
     context = args.input_len + args.output_len / 2
     header = harness.device_header()
+    par = parallelism(args)
     table = []
     for r in rows:
         itl = r["itl_ms"]["mean"]
@@ -289,8 +290,8 @@ def _report(rows, raw, args, ceilings: harness.Ceilings, startup: float) -> None
             "ITL p99 ms": r["itl_ms"]["p99"],
             "failed": r["failed"],
         }
-        batch = -(-r["concurrency"] // args.data_parallel_size)  # sequences per dp group
-        nbytes = step_bytes(raw, WEIGHTS[args.quantization], int(context), batch, parallelism(args))
+        batch = -(-r["concurrency"] // par.dp)  # sequences per dp group
+        nbytes = step_bytes(raw, WEIGHTS[args.quantization], int(context), batch, par)
         row["routed experts/layer"] = plan.expected_experts(
             raw["n_routed_experts"], raw["num_experts_per_tok"], r["concurrency"]
         )
@@ -300,7 +301,7 @@ def _report(rows, raw, args, ceilings: harness.Ceilings, startup: float) -> None
         table.append(row)
     cols = list(table[0])
     name = NAMES[args.preset]
-    planned = planned_weight_bytes(raw, WEIGHTS[args.quantization], parallelism(args))
+    planned = planned_weight_bytes(raw, WEIGHTS[args.quantization], par)
     cfg = config_from_dict(raw)
     if cfg.model_type == "deepseek_v4":
         layers = ", ".join(cfg.layer_types)
@@ -320,8 +321,7 @@ def _report(rows, raw, args, ceilings: harness.Ceilings, startup: float) -> None
                 f"{args.output_len} out, ignore_eos, streaming",
                 "server": f"python -m serve --max-num-seqs {max(r['concurrency'] for r in rows)} "
                 f"--max-num-batched-tokens {args.max_num_batched_tokens} "
-                f"--max-model-len {args.max_model_len} (buckets compiled at start-up)"
-                + _parallel_flags(parallelism(args)),
+                f"--max-model-len {args.max_model_len} (buckets compiled at start-up)" + _parallel_flags(par),
                 **ceilings.rows(),
                 "server start to /health": f"{startup:.0f} s",
             },

@@ -267,12 +267,7 @@ def moe_experts(
     """
     num_experts = experts["gate_up"].shape[-3]
     quantized = isinstance(experts["gate_up"], QuantizedWeight)
-    cfg = config or tuning.choose(
-        topk_ids.size,
-        num_experts,
-        itemsize=(x if quantized else experts["gate_up"]).dtype.itemsize,
-        weight_bits=(4 if experts["gate_up"].packed else 8) if quantized else None,
-    )
+    cfg = config or default_config(x, topk_ids, experts)
     decode = fp_decode(decode) if quantized else None
     int4 = int4_decode_mode(int4_decode, interpret=interpret) if quantized else None
     bmap = route(topk_ids, num_experts, cfg.block_m)
@@ -300,6 +295,19 @@ def moe_experts(
         int4_decode=int4,
     )
     return combine(y, topk_ids, topk_weights, num_experts).astype(x.dtype)
+
+
+def default_config(x: jax.Array, topk_ids: jax.Array, experts: dict) -> tuning.MoeConfig:
+    """The tuning table's config for these tokens, routing and experts (what :func:`moe_experts` uses
+    when given none; benchmark sweeps start from it)."""
+    w = experts["gate_up"]
+    quantized = isinstance(w, QuantizedWeight)
+    return tuning.choose(
+        topk_ids.size,
+        w.shape[-3],
+        itemsize=(x if quantized else w).dtype.itemsize,
+        weight_bits=(4 if w.packed else 8) if quantized else None,
+    )
 
 
 def route(topk_ids: jax.Array, num_experts: int, block_m: int) -> routing.BlockMap:

@@ -95,6 +95,20 @@ def quant_matmul(
     return out if out.shape[-1] == n else out[:, :n]
 
 
+def default_config(m: int, w: QuantizedWeight, dtype) -> tuning.QmmConfig:
+    """The tuning table's config for ``x [m, K]`` of ``dtype`` times ``w`` (what the kernel uses when
+    given none; benchmark sweeps start from it)."""
+    k, n = w.shape[-2:]
+    return tuning.choose(
+        m,
+        k,
+        n,
+        itemsize=jnp.dtype(dtype).itemsize,
+        weight_bits=4 if w.packed else 8,
+        min_block_k=max(w.kpack, 16),
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "decode", "config", "int4"))
 def _quant_matmul(x, w, layer, *, interpret: bool, decode: str, config: tuning.QmmConfig | None, int4: str):
     m, k = x.shape
@@ -105,9 +119,7 @@ def _quant_matmul(x, w, layer, *, interpret: bool, decode: str, config: tuning.Q
         raise ValueError(f"quant_matmul: x has K = {k}, the weight {wk}")
     spec, arrays = tiles.operands(w, decode, int4, layer, interpret=interpret)
     min_block_k = max(spec.kpack, 16)
-    cfg = config or tuning.choose(
-        m, k, n, itemsize=x.dtype.itemsize, weight_bits=4 if spec.packed else 8, min_block_k=min_block_k
-    )
+    cfg = config or default_config(m, w, x.dtype)
     block_n = tuning.fit_block(cfg.block_n, n, 16, "N")
     block_k = tuning.fit_block(cfg.block_k, k, min_block_k, "K")
     steps, m_tiles = k // block_k // cfg.splits, -(-m // cfg.block_m)
