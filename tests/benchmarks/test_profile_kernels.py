@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.profile_kernels import summarize
+from benchmarks.profile_kernels import summarize, summarize_sass
 
 _LOG = """\
 ==PROF== Connected to process 457 (/usr/bin/python3.12)
@@ -38,3 +38,33 @@ def test_one_row_per_kernel_with_its_case_and_metrics():
     assert rows[0]["duration"] == "7.84 us" and rows[0]["regs"] == "255"
     assert rows[0]["spill requests"] == "266240" and rows[0]["DRAM % of peak"] == "9.15"
     assert rows[2]["occupancy % (achieved)"] == "18.87"
+
+
+_SASS = """\
+"Kernel Name","moe_gate_up",
+"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_wait","stall_wait (Not Issued)","stall_selected"
+"0x7f00","      LDS.U8 R50, [R60+UR10+0x800]","9","60","6","2","3"
+"0x7f10","@P2   PRMT R41, R74, 0x3340, R57","3","20","1","1","2"
+"0x7f20","      HMMA.16816.F32.BF16 R4, R8, R12, R4","2","10","0","0","2"
+"0x7f30","      IMAD.WIDE R48, R45, 0x2, R22","1","10","1","0","0"
+"Kernel Name","moe_down",
+"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_wait","stall_wait (Not Issued)","stall_selected"
+"0x7e00","      BPT.TRAP 0x1","0","4","0","0","0"
+"0x7e10","      HGMMA.64x16x16.F32.BF16 R24, gdesc[UR4], R24","5","12","4","4","1"
+"""  # noqa: E501 (verbatim ncu CSV header)
+
+
+def test_sass_mix_per_kernel_with_kinds_opcodes_and_stalls():
+    rows = summarize_sass(_SASS, ["moe_int4_t1", "moe_int4_t1"])
+    assert [(r["case"], r["kernel"], r["warp instructions"]) for r in rows] == [
+        ("moe_int4_t1", "moe_gate_up", 100),
+        ("moe_int4_t1", "moe_down", 16),
+    ]
+    gate_up, down = rows
+    assert gate_up["shared-memory loads / stores"] == 60.0 and gate_up["bit ops / packed 16-bit math"] == 20.0
+    assert gate_up["tensor cores"] == 10.0 and gate_up["integer / address / moves"] == 10.0
+    assert gate_up["top opcodes (% of instructions)"].startswith(
+        "LDS.U8 60.0, PRMT 20.0"
+    )  # predicate dropped
+    assert gate_up["top stalls (% of samples)"] == "wait 53, selected 47"  # "(Not Issued)" columns left out
+    assert down["other"] == 25.0 and down["tensor cores"] == 75.0
