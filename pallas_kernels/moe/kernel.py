@@ -128,20 +128,6 @@ def _row_groups(block, block_m: int, m: int, extra: int) -> list[tuple[pl.Slice,
     return groups
 
 
-def _zeros(rows: int, cols: int, swap_ab: bool) -> jax.Array:
-    """A float32 accumulator for ``[rows, cols]`` outputs, held transposed with ``swap_ab``."""
-    return jnp.zeros((cols, rows) if swap_ab else (rows, cols), jnp.float32)
-
-
-def _mac(acc: jax.Array, a: jax.Array, w: jax.Array, precision, swap_ab: bool) -> jax.Array:
-    """``acc + a @ w``; with ``swap_ab`` the accumulator is transposed and the product taken as
-    ``w.T @ a.T``: the weight tile becomes the MMA's first operand and the few token rows its
-    narrow second one (on Hopper the first operand may stay in registers, where it was decoded)."""
-    if swap_ab:
-        return acc + jnp.dot(w.T, a.T, preferred_element_type=jnp.float32, precision=precision)
-    return acc + jnp.dot(a, w, preferred_element_type=jnp.float32, precision=precision)
-
-
 def _gate_up_kernel(
     meta_ref,
     row_slot_ref,
@@ -158,7 +144,6 @@ def _gate_up_kernel(
     n_tiles: int,
     swiglu_limit: float | None,
     precision,
-    swap_ab: bool,
 ):
     *w_refs, act_ref = refs
     layer, w_refs = tiles.layer_lead(w_spec, w_refs)
@@ -182,16 +167,15 @@ def _gate_up_kernel(
                 out = []
                 for (gate, up), (tokens, valid) in zip(acc, gathers):
                     xs = pltriton.load(x_ref.at[tokens[:, None], cols[None, :]], mask=valid[:, None], other=0)
-                    gate = _mac(gate, xs, w_gate, precision, swap_ab)
-                    up = _mac(up, xs, w_up, precision, swap_ab)
+                    gate += jnp.dot(xs, w_gate, preferred_element_type=jnp.float32, precision=precision)
+                    up += jnp.dot(xs, w_up, preferred_element_type=jnp.float32, precision=precision)
                     out.append((gate, up))
                 acc = tuple(out)
             return acc
 
-        zeros = tuple((_zeros(n, block_n, swap_ab),) * 2 for _, n in groups)
+        zeros = tuple((jnp.zeros((n, block_n), jnp.float32),) * 2 for _, n in groups)
         acc = jax.lax.fori_loop(0, d_model // block_k, step, zeros)
         for (rows, _), (gate, up) in zip(groups, acc):
-            gate, up = (a.T if swap_ab else a for a in (gate, up))
             if swiglu_limit is not None:
                 gate = jnp.minimum(gate, swiglu_limit)
                 up = jnp.clip(up, -swiglu_limit, swiglu_limit)
@@ -213,7 +197,6 @@ def _down_kernel(
     block_k: int,
     n_tiles: int,
     precision,
-    swap_ab: bool,
 ):
     *w_refs, y_ref = refs
     layer, w_refs = tiles.layer_lead(w_spec, w_refs)
@@ -231,16 +214,21 @@ def _down_kernel(
                 w_spec, w_refs, lead, k0, d0, block_k, block_n, act_ref.dtype
             ):
                 acc = tuple(
-                    _mac(a, act_ref[rows, pl.ds(k0 + offset, length)], w, precision, swap_ab)
+                    a
+                    + jnp.dot(
+                        act_ref[rows, pl.ds(k0 + offset, length)],
+                        w,
+                        preferred_element_type=jnp.float32,
+                        precision=precision,
+                    )
                     for a, (rows, _) in zip(acc, groups)
                 )
             return acc
 
-        zeros = tuple(_zeros(n, block_n, swap_ab) for _, n in groups)
+        zeros = tuple(jnp.zeros((n, block_n), jnp.float32) for _, n in groups)
         acc = jax.lax.fori_loop(0, n_inter // block_k, step, zeros)
         cols = d0 + jnp.arange(block_n, dtype=jnp.int32)
         for (rows, n), out in zip(groups, acc):
-            out = out.T if swap_ab else out
             slots = row_slot_ref[rows]
             valid = slots >= 0
             # Padding rows aim at distinct spare rows past the slots: masked off on the GPU, and the
@@ -389,7 +377,6 @@ def gate_up(
             n_tiles=n_tiles,
             swiglu_limit=swiglu_limit,
             precision=_precision(dtype),
-            swap_ab=cfg.swap_ab,
         ),
         out_shape=jax.ShapeDtypeStruct((n_blocks * bm, n_inter), dtype),
         grid=(n_blocks * n_tiles,),
@@ -431,7 +418,6 @@ def down(
             block_k=block_k,
             n_tiles=n_tiles,
             precision=_precision(act.dtype),
-            swap_ab=cfg.swap_ab,
         ),
         out_shape=jax.ShapeDtypeStruct((num_slots + bm, d_model), act.dtype),
         grid=(n_blocks * n_tiles,),

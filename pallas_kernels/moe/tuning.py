@@ -61,7 +61,6 @@ class MoeConfig:
     down: Tile
     min_block_m: int = 16  # smallest row tile a partly filled block shrinks to (block_m: never)
     absorb_m: int = 16  # an expert's last block with <= this many rows rides on the block before (0: never)
-    swap_ab: bool = False  # multiply w.T @ x.T (the weight tile as the MMA's first operand)
 
 
 Tiles = tuple[Tile, Tile]  # (gate|up, down)
