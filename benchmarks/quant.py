@@ -1,7 +1,8 @@
 """GPU benchmark: weights kept quantized, at GLM-5 shapes. INT4 (compressed-tensors, asymmetric
-group 32), FP8 (128x128 float32 scales), bf16 and V4's FP4 (e2m1, ue8m0 per 32; routed experts only),
-for the routed experts (E = 256, top-8 + the shared expert, D = 6144, N = 2048) and the attention /
-dense linears, T in {1, 8, 32, 128, 512, 4096}.
+group 32, in the loader's int32-word layout; ``int4-bytes``, asked for by name, the byte layout),
+FP8 (128x128 float32 scales), bf16 and V4's FP4 (e2m1, ue8m0 per 32; routed experts only), for the
+routed experts (E = 256, top-8 + the shared expert, D = 6144, N = 2048) and the attention / dense
+linears, T in {1, 8, 32, 128, 512, 4096}.
 
 Run ``python -m benchmarks.quant`` on a GPU. Per format and T it times, in one process:
 
@@ -69,9 +70,18 @@ from pallas_kernels.moe import tuning as moe_tuning
 from pallas_kernels.quant_matmul import decode
 from pallas_kernels.quant_matmul import kernel as qmm_kernel
 from pallas_kernels.quant_matmul.decode import fp_decode
-from pallas_kernels.quant_matmul.layout import QuantizedWeight, dequantize
+from pallas_kernels.quant_matmul.layout import (
+    QuantizedWeight,
+    codes_dtype,
+    codes_per_element,
+    default_kpack,
+    dequantize,
+)
 
 FORMATS = ("int4", "fp8", "bf16", "fp4")
+# INT4 in the byte layout (layout.default_kpack's choice for K not a multiple of 256), to compare
+# with the word layout on the same random codes' distribution: QUANT_FORMATS=int4,int4-bytes
+INT4_BYTES = "int4-bytes"
 MOE_ONLY = ("fp4",)  # V4's FP4 is for routed experts only: no linears
 TOLERANCE = 1e-2
 
@@ -153,13 +163,16 @@ def _random_matrix(key, fmt: str, k: int, n: int):
     kc, ks, kz = jax.random.split(key, 3)
     if fmt == "bf16":
         return jax.random.normal(kc, (*lead, k, n), jnp.bfloat16) * jnp.bfloat16(k**-0.5)  # no f32 copy
-    if fmt == "int4":
-        codes = jax.random.bits(kc, (*lead, k // 2, n), jnp.uint8)
+    if fmt in ("int4", INT4_BYTES):  # int4: the loader's layout, int32 words of 8 codes when K allows
+        kpack = 64 if fmt == INT4_BYTES else default_kpack(k, "int4")
+        per = codes_per_element(kpack)
+        codes = jax.random.bits(kc, (*lead, k // per, n), jnp.uint32 if per == 8 else jnp.uint8)
+        codes = jax.lax.bitcast_convert_type(codes, codes_dtype(kpack))
         scales = (jax.random.uniform(ks, (*lead, k // 32, n), minval=0.5, maxval=1.5) / (8 * k**0.5)).astype(
             jnp.bfloat16
         )
         zeros = jax.random.randint(kz, (*lead, k // 32, n), 0, 16).astype(jnp.uint8)
-        return QuantizedWeight(codes, scales, zeros, "int4", (32, 1), 64)
+        return QuantizedWeight(codes, scales, zeros, "int4", (32, 1), kpack)
     if fmt == "fp4":  # V4's routed experts: e2m1 codes, ue8m0 scales per 32 (2^-10 .. 2^-4)
         codes = jax.random.bits(kc, (*lead, k // 2, n), jnp.uint8)
         exps = jax.random.randint(ks, (*lead, k // 32, n), 117, 124).astype(jnp.uint8)
@@ -564,7 +577,7 @@ def run(
             log(f"quant: {fmt} skipped (budget)")
             rows += [_skipped(shapes, fmt, it) for it in items]
             continue
-        key = jax.random.key(FORMATS.index(fmt))
+        key = jax.random.key((*FORMATS, INT4_BYTES).index(fmt))
         lead = (shapes.experts,)
         experts = {
             "gate_up": random_weight(

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from pallas_kernels.quant_matmul.layout import codes_per_element
+
 _E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 
 
@@ -51,13 +53,14 @@ def dequantize(w: TorchWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
         k, n = w.codes.shape[-2:]
         s = _per_element(w.scales.float(), w, k, n)
         return (w.codes.view(torch.float8_e4m3fn).float() * s).to(dtype)
-    *lead, half_k, n = w.codes.shape
-    chunks = w.codes.reshape(*lead, 2 * half_k // w.kpack, 1, w.kpack // 2, n)
-    codes = torch.cat([chunks & 0xF, chunks >> 4], dim=-3).reshape(*lead, 2 * half_k, n)
-    s = _per_element(w.scales.float(), w, 2 * half_k, n)
+    *lead, rows, n = w.codes.shape
+    per = codes_per_element(w.kpack)  # 4-bit codes per int32 word or byte (layout.pack_nibbles)
+    chunks = w.codes.int().reshape(*lead, per * rows // w.kpack, 1, w.kpack // per, n)
+    codes = torch.cat([(chunks >> (4 * j)) & 0xF for j in range(per)], dim=-3).reshape(*lead, per * rows, n)
+    s = _per_element(w.scales.float(), w, per * rows, n)
     if w.format == "fp4":
         return (_E2M1.to(codes.device)[codes.long()] * s).to(dtype)
-    zero = 8 if w.zeros is None else _per_element(w.zeros.int(), w, 2 * half_k, n)
+    zero = 8 if w.zeros is None else _per_element(w.zeros.int(), w, per * rows, n)
     return ((codes.int() - zero).float() * s).to(w.scales.dtype).to(dtype)
 
 

@@ -578,7 +578,8 @@ def _quantized_init(
             codes = jax.random.normal(key, codes_shape, jnp.float32).astype(codes_dtype)
             scale = std
         else:
-            codes = jax.random.bits(key, codes_shape, jnp.uint8)  # two uniform 4-bit codes per byte
+            codes = jax.random.bits(key, codes_shape, jnp.uint32 if codes_dtype.itemsize == 4 else jnp.uint8)
+            codes = jax.lax.bitcast_convert_type(codes, codes_dtype)  # uniform 4-bit codes, 8 or 2 each
             scale = std / _CODE_STD[format_]
         scales = jnp.full(scales_shape, scale, jnp.float32).astype(scales_dtype)
         if real is not None and format_ == "fp8":

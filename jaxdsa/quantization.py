@@ -50,6 +50,7 @@ from jaxdsa.layers.linear import Linear as LinearLayer
 from jaxdsa.layers.mlp import Experts
 from jaxdsa.layers.params import axes_of
 from jaxdsa.sharding import Axes
+from pallas_kernels.quant_matmul import layout
 from pallas_kernels.quant_matmul.layout import QuantizedWeight
 
 QUANTIZATION = ("auto", "dequantize", "fp8", "int4")
@@ -188,12 +189,13 @@ def abstract_weight(
     local_k = k // k_shards
     kpack = 0
     if fmt.format != "fp8":
-        kpack = next((p for p in (64, 32) if local_k % p == 0), 0)
-        if not kpack:
+        try:
+            kpack = layout.default_kpack(local_k, fmt.format)
+        except ValueError:
             raise ValueError(
                 f"{what}: a 4-bit weight of K = {k} split into {k_shards} shards needs shards of whole "
                 "32-row packed chunks; choose another tp or quantization='dequantize'"
-            )
+            ) from None
     if k_shards > 1:
         gk = _narrow(gk, local_k)
     piece = n // slot.parts
@@ -202,10 +204,11 @@ def abstract_weight(
             raise ValueError(f"{what}: N = {n} does not split into {n_shards} shards")
         gn = _narrow(gn, piece // n_shards)
     packed = fmt.format != "fp8"
-    codes_dtype = np.dtype(np.uint8) if packed else np.dtype(ml_dtypes.float8_e4m3fn)
+    codes_dtype = layout.codes_dtype(kpack) if packed else np.dtype(ml_dtypes.float8_e4m3fn)
+    rows = k // layout.codes_per_element(kpack) if packed else k
     groups = (*lead, -(-k // gk), -(-n // gn))
     return QuantizedWeight(
-        jax.ShapeDtypeStruct((*lead, k // 2 if packed else k, n), codes_dtype),
+        jax.ShapeDtypeStruct((*lead, rows, n), codes_dtype),
         jax.ShapeDtypeStruct(groups, fmt.scale_dtype),
         jax.ShapeDtypeStruct(groups, np.dtype(np.uint8)) if fmt.zeros else None,
         fmt.format,

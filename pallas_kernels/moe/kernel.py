@@ -307,6 +307,7 @@ def default_config(x: jax.Array, topk_ids: jax.Array, experts: dict) -> tuning.M
         w.shape[-3],
         itemsize=(x if quantized else w).dtype.itemsize,
         weight_bits=(4 if w.packed else 8) if quantized else None,
+        kpack=w.kpack if quantized else 0,
     )
 
 
@@ -361,7 +362,7 @@ def gate_up(
     k_floor = max(spec.kpack, 16)
     n_inter, bm = two_n // 2, cfg.block_m
     block_n = _fit(cfg.gate_up.block_n, n_inter, "N")
-    block_k = _fit(cfg.gate_up.block_k, d_model, "D", k_floor)
+    block_k = _fit(max(cfg.gate_up.block_k, k_floor), d_model, "D", k_floor)
     n_blocks, n_tiles = bmap.block_expert.shape[0], n_inter // block_n
     return pl.pallas_call(
         functools.partial(
@@ -405,7 +406,8 @@ def down(
     spec, arrays = tiles.operands(w, decode, int4_decode, layer, interpret=interpret)
     k_floor = max(spec.kpack, 16)
     bm = cfg.block_m
-    block_n, block_k = _fit(cfg.down.block_n, d_model, "D"), _fit(cfg.down.block_k, n_inter, "N", k_floor)
+    block_n = _fit(cfg.down.block_n, d_model, "D")
+    block_k = _fit(max(cfg.down.block_k, k_floor), n_inter, "N", k_floor)
     n_blocks, n_tiles = bmap.block_expert.shape[0], d_model // block_n
     return pl.pallas_call(
         functools.partial(

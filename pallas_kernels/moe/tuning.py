@@ -132,25 +132,34 @@ def smem_bytes(
     """Shared-memory estimate (:func:`pallas_kernels._triton.shared_memory_bytes`) of one program:
     per stage the ``[block_m, block_k]`` activation tile and ``weight_tiles`` (2 for gate|up, 1 for
     down) ``[block_k, block_n]`` weight tiles; the ``[block_m, block_n]`` output in the epilogue.
-    Quantized weights (``weight_bits``) load their codes per stage, and their dequantized tiles pass
-    through shared memory on the way to the tensor cores (one step's worth, resident)."""
+    Quantized weights (``weight_bits``) load their codes per stage. Their dequantized tiles pass
+    through shared memory on the way to the tensor cores (one step's worth, resident), except
+    4-bit ones in blocks of fewer than 64 rows: there Triton decodes straight into the MMA operand
+    registers (H100: 70.7 KiB for 4 stages of gate|up, ``benchmarks/results/profile-h100-moe-4bit.md``)."""
     weight = weight_tiles * tile.block_n * tile.block_k
     if weight_bits is None:
         stage, resident = (block_m * tile.block_k + weight) * itemsize, 0
     else:
-        stage, resident = block_m * tile.block_k * itemsize + weight * weight_bits // 8, weight * itemsize
+        stage = block_m * tile.block_k * itemsize + weight * weight_bits // 8
+        resident = 0 if weight_bits == 4 and block_m < 64 else weight * itemsize
     return shared_memory_bytes(
         stage=stage, num_stages=tile.num_stages, resident=resident, epilogue=block_m * tile.block_n * 4
     )
 
 
 def choose(
-    num_slots: int, num_experts: int, *, itemsize: int, cc: int | None = None, weight_bits: int | None = None
+    num_slots: int,
+    num_experts: int,
+    *,
+    itemsize: int,
+    cc: int | None = None,
+    weight_bits: int | None = None,
+    kpack: int = 0,
 ) -> MoeConfig:
     """Config for ``num_slots`` (= T * top_k) token slots over ``num_experts`` experts with
     ``itemsize``-byte activations (and weights, when dense). Quantized experts (``weight_bits`` 8 or
-    4) take the same tiles, 4-bit ones with twice the K step (the same bytes per load; at least one
-    64-row packed chunk), shrunk to fit with their own estimate."""
+    4) take the same tiles, 4-bit ones with twice the K step (the same bytes per load) and at least
+    one packed chunk (``kpack`` rows), shrunk to fit with their own estimate."""
     cc = compute_capability() if cc is None else cc
     e = TABLE.get(cc, DEFAULT)
     block_m = block_m_for(num_slots, num_experts, e.max_block_m)
@@ -158,14 +167,22 @@ def choose(
     if weight_bits == 4 and e.warps_4bit and block_m <= 32:
         gate_up, down = (dataclasses.replace(tile, num_warps=e.warps_4bit) for tile in (gate_up, down))
     budget = shared_memory_budget(cc)
-    knobs = _KNOBS_4BIT if weight_bits == 4 else _KNOBS
+    knobs = _KNOBS
+    if weight_bits == 4:
+        knobs = tuple((k, max(v, kpack)) if k == "block_k" else (k, v) for k, v in _KNOBS_4BIT)
 
-    def fit(tile: Tile, weight_tiles: int) -> Tile:
+    def fit(tile: Tile, weight_tiles: int, block_m: int) -> Tile:
         if weight_bits == 4:
-            tile = dataclasses.replace(tile, block_k=2 * tile.block_k)
+            tile = dataclasses.replace(tile, block_k=max(2 * tile.block_k, kpack))
         nbytes = lambda t: smem_bytes(  # noqa: E731
             t, block_m=block_m, weight_tiles=weight_tiles, itemsize=itemsize, weight_bits=weight_bits
         )
         return shrink_to_fit(tile, nbytes, budget, knobs)
 
-    return MoeConfig(block_m, fit(gate_up, 2), fit(down, 1))
+    while True:  # smaller blocks as a last resort: float32 activations with 256-row word chunks
+        try:
+            return MoeConfig(block_m, fit(gate_up, 2, block_m), fit(down, 1, block_m))
+        except ValueError:
+            if block_m <= 16:
+                raise
+            block_m //= 2

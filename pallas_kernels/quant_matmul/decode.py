@@ -15,7 +15,8 @@ INT4 codes have three exact ways to their bf16 weights (:func:`int4_decode` choo
 ``q - zp`` to float32, multiplies by the scale and rounds to bf16 (two int/float conversions per
 weight); "bf16" builds ``128 + q`` and ``128 + zp`` as bf16 bit patterns with integer ops, subtracts
 and multiplies by the bf16 scale in bf16 arithmetic, one element per instruction; "ptx" does the
-same on packed registers (:func:`int4_ptx`): the low (or high) nibbles of four code bytes become
+same on packed registers (:func:`int4_ptx` for bytes, :func:`int4_word_ptx` for int32 words): the
+low (or high) nibbles of four code bytes become
 two ``bf16x2`` registers with two ``prmt`` and two ``lop3`` (and two shifts), then two
 ``fma.rn.bf16x2`` per register subtract the zero point and apply the scale, so a weight costs
 about two instructions instead of eight. The difference ``q - zp`` is an exact small integer and its product
@@ -110,6 +111,40 @@ def int4_ptx(codes: jax.Array, scale: jax.Array, zero: jax.Array, *, high: bool)
         constraints="=r,=r,r,r,r,r,r",
         pack=4,
         result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)],
+    )
+    return out
+
+
+def _int4_word_ptx_asm(nibble: int) -> str:
+    """PTX for one instance: code words $3, $4 (two K-consecutive rows of one column) -> the bf16x2
+    of their nibble ``nibble`` ($0; $3's in the low half), from the scales ($1) and the zero points
+    as bf16 ``128 + zp`` ($2). ``prmt`` moves the byte holding the nibble of each word into the low
+    byte of a half, ``lop3`` (a & b) | c keeps the nibble under bf16 128.0 as in
+    :func:`_int4_ptx_asm`, then the same two ``fma.rn.bf16x2``."""
+    byte, high = divmod(nibble, 2)
+    shift = "shr.u32 t0, t0, 4;\n" if high else ""
+    return (
+        "{\n.reg .b32 t0, v0, negone, negzero;\n"
+        "mov.b32 negone, 0xBF80BF80;\nmov.b32 negzero, 0x80008000;\n"
+        f"prmt.b32 t0, $3, $4, {byte | (4 + byte) << 8:#x};\n"
+        + shift
+        + "lop3.b32 v0, t0, 0x000F000F, 0x43004300, 0xEA;\n"
+        "fma.rn.bf16x2 v0, $2, negone, v0;\n"
+        "fma.rn.bf16x2 $0, v0, $1, negzero;\n}"
+    )
+
+
+def int4_word_ptx(words: jax.Array, scale: jax.Array, zero: jax.Array, nibble: int) -> jax.Array:
+    """INT4 code words ``[r, c]`` (int32, eight codes each) -> bf16 ``[r, c]`` weights ``(q - zp) * scale``
+    of nibble ``nibble`` (0..7) of every word; ``scale`` bf16 and ``zero`` bf16 ``128 + zp``, both
+    ``[r, c]``. Inline PTX on pairs of words, two weights per instruction after the ``prmt``; GPU
+    only. Exactly :func:`int4_ptx`'s arithmetic."""
+    [out] = pltriton.elementwise_inline_asm(
+        _int4_word_ptx_asm(nibble),
+        args=[scale, zero, words],
+        constraints="=r,r,r,r,r",
+        pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)],
     )
     return out
 

@@ -121,7 +121,7 @@ def _quant_matmul(x, w, layer, *, interpret: bool, decode: str, config: tuning.Q
     min_block_k = max(spec.kpack, 16)
     cfg = config or default_config(m, w, x.dtype)
     block_n = tuning.fit_block(cfg.block_n, n, 16, "N")
-    block_k = tuning.fit_block(cfg.block_k, k, min_block_k, "K")
+    block_k = tuning.fit_block(max(cfg.block_k, min_block_k), k, min_block_k, "K")
     steps, m_tiles = k // block_k // cfg.splits, -(-m // cfg.block_m)
     if steps * cfg.splits * block_k != k:
         raise ValueError(f"{cfg.splits} K splits do not divide {k // block_k} steps of {block_k}")

@@ -11,9 +11,10 @@ for the per-shard leaves inside a ``shard_map``.
 
 Formats (models.md §4.5-4.7), ``group = (gk, gn)`` elements of K x N sharing one scale:
 
-- ``int4`` (compressed-tensors pack-quantized): ``codes`` uint8 ``[..., K/2, N]``, two 4-bit codes
-  ``q + 8`` per byte; ``scales`` ``[..., K/g, N]`` in the checkpoint's dtype (bf16); ``zeros`` uint8
-  ``[..., K/g, N]`` holding ``zp + 8`` (None when symmetric: zero point 0). Group ``(g, 1)``.
+- ``int4`` (compressed-tensors pack-quantized): ``codes`` ``[..., K/8, N]`` int32 words of eight 4-bit
+  codes ``q + 8`` (or ``[..., K/2, N]`` uint8, two per byte, when K is not a multiple of 256);
+  ``scales`` ``[..., K/g, N]`` in the checkpoint's dtype (bf16); ``zeros`` uint8 ``[..., K/g, N]``
+  holding ``zp + 8`` (None when symmetric: zero point 0). Group ``(g, 1)``.
   ``W = round_to_scale_dtype((q - zp) * scale)``, as the library dequantizes.
 - ``fp8`` (block-scaled e4m3): ``codes`` float8_e4m3fn ``[..., K, N]``; ``scales`` float32
   (``weight_scale_inv``) or float8_e8m0fnu (ue8m0) ``[..., ceil(K/b1), ceil(N/b0)]``; group
@@ -21,12 +22,20 @@ Formats (models.md §4.5-4.7), ``group = (gk, gn)`` elements of K x N sharing on
 - ``fp4`` (DeepSeek-V4 routed experts): ``codes`` uint8 ``[..., K/2, N]`` of e2m1 codes; ``scales``
   float8_e8m0fnu ``[..., K/32, N]``; group ``(32, 1)``. ``W = e2m1(q) * 2^(e - 127)``.
 
-4-bit codes are packed in K chunks of ``kpack`` rows: byte row ``r`` of chunk ``c`` holds row
-``c*kpack + r`` in its low nibble and row ``c*kpack + kpack/2 + r`` in its high nibble. A kernel
-then unpacks a chunk into two ``[kpack/2, N]`` tiles with one mask and one shift each, and
-multiplies them with two column slices of the activations: no interleave, which Pallas-Triton
-could not express (no concatenate or gather on values). ``kpack`` is 64 (one 32-row group per
-half at group 32), or 32 when K is not a multiple of 64.
+4-bit codes are packed in K chunks of ``kpack`` rows, cut into 32-row (``kpack/2``-row for bytes)
+pieces that one code row holds side by side:
+
+- ``kpack`` = 256 (INT4 with K a multiple of 256; :data:`WORD_KPACK`): word row ``r`` of chunk ``c``
+  holds row ``c*256 + 32*j + r`` in nibble ``j`` (bits ``4j .. 4j+3``), j = 0..7;
+- ``kpack`` = 64 or 32 (FP4, and INT4 with other K): byte row ``r`` of chunk ``c`` holds row
+  ``c*kpack + r`` in its low nibble and row ``c*kpack + kpack/2 + r`` in its high nibble.
+
+A kernel unpacks each piece with a shift and a mask and multiplies it with one column slice of the
+activations: no interleave, which Pallas-Triton could not express (no concatenate or gather on
+values). Words are the faster layout: Triton decodes codes in the tensor-core operand layout, where
+a thread holds K-consecutive codes of one column, and reads them from shared memory one code row
+at a time, so a word row serves eight weights per load where a byte row serves two
+(``benchmarks/results/profile-h100-moe-4bit.md``; INT4 MoE 1.2-1.3x faster on the H100).
 """
 
 from __future__ import annotations
@@ -46,6 +55,8 @@ FORMATS = ("int4", "fp8", "fp4")
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 FP4_GROUP = 32
+WORD_KPACK = 256  # 4-bit chunk of 8 x 32 rows held in int32 words (module docstring)
+WORD_PIECE = WORD_KPACK // 8  # rows per nibble of a word chunk
 
 
 @functools.partial(
@@ -70,14 +81,19 @@ class QuantizedWeight:
 
     @property
     def packed(self) -> bool:
-        """Two 4-bit codes per byte along K."""
+        """4-bit codes, several per code element along K."""
         return self.format != "fp8"
+
+    @property
+    def rows_per_code(self) -> int:
+        """Weight rows (K) per code row: 8 (int32 words), 2 (bytes) or 1 (fp8)."""
+        return codes_per_element(self.kpack) if self.packed else 1
 
     @property
     def shape(self) -> tuple[int, ...]:
         """Logical ``(..., K, N)``."""
         *lead, k, n = self.codes.shape
-        return (*lead, 2 * k if self.packed else k, n)
+        return (*lead, k * self.rows_per_code, n)
 
     @property
     def nbytes(self) -> int:
@@ -112,28 +128,51 @@ def _pow2(n: int, what: str) -> int:
     return n
 
 
-def default_kpack(k: int) -> int:
-    """64, or 32 when K is not a multiple of 64 (4-bit formats need K to be a multiple of 32)."""
-    for kpack in (64, 32):
+def codes_per_element(kpack: int) -> int:
+    """4-bit codes per code element for chunks of ``kpack`` rows: 8 per int32 word, 2 per byte."""
+    return 8 if kpack == WORD_KPACK else 2
+
+
+def codes_dtype(kpack: int) -> np.dtype:
+    """The dtype 4-bit codes are packed in for chunks of ``kpack`` rows."""
+    return np.dtype(np.int32 if kpack == WORD_KPACK else np.uint8)
+
+
+def default_kpack(k: int, fmt: str = "int4") -> int:
+    """The packed chunk for a 4-bit weight of K rows: :data:`WORD_KPACK` for INT4 with K a multiple
+    of it, else 64, or 32 when K is not a multiple of 64 (K must be a multiple of 32). FP4 stays in
+    bytes until the word layout is measured for its decode."""
+    candidates = ((WORD_KPACK,) if fmt == "int4" else ()) + (64, 32)
+    for kpack in candidates:
         if k % kpack == 0:
             return kpack
     raise ValueError(f"4-bit weights need K (the input dim) to be a multiple of 32, got {k}")
 
 
 def pack_nibbles(codes, kpack: int):
-    """``codes [..., K, N]`` (values 0..15) -> bytes ``[..., K/2, N]`` in K chunks of ``kpack``."""
+    """``codes [..., K, N]`` (values 0..15) -> ``[..., K/8, N]`` int32 words (``kpack`` 256) or
+    ``[..., K/2, N]`` bytes, in K chunks of ``kpack`` (module docstring)."""
     xp = _xp(codes)
     *lead, k, n = codes.shape
-    c = codes.astype(xp.uint8).reshape(*lead, k // kpack, 2, kpack // 2, n)
-    return (c[..., 0, :, :] | (c[..., 1, :, :] << 4)).reshape(*lead, k // 2, n)
+    per = codes_per_element(kpack)
+    c = codes.astype(xp.uint32).reshape(*lead, k // kpack, per, kpack // per, n)
+    packed = c[..., 0, :, :]
+    for j in range(1, per):
+        packed = packed | (c[..., j, :, :] << (4 * j))
+    packed = packed.reshape(*lead, k // per, n)
+    if per == 2:
+        return packed.astype(xp.uint8)
+    return packed.view(np.int32) if xp is np else jax.lax.bitcast_convert_type(packed, jnp.int32)
 
 
 def unpack_nibbles(packed, kpack: int):
-    """Inverse of :func:`pack_nibbles`: bytes ``[..., K/2, N]`` -> codes ``[..., K, N]`` (uint8)."""
+    """Inverse of :func:`pack_nibbles`: words or bytes -> codes ``[..., K, N]`` (uint8)."""
     xp = _xp(packed)
-    *lead, half_k, n = packed.shape
-    b = packed.reshape(*lead, 2 * half_k // kpack, 1, kpack // 2, n)
-    return xp.concatenate([b & 0xF, b >> 4], axis=-3).reshape(*lead, 2 * half_k, n)
+    *lead, rows, n = packed.shape
+    per = codes_per_element(kpack)
+    p = packed.astype(xp.int32).reshape(*lead, per * rows // kpack, 1, kpack // per, n)
+    nibbles = [(p >> (4 * j)) & 0xF for j in range(per)]
+    return xp.concatenate(nibbles, axis=-3).reshape(*lead, per * rows, n).astype(xp.uint8)
 
 
 def pack_int4(q, scale, zero_point=None, *, group_size: int, kpack: int | None = None) -> QuantizedWeight:
@@ -148,7 +187,7 @@ def pack_int4(q, scale, zero_point=None, *, group_size: int, kpack: int | None =
     _pow2(group_size, "the INT4 group size")
     if scale.shape[-2:] != (n, -(-k // group_size)):
         raise ValueError(f"scale {scale.shape} does not match a {q.shape} weight in groups of {group_size}")
-    kpack = kpack or default_kpack(k)
+    kpack = kpack or default_kpack(k, "int4")
     codes = pack_nibbles(xp.swapaxes(q + 8, -1, -2), kpack)
     zeros = None if zero_point is None else xp.swapaxes(zero_point + 8, -1, -2).astype(xp.uint8)
     return _weight(codes, xp.swapaxes(scale, -1, -2), zeros, "int4", (group_size, 1), kpack)
@@ -178,7 +217,7 @@ def pack_fp4(codes, scale, *, kpack: int | None = None) -> QuantizedWeight:
     *_, n, k = codes.shape
     if scale.shape[-2:] != (n, -(-k // FP4_GROUP)):
         raise ValueError(f"scale {scale.shape} does not match a {codes.shape} FP4 weight")
-    kpack = kpack or default_kpack(k)
+    kpack = kpack or default_kpack(k, "fp4")
     packed = pack_nibbles(xp.swapaxes(codes, -1, -2), kpack)
     return _weight(packed, xp.swapaxes(scale, -1, -2), None, "fp4", (FP4_GROUP, 1), kpack)
 
@@ -236,7 +275,7 @@ def _pad(w: QuantizedWeight, axis: int, size: int) -> QuantizedWeight:
         return w
     groups = -(-size // w.group[axis]) - w.scales.shape[axis]
     pad = lambda a: None if a is None else _zero_pad(a, axis, groups)  # noqa: E731
-    rows = extra // 2 if w.packed and axis == -2 else extra
+    rows = extra // w.rows_per_code if axis == -2 else extra
     return w.replace(codes=_zero_pad(w.codes, axis, rows), scales=pad(w.scales), zeros=pad(w.zeros))
 
 

@@ -3,8 +3,8 @@
 A kernel's K loop asks :func:`pieces` for the ``[block_k, block_n]`` tile of a weight at
 ``(k0, n0)`` and gets it as a list of ``(k_offset, k_len, tile)`` pieces in the activations' dtype,
 each to be multiplied by the activation columns ``k0 + k_offset ... + k_len``. Dense and FP8
-weights come as one piece; 4-bit weights as two pieces per packed chunk (low nibbles = first half
-of the chunk's rows, high nibbles = second half; see :mod:`.layout`). Scales (and zero points) are
+weights come as one piece; 4-bit weights as one 32-row piece per nibble of a packed chunk's code
+rows (eight per int32 word, two per byte; see :mod:`.layout`). Scales (and zero points) are
 loaded as the few rows and columns the tile spans and broadcast over it.
 
 Tiles must be aligned to the scale groups: ``block_k`` a multiple of ``kpack`` (4-bit), and every
@@ -30,7 +30,7 @@ import numpy as np
 
 from pallas_kernels._triton import pl
 from pallas_kernels.quant_matmul import decode
-from pallas_kernels.quant_matmul.layout import E4M3, E8M0, QuantizedWeight
+from pallas_kernels.quant_matmul.layout import E4M3, E8M0, WORD_KPACK, WORD_PIECE, QuantizedWeight
 
 Piece = tuple[int, int, jax.Array]  # (k offset in the tile, k length, [k length, block_n] tile)
 
@@ -177,6 +177,33 @@ def _dequantize(spec: WeightSpec, refs: Sequence, lead: tuple, codes, r0, n0, dt
     return value.astype(spec.scale_dtype).astype(dtype)  # rounded as compressed-tensors rounds
 
 
+def _word_pieces(
+    spec: WeightSpec, refs: Sequence, lead: tuple, k0, n0, block_k: int, block_n: int, dtype
+) -> list[Piece]:
+    """The pieces of 4-bit codes held in int32 words (``kpack`` = 256): per chunk one ``[32, N]`` load
+    of words, then eight 32-row pieces, nibble ``j`` holding rows ``32 j ...`` of the chunk."""
+    ptx = spec.format == "int4" and spec.int4_decode == "ptx" and _bf16_int4(spec, dtype)
+    cols = pl.ds(n0, block_n)
+    out = []
+    for c in range(block_k // WORD_KPACK):
+        row = pl.multiple_of(k0 // 8 + c * WORD_PIECE, WORD_PIECE)
+        words = refs[0][(*lead, pl.ds(row, WORD_PIECE), cols)]
+        for j in range(8):
+            offset = c * WORD_KPACK + j * WORD_PIECE
+            if ptx:
+                shape = (WORD_PIECE, block_n)
+                scale = _group_tile(refs[1], lead, spec, k0 + offset, WORD_PIECE, n0, block_n)
+                zero = _int4_zero_bf16(spec, refs, lead, k0 + offset, WORD_PIECE, n0, block_n)
+                tile = decode.int4_word_ptx(
+                    words, jnp.broadcast_to(scale, shape), jnp.broadcast_to(zero, shape), j
+                )
+            else:
+                codes = (words >> (4 * j)) & 0xF  # int32: the arithmetic shift's sign bits are masked off
+                tile = _dequantize(spec, refs, lead, codes, k0 + offset, n0, dtype)
+            out.append((offset, WORD_PIECE, tile))
+    return out
+
+
 def pieces(
     spec: WeightSpec, refs: Sequence, lead: tuple, k0, n0, block_k: int, block_n: int, dtype
 ) -> list[Piece]:
@@ -188,6 +215,8 @@ def pieces(
     if spec.format == "fp8":
         codes = refs[0][(*lead, pl.ds(k0, block_k), cols)].astype(jnp.int32)
         return [(0, block_k, _dequantize(spec, refs, lead, codes, k0, n0, dtype))]
+    if spec.kpack == WORD_KPACK:
+        return _word_pieces(spec, refs, lead, k0, n0, block_k, block_n, dtype)
     half = spec.kpack // 2
     ptx = spec.format == "int4" and spec.int4_decode == "ptx" and _bf16_int4(spec, dtype)
     out = []

@@ -79,11 +79,14 @@ _MAX_SPLITS = 16
 def smem_bytes(cfg: QmmConfig, *, itemsize: int, weight_bits: int) -> int:
     """Shared-memory bound (:func:`pallas_kernels._triton.shared_memory_bytes`): per stage the
     activation tile and the weight codes; resident, the dequantized weight tile on its way to the
-    tensor cores (one step's worth, at the activation itemsize); the float32 output tile after."""
+    tensor cores (one step's worth, at the activation itemsize; none for 4-bit codes in tiles of
+    fewer than 64 rows, decoded straight into the MMA operand registers, as the MoE kernels'
+    profile shows: :func:`pallas_kernels.moe.tuning.smem_bytes`); the float32 output tile after."""
+    decoded_in_registers = weight_bits == 4 and cfg.block_m < 64
     return shared_memory_bytes(
         stage=cfg.block_m * cfg.block_k * itemsize + cfg.block_k * cfg.block_n * weight_bits // 8,
         num_stages=cfg.num_stages,
-        resident=cfg.block_k * cfg.block_n * itemsize,
+        resident=0 if decoded_in_registers else cfg.block_k * cfg.block_n * itemsize,
         epilogue=cfg.block_m * cfg.block_n * 4,
     )
 
@@ -124,8 +127,9 @@ def choose(
     else:
         cfg = entry.mid if m <= 128 else entry.compute
     if weight_bits == 4:
-        cfg = dataclasses.replace(cfg, block_k=2 * cfg.block_k)
-    knobs = (("num_stages", 2), ("block_k", min_block_k), ("block_n", 32), ("num_stages", 1))
+        cfg = dataclasses.replace(cfg, block_k=max(2 * cfg.block_k, min_block_k))
+    # block_m last: float32 activations with 256-row word chunks need it on 99 KiB parts
+    knobs = (("num_stages", 2), ("block_k", min_block_k), ("block_n", 32), ("block_m", 16), ("num_stages", 1))
     nbytes = lambda c: smem_bytes(c, itemsize=itemsize, weight_bits=weight_bits)  # noqa: E731
     cfg = shrink_to_fit(cfg, nbytes, shared_memory_budget(cc), knobs)
     block_n = fit_block(cfg.block_n, n, 16, "N")

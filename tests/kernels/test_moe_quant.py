@@ -82,6 +82,9 @@ CASES = [  # (format, T, k, E, D, N, dtype, decode, group, symmetric, skew)
     pytest.param("fp8", 37, 8, 256, 64, 32, jnp.float32, "software", 0, False, 2.0, id="fp8-T37-E256-sw"),
     pytest.param("fp8", 96, 1, 8, 64, 32, jnp.bfloat16, "native", 0, False, 3.0, id="fp8-T96-E8-native"),
     pytest.param("fp4", 64, 4, 16, 64, 64, jnp.float32, None, 0, False, 1.0, id="fp4-T64-E16"),
+    # K = 256 on both matrices: INT4 codes in int32 words (layout.WORD_KPACK)
+    pytest.param("int4", 37, 4, 16, 256, 256, jnp.bfloat16, None, 32, False, 1.5, id="int4-words-T37-E16"),
+    pytest.param("int4", 3, 2, 8, 512, 256, jnp.float32, None, 128, True, 0.0, id="int4-words-g128-sym-f32"),
 ]
 
 

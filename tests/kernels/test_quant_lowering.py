@@ -5,6 +5,8 @@ e4m3 cast, which is why the software path exists. Plus the quantized MoE tiles' 
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -30,9 +32,9 @@ def _abstract(fmt: str, lead: tuple, k: int, n: int, *, group: int = 32, zeros: 
         )  # fmt: skip
     scale_dtype, g = (jnp.bfloat16, group) if fmt == "int4" else (ml_dtypes.float8_e8m0fnu, 32)
     z = s((*lead, k // g, n), jnp.uint8) if fmt == "int4" and zeros else None
-    return layout.QuantizedWeight(
-        s((*lead, k // 2, n), jnp.uint8), s((*lead, k // g, n), scale_dtype), z, fmt, (g, 1), 64
-    )
+    kpack = layout.default_kpack(k, fmt)  # INT4 at these shapes: int32 words; FP4: bytes
+    codes = s((*lead, k // layout.codes_per_element(kpack), n), layout.codes_dtype(kpack))
+    return layout.QuantizedWeight(codes, s((*lead, k // g, n), scale_dtype), z, fmt, (g, 1), kpack)
 
 
 LINEARS = [  # (format, T, K, N, group, zero points)
@@ -163,16 +165,17 @@ def test_layer_stacks_lower(target, fmt):
 @pytest.mark.parametrize("itemsize", [2, 4])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_moe_tiles_fit(bits, itemsize):
-    for cc in TARGETS.values():
-        for experts in (32, 256):
-            for t in (1, 32, 512, 4096):
-                cfg = moe_tuning.choose(t * TOP_K, experts, itemsize=itemsize, cc=cc, weight_bits=bits)
-                for tile, n_tiles in ((cfg.gate_up, 2), (cfg.down, 1)):
-                    nbytes = moe_tuning.smem_bytes(
-                        tile, block_m=cfg.block_m, weight_tiles=n_tiles, itemsize=itemsize, weight_bits=bits
-                    )
-                    assert nbytes <= shared_memory_budget(cc), (cc, experts, t, cfg)
-                    assert bits == 8 or tile.block_k >= 64  # whole packed chunks
+    for cc, experts, t, kpack in itertools.product(
+        TARGETS.values(), (32, 256), (1, 32, 512, 4096), (64, 256)
+    ):
+        kpack = kpack if bits == 4 else 0
+        cfg = moe_tuning.choose(t * TOP_K, experts, itemsize=itemsize, cc=cc, weight_bits=bits, kpack=kpack)
+        for tile, n_tiles in ((cfg.gate_up, 2), (cfg.down, 1)):
+            nbytes = moe_tuning.smem_bytes(
+                tile, block_m=cfg.block_m, weight_tiles=n_tiles, itemsize=itemsize, weight_bits=bits
+            )
+            assert nbytes <= shared_memory_budget(cc), (cc, experts, t, cfg)
+            assert tile.block_k >= kpack  # whole packed chunks
     bf16 = moe_tuning.choose(8 * TOP_K, E, itemsize=2, cc=90)
     assert moe_tuning.choose(8 * TOP_K, E, itemsize=2, cc=90, weight_bits=8).gate_up == bf16.gate_up
     assert np.all(moe_tuning.choose(8 * TOP_K, E, itemsize=2, cc=90, weight_bits=4).gate_up.block_k == 128)

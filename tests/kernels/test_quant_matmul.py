@@ -46,13 +46,14 @@ def _rel(got, want) -> float:
 # ---- random weights in the checkpoints' own (HF [out, in]) form ----------------------------------
 
 
-def random_int4(rng, lead, n, k, group, *, symmetric, scale_dtype=BF16):
-    """(packed weight, float32 [..., K, N] reference values by the NumPy decoder)."""
+def random_int4(rng, lead, n, k, group, *, symmetric, scale_dtype=BF16, kpack=None):
+    """(packed weight, float32 [..., K, N] reference values by the NumPy decoder); int32 words when
+    K is a multiple of 256, unless ``kpack`` asks for bytes."""
     q = rng.integers(-8, 8, size=(*lead, n, k))
     zp = None if symmetric else rng.integers(-8, 8, size=(*lead, n, k // group))
     scale = (rng.uniform(0.5, 1.5, size=(*lead, n, k // group)) / (8 * np.sqrt(k))).astype(scale_dtype)
     want = formats.dequantize_int4_values(q, scale, zp, group).astype(np.float32)
-    return layout.pack_int4(q, scale, zp, group_size=group), np.swapaxes(want, -1, -2)
+    return layout.pack_int4(q, scale, zp, group_size=group, kpack=kpack), np.swapaxes(want, -1, -2)
 
 
 def random_fp8(rng, lead, n, k, block=(128, 128), *, e8m0=False, nan=False):
@@ -193,7 +194,7 @@ def test_padding_appends_zero_weights():
 
 
 def test_pytree_and_split_checks():
-    w, _ = random_int4(np.random.default_rng(3), (4,), 64, 256, 32, symmetric=False)
+    w, _ = random_int4(np.random.default_rng(3), (4,), 64, 256, 32, symmetric=False, kpack=64)
     leaves, tree = jax.tree.flatten(w)
     assert len(leaves) == 3 and jax.tree.unflatten(tree, leaves).format == "int4"
     assert jax.tree.map(lambda _: "spec", w).scales == "spec"  # one spec per leaf, same structure
@@ -201,6 +202,11 @@ def test_pytree_and_split_checks():
     layout.check_split(w, "n", 4)
     with pytest.raises(ValueError, match="whole"):
         layout.check_split(w, "k", 8)  # 32-row shards would cut 64-row packed chunks
+    words, _ = random_int4(np.random.default_rng(3), (4,), 64, 512, 32, symmetric=False)
+    assert words.kpack == layout.WORD_KPACK and words.codes.shape == (4, 64, 64) and words.shape[-2] == 512
+    layout.check_split(words, "k", 2)
+    with pytest.raises(ValueError, match="whole 256-element"):
+        layout.check_split(words, "k", 4)  # 128-row shards would cut 256-row word chunks
     fp8, _ = random_fp8(np.random.default_rng(4), (), 384, 256)
     layout.check_split(fp8, "n", 3)
     with pytest.raises(ValueError, match="whole 128-element"):
@@ -333,11 +339,14 @@ def test_tiles_spanning_several_scale_groups():
     _check(x, _device(w), decode_mode="software", config=tuning.QmmConfig(32, 64, 128, 1, 4, 2))
 
 
-@pytest.mark.parametrize("splits,block_m", [(4, 16), (2, 64)])
-def test_k_splits(splits, block_m):
+@pytest.mark.parametrize(
+    "splits,block_m,k,kpack", [(4, 16, 512, 64), (2, 64, 512, None), (4, 16, 1024, None)]
+)
+def test_k_splits(splits, block_m, k, kpack):
+    """K splits over byte chunks and word chunks (a 128-row step asked of words takes 256)."""
     rng = np.random.default_rng(splits)
-    w, _ = random_int4(rng, (), 32, 512, 128, symmetric=False)
-    x = jnp.asarray(rng.standard_normal((20, 512)), jnp.float32)
+    w, _ = random_int4(rng, (), 32, k, 128, symmetric=False, kpack=kpack)
+    x = jnp.asarray(rng.standard_normal((20, k)), jnp.float32)
     _check(x, _device(w), config=tuning.QmmConfig(block_m, 32, 128, splits, 4, 2))
 
 
