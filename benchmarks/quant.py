@@ -163,8 +163,8 @@ def _random_matrix(key, fmt: str, k: int, n: int):
     kc, ks, kz = jax.random.split(key, 3)
     if fmt == "bf16":
         return jax.random.normal(kc, (*lead, k, n), jnp.bfloat16) * jnp.bfloat16(k**-0.5)  # no f32 copy
-    if fmt in ("int4", INT4_BYTES):  # int4: the loader's layout, int32 words of 8 codes when K allows
-        kpack = 64 if fmt == INT4_BYTES else default_kpack(k, "int4")
+    if fmt in ("int4", INT4_BYTES):  # int4: the loader's layout (int32 words for expert stacks)
+        kpack = 64 if fmt == INT4_BYTES else default_kpack(k, "int4", words=bool(lead))
         per = codes_per_element(kpack)
         codes = jax.random.bits(kc, (*lead, k // per, n), jnp.uint32 if per == 8 else jnp.uint8)
         codes = jax.lax.bitcast_convert_type(codes, codes_dtype(kpack))

@@ -87,6 +87,7 @@ class Slot:
     shape: tuple[int, ...]
     axes: Axes
     parts: int = 1
+    experts: bool = False  # a routed-expert stack (INT4 ones take the word layout: layout.default_kpack)
 
 
 def slots(model: nnx.Module) -> dict[Path, Slot]:
@@ -104,7 +105,9 @@ def slots(model: nnx.Module) -> dict[Path, Slot]:
         elif isinstance(node, Experts):
             for name, parts in (("gate_up", 2), ("down", 1)):
                 variable = getattr(node, name)
-                out[(*path, name)] = Slot(tuple(variable.get_value().shape), axes_of(variable), parts)
+                out[(*path, name)] = Slot(
+                    tuple(variable.get_value().shape), axes_of(variable), parts, experts=True
+                )
     return out
 
 
@@ -190,7 +193,7 @@ def abstract_weight(
     kpack = 0
     if fmt.format != "fp8":
         try:
-            kpack = layout.default_kpack(local_k, fmt.format)
+            kpack = layout.default_kpack(local_k, fmt.format, words=slot.experts)
         except ValueError:
             raise ValueError(
                 f"{what}: a 4-bit weight of K = {k} split into {k_shards} shards needs shards of whole "

@@ -25,9 +25,10 @@ Formats (models.md §4.5-4.7), ``group = (gk, gn)`` elements of K x N sharing on
 4-bit codes are packed in K chunks of ``kpack`` rows, cut into 32-row (``kpack/2``-row for bytes)
 pieces that one code row holds side by side:
 
-- ``kpack`` = 256 (INT4 with K a multiple of 256; :data:`WORD_KPACK`): word row ``r`` of chunk ``c``
-  holds row ``c*256 + 32*j + r`` in nibble ``j`` (bits ``4j .. 4j+3``), j = 0..7;
-- ``kpack`` = 64 or 32 (FP4, and INT4 with other K): byte row ``r`` of chunk ``c`` holds row
+- ``kpack`` = 256 (:data:`WORD_KPACK`; INT4 with K a multiple of 256, the model's routed experts, see
+  :func:`default_kpack`): word row ``r`` of chunk ``c`` holds row ``c*256 + 32*j + r`` in nibble ``j``
+  (bits ``4j .. 4j+3``), j = 0..7;
+- ``kpack`` = 64 or 32 (FP4, and other INT4 weights): byte row ``r`` of chunk ``c`` holds row
   ``c*kpack + r`` in its low nibble and row ``c*kpack + kpack/2 + r`` in its high nibble.
 
 A kernel unpacks each piece with a shift and a mask and multiplies it with one column slice of the
@@ -35,7 +36,8 @@ activations: no interleave, which Pallas-Triton could not express (no concatenat
 values). Words are the faster layout: Triton decodes codes in the tensor-core operand layout, where
 a thread holds K-consecutive codes of one column, and reads them from shared memory one code row
 at a time, so a word row serves eight weights per load where a byte row serves two
-(``benchmarks/results/profile-h100-moe-4bit.md``; INT4 MoE 1.2-1.3x faster on the H100).
+(``benchmarks/results/profile-h100-moe-4bit.md``; the INT4 MoE 1.14-1.21x faster on the H100 at
+T <= 512, ``quant-h100-int4-words.md``).
 """
 
 from __future__ import annotations
@@ -138,11 +140,15 @@ def codes_dtype(kpack: int) -> np.dtype:
     return np.dtype(np.int32 if kpack == WORD_KPACK else np.uint8)
 
 
-def default_kpack(k: int, fmt: str = "int4") -> int:
+def default_kpack(k: int, fmt: str = "int4", *, words: bool = True) -> int:
     """The packed chunk for a 4-bit weight of K rows: :data:`WORD_KPACK` for INT4 with K a multiple
-    of it, else 64, or 32 when K is not a multiple of 64 (K must be a multiple of 32). FP4 stays in
-    bytes until the word layout is measured for its decode."""
-    candidates = ((WORD_KPACK,) if fmt == "int4" else ()) + (64, 32)
+    of it (unless ``words`` is False), else 64, or 32 when K is not a multiple of 64 (K must be a
+    multiple of 32). The model asks for words for routed experts only: on the H100 they made the
+    INT4 MoE 1.14-1.21x faster at T = 1..512 (4096: 2 % slower), while GLM-5's linears came out
+    mixed (o_proj and the dense / shared MLPs faster, kv_a, kv_b, q_b and the indexer's wq_b slower;
+    ``benchmarks/results/quant-h100-int4-words*.md``). FP4 stays in bytes until the word layout is
+    measured for its decode."""
+    candidates = ((WORD_KPACK,) if fmt == "int4" and words else ()) + (64, 32)
     for kpack in candidates:
         if k % kpack == 0:
             return kpack

@@ -17,11 +17,13 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels.quant_matmul import kernel, layout, ref
 
 
-def _int4(rng, lead, n, k, group=32):
+def _int4(rng, lead, n, k, group=32, kpack=None):
+    """A packed INT4 weight; split along K, it needs chunks that fit a shard, as the loader picks them
+    from the shard's K (``kpack``; words by default where K allows)."""
     q = rng.integers(-8, 8, size=(*lead, n, k))
     zp = rng.integers(-8, 8, size=(*lead, n, k // group))
     s = (rng.uniform(0.5, 1.5, size=(*lead, n, k // group)) / 64).astype(ml_dtypes.bfloat16)
-    return layout.pack_int4(q, s, zp, group_size=group)
+    return layout.pack_int4(q, s, zp, group_size=group, kpack=kpack)
 
 
 def _place(w, mesh, spec):
@@ -32,7 +34,7 @@ def test_every_leaf_gets_the_same_slice():
     """Experts over 4 devices, their K (rows) over 2: each device's codes, scales and zero points
     cover the same experts and the same K rows (whole 64-row chunks and 32-row groups)."""
     mesh = jax.make_mesh((4, 2), ("ep", "tp"))
-    w = _int4(np.random.default_rng(0), (8,), 96, 256)
+    w = _int4(np.random.default_rng(0), (8,), 96, 256, kpack=64)
     layout.check_split(w, "k", 2)
     placed = _place(w, mesh, P("ep", "tp", None))
     for codes, scales, zeros in zip(
@@ -51,7 +53,7 @@ def test_quant_matmul_per_shard(split):
     K, partial products summed): the interpreted kernel on each shard equals the whole product."""
     mesh = jax.make_mesh((8,), ("tp",))
     rng = np.random.default_rng(1)
-    w = _int4(rng, (), 256 if split == "n" else 64, 512)
+    w = _int4(rng, (), 256 if split == "n" else 64, 512, kpack=None if split == "n" else 64)
     x = jnp.asarray(rng.standard_normal((3, 512)), jnp.float32)
     want = ref.quant_matmul(x, jax.tree.map(jnp.asarray, w))
     layout.check_split(w, split, 8)
