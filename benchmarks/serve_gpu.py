@@ -263,6 +263,13 @@ def main(argv=None) -> int:
     return 0
 
 
+def moe_tokens(concurrency: int, par: Parallelism) -> int:
+    """Decode tokens that meet at one MoE layer's experts: a dp group's sequences, times the groups
+    whose tokens share the experts (dp attention); plain dp replicas route their own. The count
+    :func:`jaxdsa.plan.decode_step` takes the expected experts of."""
+    return -(-concurrency // par.dp) * par.axis_sizes["edp"]
+
+
 def _parallel_flags(par: Parallelism) -> str:
     """The server's parallelism flags as the report names them ('' on one GPU)."""
     if (par.tp, par.ep, par.dp) == (1, 1, 1):
@@ -293,7 +300,7 @@ def _report(rows, raw, args, ceilings: harness.Ceilings, startup: float) -> None
         batch = -(-r["concurrency"] // par.dp)  # sequences per dp group
         nbytes = step_bytes(raw, WEIGHTS[args.quantization], int(context), batch, par)
         row["routed experts/layer"] = plan.expected_experts(
-            raw["n_routed_experts"], raw["num_experts_per_tok"], r["concurrency"]
+            raw["n_routed_experts"], raw["num_experts_per_tok"], moe_tokens(r["concurrency"], par)
         )
         row["bytes/step GB"] = nbytes / 1e9
         row["roofline ms"] = nbytes / (ceilings.stream_gbs * 1e9) * 1e3

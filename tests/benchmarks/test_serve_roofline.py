@@ -9,6 +9,7 @@ from benchmarks.serve_gpu import (
     GLM52,
     _parallel_flags,
     main,
+    moe_tokens,
     planned_weight_bytes,
     step_bytes,
     write_model_dir,
@@ -99,3 +100,12 @@ def test_fewer_prompts_than_streams_is_refused(capsys):
     with pytest.raises(SystemExit):
         main(["--concurrency", "1,32", "--num-prompts", "16"])
     assert "--num-prompts 16 is below the highest --concurrency (32)" in capsys.readouterr().err
+
+
+def test_experts_column_counts_the_tokens_that_meet_at_the_experts():
+    """Plain dp replicas route their own sequences; with dp attention every group's tokens meet at
+    the experts; TP / EP see the whole batch."""
+    assert moe_tokens(8, Parallelism(dp=2)) == 4
+    assert moe_tokens(8, Parallelism(ep=2, dp=2, dp_attention=True)) == 8
+    assert moe_tokens(8, Parallelism(tp=2)) == 8
+    assert moe_tokens(7, Parallelism(dp=2)) == 4
