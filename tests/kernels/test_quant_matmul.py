@@ -7,6 +7,7 @@ zero points. The decoders and the dequantizer are held to the NumPy format decod
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -382,13 +383,15 @@ def test_ops_dispatch_interpret():
 
 
 def test_tuning_regimes_and_budgets():
-    for cc in (80, 90, 120):
-        for m in (1, 8, 32, 128, 512, 4096):
-            for bits, floor in ((4, 64), (8, 16)):
-                cfg = tuning.choose(m, 6144, 2048, itemsize=2, weight_bits=bits, min_block_k=floor, cc=cc)
-                assert cfg.block_m >= min(m, 16) and 6144 % (cfg.block_k * cfg.splits) == 0
-                nbytes = tuning.smem_bytes(cfg, itemsize=2, weight_bits=bits)
-                assert nbytes <= tuning.shared_memory_budget(cc), (cc, m, cfg)
+    """Every part, row count and code width (4-bit bytes and 256-row words; float32 activations too)
+    gets a config within the shared memory that steps in whole packed chunks."""
+    for cc, m, itemsize in itertools.product((80, 90, 120), (1, 8, 32, 128, 512, 4096), (2, 4)):
+        for bits, floor in ((4, 64), (4, 256), (8, 16)):
+            cfg = tuning.choose(m, 6144, 2048, itemsize=itemsize, weight_bits=bits, min_block_k=floor, cc=cc)
+            assert cfg.block_m >= min(m, 16) and 6144 % (cfg.block_k * cfg.splits) == 0
+            assert cfg.block_k >= floor
+            nbytes = tuning.smem_bytes(cfg, itemsize=itemsize, weight_bits=bits)
+            assert nbytes <= tuning.shared_memory_budget(cc), (cc, m, cfg)
     decode_cfg = tuning.choose(1, 6144, 2048, itemsize=2, weight_bits=4, min_block_k=64, cc=90)
     assert decode_cfg.splits > 1 and decode_cfg.block_m == 16  # 32 N tiles alone would leave SMs idle
 
