@@ -44,6 +44,7 @@ from pallas_kernels._triton import (
     shared_memory_bytes,
     shrink_to_fit,
 )
+from pallas_kernels.quant_matmul.tuning import decoded_tile_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,16 +133,14 @@ def smem_bytes(
     """Shared-memory estimate (:func:`pallas_kernels._triton.shared_memory_bytes`) of one program:
     per stage the ``[block_m, block_k]`` activation tile and ``weight_tiles`` (2 for gate|up, 1 for
     down) ``[block_k, block_n]`` weight tiles; the ``[block_m, block_n]`` output in the epilogue.
-    Quantized weights (``weight_bits``) load their codes per stage. Their dequantized tiles pass
-    through shared memory on the way to the tensor cores (one step's worth, resident), except
-    4-bit ones in blocks of fewer than 64 rows: there Triton decodes straight into the MMA operand
-    registers (H100: 70.7 KiB for 4 stages of gate|up, ``benchmarks/results/profile-h100-moe-4bit.md``)."""
+    Quantized weights (``weight_bits``) load their codes per stage, and their dequantized tiles stay
+    resident as :func:`pallas_kernels.quant_matmul.tuning.decoded_tile_bytes` says."""
     weight = weight_tiles * tile.block_n * tile.block_k
     if weight_bits is None:
         stage, resident = (block_m * tile.block_k + weight) * itemsize, 0
     else:
         stage = block_m * tile.block_k * itemsize + weight * weight_bits // 8
-        resident = 0 if weight_bits == 4 and block_m < 64 else weight * itemsize
+        resident = decoded_tile_bytes(weight, block_m=block_m, itemsize=itemsize, weight_bits=weight_bits)
     return shared_memory_bytes(
         stage=stage, num_stages=tile.num_stages, resident=resident, epilogue=block_m * tile.block_n * 4
     )

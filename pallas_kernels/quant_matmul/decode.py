@@ -105,11 +105,17 @@ def int4_ptx(codes: jax.Array, scale: jax.Array, zero: jax.Array, *, high: bool)
     (or ``high``) nibbles; ``scale`` bf16 and ``zero`` bf16 ``128 + zp`` (codes and zero points in the
     same offset domain), both ``[r, c]``. Inline PTX on packed registers (module docstring); GPU
     only. One asm per half: JAX's lowering returns only the first result of a multi-result asm."""
+    return _bf16_asm(_int4_ptx_asm(high), "=r,=r,r,r,r,r,r", 4, scale, zero, codes)
+
+
+def _bf16_asm(asm: str, constraints: str, pack: int, scale, zero, codes) -> jax.Array:
+    """``asm`` run elementwise over ``(scale, zero, codes)``, ``pack`` elements per instance: the
+    bf16 weights, shaped like ``codes``."""
     [out] = pltriton.elementwise_inline_asm(
-        _int4_ptx_asm(high),
+        asm,
         args=[scale, zero, codes],
-        constraints="=r,=r,r,r,r,r,r",
-        pack=4,
+        constraints=constraints,
+        pack=pack,
         result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)],
     )
     return out
@@ -139,14 +145,7 @@ def int4_word_ptx(words: jax.Array, scale: jax.Array, zero: jax.Array, nibble: i
     of nibble ``nibble`` (0..7) of every word; ``scale`` bf16 and ``zero`` bf16 ``128 + zp``, both
     ``[r, c]``. Inline PTX on pairs of words, two weights per instruction after the ``prmt``; GPU
     only. Exactly :func:`int4_ptx`'s arithmetic."""
-    [out] = pltriton.elementwise_inline_asm(
-        _int4_word_ptx_asm(nibble),
-        args=[scale, zero, words],
-        constraints="=r,r,r,r,r",
-        pack=2,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)],
-    )
-    return out
+    return _bf16_asm(_int4_word_ptx_asm(nibble), "=r,r,r,r,r", 2, scale, zero, words)
 
 
 def e4m3_to_f32(u: jax.Array, mode: str) -> jax.Array:

@@ -124,22 +124,27 @@ def _bf16_int4(spec: WeightSpec, dtype) -> bool:
     return spec.int4_decode != "f32" and spec.scale_dtype == jnp.bfloat16 and dtype == jnp.bfloat16
 
 
+def _int4_ptx(spec: WeightSpec, dtype) -> bool:
+    """Whether an INT4 weight is decoded by inline PTX (:func:`decode.int4_ptx` / ``int4_word_ptx``)."""
+    return spec.format == "int4" and spec.int4_decode == "ptx" and _bf16_int4(spec, dtype)
+
+
+def _ptx_scale_zero(spec: WeightSpec, refs: Sequence, lead: tuple, r0, rows: int, n0, cols: int):
+    """The scales and the bf16 ``128 + zp`` zero points of weight rows ``r0 ...``, loaded per group and
+    broadcast over the ``[rows, cols]`` tile (the PTX decode is elementwise)."""
+    scale = _group_tile(refs[1], lead, spec, r0, rows, n0, cols)
+    zero = _int4_zero_bf16(spec, refs, lead, r0, rows, n0, cols)
+    return jnp.broadcast_to(scale, (rows, cols)), jnp.broadcast_to(zero, (rows, cols))
+
+
 def _int4_ptx_chunk(
     spec: WeightSpec, refs: Sequence, lead: tuple, byte, r0, n0
 ) -> tuple[jax.Array, jax.Array]:
     """A packed chunk's bytes ``[half, cols]`` (uint8; weight rows ``r0 ...`` in the low nibbles, the
-    next ``half`` rows in the high ones) -> both halves' bf16 weights via :func:`decode.int4_ptx`.
-    Scales and zero points are loaded per group and broadcast over the tile (the asm is elementwise)."""
+    next ``half`` rows in the high ones) -> both halves' bf16 weights via :func:`decode.int4_ptx`."""
     half, cols = byte.shape
-
-    def scale(row):
-        return jnp.broadcast_to(_group_tile(refs[1], lead, spec, row, half, n0, cols), (half, cols))
-
-    def zero(row):
-        return jnp.broadcast_to(_int4_zero_bf16(spec, refs, lead, row, half, n0, cols), (half, cols))
-
     return tuple(
-        decode.int4_ptx(byte, scale(row), zero(row), high=high)
+        decode.int4_ptx(byte, *_ptx_scale_zero(spec, refs, lead, row, half, n0, cols), high=high)
         for row, high in ((r0, False), (r0 + half, True))
     )
 
@@ -182,7 +187,7 @@ def _word_pieces(
 ) -> list[Piece]:
     """The pieces of 4-bit codes held in int32 words (``kpack`` = 256): per chunk one ``[32, N]`` load
     of words, then eight 32-row pieces, nibble ``j`` holding rows ``32 j ...`` of the chunk."""
-    ptx = spec.format == "int4" and spec.int4_decode == "ptx" and _bf16_int4(spec, dtype)
+    ptx = _int4_ptx(spec, dtype)
     cols = pl.ds(n0, block_n)
     out = []
     for c in range(block_k // WORD_KPACK):
@@ -191,12 +196,8 @@ def _word_pieces(
         for j in range(8):
             offset = c * WORD_KPACK + j * WORD_PIECE
             if ptx:
-                shape = (WORD_PIECE, block_n)
-                scale = _group_tile(refs[1], lead, spec, k0 + offset, WORD_PIECE, n0, block_n)
-                zero = _int4_zero_bf16(spec, refs, lead, k0 + offset, WORD_PIECE, n0, block_n)
-                tile = decode.int4_word_ptx(
-                    words, jnp.broadcast_to(scale, shape), jnp.broadcast_to(zero, shape), j
-                )
+                scale, zero = _ptx_scale_zero(spec, refs, lead, k0 + offset, WORD_PIECE, n0, block_n)
+                tile = decode.int4_word_ptx(words, scale, zero, j)
             else:
                 codes = (words >> (4 * j)) & 0xF  # int32: the arithmetic shift's sign bits are masked off
                 tile = _dequantize(spec, refs, lead, codes, k0 + offset, n0, dtype)
@@ -218,7 +219,7 @@ def pieces(
     if spec.kpack == WORD_KPACK:
         return _word_pieces(spec, refs, lead, k0, n0, block_k, block_n, dtype)
     half = spec.kpack // 2
-    ptx = spec.format == "int4" and spec.int4_decode == "ptx" and _bf16_int4(spec, dtype)
+    ptx = _int4_ptx(spec, dtype)
     out = []
     for c in range(block_k // spec.kpack):
         row = pl.multiple_of(k0 // 2 + c * half, half)  # byte row of this chunk
