@@ -401,6 +401,8 @@ def jit_step(
             fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(DP_AXES), check_vma=False
         )(*args)
 
+    # named after the step (a function or a partial of one), as jit names it without a mesh
+    run.__name__ = run.__qualname__ = getattr(fn, "func", fn).__name__
     return _OnMesh(jax.jit(run, donate_argnums=donate_argnums), mesh)
 
 

@@ -164,6 +164,8 @@ class Engine:
             max_len=self.max_model_len,
         )
 
+        home = None if mesh is not None else jax.tree.leaves(nnx.state(model))[0].sharding  # see ModelRunner
+
         def new_caches() -> list:  # the main cache, then the next-n layers' (same pages)
             return [
                 init_cache(
@@ -173,7 +175,7 @@ class Engine:
                     dtype,
                     num_seqs=config.max_num_seqs,
                     lookahead=lookahead,
-                    sharding=None
+                    sharding=home
                     if mesh is None
                     else {k: NamedSharding(mesh, sharding.spec(a)) for k, a in spec.axes().items()},
                 )

@@ -46,14 +46,16 @@ class PenaltyRows:
     """``counts`` [slots, V] int32, ``in_prompt`` [slots, V] bool, ``bias`` [slots, V] float32, and
     per slot the request its rows were filled for."""
 
-    def __init__(self, slots: int, vocab: int, groups: int, mesh, place: Callable):
+    def __init__(self, slots: int, vocab: int, groups: int, mesh, place: Callable, home=None):
+        """``place`` puts host arrays where a step takes them; ``home``: without a mesh, the
+        parameters' device sharding, which the rows are committed to as the steps' outputs are."""
         state = (
             np.zeros((slots, vocab), np.int32),
             np.zeros((slots, vocab), bool),
             np.zeros((slots, vocab), np.float32),
         )
         self.counts, self.in_prompt, self.bias = (
-            place(state) if mesh is not None else tuple(map(jnp.asarray, state))
+            place(state) if mesh is not None else jax.device_put(state, home)
         )
         self.owners: list[Request | None] = [None] * slots
         self.groups, self.slots_per_group, self.mesh, self._place = groups, slots // groups, mesh, place

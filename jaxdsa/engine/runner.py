@@ -15,8 +15,12 @@ host.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
+import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -219,6 +223,10 @@ class ModelRunner:
         next-n layers, whose cache is ``mtp_cache``."""
         self.family, self.cfg, self.mesh, self.precision = family, cfg, mesh, precision
         self.state = ModelState(model)
+        # Without a mesh, the device state the steps carry (cache, penalty rows) is committed to the
+        # parameters' device, as the steps' outputs are: jit keys on commitment, so a first step
+        # over uncommitted zeros would compile once more than the steps after it.
+        self.home = None if mesh is not None else self.state.leaves[0].sharding
         self.max_logprobs = max_logprobs
         self.page_size = page_size
         self.groups = groups
@@ -236,7 +244,7 @@ class ModelRunner:
         # the next-n layer drafting each of the num_spec tokens (the model's layers in turn, as vLLM)
         self.draft_layers = tuple(i % max(len(getattr(model, "mtp", ())), 1) for i in range(num_spec))
         self.max_num_seqs = max_num_seqs
-        self.penalty = PenaltyRows(max_num_seqs, cfg.vocab_size, groups, mesh, self._place)
+        self.penalty = PenaltyRows(max_num_seqs, cfg.vocab_size, groups, mesh, self._place, self.home)
         self._steps: dict[tuple, Any] = {}
 
     def _place(self, tree):
@@ -251,15 +259,15 @@ class ModelRunner:
         """Zeroed rows that no request owns, so each penalized request refills its own before it
         samples again: after a failed step, which may have counted tokens in them or consumed them."""
         self.penalty = PenaltyRows(
-            self.max_num_seqs, self.cfg.vocab_size, self.groups, self.mesh, self._place
+            self.max_num_seqs, self.cfg.vocab_size, self.groups, self.mesh, self._place, self.home
         )
 
     def _compiled(self, mode, with_logits: bool):
         """The jitted step of one (mode, with_logits) variant: compiled once per bucket shape."""
         key = (mode, with_logits)
         if key not in self._steps:
-            fn = lambda *args: _fused_step(
-                *args,
+            fn = functools.partial(
+                _fused_step,
                 family=self.family,
                 state=self.state,
                 mode=mode,
@@ -276,18 +284,13 @@ class ModelRunner:
             )
         return self._steps[key]
 
-    def _call(
-        self,
-        groups: list[_Group],
-        *,
-        mode,
-        with_logits: bool,
-        with_logprobs: bool = False,
-        scoring: bool = False,
-    ):
-        """-> (Verified [groups, R, K, ...], drafts [groups, R, N], logits [groups, R, K, V] or None,
-        Scored [groups, T, ...] or None) on the host; the logprob fields of Verified are None unless
-        asked for."""
+    def _precision(self):
+        """The context the step is traced in (the model's matmul precision, if it sets one)."""
+        return self.precision() if self.precision else contextlib.nullcontext()
+
+    def _step_inputs(self, groups: list[_Group], *, mode, with_logits: bool, scoring: bool):
+        """-> (the jitted step, its arguments, R, T) for one step over ``groups``: the buffers padded to
+        the bucket of T tokens and R sampled rows, placed as the step takes them."""
         T = bucket(max(len(g.tokens) for g in groups), cap=self.max_tokens)
         R = min(T, self.slots_per_group)
         K = self.num_spec + 1
@@ -338,23 +341,31 @@ class ModelRunner:
             (flat("targets", T, -1), verify_at) if scoring else (),
         )
         tokens, positions, meta, *rest = self._place(args)
-        fn = self._compiled(mode, with_logits)
-        with self.precision() if self.precision else contextlib.nullcontext():
-            verified, drafts, logits, scored, self.cache, self.mtp_cache, self.penalty.state = fn(
-                self.state.leaves,
-                tokens,
-                positions,
-                self.cache,
-                self.mtp_cache,
-                self.penalty.state,
-                meta,
-                *rest,
-            )
+        state = (self.state.leaves, tokens, positions, self.cache, self.mtp_cache, self.penalty.state)
+        return self._compiled(mode, with_logits), (*state, meta, *rest), R, T
+
+    def _call(
+        self,
+        groups: list[_Group],
+        *,
+        mode,
+        with_logits: bool,
+        with_logprobs: bool = False,
+        scoring: bool = False,
+    ):
+        """-> (Verified [groups, R, K, ...], drafts [groups, R, N], logits [groups, R, K, V] or None,
+        Scored [groups, T, ...] or None) on the host; the logprob fields of Verified are None unless
+        asked for."""
+        fn, args, R, T = self._step_inputs(groups, mode=mode, with_logits=with_logits, scoring=scoring)
+        with self._precision():
+            verified, drafts, logits, scored, self.cache, self.mtp_cache, self.penalty.state = fn(*args)
         rows = lambda a, *n: sharding.fetch(a).reshape(len(groups), *n, *a.shape[1:])  # noqa: E731
         head = (rows(verified.tokens, R), rows(verified.num_emitted, R))
         tail = map(lambda a: rows(a, R), verified[2:]) if with_logprobs else (None,) * 3
         fetched = Verified(*head, *tail)
-        logits = sharding.fetch(logits).reshape(len(groups), R, K, -1) if with_logits else None
+        logits = (
+            sharding.fetch(logits).reshape(len(groups), R, self.num_spec + 1, -1) if with_logits else None
+        )
         scored = Scored(*(rows(a, T) for a in scored)) if scoring else None
         return fetched, rows(drafts, R), logits, scored
 
@@ -443,12 +454,28 @@ class ModelRunner:
             ]
         return result
 
-    def warmup(self, report=None) -> None:
-        """Compile every bucket in every step mode the family can meet."""
+    def warmup(self, report: Callable[[int, int], None] | None = None) -> None:
+        """Compile every bucket in every step mode the family can meet, then run each once.
+
+        The variants are traced one by one (Python) and compiled side by side in threads: XLA
+        compiles without the GIL, and the Pallas kernels' Triton compiles inside each are serial,
+        so a cold start takes about its slowest variant instead of their sum. A jitted function
+        reuses what ``lower(...).compile()`` built for the same arguments, so the runs that follow
+        (all padding: slot -1 writes are dropped, nothing reaches the cache) compile nothing."""
         variants = [(b, mode) for mode in self.modes for b in self.buckets]
-        for i, (b, mode) in enumerate(variants):
-            # All-padding inputs: nothing is written to the cache (slot -1 writes are dropped).
-            groups = [_Group(tokens=[0] * b, positions=[0] * b, seq_ids=[-1] * b) for _ in range(self.groups)]
-            self._call(groups, mode=mode, with_logits=False)
-            if report:
-                report(i + 1, len(variants))
+        padding = lambda b: [  # noqa: E731
+            _Group(tokens=[0] * b, positions=[0] * b, seq_ids=[-1] * b) for _ in range(self.groups)
+        ]
+        lowered = []
+        for b, mode in variants:
+            fn, args, _, _ = self._step_inputs(padding(b), mode=mode, with_logits=False, scoring=False)
+            with self._precision():
+                lowered.append(fn.lower(*args))
+        with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
+            jobs = [pool.submit(step.compile) for step in lowered]
+            for done, job in enumerate(concurrent.futures.as_completed(jobs), 1):
+                job.result()
+                if report:
+                    report(done, len(variants))
+        for b, mode in variants:
+            self._call(padding(b), mode=mode, with_logits=False)

@@ -11,6 +11,7 @@ from flax import nnx
 import jaxdsa
 from jaxdsa.engine import SamplingParams
 from tests.conftest import FIXTURES
+from tests.engine.test_warmup import step_lowerings, variants
 from tests.models.test_hf_parity import TOLERANCE, rel_l2
 from tests.models.test_penalties import PENALIZED, penalized_logits
 
@@ -170,3 +171,21 @@ def test_penalties_on_dp_groups(case):
             assert tokens[pos] == int(
                 np.argmax(penalized_logits(o.logits, prompt[: 12 + i], tokens[:pos], sp))
             ), (rid, pos)
+
+
+def test_warmup_on_dp_groups(case):
+    """Warm-up lowers each step variant once on the mesh and the greedy steps after it reuse them
+    (dp = 8, GLM: one layout)."""
+    llm, (_, _, dp, _), golden = case
+    if dp < 8 or llm.config.model_type != "glm_moe_dsa":
+        pytest.skip("one dp layout is enough")
+    engine, n = llm.engine, variants(llm.engine)
+    with step_lowerings() as lowered:
+        engine.warmup(progress=False)
+        assert len(lowered) == n
+        want = golden["greedy_tokens"].tolist()
+        engine.add_request("greedy", golden["greedy_prompt"].tolist(), SamplingParams(max_tokens=len(want)))
+        tokens = []
+        while engine.has_unfinished():
+            tokens += [t for o in engine.step() for t in o.new_token_ids]
+        assert tokens == want and len(lowered) == n
