@@ -1,0 +1,215 @@
+"""Compile time of the Pallas MoE expert kernels, per weight layout and tuning variant.
+
+A cold start on a GPU is mostly XLA compiling the step variants, and inside each the Triton
+compiles of the Pallas kernels; the routed experts' INT4 kernels in the int32-word layout unroll
+eight 32-row pieces per 256-row chunk and made the 4-layer GLM-5-width start-up 1.8x longer
+(``startup-h100-glm5-int4-words-4.md``). This compiles one MoE layer (routing, gate|up, down,
+combine: ``moe_experts``) at GLM-5 expert shapes (E = 256, top-8, D = 6144, N = 2048) from
+abstract inputs, one row at a time in this process with no persistent cache, and reports per row the
+seconds JAX takes to lower it (Python: tracing and the Pallas-to-Triton lowering) and XLA to
+compile it (Triton, LLVM, ptxas), and the lowered module's size (the kernels' Triton IR travels in
+it).
+
+Rows: every ``--formats`` x ``--tokens`` with the tuning table's config, then each ``--variants``
+entry on the first format at the first T. A variant is ``name:field=value+field=value``, fields of
+:class:`pallas_kernels.moe.tuning.MoeConfig` or of its ``Tile`` (set on both kernels), or
+``int4_decode`` (:func:`pallas_kernels.quant_matmul.decode.int4_decode`). ``--parallel`` then
+compiles the word-layout INT4 layer at each T of 1, 2, 4 ... 64 (distinct kernels, as a start-up's
+token buckets are) one after another and then side by side on one thread each: how far XLA
+compiles scale over threads, which is what the engine's warm-up relies on.
+
+    python -m benchmarks.compile_time                  # on a GPU: every format at T = 1 and 64
+    python -m benchmarks.compile_time --formats int4 --tokens 1 --variants s2:num_stages=2 --parallel
+
+Writes ``benchmarks/results/compile_time-<gpu><suffix>.md`` and its JSON. On the CPU the kernels
+run in the Pallas interpreter (``--small``: tiny shapes, what the test runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import harness
+from benchmarks.quant import GLM5, INT4_BYTES, SMALL, Shapes, random_weight
+from pallas_kernels.moe import kernel as moe_kernel
+from pallas_kernels.moe import tuning as moe_tuning
+
+FORMATS = ("int4", INT4_BYTES, "fp8", "bf16")
+DEFAULT_VARIANTS = (
+    "int4-bf16:int4_decode=bf16",
+    "stages-2:num_stages=2",
+    "warps-4:num_warps=4",
+)
+PARALLEL_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    config: dict  # MoeConfig fields
+    tile: dict  # Tile fields, both kernels
+    int4_decode: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        """``name:field=value+field=value`` (see the module docstring); ``default`` alone is the table's."""
+        name, _, fields = text.partition(":")
+        own = {f.name for f in dataclasses.fields(moe_tuning.MoeConfig)}
+        config, tile, int4 = {}, {}, None
+        for item in filter(None, fields.split("+")):
+            key, value = item.split("=")
+            if key == "int4_decode":
+                int4 = value
+            else:
+                (config if key in own else tile)[key] = int(value)
+        return cls(name, config, tile, int4)
+
+    def apply(self, cfg: moe_tuning.MoeConfig) -> moe_tuning.MoeConfig:
+        tiles = {k: dataclasses.replace(getattr(cfg, k), **self.tile) for k in ("gate_up", "down")}
+        return dataclasses.replace(cfg, **tiles, **self.config)
+
+
+DEFAULT = Variant("default", {}, {})
+
+
+def _layer_fn(shapes: Shapes, variant: Variant):
+    def fn(x, ids, weights, experts):
+        cfg = variant.apply(moe_kernel.default_config(x, ids, experts))
+        return moe_kernel.moe_experts(
+            x, ids, weights, experts, config=cfg, int4_decode=variant.int4_decode, interpret=shapes.interpret
+        )
+
+    return fn
+
+
+def _abstract_inputs(shapes: Shapes, fmt: str, t: int) -> tuple:
+    """ShapeDtypeStructs of one MoE layer's inputs: bf16 tokens, routing, experts in ``fmt``."""
+    e, d, n = shapes.experts, shapes.hidden, shapes.expert_width
+    key = jax.random.key(0)
+    experts = {
+        "gate_up": jax.eval_shape(random_weight, key, fmt, (e,), d, 2 * n),
+        "down": jax.eval_shape(random_weight, key, fmt, (e,), n, d),
+    }
+    return (
+        jax.ShapeDtypeStruct((t, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((t, shapes.top_k), jnp.int32),
+        jax.ShapeDtypeStruct((t, shapes.top_k), jnp.float32),
+        experts,
+    )
+
+
+def lower(shapes: Shapes, fmt: str, t: int, variant: Variant = DEFAULT):
+    """``(lowered, seconds)``: the layer traced and lowered (the Pallas kernels to Triton IR)."""
+    start = time.perf_counter()
+    lowered = jax.jit(_layer_fn(shapes, variant)).lower(*_abstract_inputs(shapes, fmt, t))
+    return lowered, time.perf_counter() - start
+
+
+def _timed_compile(lowered) -> float:
+    start = time.perf_counter()
+    lowered.compile()
+    return time.perf_counter() - start
+
+
+def measure(shapes: Shapes, fmt: str, t: int, variant: Variant = DEFAULT) -> dict:
+    lowered, lower_s = lower(shapes, fmt, t, variant)
+    return {
+        "format": fmt,
+        "T": t,
+        "variant": variant.name,
+        "lower_s": lower_s,
+        "compile_s": _timed_compile(lowered),
+        "hlo_kb": len(lowered.as_text()) / 1e3,
+    }
+
+
+def parallel(shapes: Shapes, fmt: str, tokens: tuple[int, ...]) -> list[dict]:
+    """The layer at each T compiled one after another, then all side by side (fresh lowerings, so
+    nothing is reused): rows per T, and one row of the two wall times."""
+    rows = [measure(shapes, fmt, t) | {"variant": "serial"} for t in tokens]
+    lowered = [lower(shapes, fmt, t)[0] for t in tokens]
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
+        each = list(pool.map(_timed_compile, lowered))
+    wall = time.perf_counter() - start
+    rows += [
+        {"format": fmt, "T": t, "variant": f"side by side ({len(tokens)} threads)", "compile_s": s}
+        for t, s in zip(tokens, each)
+    ]
+    serial = sum(r["compile_s"] for r in rows[: len(tokens)])
+    rows.append(
+        {
+            "format": fmt,
+            "T": "all",
+            "variant": "wall: serial / side by side",
+            "compile_s": wall,
+            "note": f"serial {serial:.1f} s, side by side {wall:.1f} s: {serial / wall:.2f}x",
+        }
+    )
+    return rows
+
+
+def run(args: argparse.Namespace, done=lambda rows: None) -> list[dict]:
+    """Every row of ``args``; ``done(rows)`` after each (the report so far survives a time limit)."""
+    shapes = SMALL if args.small else GLM5
+    tokens = tuple(args.tokens or ((4,) if args.small else (1, 64)))
+    cases = [(fmt, t, DEFAULT) for fmt in args.formats for t in tokens]
+    cases += [(args.formats[0], tokens[0], Variant.parse(text)) for text in args.variants]
+    rows = []
+    for fmt, t, variant in cases:
+        rows.append(measure(shapes, fmt, t, variant))
+        print(rows[-1], flush=True)
+        done(rows)
+    if args.parallel:
+        rows += parallel(
+            shapes, args.formats[0], tuple(t for t in PARALLEL_TOKENS if not args.small or t <= 4)
+        )
+        print(rows[-1], flush=True)
+        done(rows)
+    return rows
+
+
+def write_report(rows: list[dict], args: argparse.Namespace, wall_s: float):
+    shapes = SMALL if args.small else GLM5
+    lines = harness.report_header(
+        "Compile time of one MoE layer's Pallas kernels (benchmarks/compile_time.py)",
+        {
+            "shapes": f"E={shapes.experts} top-{shapes.top_k} D={shapes.hidden} N={shapes.expert_width}, "
+            "bf16 activations",
+            "benchmark wall time": f"{wall_s:.0f} s",
+        },
+    )
+    lines += [
+        "lower_s: JAX tracing and the Pallas-to-Triton lowering (Python); compile_s: XLA's compile "
+        "of the jitted layer (the Triton kernels to PTX and cubin). No persistent cache.",
+        "",
+        harness.markdown_table(rows, ["format", "T", "variant", "lower_s", "compile_s", "hlo_kb", "note"]),
+        "",
+    ]
+    return harness.write_result("compile_time", "\n".join(lines), suffix=args.suffix, rows=rows)
+
+
+def main(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    parser.add_argument("--tokens", type=int, nargs="+", help="T per row (default 1 and 64)")
+    parser.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS), help="name:field=value+...")
+    parser.add_argument("--parallel", action="store_true", help="also compile T = 1 ... 64 side by side")
+    parser.add_argument("--small", action="store_true", help="tiny shapes in the Pallas interpreter")
+    parser.add_argument("--suffix", default="", help="results file name suffix")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    rows = run(args, lambda rows: write_report(rows, args, time.perf_counter() - start))
+    path = write_report(rows, args, time.perf_counter() - start)
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
