@@ -153,18 +153,19 @@ def random_weight(key, fmt: str, lead: tuple[int, ...], k: int, n: int):
     bf16 experts' bits at once would be 26 GB next to their 13 GB)."""
     if lead:
         keys = jax.random.split(key, int(np.prod(lead)))
-        stack = jax.lax.map(lambda kk: _random_matrix(kk, fmt, k, n), keys)
+        stack = jax.lax.map(lambda kk: _random_matrix(kk, fmt, k, n, stacked=True), keys)
         return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), stack)
-    return _random_matrix(key, fmt, k, n)
+    return _random_matrix(key, fmt, k, n, stacked=False)
 
 
-def _random_matrix(key, fmt: str, k: int, n: int):
+def _random_matrix(key, fmt: str, k: int, n: int, *, stacked: bool):
+    """One matrix of :func:`random_weight`; ``stacked``: it belongs to an expert stack (INT4 in words)."""
     lead = ()
     kc, ks, kz = jax.random.split(key, 3)
     if fmt == "bf16":
         return jax.random.normal(kc, (*lead, k, n), jnp.bfloat16) * jnp.bfloat16(k**-0.5)  # no f32 copy
     if fmt in ("int4", INT4_BYTES):  # int4: the loader's layout (int32 words for expert stacks)
-        kpack = 64 if fmt == INT4_BYTES else default_kpack(k, "int4", words=bool(lead))
+        kpack = 64 if fmt == INT4_BYTES else default_kpack(k, "int4", words=stacked)
         per = codes_per_element(kpack)
         codes = jax.random.bits(kc, (*lead, k // per, n), jnp.uint32 if per == 8 else jnp.uint8)
         codes = jax.lax.bitcast_convert_type(codes, codes_dtype(kpack))

@@ -4,7 +4,11 @@ JSON dumps merge into one file."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+
 from benchmarks import quant
+from pallas_kernels.quant_matmul.layout import WORD_KPACK
 
 
 def test_small_run_writes_a_report(tmp_path, monkeypatch):
@@ -46,3 +50,11 @@ def test_format_slices_are_cumulative():
         "fp8": 50.0,
         "bf16": 100.0,
     }
+
+
+def test_random_int4_weights_take_the_loaders_layout():
+    """Expert stacks in int32 words (K a multiple of 256), linears and ``int4-bytes`` in bytes."""
+    shape = lambda fmt, lead: jax.eval_shape(quant.random_weight, jax.random.key(0), fmt, lead, 512, 64)  # noqa: E731
+    stack = shape("int4", (2,))
+    assert stack.kpack == WORD_KPACK and stack.codes.shape == (2, 64, 64) and stack.codes.dtype == jnp.int32
+    assert shape("int4", ()).kpack == 64 and shape(quant.INT4_BYTES, (2,)).kpack == 64
