@@ -25,7 +25,10 @@ Three tile sets per GPU, each a (gate|up, down) pair:
   8 warps, 4 stages for gate|up (3 for down, which keeps two programs per SM).
 
 4-bit experts (INT4 / FP4) decode in the K loop, and at 4 warps that arithmetic bounds the few /
-stream kernels on H100: they run 8 warps there (``warps_4bit``; 1.9-2.2x at T = 1 / 8 / 32).
+stream kernels on H100: they run 8 warps there (``warps_4bit``; 1.9-2.2x at T = 1 / 8 / 32), and 3
+stages (``stages_4bit``): INT4 in words 638 / 1590 / 2530 us at T = 8 / 32 / 128 against 716 / 1756
+/ 2766 with 4, equal at T = 1 and 512 (2 stages: 10-18 % slower), and Triton compiles the layer in
+11 s instead of 20 (``benchmarks/results/compile_time-h100-words.md``).
 
 sm_100 and the other parts keep their reasoned starting points (one tile set for ``few`` and
 ``stream``) until ``benchmarks/moe.py`` has been run on them. Every choice is then fitted to the
@@ -74,6 +77,7 @@ class _Entry:
     compute: Tiles
     max_block_m: int = 64
     warps_4bit: int | None = None  # few / stream tiles with 4-bit weights: warps (None: as the tiles)
+    stages_4bit: int | None = None  # ... and stages (None: as the tiles)
 
 
 # Tiles as Tile(block_n, block_k, num_warps, num_stages).
@@ -85,6 +89,7 @@ _H100 = _Entry(  # measured: benchmarks/results/moe-h100*.md
     # INT4 experts decode in the K loop and are bound by that arithmetic at 4 warps: 8 warps took
     # 134 / 839 / 2072 us at T = 1 / 8 / 32 against 261 / 1840 / 4629 (bf16 INT4 arithmetic)
     warps_4bit=8,
+    stages_4bit=3,  # quant-h100-stages.md: 8-11 % faster at T = 8-128 than 4, and a 1.8x faster compile
 )
 _BIG_SMEM = _Entry(  # sm_100: ~227 KiB
     few=(Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
@@ -163,8 +168,13 @@ def choose(
     e = TABLE.get(cc, DEFAULT)
     block_m = block_m_for(num_slots, num_experts, e.max_block_m)
     gate_up, down = e.few if num_slots < num_experts else e.stream if block_m <= 32 else e.compute
-    if weight_bits == 4 and e.warps_4bit and block_m <= 32:
-        gate_up, down = (dataclasses.replace(tile, num_warps=e.warps_4bit) for tile in (gate_up, down))
+    if weight_bits == 4 and block_m <= 32:
+        gate_up, down = (
+            dataclasses.replace(
+                tile, num_warps=e.warps_4bit or tile.num_warps, num_stages=e.stages_4bit or tile.num_stages
+            )
+            for tile in (gate_up, down)
+        )
     budget = shared_memory_budget(cc)
     knobs = _KNOBS
     if weight_bits == 4:

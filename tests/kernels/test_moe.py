@@ -196,6 +196,18 @@ def test_sm90_table_matches_h100_sweep():
         assert tuning.choose(t * 8, 256, itemsize=2, cc=90) == MoeConfig(block_m, gate_up, down), t
 
 
+def test_h100_4bit_experts_stream_with_8_warps_3_stages_and_whole_word_chunks():
+    """INT4 experts in words at GLM-5 widths: the stream tiles with 8 warps, 3 stages and a K step
+    of one 256-row chunk; the compute tiles (T = 4096) are not the stream tiles' (their stages fitted
+    to the shared memory)."""
+    word = Tile(128, 256, 8, 3)
+    for t in (1, 8, 32, 128, 512):
+        cfg = tuning.choose(t * 8, 256, itemsize=2, cc=90, weight_bits=4, kpack=256)
+        assert (cfg.gate_up, cfg.down) == (word, word), t
+    cfg = tuning.choose(4096 * 8, 256, itemsize=2, cc=90, weight_bits=4, kpack=256)
+    assert cfg.block_m == 128 and cfg.gate_up.num_stages == 2
+
+
 def test_block_m_regimes():
     assert [tuning.block_m_for(t * 8, 256, 64) for t in (1, 128, 256, 512, 4096)] == [16, 16, 16, 32, 64]
 
