@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -454,8 +455,9 @@ class ModelRunner:
             ]
         return result
 
-    def warmup(self, report: Callable[[int, int], None] | None = None) -> None:
-        """Compile every bucket in every step mode the family can meet, then run each once.
+    def warmup(self, report: Callable[[int, int], None] | None = None) -> dict[tuple, float]:
+        """Compile every bucket in every step mode the family can meet, then run each once; returns
+        each ``(bucket, mode)``'s compile seconds (side by side, so they overlap).
 
         The variants are traced one by one (Python) and compiled side by side in threads: XLA
         compiles without the GIL, and the Pallas kernels' Triton compiles inside each are serial,
@@ -471,11 +473,19 @@ class ModelRunner:
             fn, args, _, _ = self._step_inputs(padding(b), mode=mode, with_logits=False, scoring=False)
             with self._precision():
                 lowered.append(fn.lower(*args))
+
+        def compile_one(step) -> float:
+            start = time.perf_counter()
+            step.compile()
+            return time.perf_counter() - start
+
         with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
-            jobs = [pool.submit(step.compile) for step in lowered]
+            jobs = {pool.submit(compile_one, step): variant for step, variant in zip(lowered, variants)}
+            seconds = {}
             for done, job in enumerate(concurrent.futures.as_completed(jobs), 1):
-                job.result()
+                seconds[jobs[job]] = job.result()
                 if report:
                     report(done, len(variants))
         for b, mode in variants:
             self._call(padding(b), mode=mode, with_logits=False)
+        return {variant: seconds[variant] for variant in variants}
