@@ -1,22 +1,25 @@
-"""Compile time of the Pallas MoE expert kernels, per weight layout and tuning variant.
+"""Compile time of the Pallas MoE expert and quantized-linear kernels, per layout and tuning variant.
 
 A cold start on a GPU is mostly XLA compiling the step variants, and inside each the Triton
 compiles of the Pallas kernels; the routed experts' INT4 kernels in the int32-word layout unroll
 eight 32-row pieces per 256-row chunk and made the 4-layer GLM-5-width start-up 1.8x longer
 (``startup-h100-glm5-int4-words-4.md``). This compiles one MoE layer (routing, gate|up, down,
-combine: ``moe_experts``) at GLM-5 expert shapes (E = 256, top-8, D = 6144, N = 2048) from
-abstract inputs, one row at a time in this process with no persistent cache, and reports per row the
-seconds JAX takes to lower it (Python: tracing and the Pallas-to-Triton lowering) and XLA to
-compile it (Triton, LLVM, ptxas), and the lowered module's size (the kernels' Triton IR travels in
-it).
+combine: ``moe_experts``) at GLM-5 expert shapes (E = 256, top-8, D = 6144, N = 2048), and with
+``--linears`` each of GLM-5's linears (``quant_matmul``), from abstract inputs, one row at a time in
+this process with no persistent cache, and reports per row the seconds JAX takes to lower it
+(Python: tracing and the Pallas-to-Triton lowering) and XLA to compile it (Triton, LLVM, ptxas),
+and the lowered module's size (the kernels' Triton IR travels in it).
 
-Rows: every ``--formats`` x ``--tokens`` with the tuning table's config, then each ``--variants``
-entry on the first format at the first T. A variant is ``name:field=value+field=value``, fields of
-:class:`pallas_kernels.moe.tuning.MoeConfig` or of its ``Tile`` (set on both kernels), or
-``int4_decode`` (:func:`pallas_kernels.quant_matmul.decode.int4_decode`). ``--parallel`` then
-compiles the word-layout INT4 layer at each T of 1, 2, 4 ... 64 (distinct kernels, as a start-up's
-token buckets are) one after another and then side by side on one thread each: how far XLA
-compiles scale over threads, which is what the engine's warm-up relies on.
+Rows: every ``--formats`` x ``--tokens`` MoE layer with the tuning table's config, then each
+``--variants`` entry on the first format at the first T; with ``--linears`` every linear in the first
+quantized format at each T, then the variants at the first T. A variant is
+``name:field=value+field=value``: fields of :class:`pallas_kernels.moe.tuning.MoeConfig` or of its
+``Tile`` (set on both kernels), and for the linears the same names where
+:class:`pallas_kernels.quant_matmul.tuning.QmmConfig` has them, or ``int4_decode``
+(:func:`pallas_kernels.quant_matmul.decode.int4_decode`). ``--parallel`` then compiles the first
+format's MoE layer at each T of 1, 2, 4 ... 64 (distinct kernels, as a start-up's token buckets are)
+one after another and then side by side on one thread each: how far XLA compiles scale over
+threads, which is what the engine's warm-up relies on.
 
     python -m benchmarks.compile_time                  # on a GPU: every format at T = 1 and 64
     python -m benchmarks.compile_time --formats int4 --tokens 1 --variants s2:num_stages=2 --parallel
@@ -39,8 +42,11 @@ from benchmarks import harness
 from benchmarks.quant import GLM5, INT4_BYTES, SMALL, Shapes, random_weight
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe import tuning as moe_tuning
+from pallas_kernels.quant_matmul import kernel as qmm_kernel
+from pallas_kernels.quant_matmul import tuning as qmm_tuning
 
 FORMATS = ("int4", INT4_BYTES, "fp8", "bf16")
+MOE = "routed experts"
 DEFAULT_VARIANTS = (
     "int4-bf16:int4_decode=bf16",
     "stages-2:num_stages=2",
@@ -74,6 +80,11 @@ class Variant:
         tiles = {k: dataclasses.replace(getattr(cfg, k), **self.tile) for k in ("gate_up", "down")}
         return dataclasses.replace(cfg, **tiles, **self.config)
 
+    def apply_linear(self, cfg: qmm_tuning.QmmConfig) -> qmm_tuning.QmmConfig:
+        """The variant's fields that a linear's config has (``num_stages``, ``block_m`` ...)."""
+        own = {f.name for f in dataclasses.fields(qmm_tuning.QmmConfig)}
+        return dataclasses.replace(cfg, **{k: v for k, v in (self.tile | self.config).items() if k in own})
+
 
 DEFAULT = Variant("default", {}, {})
 
@@ -88,10 +99,25 @@ def _layer_fn(shapes: Shapes, variant: Variant):
     return fn
 
 
-def _abstract_inputs(shapes: Shapes, fmt: str, t: int) -> tuple:
-    """ShapeDtypeStructs of one MoE layer's inputs: bf16 tokens, routing, experts in ``fmt``."""
+def _linear_fn(shapes: Shapes, variant: Variant):
+    def fn(x, w):
+        cfg = variant.apply_linear(qmm_kernel.default_config(x.shape[0], w, x.dtype))
+        return qmm_kernel.quant_matmul(
+            x, w, config=cfg, int4_decode=variant.int4_decode, interpret=shapes.interpret
+        )
+
+    return fn
+
+
+def _abstract_inputs(shapes: Shapes, fmt: str, t: int, linear: str | None = None) -> tuple:
+    """ShapeDtypeStructs of one MoE layer's inputs (bf16 tokens, routing, experts in ``fmt``), or
+    of the named linear's (bf16 tokens, the weight in ``fmt``: INT4 in bytes, as the loader stores
+    linears)."""
     e, d, n = shapes.experts, shapes.hidden, shapes.expert_width
     key = jax.random.key(0)
+    if linear is not None:
+        k, n = shapes.linears[linear]
+        return jax.ShapeDtypeStruct((t, k), jnp.bfloat16), jax.eval_shape(random_weight, key, fmt, (), k, n)
     experts = {
         "gate_up": jax.eval_shape(random_weight, key, fmt, (e,), d, 2 * n),
         "down": jax.eval_shape(random_weight, key, fmt, (e,), n, d),
@@ -104,10 +130,12 @@ def _abstract_inputs(shapes: Shapes, fmt: str, t: int) -> tuple:
     )
 
 
-def lower(shapes: Shapes, fmt: str, t: int, variant: Variant = DEFAULT):
-    """``(lowered, seconds)``: the layer traced and lowered (the Pallas kernels to Triton IR)."""
+def lower(shapes: Shapes, fmt: str, t: int, variant: Variant = DEFAULT, linear: str | None = None):
+    """``(lowered, seconds)``: the MoE layer (or the named linear) traced and lowered (the Pallas
+    kernels to Triton IR)."""
     start = time.perf_counter()
-    lowered = jax.jit(_layer_fn(shapes, variant)).lower(*_abstract_inputs(shapes, fmt, t))
+    fn = _layer_fn(shapes, variant) if linear is None else _linear_fn(shapes, variant)
+    lowered = jax.jit(fn).lower(*_abstract_inputs(shapes, fmt, t, linear))
     return lowered, time.perf_counter() - start
 
 
@@ -117,9 +145,10 @@ def _timed_compile(lowered) -> float:
     return time.perf_counter() - start
 
 
-def measure(shapes: Shapes, fmt: str, t: int, variant: Variant = DEFAULT) -> dict:
-    lowered, lower_s = lower(shapes, fmt, t, variant)
+def measure(shapes: Shapes, fmt: str, t: int, variant: Variant = DEFAULT, linear: str | None = None) -> dict:
+    lowered, lower_s = lower(shapes, fmt, t, variant, linear)
     return {
+        "op": linear or MOE,
         "format": fmt,
         "T": t,
         "variant": variant.name,
@@ -139,12 +168,13 @@ def parallel(shapes: Shapes, fmt: str, tokens: tuple[int, ...]) -> list[dict]:
         each = list(pool.map(_timed_compile, lowered))
     wall = time.perf_counter() - start
     rows += [
-        {"format": fmt, "T": t, "variant": f"side by side ({len(tokens)} threads)", "compile_s": s}
+        {"op": MOE, "format": fmt, "T": t, "variant": f"side by side ({len(tokens)} threads)", "compile_s": s}
         for t, s in zip(tokens, each)
     ]
     serial = sum(r["compile_s"] for r in rows[: len(tokens)])
     rows.append(
         {
+            "op": MOE,
             "format": fmt,
             "T": "all",
             "variant": "wall: serial / side by side",
@@ -159,11 +189,16 @@ def run(args: argparse.Namespace, done=lambda rows: None) -> list[dict]:
     """Every row of ``args``; ``done(rows)`` after each (the report so far survives a time limit)."""
     shapes = SMALL if args.small else GLM5
     tokens = tuple(args.tokens or ((4,) if args.small else (1, 64)))
-    cases = [(fmt, t, DEFAULT) for fmt in args.formats for t in tokens]
-    cases += [(args.formats[0], tokens[0], Variant.parse(text)) for text in args.variants]
+    variants = [Variant.parse(text) for text in args.variants]
+    cases = [(fmt, t, DEFAULT, None) for fmt in args.formats for t in tokens]
+    cases += [(args.formats[0], tokens[0], variant, None) for variant in variants]
+    if args.linears:  # the first quantized format, each linear at each T, then the variants at the first T
+        fmt = next(f for f in args.formats if f != "bf16")
+        cases += [(fmt, t, DEFAULT, name) for t in tokens for name in shapes.linears]
+        cases += [(fmt, tokens[0], variant, name) for variant in variants for name in shapes.linears]
     rows = []
-    for fmt, t, variant in cases:
-        rows.append(measure(shapes, fmt, t, variant))
+    for fmt, t, variant, linear in cases:
+        rows.append(measure(shapes, fmt, t, variant, linear))
         print(rows[-1], flush=True)
         done(rows)
     if args.parallel:
@@ -178,7 +213,7 @@ def run(args: argparse.Namespace, done=lambda rows: None) -> list[dict]:
 def write_report(rows: list[dict], args: argparse.Namespace, wall_s: float):
     shapes = SMALL if args.small else GLM5
     lines = harness.report_header(
-        "Compile time of one MoE layer's Pallas kernels (benchmarks/compile_time.py)",
+        "Compile time of the MoE layer's and the linears' Pallas kernels (benchmarks/compile_time.py)",
         {
             "shapes": f"E={shapes.experts} top-{shapes.top_k} D={shapes.hidden} N={shapes.expert_width}, "
             "bf16 activations",
@@ -189,7 +224,9 @@ def write_report(rows: list[dict], args: argparse.Namespace, wall_s: float):
         "lower_s: JAX tracing and the Pallas-to-Triton lowering (Python); compile_s: XLA's compile "
         "of the jitted layer (the Triton kernels to PTX and cubin). No persistent cache.",
         "",
-        harness.markdown_table(rows, ["format", "T", "variant", "lower_s", "compile_s", "hlo_kb", "note"]),
+        harness.markdown_table(
+            rows, ["op", "format", "T", "variant", "lower_s", "compile_s", "hlo_kb", "note"]
+        ),
         "",
     ]
     return harness.write_result("compile_time", "\n".join(lines), suffix=args.suffix, rows=rows)
@@ -200,6 +237,7 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
     parser.add_argument("--tokens", type=int, nargs="+", help="T per row (default 1 and 64)")
     parser.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS), help="name:field=value+...")
+    parser.add_argument("--linears", action="store_true", help="also GLM-5's linears (quant_matmul)")
     parser.add_argument("--parallel", action="store_true", help="also compile T = 1 ... 64 side by side")
     parser.add_argument("--small", action="store_true", help="tiny shapes in the Pallas interpreter")
     parser.add_argument("--suffix", default="", help="results file name suffix")

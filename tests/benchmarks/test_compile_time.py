@@ -7,6 +7,7 @@ import json
 
 from benchmarks import compile_time
 from pallas_kernels.moe.tuning import MoeConfig, Tile
+from pallas_kernels.quant_matmul.tuning import QmmConfig
 
 
 def test_variant_sets_config_tile_and_int4_decode_fields():
@@ -14,20 +15,27 @@ def test_variant_sets_config_tile_and_int4_decode_fields():
     assert (variant.name, variant.int4_decode) == ("v", "bf16")
     cfg = variant.apply(MoeConfig(16, Tile(128, 256, 8, 4), Tile(128, 256, 8, 3)))
     assert cfg.absorb_m == 0 and cfg.gate_up == Tile(128, 256, 8, 2) and cfg.down == Tile(128, 256, 8, 2)
+    assert variant.apply_linear(QmmConfig(16, 64, 256, 1, 4, 4)) == QmmConfig(16, 64, 256, 1, 4, 2)
     assert compile_time.Variant.parse("default") == compile_time.DEFAULT
 
 
 def test_small_run_writes_every_row(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXDSA_RESULTS", str(tmp_path))
-    path = compile_time.main(
-        ["--small", "--formats", "int4", "bf16", "--variants", "s2:num_stages=2", "--parallel"]
-    )
-    rows = json.loads(path.with_suffix(".json").read_text())["rows"]
-    assert [(r["format"], r["variant"]) for r in rows[:3]] == [
-        ("int4", "default"),
-        ("bf16", "default"),
-        ("int4", "s2"),
+    argv = [
+        "--small",
+        "--formats",
+        "int4",
+        "bf16",
+        "--variants",
+        "s2:num_stages=2",
+        "--linears",
+        "--parallel",
     ]
+    rows = json.loads(compile_time.main(argv).with_suffix(".json").read_text())["rows"]
+    firsts = [("int4", "default"), ("bf16", "default"), ("int4", "s2")]
+    assert [(r["format"], r["variant"]) for r in rows[:3]] == firsts
+    linears = [(r["op"], r["variant"]) for r in rows if r["op"] != compile_time.MOE]
+    assert linears == [("kv_a (576 rows)", "default"), ("kv_a (576 rows)", "s2")]
     assert all(r["compile_s"] > 0 for r in rows)
     assert rows[-1]["T"] == "all" and "side by side" in rows[-1]["note"]
     assert sum(r["variant"] == "serial" for r in rows) == 3  # T = 1, 2, 4
