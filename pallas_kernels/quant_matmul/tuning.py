@@ -15,6 +15,11 @@ Three regimes by the number of rows M (tokens):
 same bytes per load). These are reasoned starting points, sized like the MoE kernel's measured
 tiles (``pallas_kernels/moe/tuning.py``); ``benchmarks/quant.py`` is the sweep that will replace
 them. Every choice is shrunk to the part's shared memory (:func:`smem_bytes`).
+
+Measured so far: on H100 the INT4 stream tiles run 3 stages, not 4 (GLM-5's ten linears summed:
+311 vs 384 us at T = 1, 393 vs 464 at 32, ``benchmarks/results/quant-h100-stages.md``), and each
+compiles in about half the time (Triton copies the unrolled K step per stage: 6-12 s with 4 stages,
+2-3 s with 2, ``compile_time-h100-linears.md``).
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ _BIG = _Entry(  # H100 / H200 / B200: 227 KiB of shared memory per block
     # AWQ path switches at 256 tokens for the same reason).
     dequantize_min_m=512,
 )
+_HOPPER = dataclasses.replace(_BIG, stream=dataclasses.replace(_BIG.stream, num_stages=3))  # measured on H100
 _A100 = dataclasses.replace(_BIG, sms=108)  # 163 KiB: the same tiles fit
 _SMALL = _Entry(  # 99 KiB consumer / workstation parts
     stream=QmmConfig(16, 64, 128, 1, 4, 3),
@@ -70,7 +76,15 @@ _SMALL = _Entry(  # 99 KiB consumer / workstation parts
     sms=84,
     dequantize_min_m=512,
 )
-TABLE: dict[int, _Entry] = {80: _A100, 86: _SMALL, 89: _SMALL, 90: _BIG, 100: _BIG, 120: _SMALL, 121: _SMALL}
+TABLE: dict[int, _Entry] = {
+    80: _A100,
+    86: _SMALL,
+    89: _SMALL,
+    90: _HOPPER,
+    100: _BIG,
+    120: _SMALL,
+    121: _SMALL,
+}
 DEFAULT = dataclasses.replace(_SMALL, dequantize_min_m=None)  # unknown GPUs and the CPU interpreter
 
 _MAX_SPLITS = 16
