@@ -16,10 +16,10 @@ same bytes per load). These are reasoned starting points, sized like the MoE ker
 tiles (``pallas_kernels/moe/tuning.py``); ``benchmarks/quant.py`` is the sweep that will replace
 them. Every choice is shrunk to the part's shared memory (:func:`smem_bytes`).
 
-Measured so far: on H100 the INT4 stream tiles run 3 stages, not 4 (GLM-5's ten linears summed:
+Measured so far: on H100 the 4-bit stream tiles run 3 stages, not 4 (INT4, GLM-5's ten linears summed:
 311 vs 384 us at T = 1, 393 vs 464 at 32, ``benchmarks/results/quant-h100-stages.md``), and each
 compiles in about half the time (Triton copies the unrolled K step per stage: 6-12 s with 4 stages,
-2-3 s with 2, ``compile_time-h100-linears.md``).
+2-3 s with 2, ``compile_time-h100-linears.md``); FP8 keeps 4 until measured.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class _Entry:
     # never). Tensor-core tiles fed by an in-loop decode fall far behind a plain GEMM at prefill
     # sizes, while dequantizing costs one pass over the weight (~4.5 bytes per weight).
     dequantize_min_m: int | None = None
+    stages_4bit: int | None = None  # stream tiles with 4-bit weights: stages (None: the tile's)
 
 
 _BIG = _Entry(  # H100 / H200 / B200: 227 KiB of shared memory per block
@@ -67,7 +68,7 @@ _BIG = _Entry(  # H100 / H200 / B200: 227 KiB of shared memory per block
     # AWQ path switches at 256 tokens for the same reason).
     dequantize_min_m=512,
 )
-_HOPPER = dataclasses.replace(_BIG, stream=dataclasses.replace(_BIG.stream, num_stages=3))  # measured on H100
+_HOPPER = dataclasses.replace(_BIG, stages_4bit=3)  # measured on H100
 _A100 = dataclasses.replace(_BIG, sms=108)  # 163 KiB: the same tiles fit
 _SMALL = _Entry(  # 99 KiB consumer / workstation parts
     stream=QmmConfig(16, 64, 128, 1, 4, 3),
@@ -150,6 +151,8 @@ def choose(
         cfg = entry.mid if m <= 128 else entry.compute
     if weight_bits == 4:
         cfg = dataclasses.replace(cfg, block_k=max(2 * cfg.block_k, min_block_k))
+        if m <= 32 and entry.stages_4bit:
+            cfg = dataclasses.replace(cfg, num_stages=entry.stages_4bit)
     # block_m last: float32 activations with 256-row word chunks need it on 99 KiB parts
     knobs = (("num_stages", 2), ("block_k", min_block_k), ("block_n", 32), ("block_m", 16), ("num_stages", 1))
     nbytes = lambda c: smem_bytes(c, itemsize=itemsize, weight_bits=weight_bits)  # noqa: E731

@@ -394,8 +394,10 @@ def test_tuning_regimes_and_budgets():
             assert nbytes <= tuning.shared_memory_budget(cc), (cc, m, cfg)
     decode_cfg = tuning.choose(1, 6144, 2048, itemsize=2, weight_bits=4, min_block_k=64, cc=90)
     assert decode_cfg.splits > 1 and decode_cfg.block_m == 16  # 32 N tiles alone would leave SMs idle
-    assert decode_cfg.num_stages == 3  # sm_90 (H100, H200): measured on H100; B200 keeps 4 until measured
+    # 4-bit stream tiles: 3 stages on sm_90 (H100, H200; measured on H100); B200 and FP8 keep 4 until measured
+    assert decode_cfg.num_stages == 3
     assert tuning.choose(1, 6144, 2048, itemsize=2, weight_bits=4, min_block_k=64, cc=100).num_stages == 4
+    assert tuning.choose(1, 6144, 2048, itemsize=2, weight_bits=8, min_block_k=16, cc=90).num_stages == 4
 
 
 @pytest.mark.parametrize("fmt", ["int4", "fp8", "fp4"])
