@@ -17,9 +17,10 @@ tiles (``pallas_kernels/moe/tuning.py``); ``benchmarks/quant.py`` is the sweep t
 them. Every choice is shrunk to the part's shared memory (:func:`smem_bytes`).
 
 Measured so far: on H100 the 4-bit stream tiles run 3 stages, not 4 (INT4, GLM-5's ten linears summed:
-311 vs 384 us at T = 1, 393 vs 464 at 32, ``benchmarks/results/quant-h100-stages.md``), and each
-compiles in about half the time (Triton copies the unrolled K step per stage: 6-12 s with 4 stages,
-2-3 s with 2, ``compile_time-h100-linears.md``); FP8 keeps 4 until measured.
+311 vs 384 us at T = 1, 393 vs 464 at 32, ``benchmarks/results/quant-h100-stages.md``), which also
+shortens their compile (Triton copies the unrolled K step per stage: 6-12 s each with 4 stages, 2-3 s
+with 2, ``compile_time-h100-linears.md``; 3 not timed for the linears, the MoE layer took 11 s with 3
+against 20 with 4); FP8 keeps 4 until measured.
 """
 
 from __future__ import annotations
