@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import harness
-from benchmarks.quant import GLM5, INT4_BYTES, SMALL, Shapes, random_weight
+from benchmarks.quant import GLM5, INT4_BYTES, SMALL, Shapes, moe_variant, parse_variant, random_weight
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe import tuning as moe_tuning
 from pallas_kernels.quant_matmul import kernel as qmm_kernel
@@ -58,35 +58,26 @@ PARALLEL_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 @dataclasses.dataclass(frozen=True)
 class Variant:
     name: str
-    config: dict  # MoeConfig fields
-    tile: dict  # Tile fields, both kernels
+    changes: dict  # MoeConfig / Tile fields (benchmarks.quant.moe_variant), QmmConfig's for the linears
     int4_decode: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> Variant:
         """``name:field=value+field=value`` (see the module docstring); ``default`` alone is the table's."""
-        name, _, fields = text.partition(":")
-        own = {f.name for f in dataclasses.fields(moe_tuning.MoeConfig)}
-        config, tile, int4 = {}, {}, None
-        for item in filter(None, fields.split("+")):
-            key, value = item.split("=")
-            if key == "int4_decode":
-                int4 = value
-            else:
-                (config if key in own else tile)[key] = int(value)
-        return cls(name, config, tile, int4)
+        name, fields = parse_variant(text)
+        int4 = fields.pop("int4_decode", None)
+        return cls(name, {k: int(v) for k, v in fields.items()}, int4)
 
     def apply(self, cfg: moe_tuning.MoeConfig) -> moe_tuning.MoeConfig:
-        tiles = {k: dataclasses.replace(getattr(cfg, k), **self.tile) for k in ("gate_up", "down")}
-        return dataclasses.replace(cfg, **tiles, **self.config)
+        return moe_variant(**self.changes)(cfg)
 
     def apply_linear(self, cfg: qmm_tuning.QmmConfig) -> qmm_tuning.QmmConfig:
         """The variant's fields that a linear's config has (``num_stages``, ``block_m`` ...)."""
         own = {f.name for f in dataclasses.fields(qmm_tuning.QmmConfig)}
-        return dataclasses.replace(cfg, **{k: v for k, v in (self.tile | self.config).items() if k in own})
+        return dataclasses.replace(cfg, **{k: v for k, v in self.changes.items() if k in own})
 
 
-DEFAULT = Variant("default", {}, {})
+DEFAULT = Variant("default", {})
 
 
 def _layer_fn(shapes: Shapes, variant: Variant):

@@ -439,7 +439,7 @@ def read_ceiling_gbs(nbytes: int) -> float:
     return nbytes / harness.time_op(jnp.sum, [(x,)], replays=10) / 1e9
 
 
-def _both_tiles(**changes) -> Callable:
+def moe_variant(**changes) -> Callable:
     """A config variant: fields of :class:`~pallas_kernels.moe.tuning.MoeConfig` (``absorb_m``,
     ``block_m`` ...) set on the config, fields of its ``Tile`` on both kernels' tiles."""
     own = {f.name for f in dataclasses.fields(moe_tuning.MoeConfig)}
@@ -481,7 +481,7 @@ def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
         return impls
     if fmt in ("int4", "fp4") and kind == "moe":
         impls += [
-            Impl(f"pallas:{name}", tiles=_both_tiles(**changes), variant=True)
+            Impl(f"pallas:{name}", tiles=moe_variant(**changes), variant=True)
             for name, changes in _tile_variants("QUANT_MOE_TILES", "w4:num_warps=4,n64:block_n=64")
         ]
     if fmt != "bf16" and kind == "linear":
@@ -495,14 +495,20 @@ def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
 def _tile_variants(env: str, default: str) -> list[tuple[str, dict[str, int]]]:
     """Tile variants from ``$env`` (else ``default``) as ``name:field=value+field=value,...``: for the
     4-bit MoE (``QUANT_MOE_TILES``) fields of :class:`pallas_kernels.moe.tuning.Tile`, applied to
-    both kernels, or of ``MoeConfig`` (see :func:`_both_tiles`); for the quantized linears
+    both kernels, or of ``MoeConfig`` (see :func:`moe_variant`); for the quantized linears
     (``QUANT_QMM_TILES``, none by default) fields of
     :class:`pallas_kernels.quant_matmul.tuning.QmmConfig`."""
     out = []
     for item in filter(None, os.environ.get(env, default).split(",")):
-        name, _, fields = item.partition(":")
-        out.append((name, {k: int(v) for k, v in (f.split("=") for f in fields.split("+"))}))
+        name, fields = parse_variant(item)
+        out.append((name, {k: int(v) for k, v in fields.items()}))
     return out
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """``name:field=value+field=value`` -> ``(name, {field: value})``, the values as written."""
+    name, _, fields = text.partition(":")
+    return name, dict(item.split("=") for item in filter(None, fields.split("+")))
 
 
 @dataclasses.dataclass

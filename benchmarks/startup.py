@@ -72,7 +72,7 @@ def child(args: argparse.Namespace) -> None:
     engine = llm.engine
     seconds = engine.runner.warmup()  # Engine.warmup without its progress line
     compiled = time.perf_counter()
-    variants = len(engine.runner.buckets) * len(engine.runner.modes)
+    variants = len(seconds)
     print(
         json.dumps(
             {
