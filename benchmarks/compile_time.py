@@ -5,14 +5,18 @@ compiles of the Pallas kernels; the routed experts' INT4 kernels in the int32-wo
 eight 32-row pieces per 256-row chunk and made the 4-layer GLM-5-width start-up 1.8x longer
 (``startup-h100-glm5-int4-words-4.md``). This compiles one MoE layer (routing, gate|up, down,
 combine: ``moe_experts``) at GLM-5 expert shapes (E = 256, top-8, D = 6144, N = 2048), and with
-``--linears`` each of GLM-5's linears (``quant_matmul``), from abstract inputs, one row at a time in
-this process with no persistent cache, and reports per row the seconds JAX takes to lower it
-(Python: tracing and the Pallas-to-Triton lowering) and XLA to compile it (Triton, LLVM, ptxas),
-and the lowered module's size (the kernels' Triton IR travels in it).
+``--linears`` each of GLM-5's linears (``quant_matmul``), with ``--attention`` GLM-5's absorbed sparse
+MLA (``sparse_mla``: 64 heads, 576-wide latent rows, ``--keys`` keys per query), from abstract inputs,
+one row at a time in this process with no persistent cache, and reports per row the seconds JAX
+takes to lower it (Python: tracing and the Pallas-to-Triton lowering) and XLA to compile it (Triton,
+LLVM, ptxas), the lowered module's size (the kernels' Triton IR travels in it) and the config.
 
-Rows: every ``--formats`` x ``--tokens`` MoE layer with the tuning table's config, then each
+Rows: every ``--formats`` x ``--tokens`` MoE layer with the tuning table's config (``--experts``
+routed experts: the row tile, and with it the stream or compute tiles, follows the mean tokens per
+expert, so a start-up with fewer experts reaches the compute tiles at a smaller T), then each
 ``--variants`` entry on the first format at the first T; with ``--linears`` every linear in the first
-quantized format at each T, then the variants at the first T. A variant is
+quantized format at each T, then the variants at the first T; with ``--attention`` the sparse MLA in
+bf16 at each T. A variant is
 ``name:field=value+field=value``: fields of :class:`pallas_kernels.moe.tuning.MoeConfig` or of its
 ``Tile`` (set on both kernels), and for the linears the same names where
 :class:`pallas_kernels.quant_matmul.tuning.QmmConfig` has them, or ``int4_decode``
@@ -44,9 +48,14 @@ from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe import tuning as moe_tuning
 from pallas_kernels.quant_matmul import kernel as qmm_kernel
 from pallas_kernels.quant_matmul import tuning as qmm_tuning
+from pallas_kernels.sparse_mla import kernel as sparse_mla_kernel
+from pallas_kernels.sparse_mla import tuning as mla_tuning
 
 FORMATS = ("int4", INT4_BYTES, "fp8", "bf16")
 MOE = "routed experts"
+ATTENTION = "sparse MLA"
+MLA = (64, 576, 512)  # GLM-5's absorbed attention: heads, row width (latent 512 + rope 64), values
+MLA_SMALL = (4, 24, 16)
 DEFAULT_VARIANTS = (
     "int4-bf16:int4_decode=bf16",
     "stages-2:num_stages=2",
@@ -80,9 +89,8 @@ class Variant:
 DEFAULT = Variant("default", {})
 
 
-def _layer_fn(shapes: Shapes, variant: Variant):
+def _layer_fn(shapes: Shapes, variant: Variant, cfg: moe_tuning.MoeConfig):
     def fn(x, ids, weights, experts):
-        cfg = variant.apply(moe_kernel.default_config(x, ids, experts))
         return moe_kernel.moe_experts(
             x, ids, weights, experts, config=cfg, int4_decode=variant.int4_decode, interpret=shapes.interpret
         )
@@ -90,9 +98,8 @@ def _layer_fn(shapes: Shapes, variant: Variant):
     return fn
 
 
-def _linear_fn(shapes: Shapes, variant: Variant):
+def _linear_fn(shapes: Shapes, variant: Variant, cfg: qmm_tuning.QmmConfig):
     def fn(x, w):
-        cfg = variant.apply_linear(qmm_kernel.default_config(x.shape[0], w, x.dtype))
         return qmm_kernel.quant_matmul(
             x, w, config=cfg, int4_decode=variant.int4_decode, interpret=shapes.interpret
         )
@@ -100,12 +107,45 @@ def _linear_fn(shapes: Shapes, variant: Variant):
     return fn
 
 
-def _abstract_inputs(shapes: Shapes, fmt: str, t: int, linear: str | None = None) -> tuple:
-    """ShapeDtypeStructs of one MoE layer's inputs (bf16 tokens, routing, experts in ``fmt``), or
-    of the named linear's (bf16 tokens, the weight in ``fmt``: INT4 in bytes, as the loader stores
-    linears)."""
+def _attention_fn(shapes: Shapes, cfg: mla_tuning.MlaConfig):
+    _, row, values = MLA_SMALL if shapes.interpret else MLA
+
+    def fn(q, kv, indices):
+        return sparse_mla_kernel.sparse_mla(
+            q, kv, indices, sm_scale=row**-0.5, v_dim=values, interpret=shapes.interpret, config=cfg
+        )
+
+    return fn
+
+
+def _config(shapes: Shapes, variant: Variant, linear: str | None, inputs: tuple):
+    """The tuning table's config for these (abstract) inputs, with the variant applied."""
+    if linear is None:
+        x, ids, _, experts = inputs
+        return variant.apply(moe_kernel.default_config(x, ids, experts))
+    if linear == ATTENTION:
+        q, kv, indices = inputs
+        _, row, values = MLA_SMALL if shapes.interpret else MLA
+        t, heads, _ = q.shape
+        return mla_tuning.choose(t, heads, indices.shape[1], d_v=values, d_r=row - values, itemsize=2)
+    x, w = inputs
+    return variant.apply_linear(qmm_kernel.default_config(x.shape[0], w, x.dtype))
+
+
+def _abstract_inputs(shapes: Shapes, fmt: str, t: int, linear: str | None = None, keys: int = 0) -> tuple:
+    """ShapeDtypeStructs of one MoE layer's inputs (bf16 tokens, routing, experts in ``fmt``), of
+    the named linear's (bf16 tokens, the weight in ``fmt``: INT4 in bytes, as the loader stores
+    linears), or of the sparse MLA's (``linear == ATTENTION``: bf16 queries and cache rows, ``keys``
+    indices per query)."""
     e, d, n = shapes.experts, shapes.hidden, shapes.expert_width
     key = jax.random.key(0)
+    if linear == ATTENTION:
+        heads, row, _ = MLA_SMALL if shapes.interpret else MLA
+        return (
+            jax.ShapeDtypeStruct((t, heads, row), jnp.bfloat16),
+            jax.ShapeDtypeStruct((max(keys, 16) * 4, row), jnp.bfloat16),
+            jax.ShapeDtypeStruct((t, keys), jnp.int32),
+        )
     if linear is not None:
         k, n = shapes.linears[linear]
         return jax.ShapeDtypeStruct((t, k), jnp.bfloat16), jax.eval_shape(random_weight, key, fmt, (), k, n)
@@ -121,13 +161,20 @@ def _abstract_inputs(shapes: Shapes, fmt: str, t: int, linear: str | None = None
     )
 
 
-def lower(shapes: Shapes, fmt: str, t: int, variant: Variant = DEFAULT, linear: str | None = None):
-    """``(lowered, seconds)``: the MoE layer (or the named linear) traced and lowered (the Pallas
-    kernels to Triton IR)."""
+def lower(
+    shapes: Shapes, fmt: str, t: int, variant: Variant = DEFAULT, linear: str | None = None, keys: int = 0
+):
+    """``(lowered, seconds, config)``: the MoE layer (or the named linear, or the sparse MLA) traced
+    and lowered (the Pallas kernels to Triton IR) with the tuning table's config, variant applied."""
     start = time.perf_counter()
-    fn = _layer_fn(shapes, variant) if linear is None else _linear_fn(shapes, variant)
-    lowered = jax.jit(fn).lower(*_abstract_inputs(shapes, fmt, t, linear))
-    return lowered, time.perf_counter() - start
+    inputs = _abstract_inputs(shapes, fmt, t, linear, keys)
+    cfg = _config(shapes, variant, linear, inputs)
+    if linear is None:
+        fn = _layer_fn(shapes, variant, cfg)
+    else:
+        fn = _attention_fn(shapes, cfg) if linear == ATTENTION else _linear_fn(shapes, variant, cfg)
+    lowered = jax.jit(fn).lower(*inputs)
+    return lowered, time.perf_counter() - start, cfg
 
 
 def _timed_compile(lowered) -> float:
@@ -136,8 +183,10 @@ def _timed_compile(lowered) -> float:
     return time.perf_counter() - start
 
 
-def measure(shapes: Shapes, fmt: str, t: int, variant: Variant = DEFAULT, linear: str | None = None) -> dict:
-    lowered, lower_s = lower(shapes, fmt, t, variant, linear)
+def measure(
+    shapes: Shapes, fmt: str, t: int, variant: Variant = DEFAULT, linear: str | None = None, keys: int = 0
+) -> dict:
+    lowered, lower_s, cfg = lower(shapes, fmt, t, variant, linear, keys)
     return {
         "op": linear or MOE,
         "format": fmt,
@@ -146,7 +195,19 @@ def measure(shapes: Shapes, fmt: str, t: int, variant: Variant = DEFAULT, linear
         "lower_s": lower_s,
         "compile_s": _timed_compile(lowered),
         "hlo_kb": len(lowered.as_text()) / 1e3,
+        "config": _brief(cfg),
     }
+
+
+def _brief(cfg) -> str:
+    """A config as ``field=value`` pairs, tiles as ``n x k, w warps, s stages``."""
+    parts = []
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        if isinstance(value, moe_tuning.Tile):
+            value = f"{value.block_n}x{value.block_k} w{value.num_warps} s{value.num_stages}"
+        parts.append(f"{field.name}={value}")
+    return " ".join(parts)
 
 
 def parallel(shapes: Shapes, fmt: str, tokens: tuple[int, ...]) -> list[dict]:
@@ -178,7 +239,7 @@ def parallel(shapes: Shapes, fmt: str, tokens: tuple[int, ...]) -> list[dict]:
 
 def run(args: argparse.Namespace, done=lambda rows: None) -> list[dict]:
     """Every row of ``args``; ``done(rows)`` after each (the report so far survives a time limit)."""
-    shapes = SMALL if args.small else GLM5
+    shapes = _shapes(args)
     tokens = tuple(args.tokens or ((4,) if args.small else (1, 64)))
     variants = [Variant.parse(text) for text in args.variants]
     cases = [(fmt, t, DEFAULT, None) for fmt in args.formats for t in tokens]
@@ -187,9 +248,11 @@ def run(args: argparse.Namespace, done=lambda rows: None) -> list[dict]:
         fmt = next(f for f in args.formats if f != "bf16")
         cases += [(fmt, t, DEFAULT, name) for t in tokens for name in shapes.linears]
         cases += [(fmt, tokens[0], variant, name) for variant in variants for name in shapes.linears]
+    if args.attention:
+        cases += [("bf16", t, DEFAULT, ATTENTION) for t in tokens]
     rows = []
     for fmt, t, variant, linear in cases:
-        rows.append(measure(shapes, fmt, t, variant, linear))
+        rows.append(measure(shapes, fmt, t, variant, linear, args.keys))
         print(rows[-1], flush=True)
         done(rows)
     if args.parallel:
@@ -201,13 +264,24 @@ def run(args: argparse.Namespace, done=lambda rows: None) -> list[dict]:
     return rows
 
 
-def write_report(rows: list[dict], args: argparse.Namespace, wall_s: float):
+def _shapes(args: argparse.Namespace) -> Shapes:
     shapes = SMALL if args.small else GLM5
+    return shapes if args.experts is None else dataclasses.replace(shapes, experts=args.experts)
+
+
+def _mla_line(shapes: Shapes, keys: int) -> str:
+    heads, row, values = MLA_SMALL if shapes.interpret else MLA
+    return f"{heads} heads, {row}-wide bf16 rows ({values} value columns), {keys} keys per query"
+
+
+def write_report(rows: list[dict], args: argparse.Namespace, wall_s: float):
+    shapes = _shapes(args)
     lines = harness.report_header(
         "Compile time of the MoE layer's and the linears' Pallas kernels (benchmarks/compile_time.py)",
         {
             "shapes": f"E={shapes.experts} top-{shapes.top_k} D={shapes.hidden} N={shapes.expert_width}, "
             "bf16 activations",
+            **({"sparse MLA": _mla_line(shapes, args.keys)} if args.attention else {}),
             "benchmark wall time": f"{wall_s:.0f} s",
         },
     )
@@ -216,7 +290,7 @@ def write_report(rows: list[dict], args: argparse.Namespace, wall_s: float):
         "of the jitted layer (the Triton kernels to PTX and cubin). No persistent cache.",
         "",
         harness.markdown_table(
-            rows, ["op", "format", "T", "variant", "lower_s", "compile_s", "hlo_kb", "note"]
+            rows, ["op", "format", "T", "variant", "lower_s", "compile_s", "hlo_kb", "config", "note"]
         ),
         "",
     ]
@@ -229,6 +303,9 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--tokens", type=int, nargs="+", help="T per row (default 1 and 64)")
     parser.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS), help="name:field=value+...")
     parser.add_argument("--linears", action="store_true", help="also GLM-5's linears (quant_matmul)")
+    parser.add_argument("--attention", action="store_true", help="also the sparse MLA (sparse_mla)")
+    parser.add_argument("--keys", type=int, default=256, help="the sparse MLA's keys per query")
+    parser.add_argument("--experts", type=int, help="routed experts (default: GLM-5's 256)")
     parser.add_argument("--parallel", action="store_true", help="also compile T = 1 ... 64 side by side")
     parser.add_argument("--small", action="store_true", help="tiny shapes in the Pallas interpreter")
     parser.add_argument("--suffix", default="", help="results file name suffix")

@@ -29,13 +29,26 @@ def test_small_run_writes_every_row(tmp_path, monkeypatch):
         "--variants",
         "s2:num_stages=2",
         "--linears",
+        "--attention",
+        "--keys",
+        "32",
+        "--experts",
+        "4",
         "--parallel",
     ]
-    rows = json.loads(compile_time.main(argv).with_suffix(".json").read_text())["rows"]
+    path = compile_time.main(argv)
+    rows = json.loads(path.with_suffix(".json").read_text())["rows"]
+    assert "E=4 " in path.read_text() and "32 keys per query" in path.read_text()
     firsts = [("int4", "default"), ("bf16", "default"), ("int4", "s2")]
     assert [(r["format"], r["variant"]) for r in rows[:3]] == firsts
-    linears = [(r["op"], r["variant"]) for r in rows if r["op"] != compile_time.MOE]
-    assert linears == [("kv_a (576 rows)", "default"), ("kv_a (576 rows)", "s2")]
+    others = [(r["op"], r["variant"]) for r in rows if r["op"] != compile_time.MOE]
+    assert others == [
+        ("kv_a (576 rows)", "default"),
+        ("kv_a (576 rows)", "s2"),
+        (compile_time.ATTENTION, "default"),
+    ]
+    assert rows[2]["config"].count(" s2") == 2  # the variant's stages on both kernels' tiles
+    assert all(r["config"] for r in rows if "config" in r)
     assert all(r["compile_s"] > 0 for r in rows)
     assert rows[-1]["T"] == "all" and "side by side" in rows[-1]["note"]
     assert sum(r["variant"] == "serial" for r in rows) == 3  # T = 1, 2, 4
