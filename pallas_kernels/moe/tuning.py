@@ -28,7 +28,14 @@ Three tile sets per GPU, each a (gate|up, down) pair:
 stream kernels on H100: they run 8 warps there (``warps_4bit``; 1.9-2.2x at T = 1 / 8 / 32), and 3
 stages (``stages_4bit``): INT4 in words 638 / 1590 / 2530 us at T = 8 / 32 / 128 against 716 / 1756
 / 2766 with 4, equal at T = 1 and 512 (2 stages: 10-18 % slower), and Triton compiles the layer in
-11 s instead of 20 (``benchmarks/results/compile_time-h100-words.md``).
+11 s instead of 20 (``benchmarks/results/compile_time-h100-words.md``). From 64-row blocks on
+Triton multiplies with Hopper's warpgroup MMA, whose operand comes from shared memory, and the
+4-bit decode feeding it costs about as much per weight pass as four passes of the 32-row stream
+kernels (INT4 in words: 12.4 ms at T = 2048 in 128-row blocks, one pass, against 8.4 ms in 32-row
+blocks, two passes; 15.0 ms in 64-row blocks) and compiles for 96-170 s instead of 22-49. So
+4-bit experts keep 32-row blocks and the stream tiles up to 64 slots per expert on average
+(``stream_4bit_slots``; T = 2048 at top-8 of 256), where four passes catch up with one (T = 4096:
+15.3 ms against 13.0; ``benchmarks/results/quant-h100-int4-block-m.md``).
 
 sm_100 and the other parts keep their reasoned starting points (one tile set for ``few`` and
 ``stream``) until ``benchmarks/moe.py`` has been run on them. Every choice is then fitted to the
@@ -78,6 +85,9 @@ class _Entry:
     max_block_m: int = 64
     warps_4bit: int | None = None  # few / stream tiles with 4-bit weights: warps (None: as the tiles)
     stages_4bit: int | None = None  # ... and stages (None: as the tiles)
+    # 4-bit weights keep 32-row blocks and the stream tiles until the mean slots per expert pass
+    # this (None: the block rule alone)
+    stream_4bit_slots: int | None = None
 
 
 # Tiles as Tile(block_n, block_k, num_warps, num_stages).
@@ -90,6 +100,7 @@ _H100 = _Entry(  # measured: benchmarks/results/moe-h100*.md
     # 134 / 839 / 2072 us at T = 1 / 8 / 32 against 261 / 1840 / 4629 (bf16 INT4 arithmetic)
     warps_4bit=8,
     stages_4bit=3,  # quant-h100-stages.md: 8-11 % faster at T = 8-128 than 4, and a 1.8x faster compile
+    stream_4bit_slots=64,  # quant-h100-int4-block-m.md: T = 2048 8.4 vs 12.4 ms; T = 4096 15.3 vs 13.0
 )
 _BIG_SMEM = _Entry(  # sm_100: ~227 KiB
     few=(Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
@@ -167,6 +178,8 @@ def choose(
     cc = compute_capability() if cc is None else cc
     e = TABLE.get(cc, DEFAULT)
     block_m = block_m_for(num_slots, num_experts, e.max_block_m)
+    if weight_bits == 4 and e.stream_4bit_slots and num_slots <= e.stream_4bit_slots * num_experts:
+        block_m = min(block_m, 32)
     gate_up, down = e.few if num_slots < num_experts else e.stream if block_m <= 32 else e.compute
     if weight_bits == 4 and block_m <= 32:
         gate_up, down = (

@@ -198,14 +198,26 @@ def test_sm90_table_matches_h100_sweep():
 
 def test_h100_4bit_experts_stream_with_8_warps_3_stages_and_whole_word_chunks():
     """INT4 experts in words at GLM-5 widths: the stream tiles with 8 warps, 3 stages and a K step
-    of one 256-row chunk; the compute tiles (T = 4096) are not the stream tiles' (their stages fitted
-    to the shared memory)."""
+    of one 256-row chunk, in 32-row blocks up to T = 2048; the compute tiles (T = 4096) are not the
+    stream tiles' (their stages fitted to the shared memory)."""
     word = Tile(128, 256, 8, 3)
-    for t in (1, 8, 32, 128, 512):
+    for t in (1, 8, 32, 128, 512, 1024, 2048):
         cfg = tuning.choose(t * 8, 256, itemsize=2, cc=90, weight_bits=4, kpack=256)
-        assert (cfg.gate_up, cfg.down) == (word, word), t
+        assert (cfg.block_m, cfg.gate_up, cfg.down) == (16 if t <= 256 else 32, word, word), t
     cfg = tuning.choose(4096 * 8, 256, itemsize=2, cc=90, weight_bits=4, kpack=256)
     assert cfg.block_m == 128 and cfg.gate_up.num_stages == 2
+
+
+def test_4bit_experts_keep_32_row_blocks_to_64_slots_per_expert_on_h100_only():
+    """Up to 64 slots per expert on average (any expert count) 4-bit weights stay in 32-row blocks
+    on sm_90, past it they take the block rule; 8-bit weights and other GPUs always take it."""
+    for experts in (16, 256):
+        assert tuning.choose(64 * experts, experts, itemsize=2, cc=90, weight_bits=4, kpack=256).block_m == 32
+        assert (
+            tuning.choose(65 * experts, experts, itemsize=2, cc=90, weight_bits=4, kpack=256).block_m == 128
+        )
+        assert tuning.choose(64 * experts, experts, itemsize=2, cc=90, weight_bits=8).block_m == 128
+        assert tuning.choose(64 * experts, experts, itemsize=2, cc=80, weight_bits=4, kpack=256).block_m == 64
 
 
 def test_block_m_regimes():
