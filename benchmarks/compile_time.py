@@ -14,7 +14,8 @@ LLVM, ptxas), the lowered module's size (the kernels' Triton IR travels in it) a
 Rows: every ``--formats`` x ``--tokens`` MoE layer with the tuning table's config (``--experts``
 routed experts: the row tile, and with it the stream or compute tiles, follows the mean tokens per
 expert, so a start-up with fewer experts reaches the compute tiles at a smaller T), then each
-``--variants`` entry on the first format at the first T; with ``--linears`` every linear in the first
+``--variants`` entry on the first format at the first T (one that fails to lower or compile, say
+past the shared memory, gets its error as the row's note); with ``--linears`` every linear in the first
 quantized format at each T, then the variants at the first T; with ``--attention`` the sparse MLA in
 bf16 at each T. A variant is
 ``name:field=value+field=value``: fields of :class:`pallas_kernels.moe.tuning.MoeConfig` or of its
@@ -38,6 +39,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -252,7 +254,12 @@ def run(args: argparse.Namespace, done=lambda rows: None) -> list[dict]:
         cases += [("bf16", t, DEFAULT, ATTENTION) for t in tokens]
     rows = []
     for fmt, t, variant, linear in cases:
-        rows.append(measure(shapes, fmt, t, variant, linear, args.keys))
+        try:
+            rows.append(measure(shapes, fmt, t, variant, linear, args.keys))
+        except Exception as exc:  # noqa: BLE001 - a variant that does not fit must not end the run
+            traceback.print_exc()
+            row = {"op": linear or MOE, "format": fmt, "T": t, "variant": variant.name}
+            rows.append(row | {"note": harness.error_note(exc)})
         print(rows[-1], flush=True)
         done(rows)
     if args.parallel:

@@ -213,6 +213,12 @@ def ceiling_rows(ceilings: Ceilings, elapsed: float) -> dict[str, str]:
 SKIPPED = "skipped: time budget"
 
 
+def error_note(exc: BaseException) -> str:
+    """A row's note for the exception that stopped it: its type and first line."""
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0][:120] if lines else ''}"
+
+
 def markdown_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
     """Rows as a markdown table; sweep variants the time budget cut (note ``SKIPPED``) are counted
     in a line below it rather than listed as empty rows."""

@@ -262,7 +262,7 @@ def _measure(name: str, run_all, case: Case, ceiling_gbs: float, replays: int) -
     method)."""
     row = case.common() | {"impl": name}
     if isinstance(run_all, Exception):
-        return row | {"note": f"{type(run_all).__name__}: {str(run_all).splitlines()[0][:120]}"}
+        return row | {"note": harness.error_note(run_all)}
     try:
         out = jax.block_until_ready(run_all(case.sets))[0]
         err = harness.rel_l2(out[case.rows], case.want)
@@ -273,7 +273,7 @@ def _measure(name: str, run_all, case: Case, ceiling_gbs: float, replays: int) -
         sec = harness.median_seconds(lambda: run_all(case.sets), len(case.sets), replays)
     except Exception as exc:  # noqa: BLE001 - one failure must not end the run
         traceback.print_exc()
-        return row | {"note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
+        return row | {"note": harness.error_note(exc)}
     log(f"quant {case.op} {case.fmt} T={case.t} {name}: {sec * 1e6:.1f} us, err {err:.1e}")
     return row | {"rel_err": err} | _rates(case, sec, ceiling_gbs)
 
@@ -294,7 +294,7 @@ def _measure_torch(fn: Callable, case: Case, ceiling_gbs: float, replays: int, c
         sec = torch_peer.median_seconds(fn, sets, replays=replays)
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
-        return row | {"note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
+        return row | {"note": harness.error_note(exc)}
     log(f"quant {case.op} {case.fmt} T={case.t} torch: {sec * 1e6:.1f} us, err {err:.1e}")
     return row | {"rel_err": err} | _rates(case, sec, ceiling_gbs)
 

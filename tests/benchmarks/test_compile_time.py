@@ -28,6 +28,7 @@ def test_small_run_writes_every_row(tmp_path, monkeypatch):
         "bf16",
         "--variants",
         "s2:num_stages=2",
+        "odd:block_n=24",
         "--linears",
         "--attention",
         "--keys",
@@ -45,10 +46,13 @@ def test_small_run_writes_every_row(tmp_path, monkeypatch):
     assert others == [
         ("kv_a (576 rows)", "default"),
         ("kv_a (576 rows)", "s2"),
+        ("kv_a (576 rows)", "odd"),
         (compile_time.ATTENTION, "default"),
     ]
+    (failed,) = [r for r in rows if r["variant"] == "odd" and r["op"] == compile_time.MOE]
+    assert "compile_s" not in failed and "ValueError" in failed["note"]  # 24 columns: the row keeps its error
     assert rows[2]["config"].count(" s2") == 2  # the variant's stages on both kernels' tiles
     assert all(r["config"] for r in rows if "config" in r)
-    assert all(r["compile_s"] > 0 for r in rows)
+    assert all(r["compile_s"] > 0 for r in rows if r is not failed)
     assert rows[-1]["T"] == "all" and "side by side" in rows[-1]["note"]
     assert sum(r["variant"] == "serial" for r in rows) == 3  # T = 1, 2, 4
