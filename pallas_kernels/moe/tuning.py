@@ -28,11 +28,11 @@ Three tile sets per GPU, each a (gate|up, down) pair:
 stream kernels on H100: they run 8 warps there (``warps_4bit``; 1.9-2.2x at T = 1 / 8 / 32), and 3
 stages (``stages_4bit``): INT4 in words 638 / 1590 / 2530 us at T = 8 / 32 / 128 against 716 / 1756
 / 2766 with 4, equal at T = 1 and 512 (2 stages: 10-18 % slower), and Triton compiles the layer in
-11 s instead of 20 (``benchmarks/results/compile_time-h100-words.md``). From 64-row blocks on
-Triton multiplies with Hopper's warpgroup MMA, whose operand comes from shared memory, and the
-4-bit decode feeding it costs about as much per weight pass as four passes of the 32-row stream
-kernels (INT4 in words: 12.4 ms at T = 2048 in 128-row blocks, one pass, against 8.4 ms in 32-row
-blocks, two passes; 15.0 ms in 64-row blocks) and compiles for 96-170 s instead of 22-49. So
+11 s instead of 20 (``benchmarks/results/compile_time-h100-words.md``). In 64- and 128-row
+blocks a 4-bit weight pass costs about as much as four passes of the 32-row stream kernels (INT4
+in words: 12.4 ms at T = 2048 in 128-row blocks, one pass, against 8.4 ms in 32-row blocks, two
+passes; 15.0 ms in 64-row blocks; not profiled, likely Triton's switch to Hopper's warpgroup MMA,
+which takes the decoded operand through shared memory) and compiles for 96-170 s instead of 22-49. So
 4-bit experts keep 32-row blocks and the stream tiles up to 64 slots per expert on average
 (``stream_4bit_slots``; T = 2048 at top-8 of 256), where four passes catch up with one (T = 4096:
 15.3 ms against 13.0; ``benchmarks/results/quant-h100-int4-block-m.md``).
