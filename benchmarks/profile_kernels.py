@@ -117,7 +117,7 @@ CASES: dict[str, Callable[[], tuple[Callable, tuple]]] = {
     "topk_4096x131072": _topk(4096, 131072),
     "indexer_h64_s8192": _indexer_decode(64, 8192),
     "moe_t4096": _moe(4096),
-    **{f"moe_{fmt}_t{t}": _moe_quantized(fmt, t) for fmt in ("int4", "fp4") for t in (1, 32, 512)},
+    **{f"moe_{fmt}_t{t}": _moe_quantized(fmt, t) for fmt in ("int4", "fp4") for t in (1, 32, 512, 4096)},
 }
 
 
