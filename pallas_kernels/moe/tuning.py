@@ -31,11 +31,12 @@ stages (``stages_4bit``): INT4 in words 638 / 1590 / 2530 us at T = 8 / 32 / 128
 11 s instead of 20 (``benchmarks/results/compile_time-h100-words.md``). In 64- and 128-row
 blocks a 4-bit weight pass costs about as much as four passes of the 32-row stream kernels (INT4
 in words: 12.4 ms at T = 2048 in 128-row blocks, one pass, against 8.4 ms in 32-row blocks, two
-passes; 15.0 ms in 64-row blocks; not profiled, likely Triton's switch to Hopper's warpgroup MMA,
-which takes the decoded operand through shared memory) and compiles for 96-170 s instead of 22-49. So
-4-bit experts keep 32-row blocks and the stream tiles up to 64 slots per expert on average
-(``stream_4bit_slots``; T = 2048 at top-8 of 256), where four passes catch up with one (T = 4096:
-15.3 ms against 13.0; ``benchmarks/results/quant-h100-int4-block-m.md``).
+passes; 15.0 ms in 64-row blocks) and compiles for 96-170 s instead of 22-49: Triton multiplies
+there with Hopper's warpgroup MMA and decodes into shared memory for it, 11.4 instructions per
+weight against 4.1 (``profile-h100-moe-int4-words-t4096.md``). So 4-bit experts keep 32-row
+blocks and the stream tiles up to 64 slots per expert on average (``stream_4bit_slots``; T = 2048
+at top-8 of 256), where four passes catch up with one (T = 4096: 15.3 ms against 13.0;
+``benchmarks/results/quant-h100-int4-block-m.md``).
 
 sm_100 and the other parts keep their reasoned starting points (one tile set for ``few`` and
 ``stream``) until ``benchmarks/moe.py`` has been run on them. Every choice is then fitted to the
