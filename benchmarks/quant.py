@@ -160,28 +160,27 @@ def random_weight(key, fmt: str, lead: tuple[int, ...], k: int, n: int):
 
 def _random_matrix(key, fmt: str, k: int, n: int, *, stacked: bool):
     """One matrix of :func:`random_weight`; ``stacked``: it belongs to an expert stack (INT4 in words)."""
-    lead = ()
     kc, ks, kz = jax.random.split(key, 3)
     if fmt == "bf16":
-        return jax.random.normal(kc, (*lead, k, n), jnp.bfloat16) * jnp.bfloat16(k**-0.5)  # no f32 copy
+        return jax.random.normal(kc, (k, n), jnp.bfloat16) * jnp.bfloat16(k**-0.5)  # no f32 copy
     if fmt in ("int4", INT4_BYTES):  # int4: the loader's layout (int32 words for expert stacks)
         kpack = 64 if fmt == INT4_BYTES else default_kpack(k, "int4", words=stacked)
         per = codes_per_element(kpack)
-        codes = jax.random.bits(kc, (*lead, k // per, n), jnp.uint32 if per == 8 else jnp.uint8)
+        codes = jax.random.bits(kc, (k // per, n), jnp.uint32 if per == 8 else jnp.uint8)
         codes = jax.lax.bitcast_convert_type(codes, codes_dtype(kpack))
-        scales = (jax.random.uniform(ks, (*lead, k // 32, n), minval=0.5, maxval=1.5) / (8 * k**0.5)).astype(
+        scales = (jax.random.uniform(ks, (k // 32, n), minval=0.5, maxval=1.5) / (8 * k**0.5)).astype(
             jnp.bfloat16
         )
-        zeros = jax.random.randint(kz, (*lead, k // 32, n), 0, 16).astype(jnp.uint8)
+        zeros = jax.random.randint(kz, (k // 32, n), 0, 16).astype(jnp.uint8)
         return QuantizedWeight(codes, scales, zeros, "int4", (32, 1), kpack)
     if fmt == "fp4":  # V4's routed experts: e2m1 codes, ue8m0 scales per 32 (2^-10 .. 2^-4)
-        codes = jax.random.bits(kc, (*lead, k // 2, n), jnp.uint8)
-        exps = jax.random.randint(ks, (*lead, k // 32, n), 117, 124).astype(jnp.uint8)
+        codes = jax.random.bits(kc, (k // 2, n), jnp.uint8)
+        exps = jax.random.randint(ks, (k // 32, n), 117, 124).astype(jnp.uint8)
         scales = jax.lax.bitcast_convert_type(exps, jnp.float8_e8m0fnu)
         return QuantizedWeight(codes, scales, None, "fp4", (32, 1), 64)
-    codes = jax.random.bits(kc, (*lead, k, n), jnp.uint8)
+    codes = jax.random.bits(kc, (k, n), jnp.uint8)
     codes = jnp.where((codes & 0x7F) == 0x7F, jnp.uint8(0x7E), codes)  # no NaN codes
-    scales = jax.random.uniform(ks, (*lead, -(-k // 128), -(-n // 128)), minval=0.5, maxval=2) / (64 * k**0.5)
+    scales = jax.random.uniform(ks, (-(-k // 128), -(-n // 128)), minval=0.5, maxval=2) / (64 * k**0.5)
     return QuantizedWeight(
         jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn), scales, None, "fp8", (128, 128), 0
     )
