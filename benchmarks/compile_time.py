@@ -58,6 +58,7 @@ MOE = "routed experts"
 ATTENTION = "sparse MLA"
 MLA = (64, 576, 512)  # GLM-5's absorbed attention: heads, row width (latent 512 + rope 64), values
 MLA_SMALL = (4, 24, 16)
+
 DEFAULT_VARIANTS = (
     "int4-bf16:int4_decode=bf16",
     "stages-2:num_stages=2",
@@ -109,8 +110,13 @@ def _linear_fn(shapes: Shapes, variant: Variant, cfg: qmm_tuning.QmmConfig):
     return fn
 
 
+def _mla_dims(shapes: Shapes) -> tuple[int, int, int]:
+    """(heads, row width, value columns) of the sparse MLA rows: GLM-5's, or tiny ones in the interpreter."""
+    return MLA_SMALL if shapes.interpret else MLA
+
+
 def _attention_fn(shapes: Shapes, cfg: mla_tuning.MlaConfig):
-    _, row, values = MLA_SMALL if shapes.interpret else MLA
+    _, row, values = _mla_dims(shapes)
 
     def fn(q, kv, indices):
         return sparse_mla_kernel.sparse_mla(
@@ -127,7 +133,7 @@ def _config(shapes: Shapes, variant: Variant, linear: str | None, inputs: tuple)
         return variant.apply(moe_kernel.default_config(x, ids, experts))
     if linear == ATTENTION:
         q, kv, indices = inputs
-        _, row, values = MLA_SMALL if shapes.interpret else MLA
+        _, row, values = _mla_dims(shapes)
         t, heads, _ = q.shape
         return mla_tuning.choose(t, heads, indices.shape[1], d_v=values, d_r=row - values, itemsize=2)
     x, w = inputs
@@ -142,7 +148,7 @@ def _abstract_inputs(shapes: Shapes, fmt: str, t: int, linear: str | None = None
     e, d, n = shapes.experts, shapes.hidden, shapes.expert_width
     key = jax.random.key(0)
     if linear == ATTENTION:
-        heads, row, _ = MLA_SMALL if shapes.interpret else MLA
+        heads, row, _ = _mla_dims(shapes)
         return (
             jax.ShapeDtypeStruct((t, heads, row), jnp.bfloat16),
             jax.ShapeDtypeStruct((max(keys, 16) * 4, row), jnp.bfloat16),
@@ -277,7 +283,7 @@ def _shapes(args: argparse.Namespace) -> Shapes:
 
 
 def _mla_line(shapes: Shapes, keys: int) -> str:
-    heads, row, values = MLA_SMALL if shapes.interpret else MLA
+    heads, row, values = _mla_dims(shapes)
     return f"{heads} heads, {row}-wide bf16 rows ({values} value columns), {keys} keys per query"
 
 
