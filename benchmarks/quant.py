@@ -34,7 +34,8 @@ per matmul. Weights are random: codes uniform (FP8's NaN codes excluded), scales
 Rows run most wanted first per format (every MoE row, then the linears, then the linears'
 variants) and are compiled ``CHUNK`` at a time on ``QUANT_COMPILE_THREADS`` threads (default 1).
 ``QUANT_TOKENS=1,4096`` / ``QUANT_FORMATS=int4,fp8`` / ``QUANT_LINEAR_TOKENS=1,4096`` (the linears
-only) restrict the run; no new measurement starts after ``QUANT_BUDGET_S`` seconds (default 480, so a
+only) restrict the run; ``QUANT_TP=4`` measures one GPU's share under 4-way tensor parallelism
+(:func:`tp_shapes`); no new measurement starts after ``QUANT_BUDGET_S`` seconds (default 480, so a
 call fits the 10-minute device limit), and ``QUANT_SLICES=int4:150,fp8:120`` gives each format a
 slice of it (a format's unused time passes to the next). Holds one format's weights at a time
 (bf16 experts: 19.3 GB); run as ``__main__`` it turns JAX's preallocation off, since torch shares
@@ -119,6 +120,38 @@ GLM5 = Shapes(
     },
     tokens=(1, 8, 32, 128, 512, 4096),
 )
+# How tensor parallelism splits each of GLM-5's linears (jaxdsa.sharding's rules): "N" its output
+# columns (heads, MLP columns), "K" its input rows (o_proj, the down projections), None replicated.
+TP_SPLIT = {
+    "q_a": None,
+    "kv_a (576 rows)": None,
+    "q_b": "N",
+    "kv_b": "N",
+    "o_proj": "K",
+    "indexer wq_b": "N",
+    "dense gate|up": "N",
+    "dense down": "K",
+    "shared gate|up": "N",
+    "shared down": "K",
+}
+
+
+def tp_shapes(shapes: Shapes, tp: int) -> Shapes:
+    """One GPU's share of ``shapes`` under ``tp``-way tensor parallelism without expert
+    parallelism: every routed expert with 1/tp of its intermediate width, the linears split as
+    :data:`TP_SPLIT` says (the shapes the kernels run at in ``-tp`` serving)."""
+
+    def split(name: str, k: int, n: int) -> tuple[int, int]:
+        where = TP_SPLIT.get(name)
+        return (k // tp, n) if where == "K" else (k, n // tp) if where == "N" else (k, n)
+
+    return dataclasses.replace(
+        shapes,
+        expert_width=shapes.expert_width // tp,
+        linears={name: split(name, k, n) for name, (k, n) in shapes.linears.items()},
+    )
+
+
 # What tests/benchmarks/test_quant.py runs on the CPU (interpret mode).
 SMALL = Shapes(
     8,
@@ -440,14 +473,16 @@ def read_ceiling_gbs(nbytes: int) -> float:
 
 def moe_variant(**changes) -> Callable:
     """A config variant: fields of :class:`~pallas_kernels.moe.tuning.MoeConfig` (``absorb_m``,
-    ``block_m`` ...) set on the config, fields of its ``Tile`` on both kernels' tiles."""
+    ``block_m`` ...) set on the config, fields of its ``Tile`` on both kernels' tiles, or on one
+    kernel's with a ``gu_`` (gate|up) or ``dn_`` (down) prefix."""
     own = {f.name for f in dataclasses.fields(moe_tuning.MoeConfig)}
     config = {k: v for k, v in changes.items() if k in own}
-    tile = {k: v for k, v in changes.items() if k not in own}
+    tile = {k: v for k, v in changes.items() if k not in own and not k.startswith(("gu_", "dn_"))}
+    only = lambda prefix: {k[3:]: v for k, v in changes.items() if k.startswith(prefix)}  # noqa: E731
     return lambda cfg: dataclasses.replace(
         cfg,
-        gate_up=dataclasses.replace(cfg.gate_up, **tile),
-        down=dataclasses.replace(cfg.down, **tile),
+        gate_up=dataclasses.replace(cfg.gate_up, **tile, **only("gu_")),
+        down=dataclasses.replace(cfg.down, **tile, **only("dn_")),
         **config,
     )
 
@@ -816,6 +851,8 @@ def merge(out: pathlib.Path, parts: list[pathlib.Path]) -> pathlib.Path:
 
 def main(shapes: Shapes = GLM5, out: pathlib.Path | None = None) -> pathlib.Path:
     shapes = dataclasses.replace(shapes, tokens=_env_list("QUANT_TOKENS", shapes.tokens))
+    if int(os.environ.get("QUANT_TP", "1")) > 1:
+        shapes = tp_shapes(shapes, int(os.environ["QUANT_TP"]))
     formats = _env_list("QUANT_FORMATS", FORMATS)
     rows, ceilings = run(
         shapes,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -30,7 +31,7 @@ import tempfile
 import time
 import urllib.request
 
-from benchmarks import harness
+from benchmarks import anatomy, harness
 from checkpoints.tokenizer_assets import write_tokenizer
 from jaxdsa import plan
 from jaxdsa.models.deepseek_v4.presets import RELEASED
@@ -163,37 +164,40 @@ def _wait_health(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise SystemExit(f"serve not healthy after {timeout:.0f}s")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--preset", choices=sorted(PRESETS), default="glm5")
-    p.add_argument("--layers", type=int, default=5)
-    p.add_argument("--quantization", choices=sorted(WEIGHTS), default="dequantize")
-    p.add_argument("--suffix", default="", help="results file name suffix, e.g. -glm52-int4")
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--concurrency", default="1,4,8,16,32")
-    p.add_argument("--port", type=int, default=8123)
-    p.add_argument(
-        "--overrides", default="{}", help="JSON config overrides (CPU smoke tests use small widths)"
+def _post(url: str, path: str, body: dict | None = None) -> dict:
+    data = json.dumps(body or {}).encode()
+    request = urllib.request.Request(
+        f"{url}{path}", data=data, headers={"Content-Type": "application/json"}, method="POST"
     )
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--torch-ceilings", action="store_true", help="measure torch's streams too")
-    # the server's (and vLLM's) parallelism flags, passed on; the planner splits the model the same way
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-    p.add_argument("--enable-dp-attention", action="store_true")
-    args = p.parse_args(argv)
-    par = parallelism(args)  # checked before anything starts
+    with urllib.request.urlopen(request, timeout=600) as r:
+        return json.load(r)
 
-    levels = [int(c) for c in args.concurrency.split(",")]
-    if args.num_prompts < max(levels):  # a level with fewer requests than streams never reaches them
-        p.error(f"--num-prompts {args.num_prompts} is below the highest --concurrency ({max(levels)})")
-    work = tempfile.mkdtemp(prefix=f"{args.preset}-shaped-")
-    raw = write_model_dir(work, args.layers, json.loads(args.overrides), args.preset)
+
+def profile_decode(url: str, model: str, directory: str, prompt: list[int], steps: int) -> dict:
+    """One request of ``steps`` tokens traced through the server's /start_profile and /stop_profile,
+    reduced by :mod:`benchmarks.anatomy` (the prefill and the first decode step left out)."""
+    _post(url, "/start_profile")
+    try:
+        _post(
+            url,
+            "/v1/completions",
+            {"model": model, "prompt": prompt, "max_tokens": steps, "ignore_eos": True},
+        )
+    finally:
+        _post(url, "/stop_profile")
+    traces = sorted(pathlib.Path(directory).rglob("perfetto_trace.json.gz"))
+    try:
+        return anatomy.anatomy(anatomy.load(str(traces[-1])), skip=2)
+    except (ValueError, IndexError) as e:  # no trace written, or no GPU kernels in it (a CPU run)
+        return {"error": f"no anatomy: {e or 'no trace written'}"}
+
+
+def serve_and_bench(args, raw: dict, work: str, par: Parallelism, levels: list[int], scheduling: str) -> dict:
+    """Start the server (``scheduling``: async or sync), run serve.bench over ``levels`` and, with
+    ``--profile-steps``, trace one stream's decode; -> rows, start-up seconds, weights per GPU,
+    anatomy."""
     url = f"http://127.0.0.1:{args.port}"
+    profile_dir = os.path.join(work, f"profile-{scheduling}")
     cmd = [
         sys.executable,
         "-m",
@@ -221,15 +225,19 @@ def main(argv=None) -> int:
         str(par.ep),
         "--data-parallel-size",
         str(par.dp),
+        "--profile-dir",
+        profile_dir,
+        "--async-scheduling" if scheduling == "async" else "--no-async-scheduling",
     ] + ["--enable-dp-attention"] * par.dp_attention
     start = time.time()
-    log_path = os.path.join(work, "serve.log")
+    log_path = os.path.join(work, f"serve-{scheduling}.log")
     log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 (closed after the server ends)
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    profile = None
     try:
-        _wait_health(url, server, timeout=600)
+        _wait_health(url, server, timeout=900)
         startup = time.time() - start
-        out_json = os.path.join(work, "bench.json")
+        out_json = os.path.join(work, f"bench-{scheduling}.json")
         bench = [
             sys.executable,
             "-m",
@@ -242,12 +250,16 @@ def main(argv=None) -> int:
             str(args.input_len),
             "--output-len",
             str(args.output_len),
+            *(["--requests-per-stream", str(args.requests_per_stream)] if args.requests_per_stream else []),
             "--num-prompts",
             str(args.num_prompts),
             "--json",
             out_json,
         ]
         subprocess.run(bench, check=True)
+        if args.profile_steps:
+            prompt = [(97 * i + 13) % (raw["vocab_size"] - 100) + 100 for i in range(args.input_len)]
+            profile = profile_decode(url, f"{args.preset}-shaped", profile_dir, prompt, args.profile_steps)
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -256,10 +268,68 @@ def main(argv=None) -> int:
             server_log = fh.read()
         print(server_log[-4000:])
     rows = json.load(open(out_json))["results"]
+    for row in rows:
+        row["scheduling"] = scheduling
     loaded = re.search(r"weights ([0-9.]+) GiB per device", server_log)
-    args.weights_gib = float(loaded.group(1)) if loaded else float("nan")
-    # Only now touch the GPU from this process (the server is gone): the ceilings, torch's too.
-    _report(rows, raw, args, harness.measure_ceilings(torch_peers=args.torch_ceilings), startup)
+    weights_gib = float(loaded.group(1)) if loaded else float("nan")
+    return {
+        "scheduling": scheduling,
+        "rows": rows,
+        "startup": startup,
+        "weights_gib": weights_gib,
+        "anatomy": profile,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", choices=sorted(PRESETS), default="glm5")
+    p.add_argument("--layers", type=int, default=5)
+    p.add_argument("--quantization", choices=sorted(WEIGHTS), default="dequantize")
+    p.add_argument("--suffix", default="", help="results file name suffix, e.g. -glm52-int4")
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument(
+        "--requests-per-stream", type=int, help="serve.bench's: requests per level = this x concurrency"
+    )
+    p.add_argument("--concurrency", default="1,4,8,16,32")
+    p.add_argument("--port", type=int, default=8123)
+    p.add_argument(
+        "--overrides", default="{}", help="JSON config overrides (CPU smoke tests use small widths)"
+    )
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--torch-ceilings", action="store_true", help="measure torch's streams too")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after the levels, trace one stream decoding this many tokens (benchmarks.anatomy)",
+    )
+    p.add_argument(
+        "--compare-sync",
+        action="store_true",
+        help="serve a second time with --no-async-scheduling (the engine loop before async scheduling)",
+    )
+    # the server's (and vLLM's) parallelism flags, passed on; the planner splits the model the same way
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    p.add_argument("--enable-dp-attention", action="store_true")
+    args = p.parse_args(argv)
+    par = parallelism(args)  # checked before anything starts
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if not args.requests_per_stream and args.num_prompts < max(levels):  # too few to reach the level
+        p.error(f"--num-prompts {args.num_prompts} is below the highest --concurrency ({max(levels)})")
+    work = tempfile.mkdtemp(prefix=f"{args.preset}-shaped-")
+    raw = write_model_dir(work, args.layers, json.loads(args.overrides), args.preset)
+    runs = [serve_and_bench(args, raw, work, par, levels, "async")]
+    if args.compare_sync:
+        runs.append(serve_and_bench(args, raw, work, par, levels, "sync"))
+    # Only now touch the GPU from this process (the servers are gone): the ceilings, torch's too.
+    _report(runs, raw, args, harness.measure_ceilings(torch_peers=args.torch_ceilings))
     return 0
 
 
@@ -278,15 +348,16 @@ def _parallel_flags(par: Parallelism) -> str:
     return flags + " --enable-dp-attention" * par.dp_attention + f" ({par.num_devices} GPUs)"
 
 
-def _report(rows, raw, args, ceilings: harness.Ceilings, startup: float) -> None:
+def _report(runs: list[dict], raw, args, ceilings: harness.Ceilings) -> None:
     context = args.input_len + args.output_len / 2
     header = harness.device_header()
     par = parallelism(args)
     table = []
-    for r in rows:
+    for r in (row for run in runs for row in run["rows"]):
         itl = r["itl_ms"]["mean"]
         per_stream = 1000.0 / itl if itl == itl and itl > 0 else float("nan")
         row = {
+            "scheduling": r["scheduling"],
             "concurrency": r["concurrency"],
             "per-stream decode tok/s": per_stream,
             "aggregate decode tok/s": per_stream * r["concurrency"],
@@ -321,18 +392,29 @@ def _report(rows, raw, args, ceilings: harness.Ceilings, startup: float) -> None
             {
                 "model": f"{name} widths, {raw['num_hidden_layers']} layers ({layers}), "
                 f"random weights (--load-format dummy --quantization {args.quantization})",
-                "weights per device": f"{args.weights_gib:.2f} GiB loaded (the server's log), "
+                "weights per device": f"{runs[0]['weights_gib']:.2f} GiB loaded (the server's log), "
                 f"{planned / 2**30:.2f} GiB planned (jaxdsa.plan), "
-                f"{100 * (args.weights_gib * 2**30 / planned - 1):+.1f} %",
-                "workload": f"serve.bench: {args.num_prompts} prompts/level, {args.input_len} tokens in, "
-                f"{args.output_len} out, ignore_eos, streaming",
-                "server": f"python -m serve --max-num-seqs {max(r['concurrency'] for r in rows)} "
+                f"{100 * (runs[0]['weights_gib'] * 2**30 / planned - 1):+.1f} %",
+                "workload": "serve.bench: "
+                + (
+                    f"{args.requests_per_stream} requests per stream (at least 3) per level"
+                    if args.requests_per_stream
+                    else f"{args.num_prompts} prompts/level"
+                )
+                + f", {args.input_len} tokens in, {args.output_len} out, ignore_eos, streaming",
+                "server": f"python -m serve --max-num-seqs {max(r['concurrency'] for r in table)} "
                 f"--max-num-batched-tokens {args.max_num_batched_tokens} "
-                f"--max-model-len {args.max_model_len} (buckets compiled at start-up)" + _parallel_flags(par),
+                f"--max-model-len {args.max_model_len} (buckets compiled at start-up; no environment "
+                "variables, --gpu-memory-utilization at its default)" + _parallel_flags(par),
                 **ceilings.rows(),
-                "server start to /health": f"{startup:.0f} s",
+                **{
+                    f"server start to /health ({run['scheduling']} scheduling)": f"{run['startup']:.0f} s"
+                    for run in runs
+                },
             },
         ),
+        "async: the engine launches each step before the last one's tokens reach the host (the default);",
+        "sync: --no-async-scheduling, each step launched after the last one's tokens were processed.",
         "Per-stream decode tok/s = 1 / mean inter-token latency; aggregate = per-stream x concurrency.",
         "Roofline = bytes one decode step must read (jaxdsa.plan.decode_step: weights touched at their",
         f"stored width + the cache of a {context:.0f}-token context per sequence; routed experts per MoE",
@@ -344,7 +426,23 @@ def _report(rows, raw, args, ceilings: harness.Ceilings, startup: float) -> None
         harness.markdown_table(table, cols),
         "",
     ]
+    for run in runs:
+        if run["anatomy"] is not None:
+            lines += [
+                f"Decode anatomy of one stream ({run['scheduling']} scheduling; a trace through "
+                f"/start_profile and /stop_profile of one {args.profile_steps}-token request, GPU 0; "
+                "benchmarks.anatomy):",
+                "",
+                "```",
+                *anatomy.lines(run["anatomy"]),
+                "```",
+                "",
+            ]
+    anatomies = {run["scheduling"]: run["anatomy"] for run in runs if run["anatomy"]}
     path = harness.write_result("serve", "\n".join(lines), suffix=args.suffix, rows=table)
+    if anatomies:
+        payload = json.loads(path.with_suffix(".json").read_text())
+        harness.dump_json(str(path.with_suffix(".json")), payload | {"anatomy": anatomies})
     print("\n".join(lines))
     print(f"serve_gpu: wrote {path}")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import json
 import os
@@ -20,15 +19,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxdsa import sharding
-from jaxdsa.cache import StepMeta, init_cache
-from jaxdsa.engine import Engine, EngineConfig, SamplingParams
-from jaxdsa.engine.buckets import bucket
-from jaxdsa.engine.runner import ModelState
+from jaxdsa.engine import Engine, EngineConfig, SamplingParams, memory
+from jaxdsa.engine.engine import CacheLayout
 from jaxdsa.engine.speculative import SpeculativeConfig
 from jaxdsa.loading import load_model
+from jaxdsa.models.registry import family_for, load_config
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -43,20 +40,6 @@ def generation_eos_ids(path: str | os.PathLike, default: Sequence[int]) -> tuple
             return ()
         return tuple(eos) if isinstance(eos, list) else (eos,)
     return tuple(default)
-
-
-@functools.cache
-def _score_step(family, graphdef, treedef, axes: tuple, cache_axes: tuple, mode, mesh):
-    """The jitted single-sequence forward of one model structure and mode (the cache is donated)."""
-
-    def fn(leaves, tokens, positions, cache, meta):
-        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-        return family.step(model, tokens, positions, cache, meta, mode)
-
-    cache_axes = dict(cache_axes)
-    return sharding.jit_step(
-        fn, mesh, donate_argnums=(3,), in_axes=(axes, None, None, cache_axes), out_axes=(None, cache_axes)
-    )
 
 
 class LLM:
@@ -99,6 +82,8 @@ class LLM:
         scan_layers: bool = True,
         quantization: str = "auto",
         speculative_config: str | dict | SpeculativeConfig | None = None,
+        gpu_memory_utilization: float = memory.DEFAULT_UTILIZATION,
+        async_scheduling: bool = True,
     ):
         """``load_format="dummy"``: random weights of the checkpoint's config, made on the device
         (benchmarking real shapes without the files, like vLLM's ``--load-format dummy``).
@@ -107,13 +92,45 @@ class LLM:
         ``"int4"`` assert the checkpoint's format or choose the dummy weights' (see
         :mod:`jaxdsa.quantization`). ``speculative_config``: vLLM's, e.g. ``{"method": "mtp",
         "num_speculative_tokens": 3}``: the engine drafts with the checkpoint's next-n layers and
-        verifies the drafts in one step (greedy output unchanged, sampling distribution preserved)."""
+        verifies the drafts in one step (greedy output unchanged, sampling distribution preserved).
+        ``gpu_memory_utilization``: the share of each GPU jaxdsa takes for weights, cache and steps
+        (vLLM's; set before JAX starts, :mod:`jaxdsa.engine.memory`): a model whose weights and one
+        ``max_model_len`` sequence do not fit in it is refused before any weight is read.
+        ``async_scheduling``: the engine launches each step before the last one's tokens reach the
+        host (vLLM's; outputs unchanged)."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r}: choose float32 or bfloat16")
+        memory.claim(gpu_memory_utilization)  # before the first JAX call starts the backend
         self.path = os.fspath(path)
         self.dtype = _DTYPES[dtype]
         self.parallelism = sharding.Parallelism(tp=tp, ep=ep, dp=dp, dp_attention=dp_attention)
         self.mesh = sharding.make_mesh(self.parallelism) if self.parallelism.num_devices > 1 else None
+        cfg = load_config(path)
+        family = family_for(cfg.model_type)
+        self.page_size = family.page_size(cfg, page_size)
+        self.engine_config = EngineConfig(
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            page_size=self.page_size,
+            num_pages=num_pages,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_logprobs=max_logprobs,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+            speculative=SpeculativeConfig.parse(speculative_config),
+            async_scheduling=async_scheduling,
+        )
+        layout = CacheLayout.of(family, cfg, self.engine_config, self.dtype, sharding.dp_groups(self.mesh))
+
+        def check_fits(weight_bytes: float) -> None:
+            memory.check_fits(
+                memory.device_memory(gpu_memory_utilization),
+                weight_bytes=weight_bytes,
+                minimum_cache_bytes=layout.minimum_bytes if num_pages is None else 0,
+                what=f"{self.path} ({cfg.model_type}, {self.parallelism.num_devices} device(s))",
+            )
+
         self.family, self.config, self.model = load_model(
             path,
             dtype=self.dtype,
@@ -124,20 +141,9 @@ class LLM:
             progress=progress,
             scan_layers=scan_layers,
             quantization=quantization,
+            check_weights=check_fits,
         )
         self.eos_token_ids = generation_eos_ids(self.path, self.config.eos_token_ids)
-        self.page_size = self.family.page_size(self.config, page_size)
-        self.engine_config = EngineConfig(
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens,
-            page_size=self.page_size,
-            num_pages=num_pages,
-            max_logprobs=max_logprobs,
-            enable_prefix_caching=enable_prefix_caching,
-            seed=seed,
-            speculative=SpeculativeConfig.parse(speculative_config),
-        )
         self._engine: Engine | None = None
         self._ids = itertools.count()
 
@@ -174,39 +180,7 @@ class LLM:
 
         On a data-parallel mesh the sequence runs in dp group 0; the other groups get padding.
         """
-        ids = list(token_ids)
-        if not ids:
-            raise ValueError("token_ids is empty")
-        dp = self.parallelism.dp
-        T, pages = bucket(len(ids)), bucket(-(-len(ids) // self.page_size))
-        group = lambda first, fill: np.asarray(
-            list(first) + [fill] * (T - len(ids)) + [fill] * (T * (dp - 1)), np.int32
-        )
-        spec = self.family.cache_spec(self.config)
-        cache_axes = spec.axes()
-        placed = None
-        if self.mesh is not None:
-            placed = {
-                k: jax.sharding.NamedSharding(self.mesh, sharding.spec(a)) for k, a in cache_axes.items()
-            }
-        cache = init_cache(spec, pages * dp, self.page_size, self.dtype, num_seqs=dp, sharding=placed)
-        meta = StepMeta(
-            seq_ids=group([0] * len(ids), -1),
-            page_table=np.tile(np.arange(pages, dtype=np.int32), (dp, 1)),
-            logits_indices=np.tile(np.arange(T, dtype=np.int32), dp),
-        )
-        args = (group(ids, 0), group(range(len(ids)), 0), meta)
-        if self.mesh is not None:
-            args = sharding.put(args, self.mesh, sharding.batch_spec())
-        tokens, positions, meta = jax.tree.map(jnp.asarray, args)
-        state = ModelState(self.model)
-        mode = self.family.step_mode(self.config, max_position=len(ids) - 1, single_sequence=True)
-        fn = _score_step(
-            self.family, state.graphdef, state.treedef, state.axes, tuple(cache_axes.items()), mode, self.mesh
-        )
-        with self._precision():
-            logits, _ = fn(state.leaves, tokens, positions, cache, meta)
-        return sharding.fetch(logits)[: len(ids)]
+        return self.engine.runner.score(self.model, token_ids, self.dtype)
 
     def generate(
         self,

@@ -8,7 +8,9 @@ from the files (shard-local) or with dummy weights drawn on the devices.
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -37,6 +39,7 @@ def load_model(
     progress: bool = True,
     scan_layers: bool = True,
     quantization: str = "auto",
+    check_weights: Callable[[float], None] | None = None,
 ) -> tuple[ModelFamily, Any, nnx.Module]:
     """-> (family, config, model) of the checkpoint at ``path``, placed on ``mesh``.
 
@@ -44,7 +47,8 @@ def load_model(
     ``load_format="dummy"``: random weights of the config's shapes (``config.json`` is all that
     is read), like vLLM's ``--load-format dummy``. ``quantization``: which weights stay in their
     quantized format (:mod:`jaxdsa.quantization`; default: the checkpoint's FP8 / INT4 linears and
-    experts). ``scan_layers``: see :class:`jaxdsa.LLM`.
+    experts). ``scan_layers``: see :class:`jaxdsa.LLM`. ``check_weights``: called with the bytes of
+    weights one device will hold before any is read or drawn; it raises to stop the load.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r}: choose one of {', '.join(LOAD_FORMATS)}")
@@ -68,6 +72,8 @@ def load_model(
     shards = parallelism.shards if parallelism is not None else lambda _: 1
     model = quant.quantize(model, quant.formats(model, specs, stored), shards)
     targets = families.targets(model, mesh)
+    if check_weights is not None:
+        check_weights(device_target_bytes(targets))
     if reader is None:
         arrays = walker.random(specs, targets, seed=seed)
     else:
@@ -82,3 +88,12 @@ def device_param_bytes(model: nnx.Module) -> dict[Any, int]:
         for shard in value.addressable_shards:
             per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
     return per_device
+
+
+def device_target_bytes(targets: dict[Any, Any]) -> int:
+    """Bytes one device holds of parameters laid out as ``targets`` (ShapeDtypeStructs with their
+    shardings, :func:`jaxdsa.models.family.targets`), before any exists."""
+    return sum(
+        math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+        for leaf in jax.tree.leaves(targets)
+    )

@@ -27,6 +27,8 @@ import numpy as np
 from flax import nnx
 
 from jaxdsa import quantization
+from jaxdsa.engine import memory
+from jaxdsa.engine.penalties import BYTES_PER_ENTRY as PENALTY_BYTES
 from jaxdsa.models import family as families
 from jaxdsa.models.family import ModelFamily
 from jaxdsa.models.registry import family_for, load_config
@@ -125,19 +127,27 @@ def plan(
     batch: int,
     hbm_gbs: float,
     link_gbs: float,
-    reserve_gib: float,
+    gpu_memory_utilization: float = memory.DEFAULT_UTILIZATION,
 ) -> dict[str, float]:
+    """The deployment's figures per device. Memory is counted as the server counts it
+    (:mod:`jaxdsa.engine.memory`): the budget is ``gpu_memory_utilization`` of ``hbm_gib``; the
+    weights, the workspace kept for steps, and ``batch`` sequences' rings and penalty rows come
+    out of it; the cache gets the rest."""
     weight_bytes = device_weight_bytes(family, cfg, par, weights)
-    free = hbm_gib * GiB - weight_bytes - reserve_gib * GiB
+    budget = memory.check_utilization(gpu_memory_utilization) * hbm_gib * GiB
+    workspace = memory.workspace_bytes(budget)
     per_token = cache_bytes_per_token(family, cfg)
-    per_sequence = cache_bytes_per_sequence(family, cfg)
-    tokens_per_group = max(0, int((free - batch * per_sequence) // per_token))
+    per_sequence = cache_bytes_per_sequence(family, cfg) + cfg.vocab_size * PENALTY_BYTES
+    free = budget - weight_bytes - workspace - batch * per_sequence
+    tokens_per_group = max(0, int(free // per_token))
     step = decode_step(family, cfg, par, weights, batch, max_model_len)
     memory_s = step["bytes_read"] / (hbm_gbs * 1e9)
     comm_s = step["collective_bytes"] / (link_gbs * 1e9)
     return {
         "devices": par.num_devices,
+        "budget_gib_per_device": budget / GiB,
         "weights_gib_per_device": weight_bytes / GiB,
+        "workspace_gib_per_device": workspace / GiB,
         "cache_bytes_per_token": per_token,
         "cache_bytes_per_sequence": per_sequence,
         "cache_tokens_per_dp_group": tokens_per_group,
@@ -167,9 +177,15 @@ def main(argv=None) -> int:
     )
     p.add_argument("--hbm-gbs", type=float, default=3000, help="achievable HBM bandwidth (H100 copy: ~3000)")
     p.add_argument("--link-gbs", type=float, default=350, help="achievable all-reduce bus bandwidth per GPU")
-    p.add_argument("--reserve-gib", type=float, default=4, help="kept free for activations and the runtime")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=memory.DEFAULT_UTILIZATION,
+        help="share of each GPU the server may take (its flag of the same name)",
+    )
     args = p.parse_args(argv)
     try:
+        memory.check_utilization(args.gpu_memory_utilization)
         cfg = load_config(args.config)
         family = family_for(cfg.model_type)
         par = Parallelism(tp=args.tp, ep=args.ep, dp=args.dp, dp_attention=args.dp_attention)
@@ -186,7 +202,7 @@ def main(argv=None) -> int:
         batch=args.batch,
         hbm_gbs=args.hbm_gbs,
         link_gbs=args.link_gbs,
-        reserve_gib=args.reserve_gib,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
     dp_attention = " (dp attention)" if par.dp_attention else ""
     print(
@@ -197,7 +213,9 @@ def main(argv=None) -> int:
         print(f"  {key:38s} {value:,.2f}" if isinstance(value, float) else f"  {key:38s} {value:,}")
     if result["cache_tokens_per_dp_group"] < args.max_model_len:
         print(
-            f"  WARNING: one {args.max_model_len}-token sequence does not fit next to the weights",
+            f"  does not fit: one {args.max_model_len}-token sequence needs more than the "
+            f"{result['budget_gib_per_device']:.2f} GiB budget leaves next to the weights and workspace "
+            "(the server refuses it before loading)",
             file=sys.stderr,
         )
     return 0

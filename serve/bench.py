@@ -231,6 +231,17 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> bool:
     return True
 
 
+MIN_REQUESTS = 3  # a level never measures fewer requests than this
+
+
+def _level_requests(args: argparse.Namespace, concurrency: int) -> int:
+    """Requests a level sends: ``--requests-per-stream`` times its concurrency (at least
+    MIN_REQUESTS), else ``--num-prompts`` (default 4 x the largest concurrency) at every level."""
+    if args.requests_per_stream:
+        return max(MIN_REQUESTS, args.requests_per_stream * concurrency)
+    return args.num_prompts or 4 * max(int(c) for c in args.concurrency.split(","))
+
+
 async def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
     url = args.url.rstrip("/")
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -243,10 +254,13 @@ async def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
                 f"bench: --input-len + --output-len = {args.input_len + args.output_len} exceeds the "
                 f"server's max_model_len {max_model_len}"
             )
-        num = args.num_prompts or 4 * max(levels)
+        per_level = {c: _level_requests(args, c) for c in levels}
+        num = max(per_level.values())
         prompts = await _prompts(client, url, model, num, args.input_len, args.seed)
+        counts = "/".join(str(per_level[c]) for c in levels)
         print(
-            f"bench: {model} at {url}: {num} prompts x {args.input_len} in / {args.output_len} out per level",
+            f"bench: {model} at {url}: {counts} prompts x {args.input_len} in / {args.output_len} out "
+            f"at concurrency {args.concurrency}",
             file=sys.stderr,
         )
         warm = await _one(client, url, model, prompts[0], min(args.output_len, 4))
@@ -254,7 +268,7 @@ async def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
             raise SystemExit(f"bench: warm-up request failed: {warm.error}")
         rows = []
         for c in levels:
-            rows.append(await _level(client, url, model, prompts, args.output_len, c))
+            rows.append(await _level(client, url, model, prompts[: per_level[c]], args.output_len, c))
             print(
                 f"bench: concurrency {c}: {rows[-1]['output_throughput']:.1f} output tok/s", file=sys.stderr
             )
@@ -272,6 +286,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument(
         "--num-prompts", type=int, help="requests per level (default: 4 x the largest concurrency)"
+    )
+    p.add_argument(
+        "--requests-per-stream",
+        type=int,
+        help=f"instead: each level sends this many requests per concurrent stream (at least {MIN_REQUESTS})",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key")

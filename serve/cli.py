@@ -22,7 +22,7 @@ import uvicorn
 from fastapi import FastAPI
 
 import jaxdsa
-from jaxdsa.engine import AsyncEngine, SpeculativeConfig
+from jaxdsa.engine import AsyncEngine, SpeculativeConfig, memory
 from jaxdsa.loading import device_param_bytes
 from serve import default_model
 from serve.app import ServingContext, create_app
@@ -72,7 +72,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         help="cache page size in tokens (default: the model's, 64; DeepSeek-V4: 128)",
     )
-    g.add_argument("--num-pages", type=int, help="cache pages (default: from device memory)")
+    g.add_argument(
+        "--num-pages", type=int, help="cache pages (default: what --gpu-memory-utilization leaves for it)"
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=memory.DEFAULT_UTILIZATION,
+        help="share of each GPU for weights, cache and step activations (the rest is left to others); "
+        "a model whose weights and one --max-model-len sequence do not fit is refused before loading",
+    )
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="launch each step before the last one's tokens reach the host, so the GPU never waits "
+        "for the scheduler (outputs unchanged; steps with speculative decoding run synchronously)",
+    )
     g.add_argument(
         "--max-queue-len",
         type=int,
@@ -131,6 +147,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--trust-remote-code",
         action="store_true",
         help="accepted for vLLM compatibility; jaxdsa never runs checkpoint code",
+    )
+    g.add_argument(
+        "--profile-dir",
+        help="enable POST /start_profile and /stop_profile (vLLM's), writing jax.profiler traces here",
     )
     g = p.add_argument_group("chat")
     g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS))
@@ -200,6 +220,10 @@ def _check_flags(args: argparse.Namespace) -> dict[str, int | bool]:
         raise StartupError("--max-queue-len must be >= 0")
     if args.max_logprobs < 0:
         raise StartupError("--max-logprobs must be >= 0")
+    try:
+        memory.check_utilization(args.gpu_memory_utilization)
+    except ValueError as e:
+        raise StartupError(f"--gpu-memory-utilization: {e}") from None
     return {
         "tp": args.tensor_parallel_size,
         "ep": args.expert_parallel_size,
@@ -250,6 +274,8 @@ def build(args: argparse.Namespace) -> Server:
             load_format=args.load_format,
             quantization=args.quantization,
             speculative_config=args.speculative_config,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            async_scheduling=args.async_scheduling,
             **parallel,
         )
         engine = llm.engine
@@ -259,7 +285,7 @@ def build(args: argparse.Namespace) -> Server:
     _log(
         f"loaded in {time.perf_counter() - start:.1f}s; weights {weights:.2f} GiB per device; "
         f"max_model_len {engine.max_model_len}, cache {engine.stats()['cache_pages_total']} pages of "
-        f"{llm.page_size}"
+        f"{llm.page_size}; {'async' if engine.config.async_scheduling else 'synchronous'} scheduling"
     )
     if not args.no_warmup:
         engine.warmup(progress=True)
@@ -267,7 +293,7 @@ def build(args: argparse.Namespace) -> Server:
     defaults = {k: generation_config[k] for k in ("temperature", "top_p", "top_k") if k in generation_config}
     if defaults:
         _log(f"default sampling from generation_config.json: {defaults}")
-    aengine = AsyncEngine(engine, max_waiting=args.max_queue_len)
+    aengine = AsyncEngine(engine, max_waiting=args.max_queue_len, profile_dir=args.profile_dir)
     aengine.start()
     context = ServingContext(
         generate=aengine.generate,
@@ -286,6 +312,7 @@ def build(args: argparse.Namespace) -> Server:
         max_logprobs=args.max_logprobs,
         vocab_size=llm.config.vocab_size,
         alive=aengine.is_alive,
+        profiler=aengine if args.profile_dir else None,
     )
     return Server(create_app(context), aengine, context)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 
 from fastapi import Depends, Request
 
@@ -18,6 +18,16 @@ from serve.errors import ApiError
 from serve.generation import GenerateFn
 from serve.metrics import Metrics
 from serve.tokenizer import Tokenizer
+
+
+class Profiler(Protocol):
+    """What the profile routes drive (:class:`jaxdsa.engine.AsyncEngine`'s methods of these names)."""
+
+    profile_dir: str | None
+
+    def start_profile(self) -> None: ...
+
+    def stop_profile(self) -> None: ...
 
 
 @dataclasses.dataclass
@@ -40,6 +50,7 @@ class ServingContext:
     max_logprobs: int = 20  # the engine's limit on top logprobs per token
     vocab_size: int | None = None  # the model's (its embedding rows); default: the tokenizer's
     alive: Callable[[], bool] = lambda: True  # whether the engine still runs (AsyncEngine.is_alive)
+    profiler: Profiler | None = None  # the engine, when the server records traces (--profile-dir)
 
     @property
     def vocabulary(self) -> int:

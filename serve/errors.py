@@ -32,7 +32,7 @@ _TYPES = {
 _WHEN = {
     400: "Invalid request: bad JSON, a field out of range (`param` names it) or a prompt too long.",
     401: "Missing or wrong API key (the server runs with --api-key).",
-    404: "No such model (`param`: model).",
+    404: "No such model (`param`: model), or profiling is off (the server runs without --profile-dir).",
     429: "More requests in flight than --max-num-seqs + --max-queue-len; retry after `Retry-After`.",
     503: "The engine could not run this request (other requests are unaffected), or it stopped.",
 }

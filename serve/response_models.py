@@ -16,6 +16,11 @@ class Health(BaseModel):
     status: Literal["ok"]
 
 
+class Profiling(BaseModel):
+    status: Literal["profiling", "written"]
+    directory: str
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]

@@ -4,6 +4,10 @@ The HTTP server awaits ``generate``; the engine thread owns all engine state. Ad
 cross threads through a command queue, outputs come back with ``call_soon_threadsafe``. A caller
 that stops iterating (client disconnect, cancellation) aborts its request, which frees its
 slot and pages before the next step.
+
+With a ``profile_dir``, :meth:`AsyncEngine.start_profile` / :meth:`AsyncEngine.stop_profile` (vLLM's
+names) record a ``jax.profiler`` trace there while the server runs (each engine step is one
+annotated range in it: :data:`jaxdsa.engine.engine.STEP_MARK`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+
+import jax
 
 from jaxdsa.engine.engine import Engine
 from jaxdsa.engine.request import FinishReason, RequestOutput, SamplingParams
@@ -29,8 +35,10 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, *, max_waiting: int = 256):
+    def __init__(self, engine: Engine, *, max_waiting: int = 256, profile_dir: str | None = None):
         self.engine = engine
+        self.profile_dir = profile_dir
+        self._profiling = False
         self.max_in_flight = engine.config.max_num_seqs + max_waiting
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -98,6 +106,28 @@ class AsyncEngine:
             for out in outputs:
                 failed = out.finish_reason is FinishReason.ERROR
                 self._deliver(out.request_id, EngineDeadError(out.error) if failed else out)
+
+    # -- profiling ---------------------------------------------------------------------------------
+    def start_profile(self) -> None:
+        """Start a ``jax.profiler`` trace into ``profile_dir`` (a perfetto trace beside XLA's files).
+        RuntimeError without a profile_dir or while a trace runs."""
+        if self.profile_dir is None:
+            raise RuntimeError("profiling is off: the engine was started without a profile directory")
+        with self._lock:
+            if self._profiling:
+                raise RuntimeError("a profile is already being recorded")
+            options = jax.profiler.ProfileOptions()
+            options.python_tracer_level = 0  # kernels and annotations; Python frames would swamp it
+            jax.profiler.start_trace(self.profile_dir, create_perfetto_trace=True, profiler_options=options)
+            self._profiling = True
+
+    def stop_profile(self) -> None:
+        """Stop the trace and write it. RuntimeError when none runs."""
+        with self._lock:
+            if not self._profiling:
+                raise RuntimeError("no profile is being recorded")
+            self._profiling = False
+            jax.profiler.stop_trace()
 
     # -- caller side -------------------------------------------------------------------------------
     async def generate(

@@ -1,15 +1,27 @@
 """The continuous-batching engine: requests in, tokens out, one model step at a time.
 
 ``Engine.step()`` asks the scheduler for a batch (decodes plus prefill chunks under a token
-budget), runs it on the device, samples, applies stop conditions and frees finished requests'
-pages. It is synchronous and single-threaded; :class:`jaxdsa.engine.async_engine.AsyncEngine`
-drives it from a background thread for the HTTP server.
+budget), launches it on the device, and processes the tokens of the step before it: they join
+their requests' outputs, stop conditions apply, finished requests free their pages. It is
+single-threaded; :class:`jaxdsa.engine.async_engine.AsyncEngine` drives it from a background
+thread for the HTTP server.
+
+**Async scheduling** (``EngineConfig.async_scheduling``, on by default as vLLM's
+``--async-scheduling``): step N + 1 is scheduled, packed and launched while step N still runs, so
+the device never waits for the host between steps. The tokens step N samples stay on the device
+and feed step N + 1 there (:mod:`jaxdsa.engine.step`); the host learns them one call later, so
+outputs, stop conditions and the end of a request lag one step, and a request that ended in step
+N drops the token step N + 1 sampled for it. Every request's tokens are those of synchronous
+scheduling: a step's inputs, positions, seeds and penalties do not depend on when the host
+learns them. Steps run synchronously under speculative decoding (how many drafts a verify step
+keeps decides the next step's positions) and while a failing request is being isolated.
 
 One request never fails another: ``add_request`` rejects inputs the step cannot represent, and
 a step that raises anyway commits nothing; the engine then finds the request(s) that break it
 (:mod:`.isolation`) and fails only those, with a ``FinishReason.ERROR`` output. The step donates
 the cache to the device, so a failure after the step started leaves every running request's
-pages unknown: those requests are then recomputed from their tokens, as after a preemption.
+pages unknown: those requests are then recomputed from their tokens, as after a preemption (and
+a step launched behind it is abandoned, its tokens sampled again).
 
 With speculative decoding (``EngineConfig.speculative``) a decode step also verifies the tokens the
 model's next-n layers drafted in the step before and emits several tokens per request: they join
@@ -35,6 +47,8 @@ from jax.sharding import NamedSharding
 
 from jaxdsa import sharding
 from jaxdsa.cache import CacheSpec, init_cache
+from jaxdsa.engine import memory, penalties
+from jaxdsa.engine.config import EngineConfig
 from jaxdsa.engine.isolation import Quarantine
 from jaxdsa.engine.request import (
     MAX_BANNED_TOKENS,
@@ -45,28 +59,16 @@ from jaxdsa.engine.request import (
     Status,
     TokenLogprobs,
 )
-from jaxdsa.engine.runner import ModelRunner, StepResult
+from jaxdsa.engine.runner import InFlight, ModelRunner, StepResult
 from jaxdsa.engine.sampling import Scored
 from jaxdsa.engine.scheduler import Scheduler, Segment
-from jaxdsa.engine.speculative import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
 SEED_MASK = 0x7FFFFFFF  # request seeds are reduced to the sampler's width: 31 bits, non-negative
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    max_num_seqs: int = 16
-    max_model_len: int | None = None  # default: min(max_position_embeddings, 8192)
-    max_num_batched_tokens: int = 512
-    page_size: int | None = None  # default: the family's (64 for GLM-5.x / V3.2)
-    num_pages: int | None = None  # default: from free device memory, else enough for full concurrency
-    memory_fraction: float = 0.85  # of the device memory left after the weights, for the cache
-    seed: int = 0
-    max_logprobs: int = 20  # most top logprobs a request may ask for (vLLM's default)
-    enable_prefix_caching: bool = True  # reuse cached pages of shared token prefixes (vLLM's default)
-    speculative: SpeculativeConfig | None = None  # draft with the model's next-n (MTP) layers
+# Each engine step is one range of this name in a jax.profiler trace (benchmarks.anatomy finds the
+# kernels each step launched by it); outside a trace the annotation costs about a microsecond.
+STEP_MARK = "jaxdsa.engine.step"
 
 
 def enable_compilation_cache() -> None:
@@ -81,26 +83,68 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-def _default_num_pages(
-    specs: list[CacheSpec], ec: EngineConfig, max_model_len: int, dtype, groups: int, lookahead: int
-) -> int:
-    """Pages over all dp groups: what fits in free device memory once the per-sequence rings of its
-    group's slots are set aside (each device holds its group's pages and rings of every cache in
-    ``specs``), capped at enough for every slot to reach max_model_len."""
-    per_seq = -(-max_model_len // ec.page_size)
-    enough = per_seq * ec.max_num_seqs
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
-        return enough
-    free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.memory_fraction
-    free -= ec.max_num_seqs // groups * sum(s.sequence_bytes(dtype, lookahead) for s in specs)
-    per_device = int(max(free, 0) // sum(s.page_bytes(dtype, ec.page_size) for s in specs))
-    if per_device < per_seq:
-        raise ValueError(
-            f"device memory holds {per_device} cache pages; "
-            f"one {max_model_len}-token sequence needs {per_seq}"
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """What an engine's cache takes on one device: ``specs`` (the main cache, then the next-n
+    layers' when drafting) at ``page_size`` tokens a page, each sequence up to ``max_model_len``,
+    ``slots`` sequences per dp group with ``lookahead`` spare ring rows for drafts."""
+
+    specs: tuple[CacheSpec, ...]
+    dtype: object
+    page_size: int
+    max_model_len: int
+    slots: int
+    lookahead: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, family, cfg, config: EngineConfig, dtype, groups: int) -> CacheLayout:
+        """The layout ``config`` gives (its page size and max_model_len resolved for the family)."""
+        max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
+        if max_model_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} > max_position_embeddings {cfg.max_position_embeddings}"
+            )
+        num_spec = config.speculative.num_speculative_tokens if config.speculative else 0
+        specs = (family.cache_spec(cfg),) + ((family.mtp_cache_spec(cfg),) if num_spec else ())
+        return cls(
+            specs,
+            dtype,
+            family.page_size(cfg, config.page_size),
+            max_model_len,
+            config.max_num_seqs // groups,
+            num_spec,  # ring rows past a sequence's last verified position: its drafts (jaxdsa.cache)
+            cfg.vocab_size,
         )
-    return min(per_device * groups, enough)
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(s.page_bytes(self.dtype, self.page_size) for s in self.specs)
+
+    @property
+    def pages_per_sequence(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def state_bytes(self) -> int:
+        """Per device, what the engine holds besides the pages: its slots' rings and penalty rows."""
+        rings = sum(s.sequence_bytes(self.dtype, self.lookahead) for s in self.specs)
+        return self.slots * (rings + self.vocab_size * penalties.BYTES_PER_ENTRY)
+
+    @property
+    def minimum_bytes(self) -> int:
+        """Per device, the cache of one full-length sequence and the engine's state."""
+        return self.pages_per_sequence * self.page_bytes + self.state_bytes
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A step on the device whose tokens the host has not read."""
+
+    segments: list[Segment]
+    flight: InFlight
+    running_before: set[Request]  # the running requests when it was scheduled (newest: the others)
+    advanced: bool  # its segments already count as computed (async scheduling)
 
 
 class Engine:
@@ -127,25 +171,24 @@ class Engine:
         config = dataclasses.replace(
             config, page_size=family.page_size(cfg, config.page_size), enable_prefix_caching=prefix_caching
         )
-        self.cfg, self.config = cfg, config
-        self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
-        if self.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} > max_position_embeddings {cfg.max_position_embeddings}"
-            )
-        self.eos_token_ids = frozenset(eos_token_ids)
+        memory.check_utilization(config.gpu_memory_utilization)
         groups = sharding.dp_groups(mesh)
-        self.num_spec = config.speculative.num_speculative_tokens if config.speculative else 0
+        layout = CacheLayout.of(family, cfg, config, dtype, groups)
+        self.cfg, self.config, self.max_model_len = cfg, config, layout.max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.num_spec = layout.lookahead
         if self.num_spec and not len(getattr(model, "mtp", ())):
             raise ValueError(
                 "speculative decoding with method 'mtp' drafts with the checkpoint's next-n (MTP) layers, "
                 "and this model has none loaded (the checkpoint ships no MTP weights)"
             )
-        cache_specs = [family.cache_spec(cfg)] + ([family.mtp_cache_spec(cfg)] if self.num_spec else [])
-        # ring rows past a sequence's last verified position: its drafts (jaxdsa.cache)
-        lookahead = self.num_spec
-        num_pages = config.num_pages or _default_num_pages(
-            cache_specs, config, self.max_model_len, dtype, groups, lookahead
+        num_pages = config.num_pages or memory.cache_pages(
+            memory.device_memory(config.gpu_memory_utilization),
+            page_bytes=layout.page_bytes,
+            state_bytes=layout.state_bytes,
+            per_sequence_pages=layout.pages_per_sequence,
+            groups=groups,
+            enough=layout.pages_per_sequence * config.max_num_seqs,
         )
         num_pages -= num_pages % groups
         if num_pages // groups * config.page_size < self.max_model_len:
@@ -174,12 +217,12 @@ class Engine:
                     config.page_size,
                     dtype,
                     num_seqs=config.max_num_seqs,
-                    lookahead=lookahead,
+                    lookahead=layout.lookahead,
                     sharding=home
                     if mesh is None
                     else {k: NamedSharding(mesh, sharding.spec(a)) for k, a in spec.axes().items()},
                 )
-                for spec in cache_specs
+                for spec in layout.specs
             ]
 
         self._new_caches = new_caches
@@ -205,6 +248,7 @@ class Engine:
         self._want_logits: set[str] = set()
         self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}  # filled while the prompt runs
         self._quarantine = Quarantine()
+        self._in_flight: _Launched | None = None  # the step launched last, not yet read (async)
         self.num_generated_tokens = 0
         self.num_failed_steps = 0
         self.num_drafts = 0  # verify steps that tested at least one draft
@@ -274,7 +318,8 @@ class Engine:
         self._prompt_logprobs.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Whether a request still runs or waits, or a launched step's tokens are still to come."""
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # -- stepping ------------------------------------------------------------------------------
     def _stop_reason(self, request: Request, n: int) -> FinishReason | None:
@@ -295,7 +340,7 @@ class Engine:
         return {
             s.request.request_id: s.request.sampling.stop_ids(self.eos_token_ids)
             for s in segments
-            if s.samples and len(s.request.output) < s.request.sampling.min_tokens
+            if s.samples and s.request.num_output < s.request.sampling.min_tokens
         }
 
     def _draft_room(self, request: Request) -> int:
@@ -308,7 +353,14 @@ class Engine:
         return max(0, min(self.num_spec, room - 1))
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns an output per request that sampled, or that the engine failed."""
+        """Run one step. Returns an output per request whose tokens arrived, or that the engine
+        failed: under async scheduling, those of the step the call before launched."""
+        with jax.profiler.TraceAnnotation(STEP_MARK):
+            if self.config.async_scheduling and not self.num_spec and self._quarantine.under_test() is None:
+                return self._step_async()
+            return self._resolve() + self._step_sync()
+
+    def _step_sync(self) -> list[RequestOutput]:
         under_test = self._quarantine.under_test()
         running_before = set(self.scheduler.running)
         segments = self.scheduler.schedule(only=under_test)
@@ -316,19 +368,43 @@ class Engine:
             segments = self.scheduler.schedule()  # the suspects cannot run now: let the others
         if not segments:
             return []
-        cache_before = (self.runner.cache, self.runner.mtp_cache)
+        cache_before = self.runner.cache
         try:
-            result = self._run(segments)
+            result = self.runner.fetch(self._launch(segments))
         except Exception as error:  # whatever raised, only the request(s) behind it fail
-            return self._step_failed(segments, running_before, cache_before, error)
-        return self._finish_step(segments, result)
+            return self._step_failed(segments, running_before, error, cache_before=cache_before)
+        return self._finish_step(segments, result, advanced=False)
 
-    def _run(self, segments: list[Segment]) -> StepResult:
+    def _step_async(self) -> list[RequestOutput]:
+        """Launch the next step, then read the one before it: the device runs the new step while
+        the host reads and processes the old one's tokens."""
+        running_before = set(self.scheduler.running)
+        segments = self.scheduler.schedule()
+        launched, failure = None, None
+        if segments:
+            cache_before = self.runner.cache
+            try:
+                flight = self._launch(segments)
+            except Exception as error:  # failed before its tokens were pending: handled once the
+                failure = (segments, running_before, error, cache_before)  # step before is read
+            else:
+                self.scheduler.advance(segments)
+                self.scheduler.commit(segments)  # pages it fills with known tokens: shareable at once
+                for s in segments:
+                    s.request.pending += s.samples
+                launched = _Launched(segments, flight, running_before, advanced=True)
+        outputs = self._resolve(next_step=launched)
+        if failure is not None:
+            segments, running_before, error, cache_before = failure
+            outputs += self._step_failed(segments, running_before, error, cache_before=cache_before)
+        return outputs
+
+    def _launch(self, segments: list[Segment]) -> InFlight:
         sampling = [s for s in segments if s.samples]
         score = frozenset(
             s.request.request_id for s in segments if s.request.request_id in self._prompt_logprobs
         )
-        return self.runner.run(
+        return self.runner.launch(
             segments,
             self._seeds,
             with_logits=any(s.request.request_id in self._want_logits for s in sampling),
@@ -337,20 +413,60 @@ class Engine:
             banned=self._banned(segments),
         )
 
-    def _finish_step(self, segments: list[Segment], result: StepResult) -> list[RequestOutput]:
+    def _resolve(self, next_step: _Launched | None = None) -> list[RequestOutput]:
+        """Read the step in flight, if any, and make ``next_step`` (launched after it) the one in
+        flight. If reading fails, the device state both steps built on is lost: ``next_step`` is
+        abandoned with it."""
+        launched, self._in_flight = self._in_flight, next_step
+        if launched is None:
+            return []
+        try:
+            result = self.runner.fetch(launched.flight)
+        except Exception as error:
+            self._abandon_in_flight()
+            return self._step_failed(launched.segments, launched.running_before, error, cache_before=None)
+        return self._finish_step(launched.segments, result, advanced=launched.advanced)
+
+    def _abandon_in_flight(self) -> None:
+        """Forget the step in flight (its device work is waited out, its results never read): the
+        pending tokens it and the step before were to sample are drawn again when their requests
+        are recomputed."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is not None:
+            try:
+                jax.block_until_ready(launched.flight.sampled)
+            except Exception:  # noqa: S110 - the step failed too; its buffers are gone either way
+                pass
+        for request in self.requests.values():
+            request.pending = 0
+
+    def _finish_step(
+        self, segments: list[Segment], result: StepResult, *, advanced: bool
+    ) -> list[RequestOutput]:
+        """A step's results are in: tokens join their requests (unless they ended meanwhile: a
+        request that finished or was aborted while the step ran drops its token), pages filled
+        join the prefix cache, stop conditions end requests."""
         for s, scored in zip(segments, result.scores or ()):
-            if scored is not None:
+            if scored is not None and s.request.request_id in self._prompt_logprobs:
                 self._record_prompt_logprobs(s, scored)
         sampling = [s for s in segments if s.samples]
         for i, s in enumerate(sampling):  # emitted tokens join the output before commit registers pages
+            if advanced:
+                s.request.pending -= 1
+            if s.request.status is Status.FINISHED:
+                continue
             n = int(result.num_emitted[i])
             s.accepted = n - 1
             s.request.output += result.ids[i, :n].tolist()
             self._count_drafts(s)
+        if not advanced:
+            self.scheduler.advance(segments)
         self.scheduler.commit(segments)
         outputs = []
         for i, s in enumerate(sampling):
             request, emitted = s.request, int(result.num_emitted[i])
+            if request.status is Status.FINISHED:
+                continue
             first = len(request.output) - emitted
             reason = None
             for n in range(first + 1, len(request.output) + 1):
@@ -392,12 +508,15 @@ class Engine:
                 self.accepted_per_position[j] += 1
 
     def _step_failed(
-        self, segments: list[Segment], running_before: set[Request], cache_before, error: Exception
+        self, segments: list[Segment], running_before: set[Request], error: Exception, *, cache_before
     ) -> list[RequestOutput]:
         """A step raised and committed nothing: restore the device state, then fail the request it
-        was narrowed down to, or test the step's requests in groups (:class:`.Quarantine`)."""
+        was narrowed down to, or test the step's requests in groups (:class:`.Quarantine`).
+        ``cache_before``: the cache the step started from (None: lost whatever happened to it)."""
         self.num_failed_steps += 1
-        requests = list({id(s.request): s.request for s in segments}.values())
+        requests = list(
+            {id(s.request): s.request for s in segments if s.request.status is not Status.FINISHED}.values()
+        )
         log.warning(
             "engine step over %d request(s) failed (%s: %s); isolating the cause",
             len(requests),
@@ -425,13 +544,14 @@ class Engine:
         ]
 
     def _restore_device_state(self, cache_before) -> None:
-        """After a failed step: penalty rows are refilled (the step may have counted tokens in
-        them or consumed them), and if the cache went to the device (donated, so its buffers are
-        gone or hold a half-run step), a fresh one replaces it and every running request is
-        recomputed from its tokens; cached prefixes go too, since their pages went with it."""
-        self.runner.reset_penalty_rows()
+        """After a failed step: penalty rows and slot tokens are refilled (the step may have
+        counted tokens in them or consumed them), and if the cache went to the device (donated, so
+        its buffers are gone or hold a half-run step), a fresh one replaces it and every running
+        request is recomputed from its tokens; cached prefixes go too, since their pages went with
+        it."""
+        self.runner.reset_step_state()
         cache = (self.runner.cache, self.runner.mtp_cache)
-        if cache[0] is cache_before[0] and not any(a.is_deleted() for a in jax.tree.leaves(cache)):
+        if cache[0] is cache_before and not any(a.is_deleted() for a in jax.tree.leaves(cache)):
             return
         log.warning(
             "the failed step consumed the cache: recomputing %d request(s)", len(self.scheduler.running)

@@ -23,6 +23,7 @@ from jaxdsa.engine.buckets import bucket
 from jaxdsa.engine.request import Request
 
 _PROMPT, _OUTPUT, _BIAS = range(3)  # kinds of the entries that fill a slot's penalty rows
+BYTES_PER_ENTRY = 4 + 1 + 4  # per slot and vocabulary entry: counts (int32), in_prompt (bool), bias (f32)
 
 
 def _fill_rows(counts, in_prompt, bias, reset, slot, token, kind, value):

@@ -107,14 +107,23 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     draft: list[int] = dataclasses.field(default_factory=list)  # tokens the MTP layer proposed to follow
+    # tokens sampled by steps still running on the device (async scheduling): they follow ``output``,
+    # count towards its length and its positions, and reach the host one step later
+    pending: int = 0
 
     @property
     def tokens(self) -> list[int]:
+        """Prompt and output tokens the host knows (the pending ones come after them)."""
         return self.prompt + self.output
 
     @property
+    def num_output(self) -> int:
+        """Output tokens sampled so far, the pending ones included."""
+        return len(self.output) + self.pending
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
+        return len(self.prompt) + self.num_output
 
     @property
     def remaining(self) -> int:

@@ -1,16 +1,13 @@
-"""Runs scheduled segments on the device: padded buffers, one jitted step + sampling per bucket.
+"""Runs packed steps on the device and reads their results back.
 
-Shapes come from a small set of buckets so every step compiles once: the token count (per
-data-parallel group) is padded to a power of two up to max_num_batched_tokens, the sampled rows
-to min(tokens, slots per group); the page table always has max_num_seqs rows, narrowed to what
-the family's step mode addresses (:meth:`ModelFamily.page_columns`). With dp groups each group's
-tokens form one block of the flat buffers and use group-local slot and page ids (the scheduler
-keeps every sequence inside one group).
-
-The model is split once (:class:`ModelState`): the jitted step is a pure function of the
-parameter leaves, the cache, the penalty rows (:mod:`jaxdsa.engine.penalties`) and the step's
-buffers; it merges the module tree only while tracing, so a step costs no graph traversal on the
-host.
+The runner holds what the steps carry from one to the next on the device (the cache, the next-n
+layers' cache, the penalty rows, the last token each slot sampled) and the compiled step
+variants. :meth:`ModelRunner.launch` packs a step (:mod:`jaxdsa.engine.batch`), seats the penalty
+rows of newly seated requests and dispatches the jitted step (:mod:`jaxdsa.engine.step`) without
+waiting for it: JAX dispatches asynchronously, and the step's sampled ids start their copy to the
+host as soon as the step ends. :meth:`ModelRunner.fetch` waits for them. The engine launches step
+N + 1 before it fetches step N (async scheduling), so the device runs while the host schedules,
+packs and processes outputs.
 """
 
 from __future__ import annotations
@@ -18,10 +15,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -30,137 +26,14 @@ import numpy as np
 from flax import nnx
 
 from jaxdsa import sharding
-from jaxdsa.cache import Cache, StepMeta
-from jaxdsa.engine.buckets import bucket, buckets
+from jaxdsa.cache import Cache, StepMeta, init_cache
+from jaxdsa.engine.batch import BatchPacker, StepBatch
+from jaxdsa.engine.buckets import bucket
 from jaxdsa.engine.penalties import PenaltyRows
-from jaxdsa.engine.request import MAX_BANNED_TOKENS
-from jaxdsa.engine.sampling import Penalties, Scored, score
+from jaxdsa.engine.sampling import Scored
 from jaxdsa.engine.scheduler import Segment
-from jaxdsa.engine.speculative import Verified, verify
-from jaxdsa.layers.params import axes_of
+from jaxdsa.engine.step import ModelState, jit_fused_step, jit_sequence_logits
 from jaxdsa.models.family import ModelFamily
-
-
-class ModelState:
-    """A model split once into its graph and a flat list of parameter leaves (with their logical
-    axes), so that jit sees only arrays; :meth:`model` rebuilds the module inside a trace. The
-    graph and tree definitions are hashable: equal models share compiled steps. A quantized
-    weight is one parameter of several leaves (codes, scales, zero points), each with its axes."""
-
-    def __init__(self, model: nnx.Module):
-        self.graphdef, state = nnx.split(model)
-        leaves, self.treedef = jax.tree.flatten(state)
-        self.leaves = tuple(leaves)
-        variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-        self.axes = tuple(axes_of(v) for v in variables for _ in jax.tree.leaves(v.get_value()))
-
-    def model(self, leaves: tuple[jax.Array, ...]) -> nnx.Module:
-        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
-
-
-def _fused_step(
-    leaves,
-    tokens,
-    positions,
-    cache,
-    mtp_cache,
-    penalty_state,
-    meta,
-    temperature,
-    top_p,
-    top_k,
-    seeds,
-    counters,
-    banned,
-    penalty_rows,
-    proposed,
-    drafting,
-    scoring,
-    *,
-    family: ModelFamily,
-    state: ModelState,
-    mode,
-    with_logits,
-    num_logprobs,
-    layers,
-):
-    """One step: the model, then sampling (which verifies the drafts under speculative decoding),
-    then the next step's drafts, one per entry of ``layers`` (the next-n layer that drafts it; none:
-    no speculation). ``meta.logits_indices`` holds K = len(layers) + 1 verify positions per
-    sample row (its last token, then its drafts; ``proposed`` [R, K]: the draft each one tests, V
-    for none). With ``scoring`` = (targets [T], verify rows [R * K]) the model returned logits for
-    every token (meta.logits_indices covers them all): each token is scored against its target
-    (the prompt's next token) and the verify rows are picked after. ``penalty_rows`` = (slot,
-    presence, frequency, repetition, on) per row and ``penalty_state`` = (counts, in_prompt, bias)
-    [slots, V]: the ``on`` rows sample under their penalties and add the tokens they emit to their
-    slot's counts. ``drafting`` (with ``layers``): see :func:`_draft`."""
-    model = state.model(leaves)
-    R, K = proposed.shape
-    hidden, cache = family.hidden(model, tokens, positions, cache, meta, mode)
-    logits = family.logits(model, hidden[meta.logits_indices])  # the rows of family.step
-    scored = None
-    if scoring:
-        targets, verify_rows = scoring
-        scored = score(logits, targets, num_logprobs=num_logprobs)
-        logits = logits[verify_rows]
-    penalties = Penalties(*penalty_state, *penalty_rows)
-    verified = verify(
-        logits.reshape(R, K, -1),
-        proposed,
-        temperature,
-        top_p,
-        top_k,
-        seeds,
-        counters,
-        banned.reshape(R, K, -1),
-        penalties,
-        num_logprobs=num_logprobs,
-    )
-    emitted = (jnp.arange(K) < verified.num_emitted[:, None]) & penalties.on[:, None]
-    counts = penalties.counts.at[penalties.slot[:, None], verified.tokens].add(emitted.astype(jnp.int32))
-    drafts = jnp.zeros((R, 0), jnp.int32)
-    if layers:
-        verify_at = (scoring[1] if scoring else meta.logits_indices).reshape(R, K)
-        drafts, mtp_cache = _draft(
-            family, model, hidden, positions, meta, mtp_cache, mode, verified, verify_at, *drafting, layers
-        )
-    logits = logits if with_logits else jnp.zeros((logits.shape[0], 0), jnp.float32)
-    return verified, drafts, logits, scored, cache, mtp_cache, (counts, penalties.in_prompt, penalties.bias)
-
-
-def _draft(
-    family, model, hidden, positions, meta, mtp_cache, mode, verified, verify_at, following, limits, layers
-):
-    """The next step's drafts [R, N] (the next-n layers' argmax) and their cache, N = ``len(layers)``.
-
-    ``following`` [T]: the token after each token of the step where the host knows it (the prompt's
-    next token, or the draft after a draft); ``limits`` [R]: positions below which a row may write
-    (its pages), 0 for padding rows; ``layers``: the next-n layer drafting each token (vLLM reuses
-    the model's one layer for all). The first pass runs over every token of the step, so each
-    position's next-n cache row is written once its next token is known; rows of rejected drafts
-    are rewritten before any query reaches them (attention reads positions up to its own). Each
-    further draft runs the layer once more per row on its own output, one position on."""
-    R, K = verify_at.shape
-    rows = jnp.arange(R)
-    last = verify_at[rows, verified.num_emitted - 1]  # each row's last position whose next token is known
-    live = limits > 0
-    following = following.at[jnp.where(live, last, following.shape[0])].set(
-        verified.tokens[rows, verified.num_emitted - 1], mode="drop"
-    )
-    first = StepMeta(meta.seq_ids, meta.page_table, last)
-    logits, h, mtp_cache = family.draft(
-        model, hidden, following, positions, mtp_cache, first, mode, layers[0]
-    )
-    draft = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    drafts, position = [draft], positions[last]
-    sequence = jnp.where(live, meta.seq_ids[last], -1)
-    for layer in layers[1:]:
-        position = position + 1
-        step = StepMeta(jnp.where(position < limits, sequence, -1), meta.page_table, rows)
-        logits, h, mtp_cache = family.draft(model, h, draft, position, mtp_cache, step, mode, layer)
-        draft = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        drafts.append(draft)
-    return jnp.stack(drafts, axis=1), mtp_cache
 
 
 @dataclasses.dataclass
@@ -183,22 +56,15 @@ class StepResult:
 
 
 @dataclasses.dataclass
-class _Group:
-    """One dp group's share of a step, in group-local ids."""
+class InFlight:
+    """A launched step: its batch and its outputs on the device, not yet read."""
 
-    tokens: list = dataclasses.field(default_factory=list)
-    positions: list = dataclasses.field(default_factory=list)
-    seq_ids: list = dataclasses.field(default_factory=list)
-    logits_at: list = dataclasses.field(default_factory=list)  # K per row: its verify positions
-    rows: list = dataclasses.field(default_factory=list)  # (temperature, top_p, top_k, seed, counter)
-    banned: list = dataclasses.field(default_factory=list)  # K per row: token ids it must not emit there
-    penalties: list = dataclasses.field(
-        default_factory=list
-    )  # per row: (slot, presence, frequency, repetition, on)
-    targets: list = dataclasses.field(default_factory=list)  # next token of each scored token, else -1
-    proposed: list = dataclasses.field(default_factory=list)  # K per row: the draft tested there, else V
-    following: list = dataclasses.field(default_factory=list)  # per token: the next token if known, else 0
-    limits: list = dataclasses.field(default_factory=list)  # per row: positions it has pages for
+    batch: StepBatch
+    sampled: jax.Array  # [rows, K + 1 + N] int32: emitted ids | how many | next drafts
+    verified: Any  # the logprob fields are read only ``with_logprobs``
+    logits: jax.Array | None
+    scored: Scored | None
+    with_logprobs: bool
 
 
 class ModelRunner:
@@ -224,18 +90,25 @@ class ModelRunner:
         next-n layers, whose cache is ``mtp_cache``."""
         self.family, self.cfg, self.mesh, self.precision = family, cfg, mesh, precision
         self.state = ModelState(model)
-        # Without a mesh, the device state the steps carry (cache, penalty rows) is committed to the
-        # parameters' device, as the steps' outputs are: jit keys on commitment, so a first step
-        # over uncommitted zeros would compile once more than the steps after it.
+        # Without a mesh, the device state the steps carry (cache, penalty rows, slot tokens) is
+        # committed to the parameters' device, as the steps' outputs are: jit keys on commitment, so
+        # a first step over uncommitted zeros would compile once more than the steps after it.
         self.home = None if mesh is not None else self.state.leaves[0].sharding
         self.max_logprobs = max_logprobs
         self.page_size = page_size
         self.groups = groups
-        self.slots_per_group = max_num_seqs // groups
-        self.max_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.buckets = buckets(max_num_batched_tokens)
-        self.page_table = np.zeros((max_num_seqs, -(-max_model_len // self.page_size)), np.int32)
+        self.max_num_seqs = max_num_seqs
+        self.packer = BatchPacker(
+            family,
+            cfg,
+            page_size=page_size,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            groups=groups,
+            num_spec=num_spec,
+        )
+        self.buckets = self.packer.buckets
         self.modes = family.modes(cfg, max_model_len)
         self.cache = cache
         self.cache_axes = family.cache_spec(cfg).axes()
@@ -244,8 +117,7 @@ class ModelRunner:
         self.mtp_cache_axes = family.mtp_cache_spec(cfg).axes() if num_spec else {}
         # the next-n layer drafting each of the num_spec tokens (the model's layers in turn, as vLLM)
         self.draft_layers = tuple(i % max(len(getattr(model, "mtp", ())), 1) for i in range(num_spec))
-        self.max_num_seqs = max_num_seqs
-        self.penalty = PenaltyRows(max_num_seqs, cfg.vocab_size, groups, mesh, self._place, self.home)
+        self.reset_step_state()
         self._steps: dict[tuple, Any] = {}
 
     def _place(self, tree):
@@ -256,32 +128,30 @@ class ModelRunner:
             return tree
         return sharding.put(tree, self.mesh, sharding.batch_spec())
 
-    def reset_penalty_rows(self) -> None:
-        """Zeroed rows that no request owns, so each penalized request refills its own before it
-        samples again: after a failed step, which may have counted tokens in them or consumed them."""
+    def reset_step_state(self) -> None:
+        """Zeroed penalty rows that no request owns (each penalized request refills its own before
+        it samples again) and slot tokens: at start, and after a failed step, which may have
+        counted tokens in them or consumed them."""
         self.penalty = PenaltyRows(
             self.max_num_seqs, self.cfg.vocab_size, self.groups, self.mesh, self._place, self.home
         )
+        slots = np.zeros(self.max_num_seqs, np.int32)
+        self.slot_tokens = self._place(slots) if self.mesh is not None else jax.device_put(slots, self.home)
 
     def _compiled(self, mode, with_logits: bool):
         """The jitted step of one (mode, with_logits) variant: compiled once per bucket shape."""
         key = (mode, with_logits)
         if key not in self._steps:
-            fn = functools.partial(
-                _fused_step,
-                family=self.family,
-                state=self.state,
+            self._steps[key] = jit_fused_step(
+                self.family,
+                self.state,
+                self.mesh,
+                cache_axes=self.cache_axes,
+                mtp_cache_axes=self.mtp_cache_axes,
                 mode=mode,
                 with_logits=with_logits,
                 num_logprobs=self.max_logprobs,
                 layers=self.draft_layers,
-            )
-            self._steps[key] = sharding.jit_step(
-                fn,
-                self.mesh,
-                donate_argnums=(3, 4, 5),
-                in_axes=(self.state.axes, None, None, self.cache_axes, self.mtp_cache_axes),
-                out_axes=(None, None, None, None, self.cache_axes, self.mtp_cache_axes, None),
             )
         return self._steps[key]
 
@@ -289,88 +159,19 @@ class ModelRunner:
         """The context the step is traced in (the model's matmul precision, if it sets one)."""
         return self.precision() if self.precision else contextlib.nullcontext()
 
-    def _step_inputs(self, groups: list[_Group], *, mode, with_logits: bool, scoring: bool):
-        """-> (the jitted step, its arguments, R, T) for one step over ``groups``: the buffers padded to
-        the bucket of T tokens and R sampled rows, placed as the step takes them."""
-        T = bucket(max(len(g.tokens) for g in groups), cap=self.max_tokens)
-        R = min(T, self.slots_per_group)
-        K = self.num_spec + 1
-        V = self.cfg.vocab_size
+    def _args(self, batch: StepBatch) -> tuple:
+        carried = (self.cache, self.mtp_cache, self.penalty.state, self.slot_tokens)
+        return (self.state.leaves, *carried, self._place(batch.inputs))
 
-        def flat(field, n, fill, dtype=np.int32):
-            out = np.full((len(groups), n), fill, dtype)
-            for i, g in enumerate(groups):
-                values = getattr(g, field)
-                out[i, : len(values)] = values
-            return out.reshape(-1)
-
-        def per_row(field, col, fill, dtype):  # column ``col`` of each group's per-row tuples
-            out = np.full((len(groups), R), fill, dtype)
-            for i, g in enumerate(groups):
-                values = getattr(g, field)
-                out[i, : len(values)] = [r[col] for r in values]
-            return out.reshape(-1)
-
-        banned = np.full((len(groups), R * K, MAX_BANNED_TOKENS), V, np.int32)  # out of range: none
-        for i, g in enumerate(groups):
-            for j, ids in enumerate(g.banned):
-                banned[i, j, : len(ids)] = sorted(ids)
-
-        table = self.page_table[
-            :, : self.family.page_columns(self.cfg, mode, self.page_size, self.page_table.shape[1])
-        ]
-        verify_at = flat("logits_at", R * K, 0)
-        logits_at = np.tile(np.arange(T, dtype=np.int32), len(groups)) if scoring else verify_at
-        meta = StepMeta(flat("seq_ids", T, -1), np.array(table), logits_at)
-        # (slot, presence, frequency, repetition, on); padding rows neutral: slot 0, 0, 0, 1, off
-        neutral = ((0, np.int32), (0, np.float32), (0, np.float32), (1, np.float32), (False, bool))
-        penalty_rows = tuple(per_row("penalties", c, fill, dt) for c, (fill, dt) in enumerate(neutral))
-        drafting = (flat("following", T, 0), flat("limits", R, 0)) if self.num_spec else ()
-        args = (
-            flat("tokens", T, 0),
-            flat("positions", T, 0),
-            meta,
-            per_row("rows", 0, 0, np.float32),
-            per_row("rows", 1, 1, np.float32),
-            per_row("rows", 2, 0, np.int32),
-            per_row("rows", 3, 0, np.int32),
-            per_row("rows", 4, 0, np.int32),
-            banned.reshape(-1, MAX_BANNED_TOKENS),
-            penalty_rows,
-            flat("proposed", R * K, V).reshape(-1, K),
-            drafting,
-            (flat("targets", T, -1), verify_at) if scoring else (),
-        )
-        tokens, positions, meta, *rest = self._place(args)
-        state = (self.state.leaves, tokens, positions, self.cache, self.mtp_cache, self.penalty.state)
-        return self._compiled(mode, with_logits), (*state, meta, *rest), R, T
-
-    def _call(
-        self,
-        groups: list[_Group],
-        *,
-        mode,
-        with_logits: bool,
-        with_logprobs: bool = False,
-        scoring: bool = False,
-    ):
-        """-> (Verified [groups, R, K, ...], drafts [groups, R, N], logits [groups, R, K, V] or None,
-        Scored [groups, T, ...] or None) on the host; the logprob fields of Verified are None unless
-        asked for."""
-        fn, args, R, T = self._step_inputs(groups, mode=mode, with_logits=with_logits, scoring=scoring)
+    def _dispatch(self, batch: StepBatch, with_logits: bool):
+        """Run ``batch`` on the device (asynchronously); the carried state moves on to its outputs."""
+        fn = self._compiled(batch.mode, with_logits)
         with self._precision():
-            verified, drafts, logits, scored, self.cache, self.mtp_cache, self.penalty.state = fn(*args)
-        rows = lambda a, *n: sharding.fetch(a).reshape(len(groups), *n, *a.shape[1:])  # noqa: E731
-        head = (rows(verified.tokens, R), rows(verified.num_emitted, R))
-        tail = map(lambda a: rows(a, R), verified[2:]) if with_logprobs else (None,) * 3
-        fetched = Verified(*head, *tail)
-        logits = (
-            sharding.fetch(logits).reshape(len(groups), R, self.num_spec + 1, -1) if with_logits else None
-        )
-        scored = Scored(*(rows(a, T) for a in scored)) if scoring else None
-        return fetched, rows(drafts, R), logits, scored
+            verified, drafts, logits, scored, *carried = fn(*self._args(batch))
+        self.cache, self.mtp_cache, self.penalty.state, self.slot_tokens = carried
+        return verified, drafts, logits, scored
 
-    def run(
+    def launch(
         self,
         segments: list[Segment],
         seeds: dict[str, int],
@@ -379,81 +180,43 @@ class ModelRunner:
         with_logprobs: bool = False,
         score: frozenset[str] = frozenset(),
         banned: dict[str, frozenset[int]] | None = None,
-    ) -> StepResult:
-        """Run one step; ``with_logits`` / ``with_logprobs`` fetch those rows as well. The tokens of
-        requests in ``score`` are scored against the token after each (prompt logprobs); requests
-        in ``banned`` cannot emit the tokens listed for them while their output is shorter than
-        their ``min_tokens``."""
-        banned = banned or {}
-        K, V = self.num_spec + 1, self.cfg.vocab_size
-        groups = [_Group() for _ in range(self.groups)]
-        where = []  # (group, row) of each sampling segment
-        spans = []  # (group, first token) of each segment
-        for s in segments:
-            r = s.request
-            gi = r.slot // self.slots_per_group
-            g = groups[gi]
-            self.page_table[r.slot, : len(r.pages)] = r.pages
-            spans.append((gi, len(g.tokens)))
-            tokens = r.tokens + list(s.drafts)
-            end = s.start + s.num_run
-            if score:  # the next token of each scored one, else -1 (decode steps skip this)
-                scored = r.request_id in score
-                g.targets += [
-                    tokens[p + 1] if scored and p + 1 < len(tokens) else -1 for p in range(s.start, end)
-                ]
-            g.tokens += tokens[s.start : end]
-            g.positions += range(s.start, end)
-            g.seq_ids += [r.slot - gi * self.slots_per_group] * s.num_run
-            if self.num_spec:
-                g.following += [tokens[p + 1] if p + 1 < len(tokens) else 0 for p in range(s.start, end)]
-            if s.samples:
-                n = len(s.drafts)
-                last = len(g.tokens) - 1 - n  # the request's last token; its drafts follow
-                g.logits_at += [last + min(j, n) for j in range(K)]
-                g.proposed += list(s.drafts) + [V] * (K - n)
-                sp = r.sampling
-                g.rows.append((sp.temperature, sp.top_p, sp.top_k, seeds[r.request_id], len(r.output)))
-                ids = banned.get(r.request_id, ())
-                g.banned += [ids if len(r.output) + j < sp.min_tokens else () for j in range(K)]
-                g.penalties.append(
-                    (
-                        r.slot - gi * self.slots_per_group,
-                        sp.presence_penalty,
-                        sp.frequency_penalty,
-                        sp.repetition_penalty,
-                        sp.penalized,
-                    )
-                )
-                g.limits.append(min(len(r.pages) * self.page_size, self.max_model_len))
-                where.append((gi, len(g.rows) - 1))
-        # the drafts of this step reach num_spec - 1 positions past its last verified one
-        furthest = max(p for g in groups for p in g.positions) + max(self.num_spec - 1, 0)
-        mode = self.family.step_mode(self.cfg, max_position=furthest)
-        scoring = any(s.request.request_id in score for s in segments)
-        penalized = [s.request for s in segments if s.samples and s.request.sampling.penalized]
-        if penalized:
-            self.penalty.seat(penalized)
-        verified, drafts, logits, scored = self._call(
-            groups, mode=mode, with_logits=with_logits, with_logprobs=with_logprobs, scoring=scoring
-        )
-        at = tuple(np.asarray(where, np.intp).reshape(-1, 2).T)  # (group, row) of each sampled segment
-        pick = lambda a: None if a is None else a[at]  # noqa: E731
-        result = StepResult(
-            pick(verified.tokens),
-            pick(verified.num_emitted),
-            pick(drafts),
-            pick(logits),
-            *map(pick, verified[2:]),
-        )
-        if scoring:
+    ) -> InFlight:
+        """Launch one step over ``segments``; ``with_logits`` / ``with_logprobs``: its results will
+        carry those rows as well. The tokens of requests in ``score`` are scored against the token
+        after each (prompt logprobs); requests in ``banned`` cannot emit the tokens listed for them
+        while their output is shorter than their ``min_tokens``."""
+        batch = self.packer.pack(segments, seeds, score=score, banned=banned or {})
+        if batch.penalized:
+            self.penalty.seat(batch.penalized)
+        verified, drafts, logits, scored = self._dispatch(batch, with_logits)
+        sampled = jnp.concatenate([verified.tokens, verified.num_emitted[:, None], drafts], axis=1)
+        sampled.copy_to_host_async()  # the copy starts when the step ends, not when it is fetched
+        return InFlight(batch, sampled, verified, logits if with_logits else None, scored, with_logprobs)
+
+    def fetch(self, flight: InFlight) -> StepResult:
+        """Wait for a launched step and read what the engine needs of it."""
+        batch, G, K = flight.batch, self.groups, self.num_spec + 1
+        rows = lambda a, n: sharding.fetch(a).reshape(G, n, *a.shape[1:])  # noqa: E731
+        sampled = rows(flight.sampled, batch.R)[batch.where]
+        result = StepResult(sampled[:, :K], sampled[:, K], sampled[:, K + 1 :])
+        if flight.logits is not None:
+            result.logits = sharding.fetch(flight.logits).reshape(G, batch.R, K, -1)[batch.where]
+        if flight.with_logprobs:
+            v = flight.verified
+            result.logprobs, result.top_ids, result.top_logprobs = (
+                rows(a, batch.R)[batch.where] for a in (v.logprobs, v.top_ids, v.top_logprobs)
+            )
+        if batch.scoring:
+            scored = Scored(*(rows(a, batch.T) for a in flight.scored))
             result.scores = [
-                Scored(*(a[gi, start : start + s.length] for a in scored))
-                if s.request.request_id in score
-                else None
-                for s, (gi, start) in zip(segments, spans)
+                None if span is None else Scored(*(a[span[0], span[1] : span[1] + span[2]] for a in scored))
+                for span in batch.spans
             ]
         return result
+
+    def run(self, segments: list[Segment], seeds: dict[str, int], **kwargs) -> StepResult:
+        """Launch one step and wait for its results (:meth:`launch`'s arguments)."""
+        return self.fetch(self.launch(segments, seeds, **kwargs))
 
     def warmup(self, report: Callable[[int, int], None] | None = None) -> dict[tuple, float]:
         """Compile every bucket in every step mode the family can meet, then run each once; returns
@@ -465,14 +228,11 @@ class ModelRunner:
         reuses what ``lower(...).compile()`` built for the same arguments, so the runs that follow
         (all padding: slot -1 writes are dropped, nothing reaches the cache) compile nothing."""
         variants = [(b, mode) for mode in self.modes for b in self.buckets]
-        padding = lambda b: [  # noqa: E731
-            _Group(tokens=[0] * b, positions=[0] * b, seq_ids=[-1] * b) for _ in range(self.groups)
-        ]
         lowered = []
         for b, mode in variants:
-            fn, args, _, _ = self._step_inputs(padding(b), mode=mode, with_logits=False, scoring=False)
+            batch = self.packer.padding(b, mode)
             with self._precision():
-                lowered.append(fn.lower(*args))
+                lowered.append(self._compiled(mode, False).lower(*self._args(batch)))
 
         def compile_one(step) -> float:
             start = time.perf_counter()
@@ -487,5 +247,47 @@ class ModelRunner:
                 if report:
                     report(done, len(variants))
         for b, mode in variants:
-            self._call(padding(b), mode=mode, with_logits=False)
+            outputs = self._dispatch(self.packer.padding(b, mode), False)
+        jax.block_until_ready(outputs)
         return {variant: seconds[variant] for variant in variants}
+
+    def score(self, model: nnx.Module, token_ids: Sequence[int], dtype) -> np.ndarray:
+        """Logits [len(token_ids), vocab] (float32) of one forward of ``model`` (the module tree as it
+        is now, not the one the steps were built from) over one sequence, in a cache of its own.
+        On a data-parallel mesh the sequence runs in dp group 0; the other groups get padding."""
+        ids = list(token_ids)
+        if not ids:
+            raise ValueError("token_ids is empty")
+        G = self.groups
+        T, pages = bucket(len(ids)), bucket(-(-len(ids) // self.page_size))
+        group = lambda first, fill: np.asarray(  # noqa: E731
+            list(first) + [fill] * (T - len(ids)) + [fill] * (T * (G - 1)), np.int32
+        )
+        spec = self.family.cache_spec(self.cfg)
+        placed = self.home
+        if self.mesh is not None:
+            placed = {
+                k: jax.sharding.NamedSharding(self.mesh, sharding.spec(a)) for k, a in self.cache_axes.items()
+            }
+        cache = init_cache(spec, pages * G, self.page_size, dtype, num_seqs=G, sharding=placed)
+        meta = StepMeta(
+            seq_ids=group([0] * len(ids), -1),
+            page_table=np.tile(np.arange(pages, dtype=np.int32), (G, 1)),
+            logits_indices=np.tile(np.arange(T, dtype=np.int32), G),
+        )
+        state = ModelState(model)
+        mode = self.family.step_mode(self.cfg, max_position=len(ids) - 1, single_sequence=True)
+        fn = jit_sequence_logits(
+            self.family,
+            state.graphdef,
+            state.treedef,
+            state.axes,
+            tuple(self.cache_axes.items()),
+            mode,
+            self.mesh,
+        )
+        with self._precision():
+            logits, _ = fn(
+                state.leaves, cache, *self._place((group(ids, 0), group(range(len(ids)), 0), meta))
+            )
+        return sharding.fetch(logits)[: len(ids)]

@@ -22,6 +22,13 @@ positions past its end for the drafts of the next step.
 
 A step can be restricted to some requests (``schedule(only=...)``): the engine does this while it
 looks for the request that breaks its steps (:mod:`.isolation`); the others keep their state.
+
+Under async scheduling the next step is scheduled while the last one still runs: a request that
+sampled in it has a *pending* token (:attr:`Request.pending`) whose value the host learns later.
+The scheduler counts it as a token (its position is known) and decodes it next; a request whose
+pending token is its last by length is not scheduled again, and a preempted one waits until its
+pending token has arrived. :meth:`advance` moves a request's computed tokens on when its step is
+launched, :meth:`commit` registers its filled pages once the step's results are in.
 """
 
 from __future__ import annotations
@@ -38,13 +45,20 @@ from jaxdsa.engine.request import FinishReason, Request, Status
 class Segment:
     """Run ``request.tokens[start:start+length]``; sample after it if it reaches the end. With
     speculative decoding a decode segment also runs the request's ``drafts`` after its last token;
-    the engine sets ``accepted`` to how many of them the step kept before :meth:`Scheduler.commit`."""
+    the engine sets ``accepted`` to how many of them the step kept before :meth:`Scheduler.advance`.
+    ``epoch`` is the request's preemption count when it was scheduled: a segment of a request
+    preempted since then no longer describes its cache."""
 
     request: Request
     start: int
     length: int
     drafts: tuple[int, ...] = ()
     accepted: int = 0
+    epoch: int = 0
+    samples: bool = dataclasses.field(init=False)  # whether it reaches the request's end (as scheduled)
+
+    def __post_init__(self):
+        self.samples = self.start + self.length == self.request.num_tokens
 
     @property
     def num_run(self) -> int:
@@ -52,8 +66,10 @@ class Segment:
         return self.length + len(self.drafts)
 
     @property
-    def samples(self) -> bool:
-        return self.start + self.length == self.request.num_tokens
+    def current(self) -> bool:
+        """Whether the request still runs on the cache this segment wrote (not finished, not
+        preempted since it was scheduled)."""
+        return self.request.status is Status.RUNNING and self.request.num_preemptions == self.epoch
 
 
 class Scheduler:
@@ -141,6 +157,13 @@ class Scheduler:
             end = min(end + self.lookahead, self.max_len or end + self.lookahead)
         return end
 
+    def _ends_pending(self, request: Request) -> bool:
+        """Whether the request's pending token is its last: it reaches max_tokens or max_len."""
+        return bool(request.pending) and (
+            request.num_output >= request.sampling.max_tokens
+            or (self.max_len is not None and request.num_tokens >= self.max_len)
+        )
+
     def _pages_needed(self, request: Request, upto: int) -> int:
         return max(0, -(-upto // self.page_size) - len(request.pages))
 
@@ -203,6 +226,8 @@ class Scheduler:
                 break
             if request.status is not Status.RUNNING or (only is not None and request not in only):
                 continue  # preempted earlier in this loop, or held back
+            if self._ends_pending(request):
+                continue  # its pending token ends it: nothing left to run
             n = min(request.remaining, budget)
             drafts = tuple(request.draft[: budget - 1]) if request.remaining == 1 else ()
             span = self._span(request, request.num_computed, n + len(drafts))
@@ -223,12 +248,12 @@ class Scheduler:
                     break
             if request.status is not Status.RUNNING or self._pages_needed(request, span):
                 continue
-            segments.append(Segment(request, request.num_computed, n, drafts))
+            segments.append(Segment(request, request.num_computed, n, drafts, epoch=request.num_preemptions))
             scheduled.add(id(request))
             budget -= n + len(drafts)
         for request in [r for r in self.waiting if only is None or r in only]:
-            if budget == 0:
-                break
+            if budget == 0 or request.pending:
+                break  # a preempted request waits for its pending token (first come, first served)
             admission = self._admission(request, budget)
             if admission is None:
                 break  # first come, first served: do not let later requests overtake
@@ -243,24 +268,33 @@ class Scheduler:
             request.slot = self._free_slots[group].pop()
             request.status = Status.RUNNING
             self.running.append(request)
-            segments.append(Segment(request, request.num_computed, n))
+            segments.append(Segment(request, request.num_computed, n, epoch=request.num_preemptions))
             budget -= n
         return segments
 
-    def commit(self, segments: list[Segment]) -> None:
-        """The model ran these segments: their tokens (and the drafts it accepted, which the engine
-        has appended to the output) are now in the cache."""
+    def advance(self, segments: list[Segment]) -> None:
+        """A step holding these segments was launched: their tokens (and the drafts it accepted,
+        which the engine has then appended to the output) count as computed from now on."""
         for s in segments:
-            s.request.num_computed = s.start + s.length + s.accepted
-            if self.prefix_caching:
-                self._register_full_pages(s.request)
+            if s.current:
+                s.request.num_computed = s.start + s.length + s.accepted
+
+    def commit(self, segments: list[Segment]) -> None:
+        """Pages the segments filled join the prefix cache once every token in them is known: at
+        launch for prompt chunks (a later step that shares them runs after this one on the device),
+        at the step's results for a page a pending token completes. Idempotent."""
+        if self.prefix_caching:
+            for s in segments:
+                if s.current:
+                    self._register_full_pages(s.request)
 
     def _register_full_pages(self, request: Request) -> None:
         size = self.page_size
-        if request.num_computed // size == len(request.block_ids):
+        full = min(request.num_computed, len(request.prompt) + len(request.output)) // size
+        if full <= len(request.block_ids):
             return  # no page filled up (most decode steps): skip building the token list
         allocator, tokens = self.allocators[self.group_of(request)], request.tokens
-        for i in range(len(request.block_ids), request.num_computed // size):
+        for i in range(len(request.block_ids), full):
             parent = request.block_ids[-1] if request.block_ids else -1
             request.block_ids.append(
                 allocator.register(parent, tokens[i * size : (i + 1) * size], request.pages[i])

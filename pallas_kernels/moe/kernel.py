@@ -10,7 +10,9 @@ Four steps, all inside the caller's jit (:func:`route`, :func:`gate_up`, :func:`
    ``x`` straight from ``[T, D]`` (no permuted copy of the activations), multiplies them with the
    expert's gate and up tiles in one K loop (two f32 accumulators), and applies the clamp and
    SwiGLU in the epilogue, writing ``act`` in block-padded row order (padding rows inside the
-   row tile are exactly 0).
+   row tile are exactly 0). With ``splits`` > 1 (decode: a handful of experts, too few programs
+   to fill the GPU) each (block, N tile) is split over K: the programs write float32 partial sums
+   of gate and up, and one XLA fusion adds them and applies the clamp and SwiGLU.
 3. ``down`` kernel: one program per (block, D tile); ``act @ down_e``, rows scattered back to
    slot order ``[T * k, D]``.
 4. The weighted sum over the k slots of a token: one XLA fusion.
@@ -71,11 +73,12 @@ def _fit(block: int, dim: int, what: str, floor: int = 16) -> int:
     return b
 
 
-def _block_and_tile(meta_ref, n_tiles: int) -> tuple[jax.Array, jax.Array]:
-    """(block, output tile) of this program. An expert owning blocks ``[s, s + c)`` owns programs
-    ``[s * n_tiles, (s + c) * n_tiles)``; inside that range the block index runs fastest, so the
-    ``c`` programs that read the same weight tile are adjacent in launch order."""
-    pid = pl.program_id(0)
+def _block_and_tile(meta_ref, n_tiles: int, pid=None) -> tuple[jax.Array, jax.Array]:
+    """(block, output tile) of this program (or of program ``pid``). An expert owning blocks
+    ``[s, s + c)`` owns programs ``[s * n_tiles, (s + c) * n_tiles)``; inside that range the block
+    index runs fastest, so the ``c`` programs that read the same weight tile are adjacent in
+    launch order."""
+    pid = pl.program_id(0) if pid is None else pid
     owner = pid // n_tiles  # some block of the same expert
     start, count = meta_ref[_SPAN_START, owner], meta_ref[_SPAN_LEN, owner]
     local = pid - start * n_tiles
@@ -142,15 +145,18 @@ def _gate_up_kernel(
     block_n: int,
     block_k: int,
     n_tiles: int,
+    splits: int,
     swiglu_limit: float | None,
     precision,
 ):
     *w_refs, act_ref = refs
     layer, w_refs = tiles.layer_lead(w_spec, w_refs)
-    block, tile = _block_and_tile(meta_ref, n_tiles)
+    n_programs = pl.num_programs(0) // splits
+    split, pid = pl.program_id(0) // n_programs, pl.program_id(0) % n_programs
+    block, tile = _block_and_tile(meta_ref, n_tiles, pid)
     n0 = pl.multiple_of(tile * block_n, block_n)
     lead = (*layer, meta_ref[_EXPERT, block])
-    d_model = x_ref.shape[1]
+    k_steps = x_ref.shape[1] // block_k // splits  # this program's share of the K loop
 
     def run(m: int, extra: int) -> None:
         groups = _row_groups(block, block_m, m, extra)
@@ -160,7 +166,7 @@ def _gate_up_kernel(
             gathers.append((jnp.where(slots >= 0, slots // top_k, 0), slots >= 0))
 
         def step(i, acc):
-            k0 = pl.multiple_of(i * block_k, block_k)
+            k0 = pl.multiple_of((split * k_steps + i) * block_k, block_k)
             tile_at = lambda n: tiles.pieces(w_spec, w_refs, lead, k0, n, block_k, block_n, x_ref.dtype)  # noqa: E731
             for (offset, length, w_gate), (_, _, w_up) in zip(tile_at(n0), tile_at(n_inter + n0)):
                 cols = k0 + offset + jnp.arange(length, dtype=jnp.int32)
@@ -174,14 +180,23 @@ def _gate_up_kernel(
             return acc
 
         zeros = tuple((jnp.zeros((n, block_n), jnp.float32),) * 2 for _, n in groups)
-        acc = jax.lax.fori_loop(0, d_model // block_k, step, zeros)
+        acc = jax.lax.fori_loop(0, k_steps, step, zeros)
         for (rows, _), (gate, up) in zip(groups, acc):
-            if swiglu_limit is not None:
-                gate = jnp.minimum(gate, swiglu_limit)
-                up = jnp.clip(up, -swiglu_limit, swiglu_limit)
-            act_ref[rows, pl.ds(n0, block_n)] = (jax.nn.silu(gate) * up).astype(act_ref.dtype)
+            if splits > 1:  # partial sums: the SwiGLU waits for every split (:func:`gate_up`)
+                act_ref[split, rows, pl.ds(n0, block_n)] = gate
+                act_ref[split, rows, pl.ds(n_inter + n0, block_n)] = up
+            else:
+                act_ref[rows, pl.ds(n0, block_n)] = _swiglu(gate, up, swiglu_limit).astype(act_ref.dtype)
 
     _with_row_tiles(meta_ref, block, block_m=block_m, min_m=min_m, absorb_m=absorb_m, body=run)
+
+
+def _swiglu(gate, up, limit: float | None):
+    """silu(gate) * up, with gate clamped to <= limit and up to [-limit, limit] (V4's clamp)."""
+    if limit is not None:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
 
 
 def _down_kernel(
@@ -308,6 +323,7 @@ def default_config(x: jax.Array, topk_ids: jax.Array, experts: dict) -> tuning.M
         itemsize=(x if quantized else w).dtype.itemsize,
         weight_bits=(4 if w.packed else 8) if quantized else None,
         kpack=w.kpack if quantized else 0,
+        n_out=w.shape[-1] // 2,
     )
 
 
@@ -363,8 +379,10 @@ def gate_up(
     n_inter, bm = two_n // 2, cfg.block_m
     block_n = _fit(cfg.gate_up.block_n, n_inter, "N")
     block_k = _fit(max(cfg.gate_up.block_k, k_floor), d_model, "D", k_floor)
+    splits = _k_splits(cfg.splits, d_model // block_k)
     n_blocks, n_tiles = bmap.block_expert.shape[0], n_inter // block_n
-    return pl.pallas_call(
+    rows = n_blocks * bm
+    out = pl.pallas_call(
         functools.partial(
             _gate_up_kernel,
             w_spec=spec,
@@ -376,15 +394,31 @@ def gate_up(
             block_n=block_n,
             block_k=block_k,
             n_tiles=n_tiles,
+            splits=splits,
             swiglu_limit=swiglu_limit,
             precision=_precision(dtype),
         ),
-        out_shape=jax.ShapeDtypeStruct((n_blocks * bm, n_inter), dtype),
-        grid=(n_blocks * n_tiles,),
+        out_shape=jax.ShapeDtypeStruct((splits, rows, two_n), jnp.float32)
+        if splits > 1
+        else jax.ShapeDtypeStruct((rows, n_inter), dtype),
+        grid=(n_blocks * n_tiles * splits,),
         compiler_params=compiler_params(cfg.gate_up.num_warps, cfg.gate_up.num_stages),
         interpret=interpret,
         name="moe_gate_up",
     )(_metadata(bmap), bmap.row_slot, x.astype(dtype), *arrays)
+    if splits == 1:
+        return out
+    # Rows of blocks no program ran hold whatever the buffer held: the down kernel never reads them.
+    summed = out.sum(axis=0)
+    return _swiglu(summed[:, :n_inter], summed[:, n_inter:], swiglu_limit).astype(dtype)
+
+
+def _k_splits(splits: int, k_steps: int) -> int:
+    """The largest power of two <= ``splits`` that divides the K loop's steps."""
+    s = 1
+    while 2 * s <= splits and k_steps % (2 * s) == 0:
+        s *= 2
+    return s
 
 
 def down(

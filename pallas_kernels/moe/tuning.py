@@ -38,6 +38,14 @@ blocks and the stream tiles up to 64 slots per expert on average (``stream_4bit_
 at top-8 of 256), where four passes catch up with one (T = 4096: 15.3 ms against 13.0;
 ``benchmarks/results/quant-h100-int4-block-m.md``).
 
+Decode batches of quantized experts split the gate|up kernel over K when its grid would not fill
+the GPU (``splits``, :func:`k_splits`): one token at top-8 meets 8 experts, and at TP 4 an expert's
+1024 gate|up columns are 4 tiles of 128, 32 programs for 132 SMs. Split 4 ways (float32 partial
+sums, the SwiGLU after their sum in one XLA fusion) the routed experts of one token took 45 vs 89
+us (INT4) and 56 vs 132 us (FP4) on H100 at GLM-5's TP-4 widths; at T = 8 (256 programs already)
+splits gained nothing (``benchmarks/results/quant-h100-tp4-splits.md``). The rule is the grid's, so
+every part takes it with its own SM count.
+
 sm_100 and the other parts keep their reasoned starting points (one tile set for ``few`` and
 ``stream``) until ``benchmarks/moe.py`` has been run on them. Every choice is then fitted to the
 shared memory at the operand itemsize (:func:`smem_bytes`), so float32 gets fewer stages or
@@ -73,6 +81,7 @@ class MoeConfig:
     down: Tile
     min_block_m: int = 16  # smallest row tile a partly filled block shrinks to (block_m: never)
     absorb_m: int = 16  # an expert's last block with <= this many rows rides on the block before (0: never)
+    splits: int = 1  # K splits of the gate|up kernel (partial sums added by XLA before the SwiGLU)
 
 
 Tiles = tuple[Tile, Tile]  # (gate|up, down)
@@ -84,6 +93,7 @@ class _Entry:
     stream: Tiles
     compute: Tiles
     max_block_m: int = 64
+    sms: int = 132  # streaming multiprocessors (the K-split rule fills about one wave)
     warps_4bit: int | None = None  # few / stream tiles with 4-bit weights: warps (None: as the tiles)
     stages_4bit: int | None = None  # ... and stages (None: as the tiles)
     # 4-bit weights keep 32-row blocks and the stream tiles until the mean slots per expert pass
@@ -107,16 +117,19 @@ _BIG_SMEM = _Entry(  # sm_100: ~227 KiB
     few=(Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
     stream=(Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
     compute=(Tile(128, 64, 8, 3), Tile(128, 64, 4, 4)),
+    sms=148,
 )
 _A100 = _Entry(  # 163 KiB
     few=(Tile(64, 128, 4, 3), Tile(64, 128, 4, 4)),
     stream=(Tile(64, 128, 4, 3), Tile(64, 128, 4, 4)),
     compute=(Tile(128, 64, 8, 3), Tile(128, 64, 4, 4)),
+    sms=108,
 )
 _SMALL_SMEM = _Entry(  # 99 KiB consumer parts
     few=(Tile(64, 64, 4, 4), Tile(64, 128, 4, 3)),
     stream=(Tile(64, 64, 4, 4), Tile(64, 128, 4, 3)),
     compute=(Tile(64, 64, 4, 3), Tile(128, 64, 4, 3)),
+    sms=84,
 )
 
 TABLE: dict[int, _Entry] = {
@@ -134,6 +147,20 @@ DEFAULT = _SMALL_SMEM
 # Shrink order when a tile does not fit: stages (down to 2), K step, N tile, the last stage.
 _KNOBS = (("num_stages", 2), ("block_k", 16), ("block_n", 16), ("num_stages", 1))
 _KNOBS_4BIT = (("num_stages", 2), ("block_k", 64), ("block_n", 16), ("num_stages", 1))  # whole packed chunks
+
+
+MAX_SPLITS = 4
+
+
+def k_splits(num_slots: int, num_experts: int, n_out: int | None, block_n: int, sms: int) -> int:
+    """gate|up K splits for a batch with fewer slots than experts: doubled while the grid (about one
+    block per slot, times the N tiles) would still fit one wave of programs, up to MAX_SPLITS."""
+    if n_out is None or num_slots >= num_experts:
+        return 1
+    programs, splits = num_slots * max(n_out // block_n, 1), 1
+    while splits < MAX_SPLITS and 2 * programs * splits <= sms:
+        splits *= 2
+    return splits
 
 
 def block_m_for(num_slots: int, num_experts: int, max_block_m: int) -> int:
@@ -171,11 +198,13 @@ def choose(
     cc: int | None = None,
     weight_bits: int | None = None,
     kpack: int = 0,
+    n_out: int | None = None,
 ) -> MoeConfig:
     """Config for ``num_slots`` (= T * top_k) token slots over ``num_experts`` experts with
     ``itemsize``-byte activations (and weights, when dense). Quantized experts (``weight_bits`` 8 or
     4) take the same tiles, 4-bit ones with twice the K step (the same bytes per load) and at least
-    one packed chunk (``kpack`` rows), shrunk to fit with their own estimate."""
+    one packed chunk (``kpack`` rows), shrunk to fit with their own estimate; with ``n_out`` (each
+    expert's gate|up columns, N) their decode batches split gate|up over K (:func:`k_splits`)."""
     cc = compute_capability() if cc is None else cc
     e = TABLE.get(cc, DEFAULT)
     block_m = block_m_for(num_slots, num_experts, e.max_block_m)
@@ -204,7 +233,11 @@ def choose(
 
     while True:  # smaller blocks as a last resort: float32 activations with 256-row word chunks
         try:
-            return MoeConfig(block_m, fit(gate_up, 2, block_m), fit(down, 1, block_m))
+            gate_up_tile = fit(gate_up, 2, block_m)
+            splits = (
+                k_splits(num_slots, num_experts, n_out, gate_up_tile.block_n, e.sms) if weight_bits else 1
+            )
+            return MoeConfig(block_m, gate_up_tile, fit(down, 1, block_m), splits=splits)
         except ValueError:
             if block_m <= 16:
                 raise

@@ -22,14 +22,16 @@ def run_step(sched):
     budget = sum(s.length for s in segments)
     assert budget <= sched.max_num_batched_tokens
     assert len({id(s.request) for s in segments}) == len(segments)
-    sched.commit(segments)
+    sched.advance(segments)
+    sampled = [s.request for s in segments if s.samples]
     for s in segments:
-        r = s.request
-        assert len(r.pages) * sched.page_size >= r.num_computed  # its tokens have pages
-        if s.samples:
-            r.output.append(7)
-            if len(r.output) >= r.sampling.max_tokens:
-                sched.finish(r, FinishReason.LENGTH)
+        assert len(s.request.pages) * sched.page_size >= s.request.num_computed  # its tokens have pages
+    for r in sampled:
+        r.output.append(7)
+    sched.commit(segments)
+    for r in sampled:
+        if len(r.output) >= r.sampling.max_tokens:
+            sched.finish(r, FinishReason.LENGTH)
     return segments
 
 

@@ -131,24 +131,48 @@ def inject_unchecked(engine: Engine, monkeypatch, request_id: str, prompt, sampl
 def fail_after_donation(engine: Engine, monkeypatch, poisoned: str) -> None:
     """Steps holding ``poisoned`` fail as a device error would: the donated cache and penalty rows
     are gone."""
-    run = engine.runner.run
+    launch = engine.runner.launch
 
-    def run_or_fail(segments, *args, **kwargs):
+    def launch_or_fail(segments, *args, **kwargs):
         if any(s.request.request_id == poisoned for s in segments):
             p = engine.runner.penalty
             for a in [*jax.tree.leaves(engine.runner.cache), p.counts, p.in_prompt, p.bias]:
                 a.delete()
             raise RuntimeError("device fault")
-        return run(segments, *args, **kwargs)
+        return launch(segments, *args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "run", run_or_fail)
+    monkeypatch.setattr(engine.runner, "launch", launch_or_fail)
 
 
-@pytest.mark.parametrize("where", ["host", "device"])
+def fail_when_read(engine: Engine, monkeypatch, poisoned: str) -> None:
+    """Steps holding ``poisoned`` fail when their results are read, as an error on the device
+    surfaces: under async scheduling the step after it is running by then, on the cache it lost."""
+    launch, fetch, bad = engine.runner.launch, engine.runner.fetch, set()
+
+    def launch_and_note(segments, *args, **kwargs):
+        flight = launch(segments, *args, **kwargs)
+        if any(s.request.request_id == poisoned for s in segments):
+            bad.add(id(flight))
+        return flight
+
+    def fetch_or_fail(flight):
+        if id(flight) in bad:
+            jax.block_until_ready(jax.tree.leaves(engine.runner.cache))
+            for a in jax.tree.leaves(engine.runner.cache):
+                a.delete()
+            raise RuntimeError("device fault")
+        return fetch(flight)
+
+    monkeypatch.setattr(engine.runner, "launch", launch_and_note)
+    monkeypatch.setattr(engine.runner, "fetch", fetch_or_fail)
+
+
+@pytest.mark.parametrize("where", ["host", "device", "read"])
 def test_a_failing_request_in_a_running_batch_fails_alone(llm, prompts, expected, monkeypatch, where):
     """Four requests decode together; a bad one joins mid-way. It fails with a clear error; the four
     finish with the tokens they have without it, whether the step failed before reaching the
-    device (the cache intact) or after donating the cache (every running request recomputed)."""
+    device (the cache intact), after donating the cache, or when its results were read, with the
+    next step already launched (every running request recomputed in both)."""
     engine = make_engine(llm, max_num_seqs=8)
     tokens, errors = {}, {}
     for rid, sp in GOOD.items():
@@ -159,13 +183,13 @@ def test_a_failing_request_in_a_running_batch_fails_alone(llm, prompts, expected
         inject_unchecked(engine, monkeypatch, "bad", prompts["b"], POISON)
     else:
         engine.add_request("bad", prompts["b"], SamplingParams(max_tokens=8))
-        fail_after_donation(engine, monkeypatch, "bad")
+        (fail_after_donation if where == "device" else fail_when_read)(engine, monkeypatch, "bad")
     drain(engine, tokens, errors)
     assert list(errors) == ["bad"] and "engine step failed for this request" in errors["bad"]
     assert ("OverflowError" if where == "host" else "device fault") in errors["bad"]
     assert {rid: tokens[rid] for rid in GOOD} == expected and "bad" not in tokens
     assert engine.num_failed_steps >= 1 and not engine.requests
-    if where == "device":
+    if where != "host":
         assert engine.scheduler.num_preemptions >= len(GOOD)  # recomputed after the cache was lost
     assert engine.scheduler.pages_used == 0
 
@@ -191,7 +215,7 @@ def test_bad_requests_among_many_are_found_by_bisection(llm, prompts, expected, 
 def test_a_step_that_always_fails_fails_each_request_and_the_engine_serves_on(llm, prompts, monkeypatch):
     engine = make_engine(llm)
     with monkeypatch.context() as m:
-        m.setattr(engine.runner, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost")))
+        m.setattr(engine.runner, "launch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost")))
         tokens, errors = serve(engine, {rid: (prompts[rid], sp) for rid, sp in GOOD.items()})
     assert sorted(errors) == sorted(GOOD) and not tokens
     assert all("device lost" in e for e in errors.values())

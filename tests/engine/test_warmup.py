@@ -47,7 +47,7 @@ def step_lowerings():
     lowered = []
 
     def listen(event: str, duration: float, **kwargs) -> None:
-        if event == LOWERING and "_fused_step" in str(kwargs.get("fun_name")):
+        if event == LOWERING and "fused_step" in str(kwargs.get("fun_name")):
             lowered.append(kwargs["fun_name"])
 
     jax.monitoring.register_event_duration_secs_listener(listen)

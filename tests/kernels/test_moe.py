@@ -7,6 +7,7 @@ out-of-range ids). The GLM-5 production shapes are only lowered (Pallas -> Trito
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -94,6 +95,16 @@ def test_tail_blocks(block_m, absorb_m):
     x, _, weights, experts = _inputs(5, ids.shape[0], 1, len(counts), 64, 32, jnp.float32, invalid=0.0)
     cfg = MoeConfig(block_m, Tile(32, 32, 4, 2), Tile(32, 16, 4, 2), absorb_m=absorb_m)
     _check(x, jnp.asarray(ids, jnp.int32), weights[:, :1], experts, config=cfg)
+
+
+@pytest.mark.parametrize("t,splits,limit", [(1, 2, None), (1, 4, 0.3), (37, 4, None), (300, 2, 0.3)])
+def test_k_splits(t, splits, limit):
+    """gate|up split over K (float32 partial sums, the SwiGLU after their sum): the decode regime of
+    a few experts, and grouped, multi-block and absorbed-tail routings, with and without the clamp."""
+    x, ids, weights, experts = _inputs(70 + t, t, 4, 8, 128, 32, jnp.float32, skew=1.0)
+    cfg = MoeConfig(16, Tile(32, 32, 4, 2), Tile(32, 16, 4, 2), splits=splits)
+    _check(x, ids, weights, experts, swiglu_limit=limit, config=cfg)
+    assert kernel._k_splits(8, 12) == 4 and kernel._k_splits(4, 3) == 1  # only splits dividing the loop
 
 
 def test_all_ids_out_of_range():
@@ -220,6 +231,19 @@ def test_4bit_experts_keep_32_row_blocks_to_64_slots_per_expert_on_h100_only():
         assert tuning.choose(64 * experts, experts, itemsize=2, cc=80, weight_bits=4, kpack=256).block_m == 64
 
 
+def test_decode_batches_of_quantized_experts_split_gate_up_over_k():
+    """One token at top-8 of 256 meets 8 experts: at TP 4 (N = 512 per GPU, 4 tiles of 128) 32
+    programs, split 4 ways (H100: 45 vs 89 us); at TP 1 (128 programs), at T = 8 (256 programs)
+    and for dense experts, no split."""
+    choose = lambda t, n, bits=4: tuning.choose(  # noqa: E731
+        t * 8, 256, itemsize=2, cc=90, weight_bits=bits, kpack=256 if bits == 4 else 0, n_out=n
+    )
+    assert choose(1, 512).splits == 4 and choose(1, 512, bits=8).splits == 4
+    assert choose(1, 2048).splits == 1 and choose(8, 512).splits == 1 and choose(1, 1024).splits == 2
+    assert tuning.choose(8, 256, itemsize=2, cc=90, n_out=512).splits == 1  # bf16 experts
+    assert tuning.k_splits(8, 256, 256, 128, sms=132) == 4  # TP 8: 16 programs, at most 4 splits
+
+
 def test_block_m_regimes():
     assert [tuning.block_m_for(t * 8, 256, 64) for t in (1, 128, 256, 512, 4096)] == [16, 16, 16, 32, 64]
 
@@ -229,11 +253,17 @@ GLM5 = dict(D=6144, N=2048, k=8)
 
 @pytest.mark.parametrize("target,cc", [("sm_80", 80), ("sm_90", 90), ("sm_120", 120)])
 @pytest.mark.parametrize(
-    "t,e,dtype",
-    [(1, 256, jnp.bfloat16), (32, 256, jnp.bfloat16), (4096, 256, jnp.bfloat16), (256, 128, jnp.float32)],
-    ids=["T1", "T32", "T4096", "T256-E128-f32"],  # the last: float32 prefill at TP = 2 (the H200 failure)
+    "t,e,dtype,splits",
+    [
+        (1, 256, jnp.bfloat16, 1),
+        (1, 256, jnp.bfloat16, 4),
+        (32, 256, jnp.bfloat16, 1),
+        (4096, 256, jnp.bfloat16, 1),
+        (256, 128, jnp.float32, 1),
+    ],
+    ids=["T1", "T1-K-split", "T32", "T4096", "T256-E128-f32"],  # the last: float32 prefill at TP = 2
 )
-def test_lowers_for_cuda_at_glm5_shapes(target, cc, t, e, dtype):
+def test_lowers_for_cuda_at_glm5_shapes(target, cc, t, e, dtype, splits):
     d, n, k = GLM5["D"], GLM5["N"], GLM5["k"]
     experts = {
         "gate_up": jax.ShapeDtypeStruct((e, d, 2 * n), dtype),
@@ -246,7 +276,9 @@ def test_lowers_for_cuda_at_glm5_shapes(target, cc, t, e, dtype):
         jax.ShapeDtypeStruct((t, k), jnp.float32),
         experts,
         target=target,
-        config=tuning.choose(t * k, e, itemsize=jnp.dtype(dtype).itemsize, cc=cc),
+        config=dataclasses.replace(
+            tuning.choose(t * k, e, itemsize=jnp.dtype(dtype).itemsize, cc=cc), splits=splits
+        ),
         swiglu_limit=7.0,
     )
     assert text.count("__gpu$xla.gpu.triton") == 2

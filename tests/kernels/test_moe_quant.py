@@ -133,6 +133,18 @@ def test_experts_over_several_blocks():
     _check(x, ids, jnp.ones(ids.shape, jnp.float32), experts, config=cfg)
 
 
+@pytest.mark.parametrize("fmt", ["int4", "fp4"])
+def test_k_splits(fmt):
+    """4-bit experts with gate|up split over K (INT4 in int32 words: K = 512 in 256-row chunks)."""
+    rng = np.random.default_rng(31)
+    experts = _experts(rng, fmt, 8, 512, 64)
+    x = jnp.asarray(rng.standard_normal((2, 512)), jnp.float32)
+    ids, weights = _routing(rng, 2, 4, 8, skew=0.0), jnp.asarray(rng.random((2, 4)), jnp.float32)
+    block_k = 256 if fmt == "int4" else 64
+    cfg = MoeConfig(16, Tile(32, block_k, 4, 2), Tile(32, block_k // 4, 4, 2), splits=2)
+    _check(x, ids, weights, experts, swiglu_limit=0.3, config=cfg)
+
+
 @pytest.mark.parametrize("t", [1, 8, 300])
 @pytest.mark.parametrize("group,symmetric", [(32, False), (128, True)])
 def test_int4_ptx_decode_on_gpu(t, group, symmetric):

@@ -7,7 +7,7 @@ import pytest
 
 from jaxdsa.cache import StepMeta, init_cache
 from jaxdsa.engine import Engine, EngineConfig, SamplingParams
-from jaxdsa.engine.runner import ModelState
+from jaxdsa.engine.step import ModelState
 from jaxdsa.models.dsa.family import DsaMode
 
 

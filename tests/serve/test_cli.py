@@ -57,6 +57,7 @@ def test_directory_without_config(capsys, tmp_path):
         (["--no-such-flag"], "unrecognized arguments"),
         (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'], "method 'eagle'"),
         (["--speculative-config", "{"], "--speculative-config: speculative config is not JSON"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization: gpu_memory_utilization must be in"),
     ],
 )
 def test_bad_flags(glm_dir, capsys, flags, message):
@@ -68,6 +69,16 @@ def test_more_parallelism_than_devices(glm_dir, capsys):
     n = jax.device_count()
     message = exit_message([glm_dir, *LOCAL, "--no-warmup", "--tensor-parallel-size", str(2 * n)], capsys)
     assert f"needs {2 * n} devices, found {n}" in message
+
+
+def test_a_model_that_does_not_fit_the_budget_exits_before_loading(glm_dir, capsys, monkeypatch):
+    """What a GPU with too little memory reports: one line with the numbers, exit 2."""
+    from jaxdsa.engine import memory
+
+    small = memory.DeviceMemory(total=1 << 20, budget=0.9 * (1 << 20), in_use=0)
+    monkeypatch.setattr(memory, "device_memory", lambda utilization: small)
+    message = exit_message([glm_dir, *LOCAL, "--no-warmup", "--max-model-len", "256"], capsys)
+    assert "does not fit: per device, weights" in message and "Raise --gpu-memory-utilization" in message
 
 
 def test_max_model_len_beyond_the_model(glm_dir, capsys):

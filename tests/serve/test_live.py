@@ -377,7 +377,7 @@ def test_engine_failure_is_503_and_the_server_recovers(live, monkeypatch):
         raise RuntimeError("device lost")
 
     with monkeypatch.context() as m:
-        m.setattr(live.server.engine.engine.runner, "run", broken)
+        m.setattr(live.server.engine.engine.runner, "launch", broken)
         with pytest.raises(openai.InternalServerError) as e:
             live.client.completions.create(model="tiny", prompt="x y z", max_tokens=4)
     assert e.value.status_code == 503 and "device lost" in e.value.message

@@ -16,8 +16,8 @@ import pytest
 
 import jaxdsa
 from jaxdsa.cache import StepMeta, init_cache
-from jaxdsa.engine.runner import ModelState
 from jaxdsa.engine.speculative import SpeculativeConfig
+from jaxdsa.engine.step import ModelState
 from jaxdsa.models.registry import family_for
 from tests.conftest import FIXTURES
 

@@ -1,0 +1,209 @@
+"""A decode step's anatomy from a ``jax.profiler`` trace: launches, busy time, idle time inside a
+step and between steps, and time by kernel kind, per step on one device.
+
+Input: the ``perfetto_trace.json.gz`` that ``jax.profiler.trace(dir, create_perfetto_trace=True)``
+writes. The device's kernels (complete events of the processes named after the device) are
+assigned to steps in one of two ways:
+
+* by launch: each engine step is an annotated range on the host
+  (:data:`jaxdsa.engine.engine.STEP_MARK`); a kernel whose launch (the host API event with its
+  correlation id) falls in the k-th range belongs to the step launched there. This holds under
+  async scheduling, where one step's kernels start right after the last one's and no idle gap
+  separates them;
+* by gaps, when the trace has no such marks or no correlation ids: kernels separated by more than
+  ``gap_ms`` of idle time start a new step, and groups of fewer than ``min_kernels`` are dropped
+  (a synchronous engine's steps, separated by its host work).
+
+A step's span runs from its first kernel's start to its last kernel's end; busy is the union of
+its kernels' intervals (overlapping streams counted once); idle inside = span - busy; idle between
+= from one step's end to the next one's start (0 where they overlap); time per token = the mean
+distance between consecutive steps' starts.
+
+    python -m benchmarks.anatomy TRACE.json.gz [--device /device:GPU:0] [--skip 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import gzip
+import json
+import statistics
+from typing import Any
+
+from jaxdsa.engine.engine import STEP_MARK
+
+# Kernel kinds by name (first match wins), the categories the decode issues report.
+KINDS = (
+    ("MoE experts", ("moe",)),
+    ("quantized linears", ("quant_matmul",)),
+    (
+        "collectives",
+        ("nccl", "all_reduce", "all-reduce", "allreduce", "all_gather", "allgather", "reduce_scatter"),
+    ),
+    ("attention (sparse MLA, merge)", ("sparse_mla", "merge_states")),
+    ("hyper-connections (hc_pre / hc_post)", ("hc_pre", "hc_post")),
+    ("V4 compressor pooling", ("compress_pool",)),
+    ("indexer / top-k", ("indexer", "topk")),
+    ("copies / memsets", ("memcpy", "memset")),
+)
+OTHER = "XLA fusions and other kernels"
+
+
+def kind(name: str) -> str:
+    low = name.lower()
+    return next((label for label, keys in KINDS if any(k in low for k in keys)), OTHER)
+
+
+def load(path: str) -> list[dict[str, Any]]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        trace = json.load(fh)
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def _processes(events) -> dict[int, str]:
+    return {
+        e["pid"]: e.get("args", {}).get("name", "")
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+
+
+def _correlation(e: dict) -> Any:
+    args = e.get("args") or {}
+    return args.get("correlation_id", args.get("correlation id"))
+
+
+def device_kernels(events, device: str) -> list[dict]:
+    pids = {pid for pid, name in _processes(events).items() if name.startswith(device)}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in pids]
+    return sorted(kernels, key=lambda e: e["ts"])
+
+
+def steps_by_launch(events, kernels: list[dict]) -> list[list[dict]] | None:
+    """Kernels grouped by the annotated step that launched them; None if the trace cannot say."""
+    marks = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events if e.get("name") == STEP_MARK)
+    device_pids = {k["pid"] for k in kernels}
+    launches = {
+        _correlation(e): e["ts"]
+        for e in events
+        if e.get("ph") == "X" and e.get("pid") not in device_pids and _correlation(e) is not None
+    }
+    if not marks or not launches:
+        return None
+    starts = [m[0] for m in marks]
+    steps: list[list[dict]] = [[] for _ in marks]
+    placed = 0
+    for k in kernels:
+        launched = launches.get(_correlation(k))
+        if launched is None:
+            continue
+        i = bisect.bisect_right(starts, launched) - 1
+        if i >= 0 and launched <= marks[i][1]:
+            steps[i].append(k)
+            placed += 1
+    if placed < len(kernels) // 2:
+        return None
+    return [s for s in steps if s]
+
+
+def steps_by_gaps(kernels: list[dict], gap_ms: float, min_kernels: int) -> list[list[dict]]:
+    groups = [[kernels[0]]] if kernels else []
+    for previous, k in zip(kernels, kernels[1:]):
+        if k["ts"] - (previous["ts"] + previous.get("dur", 0)) > gap_ms * 1e3:
+            groups.append([])
+        groups[-1].append(k)
+    return [g for g in groups if len(g) >= min_kernels]
+
+
+def _busy(kernels: list[dict]) -> float:
+    """Microseconds covered by at least one kernel (streams that overlap count once)."""
+    total, end = 0.0, float("-inf")
+    for k in sorted(kernels, key=lambda e: e["ts"]):
+        start, stop = k["ts"], k["ts"] + k.get("dur", 0)
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def anatomy(
+    events, *, device: str = "/device:GPU:0", skip: int = 1, gap_ms: float = 1.0, min_kernels: int = 200
+) -> dict[str, Any]:
+    """Per-step means over the traced steps after the first ``skip`` (ms, launches) and by kind."""
+    kernels = device_kernels(events, device)
+    if not kernels:
+        raise ValueError(f"no kernels of {device} in the trace")
+    steps, method = steps_by_launch(events, kernels), "launch"
+    if steps is None:
+        steps, method = steps_by_gaps(kernels, gap_ms, min_kernels), f"gaps > {gap_ms} ms"
+    steps = steps[skip:]
+    if len(steps) < 2:
+        raise ValueError(f"{len(steps)} step(s) found after skipping {skip}: trace more steps")
+    first = [s[0]["ts"] for s in steps]
+    last = [max(k["ts"] + k.get("dur", 0) for k in s) for s in steps]
+    spans = [b - a for a, b in zip(first, last)]
+    busy = [_busy(s) for s in steps]
+    between = [max(0.0, nxt - end) for end, nxt in zip(last, first[1:])]
+    n = len(steps)
+    by_kind_us, by_kind_launches = collections.Counter(), collections.Counter()
+    for s in steps:
+        for k in s:
+            by_kind_us[kind(k["name"])] += k.get("dur", 0)
+            by_kind_launches[kind(k["name"])] += 1
+    ms = lambda us: us / 1e3  # noqa: E731
+    return {
+        "steps": n,
+        "step_boundaries": method,
+        "launches_per_step": sum(len(s) for s in steps) / n,
+        "step_ms": ms(statistics.mean(spans)),
+        "busy_ms": ms(statistics.mean(busy)),
+        "idle_inside_ms": ms(statistics.mean(sp - b for sp, b in zip(spans, busy))),
+        "idle_between_ms": ms(statistics.mean(between)),
+        "time_per_step_ms": ms((first[-1] - first[0]) / (n - 1)),
+        "by_kind": {
+            label: {
+                "ms_per_step": ms(us / n),
+                "launches_per_step": by_kind_launches[label] / n,
+                "us_each": us / by_kind_launches[label],
+            }
+            for label, us in by_kind_us.most_common()
+        },
+    }
+
+
+def lines(result: dict[str, Any]) -> list[str]:
+    """The anatomy as text, one line per kind (or its ``error``)."""
+    r = result
+    if "error" in r:
+        return [r["error"]]
+    out = [
+        f"{r['steps']} steps (boundaries by {r['step_boundaries']}): "
+        f"{r['launches_per_step']:.0f} kernels/step; "
+        f"step {r['step_ms']:.2f} ms = busy {r['busy_ms']:.2f} + idle inside {r['idle_inside_ms']:.2f}; "
+        f"idle between steps {r['idle_between_ms']:.2f} ms; time per step {r['time_per_step_ms']:.2f} ms"
+    ]
+    for label, k in r["by_kind"].items():
+        out.append(
+            f"  {label:38s} {k['ms_per_step']:7.2f} ms/step {k['launches_per_step']:7.0f} launches/step "
+            f"{k['us_each']:7.1f} us each"
+        )
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace")
+    p.add_argument("--device", default="/device:GPU:0")
+    p.add_argument("--skip", type=int, default=1, help="leading steps to leave out (a prefill, say)")
+    p.add_argument("--gap-ms", type=float, default=1.0)
+    p.add_argument("--min-kernels", type=int, default=200)
+    a = p.parse_args()
+    result = anatomy(load(a.trace), device=a.device, skip=a.skip, gap_ms=a.gap_ms, min_kernels=a.min_kernels)
+    print("\n".join(lines(result)))
+
+
+if __name__ == "__main__":
+    main()
