@@ -49,6 +49,18 @@ class _Group:
     limits: list = dataclasses.field(default_factory=list)  # per row: positions it has pages for
 
 
+def _window(request: Request, drafts: tuple[int, ...], start: int, stop: int) -> list[int | None]:
+    """The request's tokens at positions ``[start, stop)``: the ones the host knows (prompt, then
+    output), then the drafts that follow them; None for a pending token or past the end. Slices
+    only the window, so a step's packing does not grow with the context."""
+    prompt, output = request.prompt, request.output
+    known = len(prompt) + len(output)
+    out = prompt[start : min(stop, len(prompt))]
+    out += output[max(start - len(prompt), 0) : max(min(stop, known) - len(prompt), 0)]
+    out += drafts[max(start - known, 0) : max(stop - known, 0)]
+    return out + [None] * (stop - start - len(out))
+
+
 @dataclasses.dataclass
 class StepBatch:
     """One step's buffers and how to read its outputs back: ``where`` (group, row) of each
@@ -107,20 +119,18 @@ class BatchPacker:
             g = groups[gi]
             self.page_table[r.slot, : len(r.pages)] = r.pages
             spans.append((gi, len(g.tokens), s.length) if r.request_id in score else None)
-            tokens = r.tokens + list(s.drafts)  # what the host knows: no drafts follow a pending token
-            known = len(tokens)
             end = s.start + s.num_run
+            window = _window(r, s.drafts, s.start, end + 1)  # the run's tokens and the one after it
+            run, after = window[:-1], window[1:]
             if score:  # the next token of each scored one, else -1 (decode steps skip this)
                 scored = r.request_id in score
-                g.targets += [
-                    tokens[p + 1] if scored and p + 1 < len(tokens) else -1 for p in range(s.start, end)
-                ]
-            g.tokens += [tokens[p] if p < known else 0 for p in range(s.start, end)]
-            g.from_slot += [-1 if p < known else local for p in range(s.start, end)]
+                g.targets += [t if scored and t is not None else -1 for t in after]
+            g.tokens += [0 if t is None else t for t in run]
+            g.from_slot += [local if t is None else -1 for t in run]
             g.positions += range(s.start, end)
             g.seq_ids += [local] * s.num_run
             if self.num_spec:
-                g.following += [tokens[p + 1] if p + 1 < len(tokens) else 0 for p in range(s.start, end)]
+                g.following += [0 if t is None else t for t in after]
             if s.samples:
                 self._sample_row(g, s, local, seeds[r.request_id], banned.get(r.request_id, ()), K, V)
                 where.append((gi, len(g.rows) - 1))

@@ -187,7 +187,7 @@ class ModelRunner:
         while their output is shorter than their ``min_tokens``."""
         batch = self.packer.pack(segments, seeds, score=score, banned=banned or {})
         if batch.penalized:
-            self.penalty.seat(batch.penalized)
+            self.penalty.seat(batch.penalized, self.slot_tokens)
         verified, drafts, logits, scored = self._dispatch(batch, with_logits)
         sampled = jnp.concatenate([verified.tokens, verified.num_emitted[:, None], drafts], axis=1)
         sampled.copy_to_host_async()  # the copy starts when the step ends, not when it is fetched

@@ -850,6 +850,8 @@ def test_openapi_documents_every_answer_with_the_error_schema(stub):
         ("post", "/detokenize"): {"200", "400", "401", "404"},
         ("post", "/v1/completions"): {"200", "400", "401", "404", "429", "503"},
         ("post", "/v1/chat/completions"): {"200", "400", "401", "404", "429", "503"},
+        ("post", "/start_profile"): {"200", "400", "401", "404"},
+        ("post", "/stop_profile"): {"200", "400", "401", "404"},
     }
     operations = {(m, p): op for p, ops in doc["paths"].items() for m, op in ops.items()}
     assert set(operations) == set(expected)
@@ -864,3 +866,45 @@ def test_openapi_documents_every_answer_with_the_error_schema(stub):
             "text/event-stream",
         }
     assert "HTTPValidationError" not in doc["components"]["schemas"]
+
+
+class _Profiler:
+    """What the profile routes drive, recording the calls (the real one is AsyncEngine's)."""
+
+    profile_dir = "/tmp/traces"
+
+    def __init__(self):
+        self.running, self.calls = False, []
+
+    def start_profile(self):
+        if self.running:
+            raise RuntimeError("a profile is already being recorded")
+        self.running = True
+        self.calls.append("start")
+
+    def stop_profile(self):
+        if not self.running:
+            raise RuntimeError("no profile is being recorded")
+        self.running = False
+        self.calls.append("stop")
+
+
+def test_profile_routes_start_and_stop_the_engines_trace(glm_dir):
+    """vLLM's /start_profile and /stop_profile: 404 without --profile-dir, else they start and stop
+    the engine's trace; starting twice or stopping none is a 400 in OpenAI's error shape."""
+    off = make_context(glm_dir, ScriptedEngine(max_model_len=64))
+    with serving(create_app(off)) as url:
+        r = httpx.post(f"{url}/start_profile")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "profiling_off"
+    profiler = _Profiler()
+    on = make_context(glm_dir, ScriptedEngine(max_model_len=64), profiler=profiler)
+    with serving(create_app(on)) as url:
+        assert httpx.post(f"{url}/start_profile").json() == {
+            "status": "profiling",
+            "directory": "/tmp/traces",
+        }
+        again = httpx.post(f"{url}/start_profile")
+        assert again.status_code == 400 and "already" in again.json()["error"]["message"]
+        assert httpx.post(f"{url}/stop_profile").json()["status"] == "written"
+        assert httpx.post(f"{url}/stop_profile").status_code == 400
+    assert profiler.calls == ["start", "stop"]

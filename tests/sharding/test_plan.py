@@ -83,11 +83,11 @@ def test_planner_cli_on_a_real_sized_config(tmp_path, capsys):
     tp8 = run("--tp", "8", "--ep", "8")
     assert 45 < tp8["weights_gib_per_device"] < 55  # GLM-5 INT4 is about 410 GB over 8 GPUs
     # dp attention on the same 8 GPUs: attention weights are replicated, but each GPU caches only
-    # its own group's sequences instead of a copy of everyone's, so the pool grows (4.3x: the
-    # replicated attention weights take part of the 8x).
+    # its own group's sequences instead of a copy of everyone's, so the pool grows (2.3x in the
+    # default 0.9 budget: the replicated attention weights take part of the 8x).
     dp8 = run("--tp", "1", "--ep", "8", "--dp", "8", "--dp-attention")
     assert dp8["devices"] == 8 and tp8["weights_gib_per_device"] < dp8["weights_gib_per_device"] < 70
-    assert dp8["cache_tokens_total"] > 4 * tp8["cache_tokens_total"]
+    assert dp8["cache_tokens_total"] > 2 * tp8["cache_tokens_total"]
     assert (
         plan.main(["--config", str(tmp_path), "--tp", "3", "--ep", "2"]) == 2
     )  # impossible layout: clear error
