@@ -25,6 +25,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -260,6 +261,13 @@ def serve_and_bench(args, raw: dict, work: str, par: Parallelism, levels: list[i
         if args.profile_steps:
             prompt = [(97 * i + 13) % (raw["vocab_size"] - 100) + 100 for i in range(args.input_len)]
             profile = profile_decode(url, f"{args.preset}-shaped", profile_dir, prompt, args.profile_steps)
+            if args.keep_trace:  # beside the results, for reading the host threads too
+                harness.results_dir().mkdir(parents=True, exist_ok=True)
+                for trace in pathlib.Path(profile_dir).rglob("perfetto_trace.json.gz"):
+                    shutil.copy(
+                        trace,
+                        harness.results_dir() / f"trace-{args.preset}{args.suffix}-{scheduling}.json.gz",
+                    )
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -307,6 +315,7 @@ def main(argv=None) -> int:
         default=0,
         help="after the levels, trace one stream decoding this many tokens (benchmarks.anatomy)",
     )
+    p.add_argument("--keep-trace", action="store_true", help="copy the profiled traces beside the results")
     p.add_argument(
         "--compare-sync",
         action="store_true",

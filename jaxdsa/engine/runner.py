@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -167,9 +166,9 @@ class ModelRunner:
         """Run ``batch`` on the device (asynchronously); the carried state moves on to its outputs."""
         fn = self._compiled(batch.mode, with_logits)
         with self._precision():
-            verified, drafts, logits, scored, *carried = fn(*self._args(batch))
+            sampled, verified, logits, scored, *carried = fn(*self._args(batch))
         self.cache, self.mtp_cache, self.penalty.state, self.slot_tokens = carried
-        return verified, drafts, logits, scored
+        return sampled, verified, logits, scored
 
     def launch(
         self,
@@ -188,8 +187,7 @@ class ModelRunner:
         batch = self.packer.pack(segments, seeds, score=score, banned=banned or {})
         if batch.penalized:
             self.penalty.seat(batch.penalized, self.slot_tokens)
-        verified, drafts, logits, scored = self._dispatch(batch, with_logits)
-        sampled = jnp.concatenate([verified.tokens, verified.num_emitted[:, None], drafts], axis=1)
+        sampled, verified, logits, scored = self._dispatch(batch, with_logits)
         sampled.copy_to_host_async()  # the copy starts when the step ends, not when it is fetched
         return InFlight(batch, sampled, verified, logits if with_logits else None, scored, with_logprobs)
 

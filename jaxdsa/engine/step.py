@@ -95,7 +95,9 @@ def fused_step(
     (the prompt's next token) and the verify rows are picked after. ``penalty_state`` = (counts,
     in_prompt, bias) [slots, V]: the ``on`` rows sample under their penalties and add the tokens
     they emit to their slot's counts. ``slot_tokens`` [slots]: the last token each slot sampled,
-    read for the tokens ``from_slot`` names and updated with what this step's rows emit."""
+    read for the tokens ``from_slot`` names and updated with what this step's rows emit. Returns
+    ``sampled`` [R, K + 1 + N] (each row's emitted ids, how many, its next drafts), the Verified
+    rows (logprobs), logits, scores and the carried state."""
     model = state.model(leaves)
     meta = inputs.meta
     R, K = inputs.proposed.shape
@@ -129,7 +131,9 @@ def fused_step(
         )  # fmt: skip
     logits = logits if with_logits else jnp.zeros((logits.shape[0], 0), jnp.float32)
     penalty_state = (counts, penalties.in_prompt, penalties.bias)
-    return verified, drafts, logits, scored, cache, mtp_cache, penalty_state, slot_tokens
+    # what the host reads of every step, in one array (one copy): emitted ids | how many | drafts
+    sampled = jnp.concatenate([verified.tokens, verified.num_emitted[:, None], drafts], axis=1)
+    return sampled, verified, logits, scored, cache, mtp_cache, penalty_state, slot_tokens
 
 
 def _draft(
