@@ -435,7 +435,7 @@ class Engine:
         if launched is not None:
             try:
                 jax.block_until_ready(launched.flight.sampled)
-            except Exception:  # noqa: S110 - the step failed too; its buffers are gone either way
+            except Exception:  # the step failed too: its buffers are gone either way
                 pass
         for request in self.requests.values():
             request.pending = 0
