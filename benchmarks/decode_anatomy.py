@@ -63,6 +63,12 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--scan-layers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="layers of one kind under lax.scan (the default) or each traced on its own",
+    )
     p.add_argument("--device", default="/device:GPU:0", help="the trace's device whose kernels are read")
     p.add_argument("--suffix", default="")
     p.add_argument("--keep-trace", action="store_true", help="copy the perfetto trace beside the results")
@@ -85,6 +91,7 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         async_scheduling=args.async_scheduling,
+        scan_layers=args.scan_layers,
         tp=par.tp,
         ep=par.ep,
         dp=par.dp,
@@ -116,6 +123,8 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
             + f" ({par.num_devices} device(s))",
             "workload": f"{args.streams} stream(s) decoding after {args.input_len}-token prompts, "
             f"{scheduling} scheduling",
+            "layers": "under lax.scan" if args.scan_layers else "each traced on its own (--no-scan-layers)",
+            "XLA_FLAGS": os.environ.get("XLA_FLAGS") or "(none)",
             "load / compile": f"{loaded:.0f} s / {compile_s:.0f} s",
             "time per step (engine thread)": f"{timing['wall_ms']:.2f} ms over {args.steps} steps "
             f"({1e3 * args.streams / timing['wall_ms']:.1f} tok/s)",

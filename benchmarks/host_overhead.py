@@ -12,7 +12,11 @@ a step's tokens. This script runs it on tiny-width GLM-5.2 models on the CPU at 
 (every depth the same widths) and writes the results file:
 
     python -m benchmarks.host_overhead [--layers 4,78] [--batch 8] [--steps 100] [--repeats 5]
-        [--no-async-scheduling] [--model DIR]
+        [--no-async-scheduling] [--model DIR] [-tp N]
+
+``-tp N`` runs each model on an N-device mesh (on the CPU:
+``XLA_FLAGS=--xla_force_host_platform_device_count=N``), where every host buffer a step sends is
+placed on each device.
 
 Target (the host-side decode issue): host time per step at 78 layers <= 1.2 x that at 4.
 """
@@ -146,6 +150,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--suffix", default="")
     args = parser.parse_args()
     models = {}
@@ -164,6 +169,7 @@ def main() -> None:
             max_model_len=256,
             max_num_seqs=args.batch,
             async_scheduling=args.async_scheduling,
+            tp=args.tensor_parallel_size,
         )
         rows.append({"model": name, **measure(llm, args.batch, args.steps, args.repeats)})
         print(rows[-1], flush=True)
@@ -173,6 +179,7 @@ def main() -> None:
             "models": "tiny-width GLM-5.2 (checkpoints.make_tiny preset glm52), float32",
             "workload": f"{args.batch} streams decoding, {args.steps} steps x {args.repeats} (median)",
             "scheduling": "async" if args.async_scheduling else "synchronous",
+            "devices": f"{len(jax.devices())} x {jax.devices()[0].platform}, -tp {args.tensor_parallel_size}",
         },
     )
     lines += [

@@ -31,7 +31,7 @@ from jaxdsa.engine.buckets import bucket
 from jaxdsa.engine.penalties import PenaltyRows
 from jaxdsa.engine.sampling import Scored
 from jaxdsa.engine.scheduler import Segment
-from jaxdsa.engine.step import ModelState, jit_fused_step, jit_sequence_logits
+from jaxdsa.engine.step import InputLayout, ModelState, jit_fused_step, jit_sequence_logits, pack_inputs
 from jaxdsa.models.family import ModelFamily
 
 
@@ -137,9 +137,9 @@ class ModelRunner:
         slots = np.zeros(self.max_num_seqs, np.int32)
         self.slot_tokens = self._place(slots) if self.mesh is not None else jax.device_put(slots, self.home)
 
-    def _compiled(self, mode, with_logits: bool):
-        """The jitted step of one (mode, with_logits) variant: compiled once per bucket shape."""
-        key = (mode, with_logits)
+    def _compiled(self, mode, with_logits: bool, layout: InputLayout):
+        """The jitted step of one (mode, with_logits, input layout) variant: compiled once per bucket."""
+        key = (mode, with_logits, layout)
         if key not in self._steps:
             self._steps[key] = jit_fused_step(
                 self.family,
@@ -151,6 +151,7 @@ class ModelRunner:
                 with_logits=with_logits,
                 num_logprobs=self.max_logprobs,
                 layers=self.draft_layers,
+                layout=layout,
             )
         return self._steps[key]
 
@@ -158,15 +159,19 @@ class ModelRunner:
         """The context the step is traced in (the model's matmul precision, if it sets one)."""
         return self.precision() if self.precision else contextlib.nullcontext()
 
-    def _args(self, batch: StepBatch) -> tuple:
+    def _step(self, batch: StepBatch, with_logits: bool) -> tuple[Any, tuple]:
+        """The compiled step for ``batch`` and its arguments: the parameters, the carried state and
+        the batch's buffers packed into one array (one transfer per device)."""
+        packed, layout = pack_inputs(batch.inputs, self.groups)
         carried = (self.cache, self.mtp_cache, self.penalty.state, self.slot_tokens)
-        return (self.state.leaves, *carried, self._place(batch.inputs))
+        fn = self._compiled(batch.mode, with_logits, layout)
+        return fn, (self.state.leaves, *carried, self._place(packed))
 
     def _dispatch(self, batch: StepBatch, with_logits: bool):
         """Run ``batch`` on the device (asynchronously); the carried state moves on to its outputs."""
-        fn = self._compiled(batch.mode, with_logits)
+        fn, args = self._step(batch, with_logits)
         with self._precision():
-            sampled, verified, logits, scored, *carried = fn(*self._args(batch))
+            sampled, verified, logits, scored, *carried = fn(*args)
         self.cache, self.mtp_cache, self.penalty.state, self.slot_tokens = carried
         return sampled, verified, logits, scored
 
@@ -228,9 +233,9 @@ class ModelRunner:
         variants = [(b, mode) for mode in self.modes for b in self.buckets]
         lowered = []
         for b, mode in variants:
-            batch = self.packer.padding(b, mode)
+            fn, args = self._step(self.packer.padding(b, mode), False)
             with self._precision():
-                lowered.append(self._compiled(mode, False).lower(*self._args(batch)))
+                lowered.append(fn.lower(*args))
 
         def compile_one(step) -> float:
             start = time.perf_counter()

@@ -11,15 +11,22 @@ Under async scheduling a step is launched before the tokens of the step before i
 host: a token the host does not know yet comes from the device (``StepInputs.from_slot``: the
 slot whose last sampled token it is), and every step records the last token each of its rows
 emitted, by slot (:func:`fused_step`).
+
+The host sends a step's buffers as one int32 array (:func:`pack_inputs`), which the step takes
+apart on the device (:func:`unpack_inputs`): one transfer per device instead of one per buffer
+(about twenty, each a host-side transfer call, on every device of a mesh).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxdsa import sharding
@@ -72,6 +79,51 @@ class StepInputs(NamedTuple):
     scoring: tuple
 
 
+@dataclasses.dataclass(frozen=True)
+class InputLayout:
+    """Where a step's :class:`StepInputs` lie in the int32 array :func:`pack_inputs` makes: the
+    tree's structure and each buffer's shape (one dp group's share) and dtype, in order. It
+    depends only on the step's shapes, so each compiled step has one."""
+
+    treedef: Any
+    leaves: tuple[tuple[tuple[int, ...], str], ...]  # (shape per group, dtype name)
+
+
+_PACKED = {"int32": lambda a: a, "float32": lambda a: a.view(np.int32), "bool": lambda a: a.astype(np.int32)}
+
+
+def pack_inputs(inputs: StepInputs, groups: int) -> tuple[np.ndarray, InputLayout]:
+    """``inputs`` (numpy; every buffer's leading dim split into ``groups`` dp groups, group-major)
+    as one ``[groups, words]`` int32 array, each group's row holding its share of every buffer
+    (float32 by its bits, bool as 0 / 1), and the layout that reads it back."""
+    leaves, treedef = jax.tree.flatten(inputs)
+    rows, shapes = [], []
+    for leaf in leaves:
+        a = np.asarray(leaf)
+        if a.dtype.name not in _PACKED:
+            raise TypeError(f"a step buffer of dtype {a.dtype} (packed: {', '.join(_PACKED)})")
+        if a.ndim == 0 or a.shape[0] % groups:
+            raise ValueError(f"a step buffer of shape {a.shape} does not split into {groups} groups")
+        rows.append(_PACKED[a.dtype.name](a).reshape(groups, -1))
+        shapes.append(((a.shape[0] // groups, *a.shape[1:]), a.dtype.name))
+    packed = np.concatenate(rows, axis=1) if rows else np.zeros((groups, 0), np.int32)
+    return packed, InputLayout(treedef, tuple(shapes))
+
+
+def unpack_inputs(packed: jax.Array, layout: InputLayout) -> StepInputs:
+    """One dp group's row of :func:`pack_inputs`' array (``[1, words]``) -> its :class:`StepInputs`."""
+    words, leaves, at = packed.reshape(-1), [], 0
+    for shape, dtype in layout.leaves:
+        part = words[at : at + math.prod(shape)].reshape(shape)
+        at += math.prod(shape)
+        if dtype == "float32":
+            part = jax.lax.bitcast_convert_type(part, jnp.float32)
+        elif dtype == "bool":
+            part = part != 0
+        leaves.append(part)
+    return jax.tree.unflatten(layout.treedef, leaves)
+
+
 def fused_step(
     leaves,
     cache,
@@ -109,6 +161,11 @@ def fused_step(
         targets, verify_rows = inputs.scoring
         scored = score(logits, targets, num_logprobs=num_logprobs)
         logits = logits[verify_rows]
+    # The sampled rows whole on every device: the sampler's fallback to a full sort is a lax.cond,
+    # and a vocabulary split over TP would put a collective inside it, which XLA's GPU backend
+    # cannot capture in a CUDA graph: it would read the predicate on the host, stalling every
+    # step's launching until the device got there.
+    logits = sharding.constrain(logits, ("batch", None))
     penalties = Penalties(*penalty_state, *inputs.penalty_rows)
     verified = verify(
         logits.reshape(R, K, -1),
@@ -182,19 +239,29 @@ def jit_fused_step(
     with_logits: bool,
     num_logprobs: int,
     layers: tuple[int, ...],
+    layout: InputLayout,
 ):
-    """The jitted :func:`fused_step` of one (mode, with_logits) variant, its carried state donated."""
-    fn = functools.partial(
-        fused_step,
-        family=family,
-        state=state,
-        mode=mode,
-        with_logits=with_logits,
-        num_logprobs=num_logprobs,
-        layers=layers,
-    )
+    """The jitted :func:`fused_step` of one (mode, with_logits, input layout) variant, taking its
+    inputs packed (:func:`pack_inputs`); its carried state donated."""
+
+    def fused_step_packed(leaves, cache, mtp_cache, penalty_state, slot_tokens, packed):
+        return fused_step(
+            leaves,
+            cache,
+            mtp_cache,
+            penalty_state,
+            slot_tokens,
+            unpack_inputs(packed, layout),
+            family=family,
+            state=state,
+            mode=mode,
+            with_logits=with_logits,
+            num_logprobs=num_logprobs,
+            layers=layers,
+        )
+
     return sharding.jit_step(
-        fn,
+        fused_step_packed,
         mesh,
         donate_argnums=(1, 2, 3, 4),
         in_axes=(state.axes, cache_axes, mtp_cache_axes),
