@@ -1,9 +1,12 @@
 """``python -m serve [MODEL] [vLLM-style flags]``: load a checkpoint, compile, serve the OpenAI API.
 
-The flags are vLLM's names for the same things, so a ``vllm serve`` command line works with
-``python -m serve`` in its place. MODEL is a checkpoint directory or a Hub id already in the local
-Hugging Face cache; without it the bundled tiny GLM-5 model (``serve.default_model``) is served.
-Bad input (unknown model, impossible flag combination) exits with status 2 and one clear line.
+The flags are vLLM's names for the same things (and SGLang's, where it names them otherwise), so a
+``vllm serve`` or ``sglang.launch_server`` command line works with ``python -m serve`` in its place;
+their flags that mean nothing here are ignored with a warning, and those asking for what jaxdsa
+does not do are refused by name (:mod:`serve.foreign_flags`). MODEL is a checkpoint directory or a
+Hub id already in the local Hugging Face cache; without it the bundled tiny GLM-5 model
+(``serve.default_model``) is served. Bad input (unknown model, impossible flag combination) exits
+with status 2 and one clear line.
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ from fastapi import FastAPI
 import jaxdsa
 from jaxdsa.engine import AsyncEngine, SpeculativeConfig, memory
 from jaxdsa.loading import device_param_bytes
-from serve import default_model
+from serve import default_model, foreign_flags
 from serve.app import ServingContext, create_app
-from serve.chat_format import load_chat_format
+from serve.chat_format import JinjaChatFormat, load_chat_format
 from serve.reasoning import REASONING_PARSERS
 from serve.tokenizer import Tokenizer
 from serve.tool_parsers import TOOL_PARSERS
@@ -37,6 +40,10 @@ class StartupError(Exception):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m serve",
         description="OpenAI-compatible server for GLM-5.x / DeepSeek-V3.2 / DeepSeek-V4 on jaxdsa.",
@@ -46,6 +53,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         nargs="?",
         help="checkpoint directory or Hub id in the local HF cache (default: the bundled tiny GLM-5)",
     )
+    p.add_argument("--model", "--model-path", dest="model_flag", metavar="MODEL", help="MODEL, as a flag")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -55,12 +63,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("engine")
     g.add_argument(
         "--max-model-len",
+        "--context-length",
         type=int,
         help="prompt + output tokens per request (default: min(max_position_embeddings, 8192))",
     )
-    g.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together")
+    g.add_argument(
+        "--max-num-seqs", "--max-running-requests", type=int, default=16, help="requests decoded together"
+    )
     g.add_argument(
         "--max-num-batched-tokens",
+        "--chunked-prefill-size",
         type=int,
         default=512,
         help="tokens per engine step (prefill chunk budget)",
@@ -77,6 +89,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument(
         "--gpu-memory-utilization",
+        "--mem-fraction-static",
         type=float,
         default=memory.DEFAULT_UTILIZATION,
         help="share of each GPU for weights, cache and step activations (the rest is left to others); "
@@ -121,10 +134,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument(
         "--quantization",
-        choices=["auto", "dequantize", "fp8", "int4"],
+        choices=["auto", "dequantize", "fp8", "int4", "ascend"],
         default="auto",
         help="auto: keep the checkpoint's FP8 / INT4 weights quantized on the device; dequantize: load "
-        "them dense; fp8 / int4: assert the checkpoint's format, or choose the --load-format dummy one",
+        "them dense; fp8 / int4: assert the checkpoint's format, or choose the --load-format dummy one; "
+        "ascend (vLLM-Ascend's): taken as auto, with a warning",
     )
     g.add_argument(
         "--speculative-config",
@@ -134,14 +148,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--no-warmup", action="store_true", help="compile step shapes on first use instead of at startup"
     )
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    g.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    g.add_argument("--tensor-parallel-size", "-tp", "--tp-size", type=int, default=1)
+    g.add_argument("--expert-parallel-size", "-ep", "--ep-size", type=int)
+    g.add_argument("--data-parallel-size", "-dp", "--dp-size", type=int, default=1)
+    g.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="vLLM's expert parallelism: the routed experts split over every GPU (ep = tp x dp), the "
+        "data-parallel groups' attention apart (dp attention when dp > 1)",
+    )
     g.add_argument(
         "--enable-dp-attention",
         action="store_true",
         help="the data-parallel groups share the routed experts (split over all of them; "
         "--expert-parallel-size counts every shard), as in SGLang",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto (the model's dtype, the only one supported yet; also accepted by its name)",
     )
     g.add_argument(
         "--trust-remote-code",
@@ -153,6 +178,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="enable POST /start_profile and /stop_profile (vLLM's), writing jax.profiler traces here",
     )
     g = p.add_argument_group("chat")
+    g.add_argument(
+        "--chat-template",
+        help="a Jinja chat template (a file, or the template itself) instead of the checkpoint's",
+    )
+    g.add_argument(
+        "--generation-config",
+        default="auto",
+        help="where default sampling parameters come from: auto (the checkpoint's "
+        "generation_config.json), vllm (none: the API's defaults), or a directory holding one",
+    )
     g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS))
     g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS))
     g.add_argument(
@@ -163,7 +198,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
-    return p.parse_args(argv)
+    g.add_argument("--disable-log-requests", action="store_true", help="no access-log line per request")
+    foreign_flags.add_arguments(p)
+    return p
 
 
 def _log(message: str) -> None:
@@ -205,8 +242,34 @@ def _dtype(requested: str, config: dict[str, Any]) -> str:
     return "float32" if config.get("dtype", config.get("torch_dtype")) == "float32" else "bfloat16"
 
 
+def _parallelism(args: argparse.Namespace) -> dict[str, int | bool]:
+    """The parallelism for jaxdsa.LLM (which checks it against the devices). vLLM's
+    ``--enable-expert-parallel`` splits the experts over all tp x dp GPUs, each dp group keeping its
+    own attention: jaxdsa's ep = tp x dp with dp attention."""
+    tp, dp, ep = args.tensor_parallel_size, args.data_parallel_size, args.expert_parallel_size
+    if not args.enable_expert_parallel:
+        return {"tp": tp, "ep": ep or 1, "dp": dp, "dp_attention": args.enable_dp_attention}
+    if ep is not None and ep != tp * dp:
+        raise StartupError(
+            f"--enable-expert-parallel splits the experts over tp x dp = {tp * dp} GPUs; "
+            f"--expert-parallel-size {ep} says otherwise (give one of the two)"
+        )
+    return {"tp": tp, "ep": tp * dp, "dp": dp, "dp_attention": dp > 1 or args.enable_dp_attention}
+
+
 def _check_flags(args: argparse.Namespace) -> dict[str, int | bool]:
-    """Flags that cannot work; returns the parallelism for jaxdsa.LLM, which checks it against the devices."""
+    """Flags that cannot work; returns the parallelism (:func:`_parallelism`)."""
+    refused = foreign_flags.check(args, _log)
+    if refused:
+        raise StartupError(refused)
+    if args.model_flag and args.model and args.model_flag != args.model:
+        raise StartupError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
+    args.model = args.model or args.model_flag
+    if args.trust_remote_code:
+        _log("--trust-remote-code accepted: jaxdsa runs no code from checkpoints")
+    if args.quantization == "ascend":
+        _log("--quantization ascend taken as auto: the checkpoint's own format (NPU-only ones are refused)")
+        args.quantization = "auto"
     try:
         SpeculativeConfig.parse(args.speculative_config)
     except ValueError as e:
@@ -224,12 +287,60 @@ def _check_flags(args: argparse.Namespace) -> dict[str, int | bool]:
         memory.check_utilization(args.gpu_memory_utilization)
     except ValueError as e:
         raise StartupError(f"--gpu-memory-utilization: {e}") from None
-    return {
-        "tp": args.tensor_parallel_size,
-        "ep": args.expert_parallel_size,
-        "dp": args.data_parallel_size,
-        "dp_attention": args.enable_dp_attention,
-    }
+    if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
+        raise StartupError(
+            f"--generation-config: {args.generation_config!r} is not auto, vllm or a directory"
+        )
+    return _parallelism(args)
+
+
+def _check_kv_cache_dtype(requested: str, dtype: str) -> None:
+    """The cache is kept in the model's dtype: ``auto``, or that dtype by name."""
+    if requested not in ("auto", dtype):
+        raise StartupError(
+            f"--kv-cache-dtype {requested}: the cache is kept in the model's dtype ({dtype}); "
+            "FP8 and other cache dtypes are not supported yet (use auto)"
+        )
+
+
+def _chat_template(value: str) -> str:
+    """vLLM's --chat-template: a file's text, or the template itself."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as fh:
+            return fh.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise StartupError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+
+
+def _generation_defaults(setting: str, model_dir: str) -> dict[str, Any]:
+    """Default sampling parameters by --generation-config: the checkpoint's, none, or a directory's."""
+    if setting == "vllm":
+        return {}
+    config = _checkpoint_json(model_dir if setting == "auto" else setting, "generation_config.json")
+    return {k: config[k] for k in ("temperature", "top_p", "top_k") if k in config}
+
+
+def _features(args: argparse.Namespace, engine, parallel: dict[str, int | bool]) -> list[str]:
+    """What the server does beyond plain decoding, for the start-up log."""
+    cfg = engine.config
+    on = [
+        f"{'async' if cfg.async_scheduling else 'synchronous'} scheduling",
+        f"memory budget {args.gpu_memory_utilization:g} of each GPU",
+        "tp {tp} ep {ep} dp {dp}".format(**parallel) + " with dp attention" * bool(parallel["dp_attention"]),
+    ]
+    if cfg.speculative is not None:
+        on.append(f"MTP speculative decoding, {cfg.speculative.num_speculative_tokens} drafts per step")
+    if cfg.enable_prefix_caching:
+        on.append("prefix caching")
+    if args.reasoning_parser:
+        on.append(f"reasoning parser {args.reasoning_parser}")
+    if args.tool_call_parser:
+        auto = " (auto tool choice)" if args.enable_auto_tool_choice else ""
+        on.append(f"tool-call parser {args.tool_call_parser}{auto}")
+    if args.chat_template:
+        on.append("chat template from --chat-template")
+    return on
 
 
 @dataclasses.dataclass
@@ -256,8 +367,14 @@ def build(args: argparse.Namespace) -> Server:
     try:
         model_type = jaxdsa.load_config(model_dir).model_type
         tokenizer = Tokenizer(model_dir)
-        chat_format = load_chat_format(model_dir, model_type, tokenizer.config, tokenizer.special_tokens_map)
+        if args.chat_template:
+            chat_format = JinjaChatFormat(_chat_template(args.chat_template), tokenizer.special_tokens_map)
+        else:
+            chat_format = load_chat_format(
+                model_dir, model_type, tokenizer.config, tokenizer.special_tokens_map
+            )
         dtype = _dtype(args.dtype, _checkpoint_json(model_dir, "config.json"))
+        _check_kv_cache_dtype(args.kv_cache_dtype, dtype)
         _log(f"loading {model_dir} ({model_type}, {dtype})")
         start = time.perf_counter()
         llm = jaxdsa.LLM(
@@ -289,10 +406,10 @@ def build(args: argparse.Namespace) -> Server:
     )
     if not args.no_warmup:
         engine.warmup(progress=True)
-    generation_config = _checkpoint_json(model_dir, "generation_config.json")
-    defaults = {k: generation_config[k] for k in ("temperature", "top_p", "top_k") if k in generation_config}
+    defaults = _generation_defaults(args.generation_config, model_dir)
     if defaults:
         _log(f"default sampling from generation_config.json: {defaults}")
+    _log("on: " + ", ".join(_features(args, engine, parallel)))
     aengine = AsyncEngine(engine, max_waiting=args.max_queue_len, profile_dir=args.profile_dir)
     aengine.start()
     context = ServingContext(
@@ -343,7 +460,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     host, port = sock.getsockname()[:2]
     shown = "localhost" if host in ("0.0.0.0", "::") else host
     _log(f"ready: serving {server.context.model_names[0]!r} at http://{shown}:{port}/v1")
-    config = uvicorn.Config(server.app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        server.app,
+        log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=5,
+        access_log=not args.disable_log_requests,
+    )
     try:
         uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown; that is a normal exit
