@@ -36,60 +36,13 @@ from benchmarks import anatomy, harness
 from checkpoints.tokenizer_assets import write_tokenizer
 from jaxdsa import plan
 from jaxdsa.models.deepseek_v4.presets import RELEASED
+from jaxdsa.models.dsa.presets import RELEASED as DSA_RELEASED
 from jaxdsa.models.registry import config_from_dict, family_for
 from jaxdsa.sharding import Parallelism
 
-GLM5 = {
-    "architectures": ["GlmMoeDsaForCausalLM"],
-    "model_type": "glm_moe_dsa",
-    "vocab_size": 154880,
-    "hidden_size": 6144,
-    "intermediate_size": 12288,
-    "moe_intermediate_size": 2048,
-    "num_hidden_layers": 78,
-    "first_k_dense_replace": 3,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 64,
-    "q_lora_rank": 2048,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 192,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 256,
-    "index_n_heads": 32,
-    "index_head_dim": 128,
-    "index_topk": 2048,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 8,
-    "n_group": 1,
-    "topk_group": 1,
-    "routed_scaling_factor": 2.5,
-    "norm_topk_prob": True,
-    "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc",
-    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
-    "rope_interleave": True,
-    "indexer_rope_interleave": True,
-    "max_position_embeddings": 202752,
-    "rms_norm_eps": 1e-5,
-    "num_nextn_predict_layers": 0,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "torch_dtype": "bfloat16",
-}
-
-
-# GLM-5.2's deltas (models.md §1.1): same widths; 3 of every 4 layers reuse an earlier layer's
-# indexer choice ("shared", derived from index_topk_freq / index_skip_topk_offset).
-GLM52 = {
-    **GLM5,
-    "rope_parameters": {"rope_theta": 8000000.0, "rope_type": "default"},
-    "max_position_embeddings": 1048576,
-    "moe_router_dtype": "float32",
-    "index_topk_freq": 4,
-    "index_skip_topk_offset": 3,
-}
+# The released configs (jaxdsa.models.dsa.presets) without their MTP block.
+GLM5 = {**DSA_RELEASED["glm5"], "num_nextn_predict_layers": 0}
+GLM52 = {**DSA_RELEASED["glm52"], "num_nextn_predict_layers": 0}
 # DeepSeek-V4-Flash's widths; the first layers of its schedule (two sliding-window layers, then CSA
 # and HCA alternating) and no MTP block.
 V4FLASH = {**RELEASED["v4-flash"], "num_nextn_predict_layers": 0}

@@ -1,13 +1,16 @@
-"""Size a deployment from a config.json alone: per-device memory, cache capacity, traffic, speed.
+"""Size a deployment from a config.json alone: per-device memory, cache capacity, traffic, speed,
+whether it fits, and the fewest GPUs it fits on.
 
-    python -m jaxdsa.plan --config CONFIG_JSON --tp 8 --ep 8 --dp 1 [--dp-attention] --hbm-gib 80 \\
-        --weights bf16|fp8|int4 --max-model-len 32768 [--batch 32]
+    python -m jaxdsa.plan (--config CONFIG_JSON | --preset glm5|glm52|dsv32|v4-flash|v4-pro) \\
+        --tp 8 --ep 8 --dp 1 [--dp-attention] --hbm-gib 80 [--weights auto|bf16|fp8|int4] \\
+        --max-model-len 32768 [--batch 32] [--gpu-memory-utilization 0.9]
 
 Shard sizes come from the same rules table the loader uses (:mod:`jaxdsa.sharding`) applied to
 the parameters of the family's abstract model, so the figures describe what jaxdsa would place on
 each device. ``--weights`` is the in-memory format of the linears and routed experts that stay
 quantized (:mod:`jaxdsa.quantization`: the model is built as ``load_format="dummy"`` with that
-``quantization`` builds it, codes, scales and zero points counted at their widths): ``bf16`` as
+``quantization`` builds it, codes, scales and zero points counted at their widths): ``auto`` (the
+default) the config's own format, as the server keeps it; ``bf16`` as
 ``quantization="dequantize"`` loads any checkpoint; ``fp8`` 128x128 blocks with float32 scales;
 ``int4`` the config's compressed-tensors scheme, else asymmetric group 32 (bf16 scales, one byte
 per zero point). Embeddings, norms, routers, the indexer's weights_proj and the LM head stay
@@ -31,10 +34,11 @@ from jaxdsa.engine import memory
 from jaxdsa.engine.penalties import BYTES_PER_ENTRY as PENALTY_BYTES
 from jaxdsa.models import family as families
 from jaxdsa.models.family import ModelFamily
-from jaxdsa.models.registry import family_for, load_config
+from jaxdsa.models.registry import RELEASED, family_for, load_config, released_config
 from jaxdsa.sharding import EXPERT_AXES, Parallelism, shard_shape
 
-WEIGHTS = {"bf16": "dequantize", "fp8": "fp8", "int4": "int4"}  # --weights -> quantization
+WEIGHTS = {"auto": "auto", "bf16": "dequantize", "fp8": "fp8", "int4": "int4"}  # --weights -> quantization
+LAYOUTS = (1, 2, 4, 8, 16, 32)  # GPU counts tried (-tp N -ep N) for the fewest that fit
 GiB = 1 << 30
 
 
@@ -150,6 +154,7 @@ def plan(
         "workspace_gib_per_device": workspace / GiB,
         "cache_bytes_per_token": per_token,
         "cache_bytes_per_sequence": per_sequence,
+        "cache_gib_per_device": free / GiB,
         "cache_tokens_per_dp_group": tokens_per_group,
         "cache_tokens_total": tokens_per_group * par.dp,
         "full_length_sequences_per_dp_group": tokens_per_group // max_model_len,
@@ -160,9 +165,44 @@ def plan(
     }
 
 
+def fits(result: dict[str, float], max_model_len: int) -> bool:
+    """Whether one ``max_model_len`` sequence's cache fits beside the weights (the server's test)."""
+    return result["cache_tokens_per_dp_group"] >= max_model_len
+
+
+def verdict(result: dict[str, float], max_model_len: int) -> str:
+    """One line: fits with how many cache tokens, or short by how much per GPU."""
+    if fits(result, max_model_len):
+        return (
+            f"fits: {result['cache_tokens_total']:,} cache tokens "
+            f"({result['full_length_sequences_per_dp_group']:,} sequences of {max_model_len:,} per dp group)"
+        )
+    need = max_model_len * result["cache_bytes_per_token"] / GiB
+    return (
+        f"does not fit: short by {need - result['cache_gib_per_device']:.2f} GiB per GPU "
+        f"(weights {result['weights_gib_per_device']:.2f} GiB of a {result['budget_gib_per_device']:.2f} "
+        f"GiB budget; one {max_model_len:,}-token sequence needs {need:.2f} GiB of cache)"
+    )
+
+
+def fewest_gpus(family: ModelFamily, cfg, **kwargs) -> int | None:
+    """The fewest GPUs (of :data:`LAYOUTS`, as ``-tp N -ep N``) the deployment fits on; None: none."""
+    for n in LAYOUTS:
+        try:
+            par = Parallelism(tp=n, ep=n)
+            result = plan(family, cfg, par, **kwargs)
+        except ValueError:  # a split the model's dims do not allow
+            continue
+        if fits(result, kwargs["max_model_len"]):
+            return n
+    return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxdsa.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True, help="config.json (or the checkpoint directory)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="config.json (or the checkpoint directory)")
+    source.add_argument("--preset", choices=sorted(RELEASED), help="a released model's config, shipped here")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
@@ -170,7 +210,12 @@ def main(argv=None) -> int:
         "--dp-attention", action="store_true", help="the dp groups share the experts (ep counts all shards)"
     )
     p.add_argument("--hbm-gib", type=float, default=80)
-    p.add_argument("--weights", choices=sorted(WEIGHTS), default="bf16")
+    p.add_argument(
+        "--weights",
+        choices=sorted(WEIGHTS),
+        default="auto",
+        help="auto: the config's own format (what the server keeps); bf16, fp8, int4: that one",
+    )
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument(
         "--batch", type=int, default=32, help="decode sequences per dp group for the step estimate"
@@ -186,38 +231,39 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         memory.check_utilization(args.gpu_memory_utilization)
-        cfg = load_config(args.config)
+        cfg = released_config(args.preset) if args.preset else load_config(args.config)
         family = family_for(cfg.model_type)
         par = Parallelism(tp=args.tp, ep=args.ep, dp=args.dp, dp_attention=args.dp_attention)
+        kwargs = dict(
+            hbm_gib=args.hbm_gib,
+            weights=args.weights,
+            max_model_len=args.max_model_len,
+            batch=args.batch,
+            hbm_gbs=args.hbm_gbs,
+            link_gbs=args.link_gbs,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
+        result = plan(family, cfg, par, **kwargs)
     except ValueError as e:
         print(f"plan: {e}", file=sys.stderr)
         return 2
-    result = plan(
-        family,
-        cfg,
-        par,
-        hbm_gib=args.hbm_gib,
-        weights=args.weights,
-        max_model_len=args.max_model_len,
-        batch=args.batch,
-        hbm_gbs=args.hbm_gbs,
-        link_gbs=args.link_gbs,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-    )
     dp_attention = " (dp attention)" if par.dp_attention else ""
+    stored = family.quantization(cfg)
+    weights = args.weights if args.weights != "auto" else f"auto ({stored.method if stored else 'bf16'})"
     print(
-        f"{cfg.model_type}: {cfg.num_hidden_layers} layers; "
-        f"tp={par.tp} ep={par.ep} dp={par.dp}{dp_attention}, weights {args.weights}"
+        f"{args.preset or cfg.model_type}: {cfg.num_hidden_layers} layers; "
+        f"tp={par.tp} ep={par.ep} dp={par.dp}{dp_attention}, weights {weights}, "
+        f"{args.hbm_gib:g} GiB GPUs at --gpu-memory-utilization {args.gpu_memory_utilization:g}"
     )
     for key, value in result.items():
         print(f"  {key:38s} {value:,.2f}" if isinstance(value, float) else f"  {key:38s} {value:,}")
-    if result["cache_tokens_per_dp_group"] < args.max_model_len:
-        print(
-            f"  does not fit: one {args.max_model_len}-token sequence needs more than the "
-            f"{result['budget_gib_per_device']:.2f} GiB budget leaves next to the weights and workspace "
-            "(the server refuses it before loading)",
-            file=sys.stderr,
-        )
+    print(verdict(result, args.max_model_len))
+    n = fewest_gpus(family, cfg, **kwargs)
+    print(
+        f"fewest GPUs: {n} of {args.hbm_gib:g} GiB (-tp {n} -ep {n})"
+        if n
+        else f"fewest GPUs: none up to {LAYOUTS[-1]} of {args.hbm_gib:g} GiB"
+    )
     return 0
 
 

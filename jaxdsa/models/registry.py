@@ -8,7 +8,9 @@ from typing import Any
 from checkpoints.tiny_presets import TINY_PRESETS
 from jaxdsa.config import ConfigError, read_config_json
 from jaxdsa.models.deepseek_v4.family import FAMILY as DEEPSEEK_V4
+from jaxdsa.models.deepseek_v4.presets import RELEASED as V4_RELEASED
 from jaxdsa.models.dsa.family import FAMILY as DSA
+from jaxdsa.models.dsa.presets import RELEASED as DSA_RELEASED
 from jaxdsa.models.family import ModelFamily
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -36,6 +38,17 @@ def load_config(path: str | os.PathLike) -> Any:
     """The config of a checkpoint directory's config.json (or the file itself)."""
     raw, file = read_config_json(path)
     return config_from_dict(raw, file)
+
+
+# The released models' config.json files, by the names the planner takes (``--preset``).
+RELEASED: dict[str, dict[str, Any]] = {**DSA_RELEASED, **V4_RELEASED}
+
+
+def released_config(name: str) -> Any:
+    """A released model's config ('glm5', 'glm52', 'dsv32', 'v4-flash', 'v4-pro') parsed by its family."""
+    if name not in RELEASED:
+        raise ConfigError(f"<preset:{name}>", "preset", f"unknown; choose one of {', '.join(RELEASED)}")
+    return config_from_dict(RELEASED[name], f"<preset:{name}>")
 
 
 def tiny_config(name: str, **overrides: Any):

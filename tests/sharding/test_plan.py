@@ -1,5 +1,8 @@
 """The deployment planner against XLA's own accounting of the sharded decode step."""
 
+import pathlib
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,7 +14,7 @@ from jaxdsa.cache import StepMeta, init_cache
 from jaxdsa.engine.runner import ModelState
 from jaxdsa.models import family as families
 from jaxdsa.models.dsa.family import DsaMode
-from jaxdsa.models.registry import family_for, tiny_config
+from jaxdsa.models.registry import family_for, released_config, tiny_config
 
 
 @pytest.mark.parametrize("tp, ep, dp, dp_attention", [(4, 2, 1, False), (2, 2, 2, False), (2, 8, 4, True)])
@@ -107,7 +110,7 @@ def test_planner_on_released_v4_configs(name, params_b, tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(RELEASED[name]))
 
     def run(*flags: str) -> dict[str, float]:
-        assert plan.main(["--config", str(tmp_path), "--hbm-gib", "141", *flags]) == 0
+        assert plan.main(["--config", str(tmp_path), "--hbm-gib", "141", "--weights", "bf16", *flags]) == 0
         rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
         return {r[0]: float(r[-1].replace(",", "")) for r in rows if len(r) == 2}
 
@@ -116,3 +119,76 @@ def test_planner_on_released_v4_configs(name, params_b, tmp_path, capsys):
     assert abs(total / (params_b * 1e9) - 1) < 0.05, total
     dp8 = run("--tp", "1", "--ep", "8", "--dp", "8", "--dp-attention")
     assert dp8["devices"] == 8 and dp8["weights_gib_per_device"] > tp8["weights_gib_per_device"]
+
+
+# The README's what-fits table: each row's checkpoint as the planner's preset and --weights.
+README_ROWS = {
+    "GLM-5.2 / 5.1 INT4": ("glm52", "int4"),
+    "GLM-5.2 / 5.1 FP8": ("glm52", "fp8"),
+    "GLM-5.x BF16": ("glm52", "bf16"),
+    "DeepSeek-V3.2 (FP8)": ("dsv32", "auto"),
+    "DeepSeek-V4-Flash": ("v4-flash", "auto"),
+    "DeepSeek-V4-Pro": ("v4-pro", "auto"),
+}
+TP8 = sharding.Parallelism(tp=8, ep=8)
+DP8 = sharding.Parallelism(tp=1, ep=8, dp=8, dp_attention=True)
+
+
+def _tokens(n: int) -> str:
+    """Cache tokens as the README writes them: 161k, 5.3M, 118M."""
+    return f"{n / 1e6:.0f}M" if n >= 1e8 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
+
+
+def _readme_rows() -> dict[str, list[str]]:
+    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    rows = {}
+    for line in text.splitlines():
+        label = next((k for k in README_ROWS if line.startswith(f"| {k}")), None)
+        if label:
+            rows[label] = [c.strip() for c in line.split("|")[1:-1]]
+    return rows
+
+
+def _planned(preset: str, weights: str, par, hbm: float, utilization: float = 0.9) -> dict[str, float]:
+    cfg = released_config(preset)
+    return plan.plan(
+        family_for(cfg.model_type), cfg, par, hbm_gib=hbm, weights=weights, max_model_len=32768, batch=32,
+        hbm_gbs=3000, link_gbs=350, gpu_memory_utilization=utilization,
+    )  # fmt: skip
+
+
+def test_the_readme_what_fits_table_is_the_planners():
+    rows = _readme_rows()
+    assert set(rows) == set(README_ROWS), "a README row the test does not know, or one missing"
+    for label, (preset, weights) in README_ROWS.items():
+        _, stored, gpus80, gpus141 = rows[label]
+        sizes = [float(x) for x in re.findall(r"[\d.]+", stored)]
+        want = [_planned(preset, weights, par, 79)["weights_gib_per_device"] for par in (TP8, DP8)]
+        assert sizes == pytest.approx(want[: len(sizes)], abs=0.06), (label, sizes, want)
+        for hbm, cell in ((79, gpus80), (140, gpus141)):
+            tp8, dp8 = _planned(preset, weights, TP8, hbm), _planned(preset, weights, DP8, hbm)
+            if not plan.fits(tp8, 32768):
+                assert cell == "does not fit", (label, hbm, cell)
+                continue
+            assert cell.startswith(f"fits: {_tokens(tp8['cache_tokens_total'])}"), (label, hbm, cell)
+            if "at `--gpu-memory-utilization 0.95`" in cell:
+                dp8 = _planned(preset, weights, DP8, hbm, 0.95)
+            if plan.fits(dp8, 32768):
+                assert _tokens(dp8["cache_tokens_total"]) in cell, (label, hbm, cell)
+
+
+def test_the_planners_verdict_and_the_fewest_gpus(capsys):
+    int4 = ["--preset", "glm52", "--weights", "int4"]
+    assert plan.main([*int4, "--tp", "8", "--ep", "8", "--hbm-gib", "79"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("glm52: 78 layers; tp=8 ep=8 dp=1, weights int4, 79 GiB GPUs")
+    assert out[-2] == "fits: 161,367 cache tokens (4 sequences of 32,768 per dp group)"
+    assert out[-1] == "fewest GPUs: 8 of 79 GiB (-tp 8 -ep 8)"
+    assert plan.main(["--preset", "glm52", "--tp", "4", "--ep", "4", "--hbm-gib", "79"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "weights auto (bf16)" in out[0]  # GLM's released config: BF16
+    assert out[-2].startswith("does not fit: short by ") and "GiB per GPU" in out[-2]
+    assert out[-1] == "fewest GPUs: 32 of 79 GiB (-tp 32 -ep 32)"  # 1.5 TB of BF16
+    assert plan.main(["--preset", "v4-flash", "--hbm-gib", "140"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "weights auto (fp8)" in out[0] and out[-1] == "fewest GPUs: 2 of 140 GiB (-tp 2 -ep 2)"
