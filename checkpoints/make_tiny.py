@@ -225,19 +225,48 @@ def make_tiny(
 
 
 def main(argv: list[str] | None = None) -> None:
+    from jaxdsa.models.deepseek_v4.presets import TINY_PRESETS as V4_TINY_PRESETS
+
+    def names(family: str) -> str:
+        if family == "deepseek_v4":
+            return ", ".join(sorted(V4_TINY_PRESETS))
+        return ", ".join(sorted(n for n, c in TINY_PRESETS.items() if c["model_type"] == family))
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", required=True, choices=sorted(DEFAULT_PRESET))
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--preset", default=None, help="preset name (default: glm5 / dsv32 / dsv4)")
+    parser.add_argument(
+        "--preset",
+        default=None,
+        help="the family's tiny preset ("
+        + "; ".join(f"{f}: {names(f)}, default {DEFAULT_PRESET[f]}" for f in sorted(DEFAULT_PRESET))
+        + ")",
+    )
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--shards", type=int, default=1)
-    args = parser.parse_args(argv)
-    print(
-        make_tiny(
-            args.family, args.out, seed=args.seed, preset=args.preset, dtype=args.dtype, shards=args.shards
-        )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        help="the model's context (max_position_embeddings; default: the preset's)",
     )
+    args = parser.parse_args(argv)
+    if args.max_model_len is not None and args.max_model_len < 1:
+        parser.error("--max-model-len must be >= 1")
+    overrides = {} if args.max_model_len is None else {"max_position_embeddings": args.max_model_len}
+    try:
+        out = make_tiny(
+            args.family,
+            args.out,
+            seed=args.seed,
+            preset=args.preset,
+            dtype=args.dtype,
+            shards=args.shards,
+            overrides=overrides,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    print(out)
 
 
 if __name__ == "__main__":

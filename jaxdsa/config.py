@@ -21,9 +21,10 @@ from checkpoints.quant import QuantConfig
 class ConfigError(ValueError):
     """A config.json that jaxdsa cannot run: unknown model type, missing or contradictory field."""
 
-    def __init__(self, source: str, field: str, message: str):
+    def __init__(self, source: str, field: str | None, message: str):
+        """``field`` None: the file as a whole (missing, not JSON)."""
         self.source, self.field = source, field
-        super().__init__(f"{source}: field '{field}': {message}")
+        super().__init__(f"{source}: field '{field}': {message}" if field else f"{source}: {message}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,9 +187,9 @@ def read_config_json(path: str | os.PathLike) -> tuple[dict[str, Any], str]:
         with open(file, encoding="utf-8") as fh:
             raw = json.load(fh)
     except FileNotFoundError:
-        raise ConfigError(file, "config.json", "file not found") from None
+        raise ConfigError(file, None, "file not found") from None
     except json.JSONDecodeError as e:
-        raise ConfigError(file, "config.json", f"invalid JSON: {e}") from None
+        raise ConfigError(file, None, f"invalid JSON: {e}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(file, "config.json", "top level must be an object")
+        raise ConfigError(file, None, "the top level must be a JSON object")
     return raw, file

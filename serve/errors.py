@@ -92,6 +92,13 @@ def validation_error(exc: RequestValidationError) -> ApiError:
             400, f"invalid JSON body: {error.get('ctx', {}).get('error', error['msg'])}", code="invalid_json"
         )
     param = _param(tuple(error.get("loc", ())))
+    if param is None and error.get("type") in ("model_attributes_type", "dict_type"):
+        # a body that is not a JSON object (FastAPI reads a body sent without a JSON content type as text)
+        return ApiError(
+            400,
+            "the request body must be a JSON object (send it with Content-Type: application/json)",
+            code="invalid_json",
+        )
     message = error["msg"].removeprefix("Value error, ")
     if error.get("type") == "missing" and param:
         message = "this field is required"

@@ -213,3 +213,15 @@ def test_cli_and_errors(tmp_path, capsys):
     with pytest.raises(ValueError, match="shards"):
         make_tiny("glm_moe_dsa", tmp_path / "x", shards=171)
     assert not (tmp_path / "x").exists()  # arguments are checked before anything is written
+
+
+def test_the_command_line_names_presets_and_sets_the_context(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--family", "glm_moe_dsa", "--out", str(tmp_path / "a"), "--preset", "nope"])
+    assert e.value.code == 2 and "unknown preset 'nope'" in capsys.readouterr().err  # no traceback
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "glm_moe_dsa: glm5, glm52, default glm5" in " ".join(capsys.readouterr().out.split())
+    main(["--family", "glm_moe_dsa", "--out", str(tmp_path / "b"), "--max-model-len", "4096"])
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 4096

@@ -674,6 +674,14 @@ def test_invalid_requests_are_400_naming_the_field(stub, path, body, param):
         assert param in error["message"] or error["code"] == "context_length_exceeded"
 
 
+def test_a_body_that_is_not_a_json_object_says_so(stub):
+    for headers in ({}, {"Content-Type": "text/plain"}):
+        r = httpx.post(stub.url + "/v1/completions", content=b"prompt=hi", headers=headers, timeout=30)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == "invalid_json" and "must be a JSON object" in error["message"]
+
+
 def test_unknown_model_is_404(stub):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         stub.client.chat.completions.create(model="gpt-4o", messages=user("x"))
