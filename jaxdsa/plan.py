@@ -1,5 +1,6 @@
 """Size a deployment from a config.json alone: per-device memory, cache capacity, traffic, speed,
-whether it fits, and the fewest GPUs it fits on.
+whether it fits (exit status 0; 1 when one ``--max-model-len`` sequence does not fit), and the
+fewest GPUs it fits on.
 
     python -m jaxdsa.plan (--config CONFIG_JSON | --preset glm5|glm52|dsv32|v4-flash|v4-pro) \\
         --tp 8 --ep 8 --dp 1 [--dp-attention] --hbm-gib 80 [--weights auto|bf16|fp8|int4] \\
@@ -39,6 +40,7 @@ from jaxdsa.sharding import EXPERT_AXES, Parallelism, shard_shape
 
 WEIGHTS = {"auto": "auto", "bf16": "dequantize", "fp8": "fp8", "int4": "int4"}  # --weights -> quantization
 LAYOUTS = (1, 2, 4, 8, 16, 32)  # GPU counts tried (-tp N -ep N) for the fewest that fit
+HOST_GPUS = 8  # the most GPUs of one host, all the server spans
 GiB = 1 << 30
 
 
@@ -185,17 +187,25 @@ def verdict(result: dict[str, float], max_model_len: int) -> str:
     )
 
 
-def fewest_gpus(family: ModelFamily, cfg, **kwargs) -> int | None:
+def fewest_gpus(family: ModelFamily, cfg, *, max_model_len: int, **kwargs) -> int | None:
     """The fewest GPUs (of :data:`LAYOUTS`, as ``-tp N -ep N``) the deployment fits on; None: none."""
     for n in LAYOUTS:
         try:
-            par = Parallelism(tp=n, ep=n)
-            result = plan(family, cfg, par, **kwargs)
-        except ValueError:  # a split the model's dims do not allow
+            result = plan(family, cfg, Parallelism(tp=n, ep=n), max_model_len=max_model_len, **kwargs)
+        except ValueError:  # a split the model's dims do not allow (experts over N shards)
             continue
-        if fits(result, kwargs["max_model_len"]):
+        if fits(result, max_model_len):
             return n
     return None
+
+
+def _fewest_line(n: int | None, hbm_gib: float) -> str:
+    if n is None:
+        return f"fewest GPUs: none up to {LAYOUTS[-1]} of {hbm_gib:g} GiB"
+    line = f"fewest GPUs: {n} of {hbm_gib:g} GiB (-tp {n} -ep {n})"
+    if n > HOST_GPUS:
+        line += f"; more than one host of {HOST_GPUS}, which python -m serve does not span"
+    return line
 
 
 def main(argv=None) -> int:
@@ -229,6 +239,9 @@ def main(argv=None) -> int:
         help="share of each GPU the server may take (its flag of the same name)",
     )
     args = p.parse_args(argv)
+    for flag in ("max_model_len", "batch", "hbm_gib", "hbm_gbs", "link_gbs"):
+        if getattr(args, flag) <= 0:
+            p.error(f"--{flag.replace('_', '-')} must be > 0")
     try:
         memory.check_utilization(args.gpu_memory_utilization)
         cfg = released_config(args.preset) if args.preset else load_config(args.config)
@@ -249,7 +262,10 @@ def main(argv=None) -> int:
         return 2
     dp_attention = " (dp attention)" if par.dp_attention else ""
     stored = family.quantization(cfg)
-    weights = args.weights if args.weights != "auto" else f"auto ({stored.method if stored else 'bf16'})"
+    weights = args.weights
+    if weights == "auto":
+        fp4 = ", fp4 experts" if stored and getattr(cfg, "expert_dtype", None) == "fp4" else ""
+        weights = f"auto ({stored.method if stored else 'bf16'}{fp4})"
     print(
         f"{args.preset or cfg.model_type}: {cfg.num_hidden_layers} layers; "
         f"tp={par.tp} ep={par.ep} dp={par.dp}{dp_attention}, weights {weights}, "
@@ -258,13 +274,8 @@ def main(argv=None) -> int:
     for key, value in result.items():
         print(f"  {key:38s} {value:,.2f}" if isinstance(value, float) else f"  {key:38s} {value:,}")
     print(verdict(result, args.max_model_len))
-    n = fewest_gpus(family, cfg, **kwargs)
-    print(
-        f"fewest GPUs: {n} of {args.hbm_gib:g} GiB (-tp {n} -ep {n})"
-        if n
-        else f"fewest GPUs: none up to {LAYOUTS[-1]} of {args.hbm_gib:g} GiB"
-    )
-    return 0
+    print(_fewest_line(fewest_gpus(family, cfg, **kwargs), args.hbm_gib))
+    return 0 if fits(result, args.max_model_len) else 1
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ from serve.reasoning import REASONING_PARSERS
 from serve.tokenizer import Tokenizer
 from serve.tool_parsers import TOOL_PARSERS
 
+ENABLE_EXPERT_PARALLEL = object()  # what a bare -ep parses to (vLLM's short --enable-expert-parallel)
+
 
 class StartupError(Exception):
     """A problem with the command line or the model that stops the server from starting (exit 2)."""
@@ -46,6 +48,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m serve",
+        allow_abbrev=False,  # vLLM's --tokenizer must not pass for --tokenizer-mode
         description="OpenAI-compatible server for GLM-5.x / DeepSeek-V3.2 / DeepSeek-V4 on jaxdsa.",
     )
     p.add_argument(
@@ -54,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint directory or Hub id in the local HF cache (default: the bundled tiny GLM-5)",
     )
     p.add_argument("--model", "--model-path", dest="model_flag", metavar="MODEL", help="MODEL, as a flag")
+    p.add_argument(
+        "--tokenizer", help="accepted when it names MODEL itself; the checkpoint's tokenizer.json is used"
+    )
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -148,9 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--no-warmup", action="store_true", help="compile step shapes on first use instead of at startup"
     )
-    g.add_argument("--tensor-parallel-size", "-tp", "--tp-size", type=int, default=1)
-    g.add_argument("--expert-parallel-size", "-ep", "--ep-size", type=int)
-    g.add_argument("--data-parallel-size", "-dp", "--dp-size", type=int, default=1)
+    g.add_argument("--tensor-parallel-size", "-tp", "--tp-size", "--tp", type=int, default=1)
+    g.add_argument(
+        "--expert-parallel-size",
+        "-ep",
+        "--ep-size",
+        "--ep",
+        type=int,
+        nargs="?",
+        const=ENABLE_EXPERT_PARALLEL,
+        help="expert shards (default 1); -ep alone is vLLM's short --enable-expert-parallel",
+    )
+    g.add_argument("--data-parallel-size", "-dp", "--dp-size", "--dp", type=int, default=1)
     g.add_argument(
         "--enable-expert-parallel",
         action="store_true",
@@ -247,8 +262,10 @@ def _parallelism(args: argparse.Namespace) -> dict[str, int | bool]:
     ``--enable-expert-parallel`` splits the experts over all tp x dp GPUs, each dp group keeping its
     own attention: jaxdsa's ep = tp x dp with dp attention."""
     tp, dp, ep = args.tensor_parallel_size, args.data_parallel_size, args.expert_parallel_size
+    if ep is ENABLE_EXPERT_PARALLEL:
+        args.enable_expert_parallel, ep = True, None
     if not args.enable_expert_parallel:
-        return {"tp": tp, "ep": ep or 1, "dp": dp, "dp_attention": args.enable_dp_attention}
+        return {"tp": tp, "ep": 1 if ep is None else ep, "dp": dp, "dp_attention": args.enable_dp_attention}
     if ep is not None and ep != tp * dp:
         raise StartupError(
             f"--enable-expert-parallel splits the experts over tp x dp = {tp * dp} GPUs; "
@@ -258,13 +275,18 @@ def _parallelism(args: argparse.Namespace) -> dict[str, int | bool]:
 
 
 def _check_flags(args: argparse.Namespace) -> dict[str, int | bool]:
-    """Flags that cannot work; returns the parallelism (:func:`_parallelism`)."""
+    """Flags that cannot work; returns the parallelism (:func:`_parallelism`). Settles the flags
+    that say one thing two ways: ``args.model`` from ``--model``, ``--quantization ascend`` as auto."""
     refused = foreign_flags.check(args, _log)
     if refused:
         raise StartupError(refused)
     if args.model_flag and args.model and args.model_flag != args.model:
         raise StartupError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
     args.model = args.model or args.model_flag
+    if args.tokenizer is not None and args.tokenizer != args.model:
+        raise StartupError(
+            f"--tokenizer {args.tokenizer}: a tokenizer other than the checkpoint's is not supported"
+        )
     if args.trust_remote_code:
         _log("--trust-remote-code accepted: jaxdsa runs no code from checkpoints")
     if args.quantization == "ascend":
@@ -287,10 +309,15 @@ def _check_flags(args: argparse.Namespace) -> dict[str, int | bool]:
         memory.check_utilization(args.gpu_memory_utilization)
     except ValueError as e:
         raise StartupError(f"--gpu-memory-utilization: {e}") from None
-    if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
-        raise StartupError(
-            f"--generation-config: {args.generation_config!r} is not auto, vllm or a directory"
-        )
+    if args.generation_config not in ("auto", "vllm"):
+        if not os.path.isdir(args.generation_config):
+            raise StartupError(
+                f"--generation-config: {args.generation_config!r} is not auto, vllm or a directory"
+            )
+        try:  # read now, not after minutes of loading
+            _generation_defaults(args.generation_config, "")
+        except (OSError, ValueError) as e:
+            raise StartupError(f"--generation-config: {e}") from None
     return _parallelism(args)
 
 
@@ -317,6 +344,8 @@ def _generation_defaults(setting: str, model_dir: str) -> dict[str, Any]:
     """Default sampling parameters by --generation-config: the checkpoint's, none, or a directory's."""
     if setting == "vllm":
         return {}
+    if setting != "auto" and not os.path.isfile(os.path.join(setting, "generation_config.json")):
+        raise ValueError(f"no generation_config.json in {setting}")
     config = _checkpoint_json(model_dir if setting == "auto" else setting, "generation_config.json")
     return {k: config[k] for k in ("temperature", "top_p", "top_k") if k in config}
 

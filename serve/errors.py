@@ -96,7 +96,7 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         # a body that is not a JSON object (FastAPI reads a body sent without a JSON content type as text)
         return ApiError(
             400,
-            "the request body must be a JSON object (send it with Content-Type: application/json)",
+            "the request body must be a JSON object, sent as Content-Type: application/json",
             code="invalid_json",
         )
     message = error["msg"].removeprefix("Value error, ")

@@ -17,7 +17,11 @@ from collections.abc import Callable
 
 @dataclasses.dataclass(frozen=True)
 class Foreign:
-    names: tuple[str, ...]  # the flag and its aliases
+    """One flag of vLLM or SGLang that jaxdsa has no use for: its spellings (``names``, aliases of
+    one flag), whether it takes a value, whether it is refused or ignored, and why (shown in
+    ``--help`` and at start-up)."""
+
+    names: tuple[str, ...]
     takes_value: bool
     refused: bool  # True: the server does not start; False: a warning, then it starts
     why: str
@@ -28,7 +32,14 @@ def _dest(name: str) -> str:
     return "foreign_" + name.lstrip("-").replace("-", "_")
 
 
+def _each(names: tuple[str, ...], takes_value: bool, refused: bool, why: str, **kw) -> tuple[Foreign, ...]:
+    """Flags that are distinct (not aliases) but share a verdict and its reason."""
+    return tuple(Foreign((name,), takes_value, refused, why, **kw) for name in names)
+
+
 _ONE_HOST = "the server runs on one host; multi-node serving is not supported"
+_ATTENTION = "attention runs jaxdsa's own sparse MLA kernels on every GPU"
+_CPU_EXPERTS = "routed experts on the CPU (KTransformers' hybrid MoE) are not supported yet"
 
 FOREIGN: tuple[Foreign, ...] = (
     # ignored: tuning of machinery jaxdsa does not have
@@ -43,12 +54,7 @@ FOREIGN: tuple[Foreign, ...] = (
     Foreign(("--distributed-executor-backend",), True, False, "one process drives every local GPU"),
     Foreign(("--safetensors-load-strategy",), True, False, "safetensors files are memory-mapped and read"),
     Foreign(("--tokenizer-mode",), True, False, "the checkpoint's tokenizer.json is used as it is"),
-    Foreign(
-        ("--attention-backend", "--attention-config"),
-        True,
-        False,
-        "attention runs jaxdsa's own sparse MLA kernels on every GPU",
-    ),
+    *_each(("--attention-backend", "--attention-config"), True, False, _ATTENTION),
     Foreign(("--enable-chunked-prefill",), False, False, "prefill is always chunked"),
     Foreign(("--enable-mixed-chunk",), False, False, "prefill chunks always share steps with decodes"),
     Foreign(("--disable-shared-experts-fusion",), False, False, "the shared expert is a layer of its own"),
@@ -58,7 +64,7 @@ FOREIGN: tuple[Foreign, ...] = (
         False,
         "the cache size follows --gpu-memory-utilization (or --num-pages)",
     ),
-    Foreign(("--api-server-count",), True, False, "one API server process"),
+    Foreign(("--api-server-count",), True, False, "one API server process", harmless=("1",)),
     # refused: capabilities jaxdsa does not have (yet)
     Foreign(
         ("--pipeline-parallel-size", "-pp", "--pp-size"),
@@ -68,42 +74,20 @@ FOREIGN: tuple[Foreign, ...] = (
         harmless=("1",),
     ),
     Foreign(("--headless",), False, True, _ONE_HOST),
-    Foreign(
-        (
-            "--data-parallel-size-local",
-            "--data-parallel-address",
-            "--data-parallel-rpc-port",
-            "--data-parallel-start-rank",
-            "--data-parallel-rank",
-            "--nnodes",
-            "--node-rank",
-            "--dist-init-addr",
-        ),
-        True,
-        True,
-        _ONE_HOST,
-    ),  # fmt: skip
+    *_each(("--nnodes",), True, True, _ONE_HOST, harmless=("1",)),
+    *_each(("--node-rank", "--data-parallel-rank", "--data-parallel-start-rank"), True, True, _ONE_HOST,
+           harmless=("0",)),
+    *_each(("--data-parallel-size-local", "--data-parallel-address", "--data-parallel-rpc-port",
+            "--dist-init-addr"), True, True, _ONE_HOST),
     Foreign(
         ("--kv-transfer-config",),
         True,
         True,
         "prefill-decode disaggregation (KV transfer between instances) is not supported yet",
     ),
-    Foreign(
-        (
-            "--kt-cpuinfer",
-            "--kt-threadpool-count",
-            "--kt-num-gpu-experts",
-            "--kt-method",
-            "--kt-amx-method",
-            "--kt-weight-path",
-            "--kt-amx-weight-path",
-        ),
-        True,
-        True,
-        "routed experts on the CPU (KTransformers' hybrid MoE) are not supported yet",
-    ),  # fmt: skip
-)
+    *_each(("--kt-cpuinfer", "--kt-threadpool-count", "--kt-num-gpu-experts", "--kt-method",
+            "--kt-amx-method", "--kt-weight-path", "--kt-amx-weight-path"), True, True, _CPU_EXPERTS),
+)  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,15 +111,11 @@ def given(args: argparse.Namespace) -> list[Foreign]:
 
 
 def check(args: argparse.Namespace, warn: Callable[[str], None]) -> str | None:
-    """Warn once for each ignored flag given; -> the refusal message of the first refused one."""
+    """Warn once for each ignored flag given; -> the refusals of the refused ones (None: none)."""
     refusals = []
     for f in given(args):
         if f.refused:
             refusals.append(f"{f.names[0]}: {f.why}")
         else:
             warn(f"{f.names[0]} ignored: {f.why}")
-    return refusals[0] if refusals else None
-
-
-def all_names() -> list[str]:
-    return [name for f in FOREIGN for name in f.names]
+    return "; ".join(refusals) or None

@@ -113,7 +113,14 @@ def test_the_ascend_guides_command_starts_with_mtp_and_warns_for_what_it_ignores
         (SGLANG_KT, "--kt-cpuinfer: routed experts on the CPU (KTransformers' hybrid MoE) are not supported"),
         ("--pipeline-parallel-size 2", "--pipeline-parallel-size: pipeline parallelism is not supported"),
         ("--headless", "--headless: the server runs on one host"),
-        ("--data-parallel-address 10.0.0.1", "--data-parallel-size-local: the server runs on one host"),
+        ("--data-parallel-address 10.0.0.1", "--data-parallel-address: the server runs on one host"),
+        (
+            "--nnodes 2 --node-rank 1",
+            "--nnodes: the server runs on one host; multi-node serving is not "
+            "supported; --node-rank: the server runs on one host",
+        ),
+        ("--tokenizer other/tok", "--tokenizer other/tok: a tokenizer other than the checkpoint's"),
+        ("--tokenizer-m x", "unrecognized arguments: --tokenizer-m"),  # no abbreviations
         ("--kv-transfer-config {}", "--kv-transfer-config: prefill-decode disaggregation"),
         ("--enable-expert-parallel -tp 2 -ep 4", "splits the experts over tp x dp = 2 GPUs"),
         ("--generation-config /no/such/dir", "--generation-config: '/no/such/dir' is not auto, vllm"),
@@ -122,6 +129,13 @@ def test_the_ascend_guides_command_starts_with_mtp_and_warns_for_what_it_ignores
 )
 def test_refused_by_name(glm_dir, capsys, command, message):
     assert message in _refusal([glm_dir, *LOCAL, "--no-warmup", *shlex.split(command)], capsys)
+
+
+def test_vllms_short_ep_and_single_host_values(glm_dir, capsys):
+    args = cli.parse_args([glm_dir, "-tp", "2", "-ep", "--nnodes", "1", "--node-rank", "0"])
+    assert cli._check_flags(args) == {"tp": 2, "ep": 2, "dp": 1, "dp_attention": False}
+    assert cli._check_flags(cli.parse_args([glm_dir, "-tp", "2", "-ep", "1"]))["ep"] == 1
+    assert capsys.readouterr().err == ""  # nothing ignored, nothing to warn about
 
 
 def test_an_fp8_cache_is_refused_by_name(glm_dir, capsys):

@@ -1,4 +1,4 @@
-"""The released GLM-5.x and DeepSeek-V3.2 ``config.json`` files (models.md §1.1), for the planner and
+"""The released GLM-5.x and DeepSeek-V3.2 ``config.json`` files, for the planner and
 the real-size benchmarks, where no checkpoint is at hand. Plain data, parsed like any checkpoint's.
 
 GLM-5 / GLM-5.1 / GLM-5.2 ship in BF16 (``zai-org/GLM-5``), FP8 (``zai-org/GLM-5-FP8``) and, from the
