@@ -1,6 +1,6 @@
 """Timing and reporting shared by the GPU benchmark scripts.
 
-Method (as in ../shared/anchors): one jit runs the op over R distinct input sets back to back
+Method (as in docs/anchors.md): one jit runs the op over R distinct input sets back to back
 (so the inputs are not L2-resident), wall clock / R, median over replays after warm-up. A replay
 enqueues several such calls and waits once, on the last, so the host's dispatch of one call
 overlaps the device work of the one before (as in a serving loop); timing single synchronous calls

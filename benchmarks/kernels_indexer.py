@@ -2,7 +2,7 @@
 
 Run ``python -m benchmarks.kernels_indexer`` on a GPU (``--only decode,prefill,topk,fp8,paged``
 picks sections), or call :func:`run` from a batched driver. Shapes follow
-``shared/anchors/kernels-h100.md`` (D = 128, page 64, k = 2048):
+``docs/anchors.md`` (D = 128, page 64, k = 2048):
 
 * ``decode``: 32 sequences x 1 query, each with its own S keys in 64-token pages scattered at
   random over the pool, Hi in {32, 64} x S in {8k, 32k, 128k}; bf16. bytes = 32*S*128*2 + 32*S*4.
@@ -24,7 +24,7 @@ names the only variants to run). With ``torch_peers`` the top-k rows add ``torch
 (unsorted) on the same input buffers, checked like ours and timed as ours
 (:mod:`benchmarks.peers`). Percentages are of the ceilings passed in (or measured here;
 :class:`benchmarks.harness.Ceilings`). ``anchor us`` is not measured in this run: the anchors'
-best peer per shape in ``shared/anchors/kernels-h100.md`` (2026-11-21; vLLM's indexer made bf16,
+best peer per shape in ``docs/anchors.md`` (2026-11-21; vLLM's indexer made bf16,
 torch.topk unsorted, another process, CUDA events).
 Writes ``benchmarks/results/kernels_indexer-<gpu>.md`` (and ``.json``).
 """
@@ -78,7 +78,7 @@ ONLY_VARIANTS = [v.strip() for v in os.environ.get("KERNELS_INDEXER_VARIANTS", "
 MAX_SETS = 16
 SECTIONS = ("decode", "prefill", "topk", "fp8", "paged")  # run order: later sweeps are cut first
 
-# Best peer per shape from shared/anchors/kernels-h100.md (H100, microseconds).
+# Best peer per shape from docs/anchors.md (H100, microseconds).
 ANCHOR_DECODE_US = {
     (64, 8192): 35.1,
     (64, 32768): 118.6,

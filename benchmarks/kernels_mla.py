@@ -1,7 +1,7 @@
 """GPU benchmark: sparse MLA (Pallas kernel vs the pure-JAX reference) at the anchor shapes.
 
 Run ``python -m benchmarks.kernels_mla`` on a GPU (or call :func:`run` from a batched driver).
-Shapes (shared/anchors/kernels-h100.md): decode H in {16, 64, 128} x B in {1, 8, 32, 128}, one
+Shapes (docs/anchors.md): decode H in {16, 64, 128} x B in {1, 8, 32, 128}, one
 query per sequence, top-k 2048 over a 262144-slot pool; prefill T in {1024, 4096} x H in
 {64, 128} over a 65536-slot pool. q/kv bf16 random normal, indices uniform over the pool (no
 -1s, no causal structure), 576-wide rows (512 value + 64 rope), no sink.
@@ -25,7 +25,7 @@ replays after warm-up; here the same executable also returns the first set's out
 correctness check, so a config compiles once. bytes = T*K*576*2 (gathered rows, each read once)
 + q + out + idx; flops = 2*T*H*K*(576+512). Percentages are of the ceilings passed in (or
 measured here; :class:`benchmarks.harness.Ceilings`). ``vLLM us (anchor)`` is the best vLLM
-Triton figure per shape in ``shared/anchors/kernels-h100.md`` (2026-11-21, another process, CUDA
+Triton figure per shape in ``docs/anchors.md`` (2026-11-21, another process, CUDA
 events; auto or forced split count), not measured in this run.
 Writes ``benchmarks/results/kernels_mla-<gpu>.md`` (and ``.json``).
 """
@@ -53,7 +53,7 @@ D, DV, TOPK = 576, 512, 2048
 SCALE = 192**-0.5  # DeepSeek-V3.2's qk_head_dim (128 nope + 64 rope); any scale would do
 DECODE_POOL, PREFILL_POOL = 262144, 65536
 TOLERANCE = 1e-2
-# Best vLLM Triton sparse-MLA time per shape, us (shared/anchors/kernels-h100.md, 2026-11-21, H100):
+# Best vLLM Triton sparse-MLA time per shape, us (docs/anchors.md, 2026-11-21, H100):
 # decode (H, B) from runs 1 and 3 (forced split counts), prefill (H, T) from run 1.
 ANCHOR_VLLM_US = {
     ("decode", 16, 1): 18.2,

@@ -12,14 +12,14 @@ count T in {1, 8, 32, 128, 512, 4096} it times, in one process and on one set of
 * ``torch _grouped_mm`` (with ``torch_peers``): :func:`benchmarks.peers.grouped_moe` on the same
   weight, token, id and weight buffers, checked and timed as ours.
 
-Method (shared/anchors/moe-attention-h100.md): weights N(0,1)/sqrt(fan_in) drawn once on the
+Method (docs/anchors.md): weights N(0,1)/sqrt(fan_in) drawn once on the
 device (19.3 GB), activations N(0,1), 8 distinct uniform experts per token; each implementation
 is checked against a float32 per-row reference on up to 32 sampled rows (rel L2 <= 1e-2) before
 it is timed; time = one jit over R distinct input sets / R, median of replays
 (:func:`benchmarks.harness.time_op`). bytes = distinct experts touched (mean over the R sets) x
 3*D*N*2 + x and out; flops = T*8*2*D*N*3. Percentages are of the ceilings passed in (or measured
 here; :class:`benchmarks.harness.Ceilings`), ``floor us`` = bytes at the memory ceiling; the
-``(anchor)`` column is torch from ``shared/anchors/moe-attention-h100.md`` (2026-11-21, another
+``(anchor)`` column is torch from ``docs/anchors.md`` (2026-11-21, another
 process, CUDA events), not measured in this run. R = 8 for
 T <= 128, 2 for T = 512, 1 for T = 4096. Pass 1 runs the table config and the baselines at
 every T; pass 2 sweeps the variants, largest T first, and starts none after ``BUDGET_S``
@@ -53,7 +53,7 @@ ALL_TOKENS = (1, 8, 32, 128, 512, 4096)
 TOKENS = (
     tuple(int(t) for t in os.environ["MOE_TOKENS"].split(",")) if os.environ.get("MOE_TOKENS") else ALL_TOKENS
 )
-# torch _grouped_mm, us (shared/anchors/moe-attention-h100.md, 2026-11-21, H100)
+# torch _grouped_mm, us (docs/anchors.md, 2026-11-21, H100)
 TORCH_GROUPED_ANCHOR_US = {1: 302.2, 8: 1646.8, 32: 4534.4, 128: 6879.7, 512: 7427.5, 4096: 13435.5}
 EXPERT_BYTES = 3 * D * N * 2
 TOLERANCE = 1e-2

@@ -1,6 +1,6 @@
 """Torch peers measured in the same process and on the same inputs as the JAX kernels.
 
-The anchors (``../shared/anchors``) timed torch in separate runs with CUDA events; here each peer
+The anchors (``docs/anchors.md``) timed torch in separate runs with CUDA events; here each peer
 gets the very buffers our kernel read (JAX arrays handed over through DLPack, no copy) and is timed
 by :func:`benchmarks.harness.median_seconds`, as ours are: its R calls over R input sets are
 captured in one CUDA graph (XLA runs ours from command buffers, i.e. CUDA graphs, too), and a

@@ -5,7 +5,7 @@
 Each row reads one results file: its header (device, date, commit) and its tables. Figures from a
 file dated ``--session`` (default: the newest date among the files read) fill the "this session"
 columns; figures from an older file go to the "earlier run" column with that file's date, never
-beside this session's, and anchors (``shared/anchors``, not measured by these scripts) are named
+beside this session's, and anchors (``docs/anchors.md``, not measured by these scripts) are named
 as such. ``--write`` replaces the table between the README's markers; without it the table is
 printed. A row whose file is missing is left out and reported.
 """
@@ -22,7 +22,7 @@ from benchmarks.harness import RESULTS
 
 README = RESULTS.parent.parent / "README.md"
 BEGIN, END = "<!-- results table: python -m benchmarks.readme_table --write -->", "<!-- end results table -->"
-ANCHORS = "anchor, shared/anchors/{}, 2026-11-21"
+ANCHORS = "anchor, docs/anchors.md/{}, 2026-11-21"
 MOE_ANCHOR = ANCHORS.format("moe-attention-h100.md")
 KERNEL_ANCHOR = ANCHORS.format("kernels-h100.md")
 

@@ -81,7 +81,7 @@ def test_table_keeps_this_sessions_figures_apart_from_earlier_runs(tmp_path, mon
     assert missing == ["missing row"]
     mla, serve = table.splitlines()[2:]
     assert "this session (2026-11-23)" in table.splitlines()[0]
-    assert "| 18.8 µs |" in mla and "anchor, shared/anchors/kernels-h100.md" in mla and "abc123def456" in mla
+    assert "| 18.8 µs |" in mla and "anchor, docs/anchors.md" in mla and "abc123def456" in mla
     assert (
         "| not re-measured |" in serve and "233 / 2600 tok/s" in serve and "earlier run, 2026-11-21" in serve
     )
