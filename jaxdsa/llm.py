@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxdsa import sharding
 from jaxdsa.engine import Engine, EngineConfig, SamplingParams, memory
@@ -26,6 +27,7 @@ from jaxdsa.engine.engine import CacheLayout
 from jaxdsa.engine.speculative import SpeculativeConfig
 from jaxdsa.loading import load_model
 from jaxdsa.models.registry import family_for, load_config
+from pallas_kernels.quant_matmul.layout import QuantizedWeight
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -40,6 +42,10 @@ def generation_eos_ids(path: str | os.PathLike, default: Sequence[int]) -> tuple
             return ()
         return tuple(eos) if isinstance(eos, list) else (eos,)
     return tuple(default)
+
+
+def _quantized(x: Any) -> bool:
+    return isinstance(x, QuantizedWeight)
 
 
 class LLM:
@@ -146,6 +152,24 @@ class LLM:
         self.eos_token_ids = generation_eos_ids(self.path, self.config.eos_token_ids)
         self._engine: Engine | None = None
         self._ids = itertools.count()
+
+    def __repr__(self) -> str:
+        """What a notebook wants to see of a loaded model: checkpoint, family and depth, the formats
+        its weights are kept in, the mesh, and the cache once the engine has made it."""
+        formats = sorted({w.format for w in jax.tree.leaves(nnx.state(self.model), is_leaf=_quantized)
+                          if _quantized(w)})  # fmt: skip
+        kept = f"{', '.join(formats)} ({jnp.dtype(self.dtype).name} elsewhere)" if formats else None
+        par = self.parallelism
+        mesh = f"tp {par.tp} ep {par.ep} dp {par.dp}" + " dp-attention" * par.dp_attention
+        if self._engine is None:
+            cache = "cache not made yet"
+        else:
+            cache = f"cache {self._engine.stats()['cache_pages_total']} pages of {self.page_size} tokens, "
+            cache += f"max_model_len {self._engine.max_model_len}"
+        return (
+            f"LLM({self.path!r}: {self.config.model_type}, {self.config.num_hidden_layers} layers, "
+            f"weights {kept or jnp.dtype(self.dtype).name}, {mesh}, {cache})"
+        )
 
     def _precision(self):
         # float32 means float32: no TF32 matmuls on GPUs.

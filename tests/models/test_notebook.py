@@ -41,3 +41,10 @@ def test_print_index_swap_and_score(capsys):
     moe.experts.down.set_value(moe.experts.down.get_value() * 2)
     moe.shared.down.weight.set_value(moe.shared.down.weight.get_value() * 2)
     np.testing.assert_allclose(llm.score(prompt), doubled, rtol=1e-5, atol=1e-5)
+
+
+def test_repr_says_model_weights_mesh_and_cache():
+    llm = jaxdsa.LLM(FIXTURES / "glm5", dtype="float32", page_size=8, progress=False, max_model_len=64)
+    assert repr(llm).endswith(": glm_moe_dsa, 4 layers, weights float32, tp 1 ep 1 dp 1, cache not made yet)")
+    pages = llm.engine.stats()["cache_pages_total"]
+    assert repr(llm).endswith(f"cache {pages} pages of 8 tokens, max_model_len 64)")
