@@ -19,6 +19,12 @@ its kernels' intervals (overlapping streams counted once); idle inside = span - 
 = from one step's end to the next one's start (0 where they overlap); time per token = the mean
 distance between consecutive steps' starts.
 
+The host side of the same device, where the trace has it (:func:`host_launching`): XLA launches a
+step's work on one host thread per device (``[N] GpuExecutable::ExecuteThunks``); per execution of
+the step, how long that took, how much of it waited in conditionals whose predicate the host reads
+(their branches could not go into a CUDA graph), and how many CUDA graphs it launched. A launch
+thread slower than the device's busy time is what bounds the step.
+
     python -m benchmarks.anatomy TRACE.json.gz [--device /device:GPU:0] [--skip 1]
 """
 
@@ -154,7 +160,9 @@ def anatomy(
             by_kind_us[kind(k["name"])] += k.get("dur", 0)
             by_kind_launches[kind(k["name"])] += 1
     ms = lambda us: us / 1e3  # noqa: E731
+    period = (first[-1] - first[0]) / (n - 1)
     return {
+        "host": host_launching(events, device, (first[0] - period, last[-1])),
         "steps": n,
         "step_boundaries": method,
         "launches_per_step": sum(len(s) for s in steps) / n,
@@ -174,6 +182,41 @@ def anatomy(
     }
 
 
+def _contains(outer: dict, inner: dict) -> bool:
+    return outer["ts"] <= inner["ts"] and inner["ts"] + inner.get("dur", 0) <= outer["ts"] + outer.get(
+        "dur", 0
+    )
+
+
+def host_launching(events, device: str, window: tuple[float, float]) -> dict[str, float] | None:
+    """Means per execution of a step launched in ``window`` (us) on ``device``'s launch thread: the
+    launching (ms), the time in host-read conditionals (ms), CUDA graphs launched and their
+    microseconds each; None when the trace has no such thread (a CPU run, a synthetic trace)."""
+    index = device.rsplit(":", 1)[-1]
+    runs = [
+        e for e in events if e.get("ph") == "X" and e.get("name") == f"[{index}] GpuExecutable::ExecuteThunks"
+    ]
+    if not runs:
+        return None
+    thread = (runs[0]["pid"], runs[0]["tid"])
+    mine = [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) == thread]
+    steps = [e for e in mine if "fused_step" in e["name"] and e["name"].endswith("XLA GPU module")]
+    steps = [e for e in steps if window[0] <= e["ts"] < window[1]]
+    if not steps:
+        return None
+    conditional = [e for e in mine if e["name"] == "conditional"]
+    graphs = [e for e in mine if e["name"] == "command_buffer::execute"]
+    inside = lambda kind: [e for e in kind if any(_contains(s, e) for s in steps)]  # noqa: E731
+    conditional, graphs = inside(conditional), inside(graphs)
+    n = len(steps)
+    return {
+        "launch_ms": statistics.mean(e["dur"] for e in steps) / 1e3,
+        "conditional_wait_ms": sum(e["dur"] for e in conditional) / n / 1e3,
+        "graph_launches": len(graphs) / n,
+        "graph_launch_us": statistics.mean(e["dur"] for e in graphs) if graphs else 0.0,
+    }
+
+
 def lines(result: dict[str, Any]) -> list[str]:
     """The anatomy as text, one line per kind (or its ``error``)."""
     r = result
@@ -189,6 +232,13 @@ def lines(result: dict[str, Any]) -> list[str]:
         out.append(
             f"  {label:38s} {k['ms_per_step']:7.2f} ms/step {k['launches_per_step']:7.0f} launches/step "
             f"{k['us_each']:7.1f} us each"
+        )
+    if r.get("host"):
+        h = r["host"]
+        out.append(
+            f"host, this device's launch thread: {h['launch_ms']:.2f} ms per step, of which "
+            f"{h['conditional_wait_ms']:.2f} ms waiting in host-read conditionals; "
+            f"{h['graph_launches']:.0f} CUDA graphs launched, {h['graph_launch_us']:.1f} us each"
         )
     return out
 

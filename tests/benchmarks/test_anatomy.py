@@ -81,3 +81,33 @@ def test_without_marks_steps_split_at_idle_gaps():
     assert r["idle_between_ms"] == pytest.approx(1.9)
     with pytest.raises(ValueError, match="no kernels of /device:GPU:1"):
         anatomy.anatomy(events, device="/device:GPU:1")
+
+
+def test_the_devices_launch_thread_per_step():
+    """Two executions of the step on device 0's launch thread, each with a conditional the host
+    waited in and CUDA graphs launched; device 1's thread and other modules do not count."""
+    events = _trace([_step(t) for t in (0.0, 100.0, 200.0)], launch_gap=50.0)
+
+    def on(tid: int, name: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "pid": HOST, "tid": tid, "name": name, "ts": ts, "dur": dur}
+
+    for t0 in (-60.0, 40.0):  # the launches of steps 1 and 2, inside the window
+        events += [
+            on(3, "[0] GpuExecutable::ExecuteThunks", t0, 90.0),
+            on(3, "jit_fused_step_packed:XLA GPU module", t0, 90.0),
+            on(3, "command_buffer::execute", t0 + 1, 10.0),
+            on(3, "command_buffer::execute", t0 + 20, 30.0),
+            on(3, "conditional", t0 + 60, 25.0),
+            on(4, "[1] GpuExecutable::ExecuteThunks", t0, 500.0),
+            on(4, "jit_fused_step_packed:XLA GPU module", t0, 500.0),
+            on(3, "jit_broadcast:XLA GPU module", t0 + 95, 3.0),
+        ]
+    r = anatomy.anatomy(events, skip=0)
+    assert r["host"] == {
+        "launch_ms": pytest.approx(0.09),
+        "conditional_wait_ms": pytest.approx(0.025),
+        "graph_launches": 2,
+        "graph_launch_us": pytest.approx(20.0),
+    }
+    assert "host, this device's launch thread: 0.09 ms per step" in "\n".join(anatomy.lines(r))
+    assert anatomy.anatomy(_trace([_step(t) for t in (0.0, 100.0)], launch_gap=5.0), skip=0)["host"] is None
