@@ -1,7 +1,7 @@
 """Write a random tiny model in the real Hugging Face layout: the stand-in for a Hub checkpoint.
 
     python -m checkpoints.make_tiny --family glm_moe_dsa|deepseek_v32|deepseek_v4 --out DIR
-        [--seed N] [--preset NAME] [--dtype float32|bfloat16] [--shards K]
+        [--seed N] [--preset NAME] [--dtype float32|bfloat16] [--shards K] [--max-model-len N]
 
 (``deepseek_v4`` is written by :mod:`checkpoints.tiny_v4` in DeepSeek's release layout.)
 
