@@ -106,7 +106,7 @@ GLM5 = Shapes(
     top_k=8,
     hidden=6144,
     expert_width=2048,
-    linears={  # GLM-5 at TP = 1 (models.md §4.1), [in, out]
+    linears={  # GLM-5 at TP = 1 (docs/models.md §4.1), [in, out]
         "q_a": (6144, 2048),
         "kv_a (576 rows)": (6144, 576),
         "q_b": (2048, 16384),

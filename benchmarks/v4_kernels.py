@@ -1,6 +1,6 @@
 """GPU benchmark: the DeepSeek-V4 kernels at V4-Flash widths, each against its reference.
 
-Run ``python -m benchmarks.v4_kernels`` on a GPU. V4-Flash (models.md §1.1, §3): hidden 4096,
+Run ``python -m benchmarks.v4_kernels`` on a GPU. V4-Flash (docs/models.md §1.1, §3): hidden 4096,
 hc_mult 4 (Sinkhorn 20 iterations), 64 heads of one shared 512-wide K = V row, window 128, CSA
 ratio 4 (top-512 of its compressed entries by a 64 x 128 indexer), HCA ratio 128. Kernels and
 shapes, with the arguments and dtypes :mod:`jaxdsa.models.deepseek_v4` passes (streams and

@@ -7,11 +7,11 @@
 
 The directory holds config.json (a :data:`checkpoints.tiny_presets.TINY_PRESETS` entry with
 ``vocab_size`` set to the tokenizer's), generation_config.json, safetensors with the hub's
-per-expert tensor names and [out, in] shapes (models.md §4.1) plus the MTP layer
+per-expert tensor names and [out, in] shapes (docs/models.md §4.1) plus the MTP layer
 ``model.layers.{num_hidden_layers}`` (§4.2), and a real tokenizer with the family's chat template
 (``checkpoints.tokenizer_assets``).
 
-Tensor names and shapes are derived here from the config and models.md, deliberately *not* from
+Tensor names and shapes are derived here from the config and docs/models.md, deliberately *not* from
 the family's parameter spec: the loader is then tested against an independent reading of the spec.
 
 Weights depend only on (seed, tensor name), so a tensor keeps its values whatever the dtype,

@@ -2,7 +2,7 @@
 
 Every function here reproduces one format's own definition bit for bit (NumPy only):
 
-- FP8 block scaling (models.md §4.5): ``float8_e4m3fn`` weight, one scale per (b0 x b1) block,
+- FP8 block scaling (docs/models.md §4.5): ``float8_e4m3fn`` weight, one scale per (b0 x b1) block,
   float32 ``weight_scale_inv`` or ue8m0 (``float8_e8m0fnu`` bytes, 2^(e - 127)); ``W = fp32(q) * s``
   in float32. Edge blocks may be partial (a 576-row weight has 5 row blocks of 128).
 - DeepSeek-V4 FP4 experts (§4.6): e2m1 codes packed two per byte along the input dim (low nibble =

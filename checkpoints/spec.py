@@ -91,7 +91,7 @@ V4_EXPERT_NAMES = ("w1", "w3", "w2")
 class _Experts:
     """Routed experts stored per expert as ``{prefix}.{e}.{module}.weight``. ``names``: the
     per-expert module names (gate, up, down). ``fp4``: the checkpoint may store them as DeepSeek-V4
-    FP4 (packed e2m1 bytes plus ue8m0 scales per 32 inputs, models.md §4.6)."""
+    FP4 (packed e2m1 bytes plus ue8m0 scales per 32 inputs, docs/models.md §4.6)."""
 
     prefix: str
     num: int

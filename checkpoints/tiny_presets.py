@@ -18,7 +18,7 @@ _TINY_COMMON: dict[str, Any] = {
     "kv_lora_rank": 128,
     "qk_nope_head_dim": 16,
     "qk_rope_head_dim": 8,
-    # >= 16 indexer heads so that ReLU zeros do not create top-k ties (models.md §8.13).
+    # >= 16 indexer heads so that ReLU zeros do not create top-k ties (docs/models.md §8.13).
     "index_n_heads": 16,
     "index_head_dim": 32,
     "index_topk": 8,

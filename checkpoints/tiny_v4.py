@@ -4,11 +4,11 @@ The directory holds the release-form ``config.json`` (a ``jaxdsa.models.deepseek
 entry through :func:`~jaxdsa.models.deepseek_v4.presets.release_form`, ``vocab_size`` set to the
 tokenizer's), ``generation_config.json``, the DeepSeek tokenizer assets (V4 shares V3.2's
 tokenizer family: BOS 0, EOS 1) with a V4 chat template for tool-less conversations (the server
-encodes V4 chats with ``serve.deepseek_v4_encoding``, models.md §6.4) and
-safetensors with the release names and dtypes of models.md §4.4: bf16 (or float32) weights, float32
+encodes V4 chats with ``serve.deepseek_v4_encoding``, docs/models.md §6.4) and
+safetensors with the release names and dtypes of docs/models.md §4.4: bf16 (or float32) weights, float32
 HC parameters, sinks, ``ape`` and router bias, int64 ``tid2eid``, plus the MTP block ``mtp.0.*``.
 
-Names and shapes are written out here from models.md, deliberately not from the family's parameter
+Names and shapes are written out here from docs/models.md, deliberately not from the family's parameter
 spec, so the loader is tested against an independent reading of the layout. Values depend only on
 (seed, tensor name), like ``make_tiny``'s other families.
 """

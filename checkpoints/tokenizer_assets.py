@@ -11,13 +11,13 @@ Special-token ids (``VOCAB_SIZE`` = 512):
 * GLM: 492 regular tokens, then ``<|endoftext|>`` 492 (eos/pad), ``[MASK]`` 493, ``[gMASK]`` 494,
   ``[sMASK]`` 495, ``<sop>`` 496, ``<eop>`` 497, ``<|system|>`` 498, ``<|user|>`` 499,
   ``<|assistant|>`` 500, ``<|observation|>`` 501, ``<think>`` 502, ``</think>`` 503, then the tool
-  tags 504-511. Generation stops on 492, 499, 501 (models.md §6.1).
+  tags 504-511. Generation stops on 492, 499, 501 (docs/models.md §6.1).
 * DeepSeek-V3.2: BOS 0 and EOS 1 (the real ids, which the ``dsv32`` preset's config also names),
   505 regular tokens, then ``<｜User｜>`` 507, ``<｜Assistant｜>`` 508, ``<think>`` 509,
-  ``</think>`` 510, ``｜DSML｜`` 511. DeepSeek-V4 (same tokenizer family, models.md §6.4) gets the
+  ``</think>`` 510, ``｜DSML｜`` 511. DeepSeek-V4 (same tokenizer family, docs/models.md §6.4) gets the
   same tokenizer with its own chat template.
 
-"Special" (dropped by ``skip_special_tokens``) follows models.md §6: GLM marks the control tokens
+"Special" (dropped by ``skip_special_tokens``) follows docs/models.md §6: GLM marks the control tokens
 and ``<think>``/``</think>`` special and keeps the tool-call tags as plain added tokens; DeepSeek marks
 BOS/EOS and the role tokens special and keeps ``<think>``, ``</think>`` and the DSML marker visible so
 reasoning and tool-call parsers can work on decoded text.
@@ -153,7 +153,7 @@ DEEPSEEK_TOKENS = FamilyTokens(
     stop=("<｜end▁of▁sentence｜>",),
 )
 
-# GLM-5 / 5.1 format (models.md §6.1). Messages read `content` (string or text parts),
+# GLM-5 / 5.1 format (docs/models.md §6.1). Messages read `content` (string or text parts),
 # `reasoning_content`, `tool_calls` (arguments must be a mapping, as in HF); kwargs:
 # `enable_thinking` (default true), `clear_thinking` (default true: drop reasoning before the last
 # user turn, rendering `<|assistant|></think>`).

@@ -40,7 +40,7 @@ N expert width):
 out of the stack for a custom call. On a mesh the stacks' leading dim is never split and the
 index is replicated (:meth:`jaxdsa.sharding.OpSharding.with_layer_stacks`).
 
-DeepSeek-V4 (models.md §3; on a mesh these run replicated: V4's streams and compressors are):
+DeepSeek-V4 (docs/models.md §3; on a mesh these run replicated: V4's streams and compressors are):
 
 - ``hc_pre(x [T,n,D], fn [nD,(2+n)n], base, scale [3], *, iters, hc_eps, norm_eps)
   -> (collapsed [T,D], post [T,n], comb [T,n,n])`` and ``hc_post(x, out [T,D], post, comb) -> [T,n,D]``:

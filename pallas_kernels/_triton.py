@@ -66,7 +66,8 @@ def _widen_offsets() -> None:
 
 _widen_offsets()
 
-# Abstract device names that JAX's gpu_info resolves per architecture (pallas-gpu.md §1.4).
+# Abstract device names that JAX's Pallas-Triton gpu_info (jax/_src/pallas/triton/gpu_info.py) resolves
+# to each target's compute capability.
 LOWERING_TARGETS = {
     "sm_80": "NVIDIA A100",
     "sm_90": "NVIDIA H100",

@@ -1,4 +1,4 @@
-"""DeepSeek-V3.2 prompt encoding and completion parsing (models.md §6.3).
+"""DeepSeek-V3.2 prompt encoding and completion parsing (docs/models.md §6.3).
 
 DeepSeek-V3.2 ships no Jinja chat template, only a Python encoder (``encoding_dsv32.py``); this is
 our implementation of the same rules, so that prompts match what the model was trained on:

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 prompt encoding and completion parsing (models.md §6.4).
+"""DeepSeek-V4 prompt encoding and completion parsing (docs/models.md §6.4).
 
 DeepSeek-V4 ships no Jinja chat template but a Python encoder, ``encoding/encoding_dsv4.py``,
 with the structure of V3.2's (``serve.deepseek_encoding``, whose DSML helpers this module uses).

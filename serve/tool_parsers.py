@@ -2,7 +2,7 @@
 
 ``glm47`` (GLM-4.5/4.7/5; also registered as ``glm45``) reads
 ``<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>…</tool_call>``: values are JSON when
-they parse (and the tool schema does not say ``string``), else raw strings (models.md §6.2).
+they parse (and the tool schema does not say ``string``), else raw strings (docs/models.md §6.2).
 ``deepseek_v32`` reads DeepSeek-V3.2's DSML ``function_calls`` block and ``deepseek_v4``
 DeepSeek-V4's ``tool_calls`` block through ``serve.deepseek_encoding`` (vLLM's names).
 

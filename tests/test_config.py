@@ -20,7 +20,7 @@ def test_presets_parse():
 
 
 def test_real_glm5_and_dsv32_scales():
-    """Softmax scales of the released models (models.md §1.2)."""
+    """Softmax scales of the released models (docs/models.md §1.2)."""
     glm = dict(TINY_PRESETS["glm5"], qk_nope_head_dim=192, qk_rope_head_dim=64, index_head_dim=128)
     assert config_from_dict(glm).softmax_scale == pytest.approx(0.0625)
     ds = dict(
@@ -61,7 +61,7 @@ def test_glm52_schedule_from_freq_and_offset():
     raw = {k: v for k, v in TINY_PRESETS["glm52"].items() if k != "indexer_types"}
     raw.update(num_hidden_layers=12, index_topk_freq=4, index_skip_topk_offset=3)
     cfg = config_from_dict(raw)
-    # full iff max(i - 3 + 1, 0) % 4 == 0 -> 0, 1, 2, 6, 10 (models.md §1.1)
+    # full iff max(i - 3 + 1, 0) % 4 == 0 -> 0, 1, 2, 6, 10 (docs/models.md §1.1)
     assert cfg.indexer_layers == (0, 1, 2, 6, 10)
     pattern = config_from_dict({**raw, "index_topk_pattern": "FFSSFFSSFFSS"})
     assert pattern.indexer_layers == (0, 1, 4, 5, 8, 9)

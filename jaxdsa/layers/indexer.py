@@ -1,6 +1,6 @@
 """The DSA lightning indexer: per-token index keys and per-query weighted ReLU scores, top-k.
 
-I(p, t) = sum_h w_h * relu(d^-1/2 * qI_h . kI_t), w = weights_proj(x) * n^-1/2 (models.md §2.7).
+I(p, t) = sum_h w_h * relu(d^-1/2 * qI_h . kI_t), w = weights_proj(x) * n^-1/2 (docs/models.md §2.7).
 Both positive scales are folded into w, so the score kernels compute sum_h w_h relu(q_h . k).
 RoPE goes on the *first* rope-dim channels, interleaved (GLM) or half-split (DeepSeek-V3.2).
 """

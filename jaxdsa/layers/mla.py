@@ -1,4 +1,4 @@
-"""Multi-head latent attention (MLA) with the DSA indexer, in its two equivalent forms (models.md §2.4, §2.5).
+"""Multi-head latent attention (MLA) with the DSA indexer in two equivalent forms (docs/models.md §2.4, §2.5).
 
 - naive ("MHA"): expand each cached latent through W_UK / W_UV into per-head keys and values;
   cheaper for long prefills, used for single-sequence prefill steps.

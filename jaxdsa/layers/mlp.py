@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward and the DeepSeek noaux_tc MoE block (models.md §2.9)."""
+"""SwiGLU feed-forward and the DeepSeek noaux_tc MoE block (docs/models.md §2.9)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class MLP(nnx.Module):
     """down(silu(gate x) * up x): the dense feed-forward and the shared expert.
 
     ``swiglu_limit`` (DeepSeek-V4): the gate is clamped above and the up projection on both sides
-    at the limit before the product (models.md §3.9); None leaves both as they are.
+    at the limit before the product (docs/models.md §3.9); None leaves both as they are.
     """
 
     def __init__(self, hidden: int, inter: int, *, dtype, rngs: nnx.Rngs, swiglu_limit: float | None = None):

@@ -1,6 +1,6 @@
 """Rotary position embeddings: default and YaRN frequencies, interleaved or half-split pairs.
 
-Pair layouts (models.md §2.3): *interleaved* rotates dims (2i, 2i+1); *half-split* rotates
+Pair layouts (docs/models.md §2.3): *interleaved* rotates dims (2i, 2i+1); *half-split* rotates
 (i, i + d/2). Outputs keep the input's layout. (HF writes interleaved results de-interleaved;
 dot products are the same because q and k are permuted alike, and our cache holds our layout.)
 """

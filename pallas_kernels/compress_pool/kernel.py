@@ -1,4 +1,4 @@
-"""Pallas-Triton kernel for the DeepSeek-V4 compressor's pooling (models.md §3.4).
+"""Pallas-Triton kernel for the DeepSeek-V4 compressor's pooling (docs/models.md §3.4).
 
 Grid ``(W,)``: one program per compressed entry. It walks the entry's slots ``block_s`` rows at a
 time with an online softmax kept **per channel** (running max, denominator and weighted sum are

@@ -1,4 +1,4 @@
-"""Pure-JAX oracle for the V4 compressor's pooling (models.md §3.4, HF's CSA / HCA compressors)."""
+"""Pure-JAX oracle for the V4 compressor's pooling (docs/models.md §3.4, HF's CSA / HCA compressors)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ outnumber sequences), the row kernel otherwise (decode). Both skip key blocks th
 beyond the largest ``q_pos`` they serve: those are filled with -inf without reading keys. The flat
 form is the paged form with one sequence whose single page is the whole key set.
 
-fp8 keys (``float8_e4m3fn`` values + one f32 scale per key row, models.md §5.4): relu is positively
+fp8 keys (``float8_e4m3fn`` values + one f32 scale per key row, docs/models.md §5.4): relu is positively
 homogeneous and the scales are positive (amax / 448), so
 ``sum_h w relu(q . (c k)) = c * sum_h w relu(q . k)``. The kernels take the dot on the unscaled
 e4m3 values (exact in bf16/f16) and multiply each logit by its key's scale, so key bytes stay at

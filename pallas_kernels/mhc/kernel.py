@@ -1,4 +1,4 @@
-"""Pallas-Triton kernels for DeepSeek-V4's hyper-connection sites (models.md §3.2).
+"""Pallas-Triton kernels for DeepSeek-V4's hyper-connection sites (docs/models.md §3.2).
 
 ``hc_pre``, fused (``splits`` = 1): grid ``(token blocks,)``. A program owns ``block_t`` tokens and
 

@@ -1,4 +1,4 @@
-"""Pure-JAX oracle for DeepSeek-V4's hyper-connection sites (models.md §3.2, HF's formulas)."""
+"""Pure-JAX oracle for DeepSeek-V4's hyper-connection sites (docs/models.md §3.2, HF's formulas)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ cuts codes, scales and zero points at the same places, provided it cuts at group
 (:func:`check_split`). The logical shape is derived from the codes (never stored), so it stays right
 for the per-shard leaves inside a ``shard_map``.
 
-Formats (models.md §4.5-4.7), ``group = (gk, gn)`` elements of K x N sharing one scale:
+Formats (docs/models.md §4.5-4.7), ``group = (gk, gn)`` elements of K x N sharing one scale:
 
 - ``int4`` (compressed-tensors pack-quantized): ``codes`` ``[..., K/8, N]`` int32 words of eight 4-bit
   codes ``q + 8`` (or ``[..., K/2, N]`` uint8, two per byte, when K is not a multiple of 256);

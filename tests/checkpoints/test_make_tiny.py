@@ -1,6 +1,6 @@
-"""make_tiny writes the Hub layout of models.md §4.1/§4.2, deterministically, with sane weights.
+"""make_tiny writes the Hub layout of docs/models.md §4.1/§4.2, deterministically, with sane weights.
 
-The expected names and shapes below are written out from models.md for the tiny presets, not
+The expected names and shapes below are written out from docs/models.md for the tiny presets, not
 computed by make_tiny's own code, so a naming slip shows up here.
 """
 
@@ -44,7 +44,7 @@ def tensors(ckpts) -> dict[str, dict[str, tuple[np.ndarray, str]]]:
 
 
 # Shapes for the glm5 preset (D=64, V=512, H=4, nope 16, rope 8, v 24, q_lora 32, kv_lora 128,
-# 16 index heads x 32, dense 128, 8 experts x 32): models.md §4.1 formulas evaluated by hand.
+# 16 index heads x 32, dense 128, 8 experts x 32): docs/models.md §4.1 formulas evaluated by hand.
 GLM5_LAYER0 = {
     "input_layernorm.weight": (64,),
     "post_attention_layernorm.weight": (64,),

@@ -1,4 +1,4 @@
-"""make_tiny --family deepseek_v4 writes the release layout of models.md §4.4, deterministically.
+"""make_tiny --family deepseek_v4 writes the release layout of docs/models.md §4.4, deterministically.
 
 Expected names, shapes and dtypes are written out by hand for the dsv4 preset (D 32, vocab 512 from
 the tokenizer, 4 heads x 32, q_lora 40, 2 groups x 16, 16 index heads x 16, 8 experts x 32, hc 4).

@@ -1,7 +1,7 @@
 """Format decoders checked bit for bit against the formats' definitions and independent encoders.
 
 Element decoders: every code of e4m3 (256), e2m1 (16) and e8m0 (256) against the value tables of
-models.md §4.5-4.6 and against ml_dtypes. Weight decoders: against encoders written from the spec
+docs/models.md §4.5-4.6 and against ml_dtypes. Weight decoders: against encoders written from the spec
 (the compressed-tensors INT4 library itself is checked by the INT4 golden fixtures).
 """
 
@@ -32,7 +32,7 @@ def _same_bits(got: np.ndarray, want: np.ndarray) -> None:
 def test_e4m3_all_codes():
     codes = np.arange(256, dtype=np.uint8)
     s, e, m = (codes.astype(int) >> 7), (codes.astype(int) >> 3) & 15, codes.astype(int) & 7
-    # models.md §4.5: bias 7, exponent 0 subnormal, no infinities, S.1111.111 is NaN
+    # docs/models.md §4.5: bias 7, exponent 0 subnormal, no infinities, S.1111.111 is NaN
     table = np.array(
         [
             (-1.0) ** si * (2.0 ** (ei - 7) * (1 + mi / 8) if ei else 2.0**-6 * mi / 8)
@@ -48,7 +48,7 @@ def test_e4m3_all_codes():
 
 
 def test_e2m1_all_codes():
-    table = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]  # models.md §4.6
+    table = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]  # docs/models.md §4.6
     codes = np.arange(16, dtype=np.uint8)
     got = decode_e2m1(codes)
     _same_bits(got, np.array(table))
@@ -67,7 +67,7 @@ def test_e8m0_all_codes():
 
 @pytest.mark.parametrize("scale_kind", ["float32", "e8m0"])
 def test_fp8_partial_edge_blocks_576_rows(scale_kind):
-    """A 576-row weight in 128x128 blocks has 5 row blocks, the last one 64 rows (models.md §4.5)."""
+    """A 576-row weight in 128x128 blocks has 5 row blocks, the last one 64 rows (docs/models.md §4.5)."""
     rng = np.random.default_rng(0)
     q = rng.integers(0, 256, size=(576, 300)).astype(np.uint8).view(ml_dtypes.float8_e4m3fn)
     if scale_kind == "float32":
@@ -101,7 +101,7 @@ def test_fp4_v4_experts():
 
 
 def _pack_along(values: np.ndarray, axis: int) -> np.ndarray:
-    """Spec encoder (models.md §4.7): signed 4-bit values +8, eight per int32, element k at bits 4k."""
+    """Spec encoder (docs/models.md §4.7): signed 4-bit values +8, eight per int32, element k at bits 4k."""
     v = np.moveaxis(values + 8, axis, -1).astype(np.uint32)
     pad = (-v.shape[-1]) % 8
     v = np.concatenate([v, np.zeros(v.shape[:-1] + (pad,), np.uint32)], axis=-1)

@@ -2,7 +2,7 @@
 
 The fixtures (tests/fixtures/*/, made by tests/reference/make_goldens.py with PyTorch) hold
 HF-layout checkpoints and HF's float32 logits. Where HF and DeepSeek's official code differ
-(latent-norm eps 1e-6, no FP8/Hadamard simulation in the indexer; models.md §7, §8) we match HF.
+(latent-norm eps 1e-6, no FP8/Hadamard simulation in the indexer; docs/models.md §7, §8) we match HF.
 Each fixture runs on the pure-JAX reference ops and on the Pallas kernels in interpret mode (the
 quantized ones, with their weights kept quantized, in interpret mode once per format: the kernels'
 own tests cover every layout against their references), the quantized ones with their weights

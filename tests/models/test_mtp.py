@@ -2,7 +2,7 @@
 
 HF transformers drops these weights on load, so there is no HF oracle; the glue around the
 decoder block (enorm / hnorm, embedding-first concat, eh_proj, shared_head.norm, shared lm_head)
-is checked against the formula of models.md §2.12 with tensors read straight from the file. The
+is checked against the formula of docs/models.md §2.12 with tensors read straight from the file. The
 block itself is the HF-verified decoder layer.
 """
 

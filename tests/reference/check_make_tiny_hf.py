@@ -14,7 +14,7 @@ shards:
 3. a forward pass on a chat prompt gives finite logits of order 1 and greedy generation runs;
 4. ``AutoTokenizer.from_pretrained`` gives a 512-token tokenizer whose special tokens are single ids,
    that round-trips mixed text, and whose ``apply_chat_template`` renders exactly what our renderer,
-   the models.md §6.1 / §6.3 examples and (DeepSeek) ``serve.deepseek_encoding`` produce.
+   the docs/models.md §6.1 / §6.3 examples and (DeepSeek) ``serve.deepseek_encoding`` produce.
 """
 
 from __future__ import annotations
@@ -221,13 +221,13 @@ def check_tokenizer(ckpt: pathlib.Path, family: str, failures: list[str]) -> Non
         hf = tok.apply_chat_template(
             GLM_CHATS[0][0], tokenize=False, add_generation_prompt=True, enable_thinking=False
         )
-        check(hf == EXPECTED["glm"], f"models.md §6.1 example: {hf!r}", failures)
+        check(hf == EXPECTED["glm"], f"docs/models.md §6.1 example: {hf!r}", failures)
     else:
         for mode in ("chat", "thinking"):
             hf = tok.apply_chat_template(
                 DS_CHAT, tokenize=False, add_generation_prompt=True, thinking_mode=mode
             )
-            check(hf == EXPECTED[mode], f"models.md §6.3 {mode} example: {hf!r}", failures)
+            check(hf == EXPECTED[mode], f"docs/models.md §6.3 {mode} example: {hf!r}", failures)
             check(
                 hf == deepseek_encoding.encode_messages(DS_CHAT, mode),
                 f"{mode}: template == encoder",

@@ -19,11 +19,11 @@ For every fixture this script
    names, optional shards), appends MTP-layer weights where asked, writes generation_config.json with
    ``eos_token_id: null``, reloads the checkpoint into HF and checks that it gives the same logits;
 5. for the FP8 fixtures, stores block-quantized float8_e4m3fn weights + ``weight_scale_inv`` and computes
-   the goldens on the dequantized float32 weights (ceil blocks, models.md §4.5 / §8.11);
+   the goldens on the dequantized float32 weights (ceil blocks, docs/models.md §4.5 / §8.11);
 6. for the INT4 fixtures, rounds the model to bf16 (the releases' dtype), quantizes the targeted Linears
    with the ``compressed-tensors`` library itself (``calculate_qparams`` on each group's min / max,
    ``PackedQuantizationCompressor.compress``), stores the packed tensors and every other tensor in bf16,
-   and computes the goldens on the library's own ``decompress`` (models.md §4.7);
+   and computes the goldens on the library's own ``decompress`` (docs/models.md §4.7);
 7. writes ``golden.npz`` and the fixtures README.
 """
 
@@ -72,11 +72,11 @@ LM_GAIN = 2.5
 # q_a_proj and the latent rows of kv_a_proj_with_mqa are scaled down so that the pre-norm latents have an
 # RMS of about 0.02: then using the GLM config eps 1e-5 instead of HF's 1e-6 in the latent norms moves the
 # logits far above the parity tolerance (measured 0.5-1.2 rel L2, partly through changed top-k
-# selections) instead of ~1e-5 with unit-scale latents (models.md §8.5).
+# selections) instead of ~1e-5 with unit-scale latents (docs/models.md §8.5).
 LATENT_SCALE = 0.02
 BIAS_STD = 0.1  # e_score_correction_bias ~ N(0, BIAS_STD^2): non-zero, changes some selections
 
-# Robustness thresholds (models.md §8.13), each 10x stricter than the minimum asked for, so that two
+# Robustness thresholds (docs/models.md §8.13), each 10x stricter than the minimum asked for, so that two
 # correct fp32 implementations (errors ~1e-6 relative) cannot disagree on a token or a selected set.
 MIN_GREEDY_MARGIN = 1e-2  # (top1 - top2) / max(1, std(logits)) at every generate step
 MIN_INDEXER_REL_GAP = 1e-4  # (s_k - s_{k+1}) / max|finite scores of the row|
@@ -669,7 +669,7 @@ def fp8_replace_weights(
 
 
 def mtp_tensors(main: dict[str, torch.Tensor], cfg, g: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random weights for MTP layer N (= num_hidden_layers), hub names (models.md §4.2).
+    """Random weights for MTP layer N (= num_hidden_layers), hub names (docs/models.md §4.2).
 
     A complete decoder layer (attention + indexer + MoE, names as layer N-1 / the first indexer layer)
     plus enorm, hnorm, eh_proj [D, 2D] and shared_head.norm.
@@ -809,7 +809,7 @@ def write_checkpoint(
         )
         (directory / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
 
-    # models.md §8.12: eos null so that greedy runs never stop early.
+    # docs/models.md §8.12: eos null so that greedy runs never stop early.
     gen = {
         "_from_model_config": False,
         "bos_token_id": cfg.bos_token_id,
@@ -1496,8 +1496,8 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
         "DynamicCache",
         "(prefill of the 12-token prompt is already sparse; decode steps run the indexer over all cached "
         "keys).",
-        "`generation_config.json` sets `eos_token_id: null` (models.md §8.12); the script asserts that 16 "
-        "tokens",
+        "`generation_config.json` sets `eos_token_id: null` (docs/models.md §8.12); the script asserts that "
+        "16 tokens",
         "came back and that the processed scores equal the raw logits (no logits processor active). The",
         "`dsv32` / `dsv32_yarn` config.json keep the preset's `eos_token_id: 1`; no prompt contains ids 0/1.",
         "",
@@ -1536,7 +1536,7 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
         "- GLM-5.2 shared layers reuse the previous full layer's top-k indices, also during decode.",
         "- FP8: goldens use W[i, j] = fp32(q[i, j]) * s[i // b0, j // b1] with ceil blocks. HF's own FP8 "
         "loader",
-        "  is not used (models.md §8.11). What it did with the fixtures on CPU:",
+        "  is not used (docs/models.md §8.11). What it did with the fixtures on CPU:",
         *(
             f"  `{r['name']}`: {FP8_LOAD_NOTE} {r['info']['hf_fp8_load']}."
             for r in results

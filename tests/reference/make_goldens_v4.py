@@ -81,7 +81,8 @@ QUANT_CONFIG = {
     "scale_fmt": "ue8m0",
     "weight_block_size": list(FP8_BLOCK),
 }
-# Release-name suffixes stored as FP8 in DeepSeek's V4 checkpoints (models.md §4.4); routed experts are FP4.
+# Release-name suffixes stored as FP8 in DeepSeek's V4 checkpoints (docs/models.md §4.4); routed
+# experts are FP4.
 FP8_SUFFIXES = (
     "attn.wq_a.weight",
     "attn.wq_b.weight",
@@ -139,7 +140,7 @@ def load_presets():
     return mod
 
 
-# Per-layer HF module names -> release names, written out from models.md §4.4 (and checked below by
+# Per-layer HF module names -> release names, written out from docs/models.md §4.4 (and checked below by
 # HF's own loader, which converts release names back through its conversion mapping).
 LAYER_RENAMES = [
     ("self_attn.q_a_proj.", "attn.wq_a."),
@@ -479,7 +480,7 @@ class Probes:
 
 
 # ---------------------------------------------------------------------------------------------
-# MTP oracle: HF's modules wired as DeepSeek's reference MTPBlock (models.md §3.10)
+# MTP oracle: HF's modules wired as DeepSeek's reference MTPBlock (docs/models.md §3.10)
 
 
 class MTPOracle(torch.nn.Module):
@@ -979,7 +980,7 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
     ]
     for r in results:
         lines.append(f"| `{r['name']}` | " + " | ".join(fmt(r["sensitivity"][n]) for n in names) + " |")
-    lines += ["", "## What HF 5.23 computes (see models.md §8.10)", "", *HF_FACTS, ""]
+    lines += ["", "## What HF 5.23 computes (see docs/models.md §8.10)", "", *HF_FACTS, ""]
     (out_root / "README_dsv4.md").write_text("\n".join(lines))
 
 

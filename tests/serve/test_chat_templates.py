@@ -1,7 +1,7 @@
 """Tiny-model tokenizers and chat formats: GLM-5 Jinja template, DeepSeek-V3.2 encoder and template,
 DeepSeek-V4 template.
 
-Expected strings are the byte-exact examples of models.md §6.1 / §6.3, or written out by hand from
+Expected strings are the byte-exact examples of docs/models.md §6.1 / §6.3, or written out by hand from
 the rules there. tests/reference/check_make_tiny_hf.py checks the same templates through HF's own
 ``apply_chat_template``.
 """

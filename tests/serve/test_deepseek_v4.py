@@ -1,4 +1,4 @@
-"""DeepSeek-V4 chat encoding (models.md §6.4), its parser, and the server's V4 chat format.
+"""DeepSeek-V4 chat encoding (docs/models.md §6.4), its parser, and the server's V4 chat format.
 
 Expected prompts are written out by hand from the rules of DeepSeek's ``encoding_dsv4.py``. The
 thinking-mode tool-call and tool-result prompts below are also what DeepSeek's ``deepseek-recipe``
@@ -58,7 +58,7 @@ RESULTS = f"{USER}<tool_result>sunny</tool_result>\n\n<tool_result>12:00</tool_r
 
 
 def test_two_turn_example_thinking_and_chat():
-    """models.md §6.3's example renders the same for V4: older reasoning is dropped."""
+    """docs/models.md §6.3's example renders the same for V4: older reasoning is dropped."""
     history = f"{BOS}S{USER}U1{ASSISTANT}</think>A1{EOS}{USER}U2{ASSISTANT}"
     assert encode_messages(TWO_TURNS, "thinking") == history + "<think>"
     assert encode_messages(TWO_TURNS, "chat") == history + "</think>"

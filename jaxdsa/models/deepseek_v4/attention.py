@@ -1,4 +1,4 @@
-"""V4 attention (models.md §3.3-§3.8): one shared K = V head, a sliding window and compressed entries.
+"""V4 attention (docs/models.md §3.3-§3.8): one shared K = V head, a sliding window and compressed entries.
 
 Per query at position p the keys are the window's tokens ``(p - W, p]`` and, on compressed
 layers, compressed entries: the indexer's top-k (CSA) or all complete ones (HCA). Each key subset

@@ -1,4 +1,4 @@
-"""The KV compressor of CSA / HCA layers (models.md §3.4): one entry per complete window of m tokens.
+"""The KV compressor of CSA / HCA layers (docs/models.md §3.4): one entry per complete window of m tokens.
 
 Per source token the compressor projects ``C = x wkv`` and gate logits ``Z = x wgate`` (float32,
 width ``c * d``; c = 2 with overlapping windows, i.e. CSA); the token at offset o of its window

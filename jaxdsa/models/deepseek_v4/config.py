@@ -1,6 +1,6 @@
 """DeepSeek-V4 configuration: one frozen dataclass parsed from either form of ``config.json``.
 
-Two forms exist (models.md §1.1, §8.10):
+Two forms exist (docs/models.md §1.1, §8.10):
 
 - **HF serialized** (what transformers 5.23 ``save_pretrained`` writes): ``layer_types``,
   ``compress_rates`` {type: ratio}, ``mlp_layer_types``, nested ``rope_parameters`` {main,
@@ -82,7 +82,7 @@ class V4Config:
 
     @property
     def softmax_scale(self) -> float:
-        """head_dim^-0.5; V4 has no YaRN mscale on the softmax (models.md §1.2)."""
+        """head_dim^-0.5; V4 has no YaRN mscale on the softmax (docs/models.md §1.2)."""
         return self.head_dim**-0.5
 
     def layer_type(self, layer: int) -> str:

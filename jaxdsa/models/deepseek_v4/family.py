@@ -1,6 +1,6 @@
 """DeepSeek-V4 on the model-family seam (:class:`jaxdsa.models.family.ModelFamily`).
 
-The cache (models.md §5.3-§5.6: the released engines' compact layout, in the model's dtype):
+The cache (docs/models.md §5.3-§5.6: the released engines' compact layout, in the model's dtype):
 what only the last positions need is a per-sequence ring (W rows of the window, the compressor's
 m or 2m source rows, each plus the speculative lookahead); what every later query may read is paged,
 one row per m tokens:

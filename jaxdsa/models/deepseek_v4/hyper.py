@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (mHC, models.md §3.2): the residual is ``hc_mult`` streams.
+"""Manifold-constrained hyper-connections (mHC, docs/models.md §3.2): the residual is ``hc_mult`` streams.
 
 Each block has two sites (attention, FFN). A site computes from the streams a collapse vector
 ``pre``, an expansion vector ``post`` and a doubly-stochastic mixing matrix ``comb`` (Sinkhorn),

@@ -1,4 +1,4 @@
-"""The CSA lightning indexer (models.md §3.5, §8.10 as HF computes it: no Hadamard, no FP4 simulation).
+"""The CSA lightning indexer (docs/models.md §3.5, §8.10 as HF computes it: no Hadamard, no FP4 simulation).
 
 It scores its own compressed keys (an overlapping compressor of width ``index_head_dim``) against
 per-head queries from the attention's q latent: ``I(p, j) = sum_h w_h relu(q_h . K_j)`` with

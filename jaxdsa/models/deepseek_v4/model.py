@@ -7,7 +7,7 @@ head. A block is two hyper-connection sites around attention and the MoE. Layers
 layer writes its cache rows at its model-layer index (``window``) or at its index among the layers
 of its kind (the compressed layers' state and entries), see :mod:`.family`.
 
-:meth:`V4Model.draft` runs the MTP block (models.md §3.10; DeepSeek's ``MTPBlock``, HF has none)
+:meth:`V4Model.draft` runs the MTP block (docs/models.md §3.10; DeepSeek's ``MTPBlock``, HF has none)
 on the main model's final streams with its own cache.
 """
 

@@ -1,4 +1,4 @@
-"""V4 MoE (models.md §3.9, as HF computes it): sqrt-softplus scores, top-k on score + bias or a
+"""V4 MoE (docs/models.md §3.9, as HF computes it): sqrt-softplus scores, top-k on score + bias or a
 fixed ``tid2eid[token]`` table on hash layers, weights normalized (+1e-20) and scaled, routed experts
 and the one shared expert as SwiGLU with the gate clamped above and the up projection clamped on
 both sides at ``swiglu_limit``. Routed outputs are weighted after the down projection.

@@ -16,7 +16,7 @@ CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "
 
 # One layer of every attention type plus a second CSA layer, two hash-routed layers (one of them
 # on a CSA layer, as in V4-Flash), an HCA ratio of 8 so that a 61-token prompt crosses seven
-# HCA and fifteen CSA window boundaries, a window of 8, 16 indexer heads (ReLU ties, models.md
+# HCA and fifteen CSA window boundaries, a window of 8, 16 indexer heads (ReLU ties, docs/models.md
 # §8.13) and index_topk 5 < the 15 CSA entries of that prompt. swiglu_limit 1.5 makes the SwiGLU
 # clamp fire with unit-scale activations (the released 10.0 never would here). Head dims are chosen
 # so that the partial rotary factor 8 / 32 is exact in floating point.
@@ -119,7 +119,7 @@ _HF_ONLY_KEYS = (
 
 
 def _released(**widths: Any) -> dict[str, Any]:
-    """A V4 release ``config.json`` (the upstream form) from its widths (models.md §1.1)."""
+    """A V4 release ``config.json`` (the upstream form) from its widths (docs/models.md §1.1)."""
     common = {
         "architectures": ["DeepseekV4ForCausalLM"],
         "model_type": "deepseek_v4",

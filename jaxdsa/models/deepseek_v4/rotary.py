@@ -1,4 +1,4 @@
-"""V4 RoPE: interleaved pairs on the **trailing** rotary dims of every vector (models.md §3.3, §8.10).
+"""V4 RoPE: interleaved pairs on the **trailing** rotary dims of every vector (docs/models.md §3.3, §8.10).
 
 Sliding-window-only layers use the main RoPE (``rope_theta``, no YaRN); compressed layers use the
 compress RoPE (``compress_rope_theta`` with YaRN, attention factor as configured) for everything

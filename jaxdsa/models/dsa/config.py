@@ -23,7 +23,7 @@ from jaxdsa.config import (
 MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
 
 # HF transformers builds q_a_layernorm / kv_a_layernorm with its class default eps (1e-6) whatever
-# rms_norm_eps says (models.md §8.5); vLLM uses rms_norm_eps. We match HF, the parity oracle.
+# rms_norm_eps says (docs/models.md §8.5); vLLM uses rms_norm_eps. We match HF, the parity oracle.
 HF_LATENT_NORM_EPS = 1e-6
 INDEXER_K_NORM_EPS = 1e-6
 
@@ -179,7 +179,7 @@ def parse_config(raw: Mapping[str, Any], source: str = "<dict>") -> DsaConfig:
         rope=parse_rope(f),
         max_position_embeddings=g("max_position_embeddings"),
         rms_norm_eps=g("rms_norm_eps", float, 1e-6),
-        # HF 5.23: the GLM indexer is interleaved, DeepSeek-V3.2's is half-split (models.md §8.3).
+        # HF 5.23: the GLM indexer is interleaved, DeepSeek-V3.2's is half-split (docs/models.md §8.3).
         indexer_rope_interleave=f.get("indexer_rope_interleave", bool, glm),
         indexer_types=_parse_indexer_types(f, num_layers) if glm else ("full",) * num_layers,
         num_nextn_predict_layers=g("num_nextn_predict_layers", int, 0, positive=False),

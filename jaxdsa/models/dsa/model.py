@@ -108,7 +108,7 @@ class DecoderLayer(nnx.Module):
 
 class MtpLayer(nnx.Module):
     """The next-n layer: e = enorm(E[x_{t+1}]), g = hnorm(h_t), u = eh_proj [e ; g] (embedding first,
-    as vLLM), one full decoder layer with its own cache, then shared_head.norm (models.md §2.12)."""
+    as vLLM), one full decoder layer with its own cache, then shared_head.norm (docs/models.md §2.12)."""
 
     def __init__(self, cfg: DsaConfig, layer: int, *, heads: int, index_heads: int, dtype, rngs: nnx.Rngs):
         D = cfg.hidden_size

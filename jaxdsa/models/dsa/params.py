@@ -1,4 +1,4 @@
-"""Where every parameter of :class:`DsaModel` comes from in a Hugging Face checkpoint (models.md §4.1, §4.2).
+"""Where every parameter of :class:`DsaModel` comes from in an HF checkpoint (docs/models.md §4.1, §4.2).
 
 :func:`param_spec` maps each parameter path of the model's state to a :mod:`checkpoints.spec`
 leaf: the HF tensor that feeds it, the shape the file must have, and the view from HF's

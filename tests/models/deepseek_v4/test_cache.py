@@ -114,7 +114,7 @@ def test_engine_chunks_decodes_and_recomputes_a_repeated_prompt(golden):
 
 def test_compact_layout_at_released_sizes():
     """V4-Flash / V4-Pro: one row per m tokens of the compressed entries and index keys, rings of W,
-    2m and m rows per sequence (models.md §5.6, counted here from the config independently), and
+    2m and m rows per sequence (docs/models.md §5.6, counted here from the config independently), and
     the page size a multiple of every ratio."""
     from jaxdsa.models.deepseek_v4.config import v4_config_from_dict
     from jaxdsa.models.deepseek_v4.presets import RELEASED
