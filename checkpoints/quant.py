@@ -25,6 +25,16 @@ import re
 import ml_dtypes
 import numpy as np
 
+# The ``quantization_config`` of DeepSeek's FP8 releases (V3.2, V4): e4m3 weights in 128x128 blocks
+# with ue8m0 (power-of-two) scales. The released configs (the models' ``presets`` modules) carry it.
+DEEPSEEK_FP8_QUANTIZATION: dict = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "scale_fmt": "ue8m0",
+    "weight_block_size": [128, 128],
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from checkpoints.quant import DEEPSEEK_FP8_QUANTIZATION
+
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 
 # One layer of every attention type plus a second CSA layer, two hash-routed layers (one of them
@@ -159,13 +161,7 @@ def _released(**widths: Any) -> dict[str, Any]:
         "eos_token_id": 1,
         "torch_dtype": "bfloat16",
         "expert_dtype": "fp4",
-        "quantization_config": {
-            "activation_scheme": "dynamic",
-            "fmt": "e4m3",
-            "quant_method": "fp8",
-            "scale_fmt": "ue8m0",
-            "weight_block_size": [128, 128],
-        },
+        "quantization_config": dict(DEEPSEEK_FP8_QUANTIZATION),
     }
     return common | widths
 

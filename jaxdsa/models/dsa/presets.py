@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from checkpoints.quant import DEEPSEEK_FP8_QUANTIZATION
+
 GLM5: dict[str, Any] = {
     "architectures": ["GlmMoeDsaForCausalLM"],
     "model_type": "glm_moe_dsa",
@@ -108,13 +110,7 @@ DSV32: dict[str, Any] = {
     "bos_token_id": 0,
     "eos_token_id": 1,
     "torch_dtype": "bfloat16",
-    "quantization_config": {
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "quant_method": "fp8",
-        "scale_fmt": "ue8m0",
-        "weight_block_size": [128, 128],
-    },
+    "quantization_config": dict(DEEPSEEK_FP8_QUANTIZATION),
 }
 
 RELEASED: dict[str, dict[str, Any]] = {"glm5": GLM5, "glm52": GLM52, "dsv32": DSV32}
