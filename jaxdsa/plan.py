@@ -122,6 +122,41 @@ def decode_step(
     return {"bytes_read": read + traffic["cache_bytes_read"], "collective_bytes": traffic["collective_bytes"]}
 
 
+def memory_plan(
+    family: ModelFamily,
+    cfg,
+    par: Parallelism,
+    *,
+    hbm_gib: float,
+    weights: str,
+    max_model_len: int,
+    batch: int,
+    gpu_memory_utilization: float = memory.DEFAULT_UTILIZATION,
+) -> dict[str, float]:
+    """Each device's memory as the server counts it (:mod:`jaxdsa.engine.memory`): the budget is
+    ``gpu_memory_utilization`` of ``hbm_gib``; the weights, the workspace kept for steps, and
+    ``batch`` sequences' rings and penalty rows come out of it; the cache gets the rest."""
+    weight_bytes = device_weight_bytes(family, cfg, par, weights)
+    budget = memory.check_utilization(gpu_memory_utilization) * hbm_gib * GiB
+    workspace = memory.workspace_bytes(budget)
+    per_token = cache_bytes_per_token(family, cfg)
+    per_sequence = cache_bytes_per_sequence(family, cfg) + cfg.vocab_size * PENALTY_BYTES
+    free = budget - weight_bytes - workspace - batch * per_sequence
+    tokens_per_group = max(0, int(free // per_token))
+    return {
+        "devices": par.num_devices,
+        "budget_gib_per_device": budget / GiB,
+        "weights_gib_per_device": weight_bytes / GiB,
+        "workspace_gib_per_device": workspace / GiB,
+        "cache_bytes_per_token": per_token,
+        "cache_bytes_per_sequence": per_sequence,
+        "cache_gib_per_device": free / GiB,
+        "cache_tokens_per_dp_group": tokens_per_group,
+        "cache_tokens_total": tokens_per_group * par.dp,
+        "full_length_sequences_per_dp_group": tokens_per_group // max_model_len,
+    }
+
+
 def plan(
     family: ModelFamily,
     cfg,
@@ -135,31 +170,16 @@ def plan(
     link_gbs: float,
     gpu_memory_utilization: float = memory.DEFAULT_UTILIZATION,
 ) -> dict[str, float]:
-    """The deployment's figures per device. Memory is counted as the server counts it
-    (:mod:`jaxdsa.engine.memory`): the budget is ``gpu_memory_utilization`` of ``hbm_gib``; the
-    weights, the workspace kept for steps, and ``batch`` sequences' rings and penalty rows come
-    out of it; the cache gets the rest."""
-    weight_bytes = device_weight_bytes(family, cfg, par, weights)
-    budget = memory.check_utilization(gpu_memory_utilization) * hbm_gib * GiB
-    workspace = memory.workspace_bytes(budget)
-    per_token = cache_bytes_per_token(family, cfg)
-    per_sequence = cache_bytes_per_sequence(family, cfg) + cfg.vocab_size * PENALTY_BYTES
-    free = budget - weight_bytes - workspace - batch * per_sequence
-    tokens_per_group = max(0, int(free // per_token))
+    """The deployment's figures per device: :func:`memory_plan`'s, then one decode step's traffic
+    and its roofline at ``hbm_gbs`` and ``link_gbs``."""
+    result = memory_plan(
+        family, cfg, par, hbm_gib=hbm_gib, weights=weights, max_model_len=max_model_len, batch=batch,
+        gpu_memory_utilization=gpu_memory_utilization,
+    )  # fmt: skip
     step = decode_step(family, cfg, par, weights, batch, max_model_len)
     memory_s = step["bytes_read"] / (hbm_gbs * 1e9)
     comm_s = step["collective_bytes"] / (link_gbs * 1e9)
-    return {
-        "devices": par.num_devices,
-        "budget_gib_per_device": budget / GiB,
-        "weights_gib_per_device": weight_bytes / GiB,
-        "workspace_gib_per_device": workspace / GiB,
-        "cache_bytes_per_token": per_token,
-        "cache_bytes_per_sequence": per_sequence,
-        "cache_gib_per_device": free / GiB,
-        "cache_tokens_per_dp_group": tokens_per_group,
-        "cache_tokens_total": tokens_per_group * par.dp,
-        "full_length_sequences_per_dp_group": tokens_per_group // max_model_len,
+    return result | {
         "decode_bytes_read_gib_per_device": step["bytes_read"] / GiB,
         "decode_collective_mib_per_device": step["collective_bytes"] / (1 << 20),
         "decode_step_ms_roofline": 1e3 * (memory_s + comm_s),
@@ -187,11 +207,13 @@ def verdict(result: dict[str, float], max_model_len: int) -> str:
     )
 
 
-def fewest_gpus(family: ModelFamily, cfg, *, max_model_len: int, **kwargs) -> int | None:
-    """The fewest GPUs (of :data:`LAYOUTS`, as ``-tp N -ep N``) the deployment fits on; None: none."""
+def fewest_gpus(family: ModelFamily, cfg, *, max_model_len: int, **memory_kwargs) -> int | None:
+    """The fewest GPUs (of :data:`LAYOUTS`, as ``-tp N -ep N``) the deployment fits on; None: none.
+    ``memory_kwargs``: the rest of :func:`memory_plan`'s arguments."""
     for n in LAYOUTS:
         try:
-            result = plan(family, cfg, Parallelism(tp=n, ep=n), max_model_len=max_model_len, **kwargs)
+            par = Parallelism(tp=n, ep=n)
+            result = memory_plan(family, cfg, par, max_model_len=max_model_len, **memory_kwargs)
         except ValueError:  # a split the model's dims do not allow (experts over N shards)
             continue
         if fits(result, max_model_len):
@@ -247,16 +269,14 @@ def main(argv=None) -> int:
         cfg = released_config(args.preset) if args.preset else load_config(args.config)
         family = family_for(cfg.model_type)
         par = Parallelism(tp=args.tp, ep=args.ep, dp=args.dp, dp_attention=args.dp_attention)
-        kwargs = dict(
+        sizes = dict(
             hbm_gib=args.hbm_gib,
             weights=args.weights,
             max_model_len=args.max_model_len,
             batch=args.batch,
-            hbm_gbs=args.hbm_gbs,
-            link_gbs=args.link_gbs,
             gpu_memory_utilization=args.gpu_memory_utilization,
         )
-        result = plan(family, cfg, par, **kwargs)
+        result = plan(family, cfg, par, hbm_gbs=args.hbm_gbs, link_gbs=args.link_gbs, **sizes)
     except ValueError as e:
         print(f"plan: {e}", file=sys.stderr)
         return 2
@@ -274,7 +294,7 @@ def main(argv=None) -> int:
     for key, value in result.items():
         print(f"  {key:38s} {value:,.2f}" if isinstance(value, float) else f"  {key:38s} {value:,}")
     print(verdict(result, args.max_model_len))
-    print(_fewest_line(fewest_gpus(family, cfg, **kwargs), args.hbm_gib))
+    print(_fewest_line(fewest_gpus(family, cfg, **sizes), args.hbm_gib))
     return 0 if fits(result, args.max_model_len) else 1
 
 
