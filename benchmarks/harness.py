@@ -26,6 +26,7 @@ import platform
 import statistics
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -181,6 +182,23 @@ def commit() -> str:
 
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def wait_health(url: str, proc: subprocess.Popen, timeout: float, poll: float = 1.0) -> None:
+    """Wait until the server ``proc`` answers 200 on ``url``/health, polling every ``poll`` seconds;
+    SystemExit if it exits first or ``timeout`` seconds pass."""
+    start = time.time()
+    while time.time() - start < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"serve exited with {proc.returncode} before becoming healthy")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(poll)
+    raise SystemExit(f"serve not healthy after {timeout:.0f}s")
 
 
 def results_dir() -> pathlib.Path:

@@ -103,21 +103,6 @@ def parallelism(args: argparse.Namespace) -> Parallelism:
     )
 
 
-def _wait_health(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    start = time.time()
-    while time.time() - start < timeout:
-        if proc.poll() is not None:
-            raise SystemExit(f"serve exited with {proc.returncode} before becoming healthy")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"serve not healthy after {timeout:.0f}s")
-
-
 def _post(url: str, path: str, body: dict | None = None) -> dict:
     data = json.dumps(body or {}).encode()
     request = urllib.request.Request(
@@ -189,7 +174,7 @@ def serve_and_bench(args, raw: dict, work: str, par: Parallelism, levels: list[i
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     profile = None
     try:
-        _wait_health(url, server, timeout=900)
+        harness.wait_health(url, server, timeout=900)
         startup = time.time() - start
         out_json = os.path.join(work, f"bench-{scheduling}.json")
         bench = [

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 from benchmarks import harness
 
@@ -40,17 +39,11 @@ def start_seconds(cache_dir: str, flags: list[str], timeout: float = 900.0) -> f
         start = time.perf_counter()
         server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
         try:
-            while time.perf_counter() - start < timeout:
-                if server.poll() is not None:
-                    log.seek(0)
-                    raise RuntimeError(f"the server exited with {server.returncode}: {log.read()[-2000:]}")
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                        if r.status == 200:
-                            return time.perf_counter() - start
-                except OSError:
-                    time.sleep(0.2)
-            raise TimeoutError(f"no /health within {timeout:.0f} s")
+            harness.wait_health(f"http://127.0.0.1:{port}", server, timeout, poll=0.2)
+            return time.perf_counter() - start
+        except SystemExit as e:
+            log.seek(0)
+            raise SystemExit(f"{e}: {log.read()[-2000:]}") from None
         finally:
             server.terminate()
             server.wait(timeout=60)
