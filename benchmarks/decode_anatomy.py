@@ -20,6 +20,7 @@ beside them).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pathlib
@@ -48,6 +49,12 @@ def trace_steps(engine, n: int, directory: str) -> str:
     if not found:
         raise SystemExit(f"decode_anatomy: the profiler wrote no perfetto trace under {directory}")
     return str(found[-1])
+
+
+def token_digest(tokens: list[int]) -> str:
+    """A short digest of a token list: runs of the same model and seed that decode the same tokens
+    (under other XLA flags, say) show the same digest."""
+    return hashlib.sha1(",".join(map(str, tokens)).encode()).hexdigest()[:12]
 
 
 def main(argv: list[str] | None = None) -> pathlib.Path:
@@ -104,6 +111,7 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
     timing = HostClock(engine).steps(args.steps)
     trace_dir = tempfile.mkdtemp(prefix="anatomy-trace-")
     trace = trace_steps(engine, args.trace_steps, trace_dir)
+    tokens = [int(t) for t in engine.requests[ids[0]].output]
     finish(engine, ids)
     try:
         result = anatomy.anatomy(anatomy.load(trace), device=args.device, skip=1)
@@ -130,6 +138,7 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
             f"({1e3 * args.streams / timing['wall_ms']:.1f} tok/s)",
             "host per step": f"{timing['host_ms']:.2f} ms of engine-thread CPU time; launch "
             f"{timing['launch_ms']:.2f} ms, waiting for tokens {timing['blocked_ms']:.2f} ms (wall)",
+            "first stream's tokens": f"{len(tokens)}, sha1 {token_digest(tokens)} (equal digests: equal outputs)",
         },
     )
     lines += [
@@ -140,7 +149,7 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
         "```",
         "",
     ]
-    payload = {"timing": timing, "anatomy": result, "config": raw, "args": vars(args)}
+    payload = {"timing": timing, "anatomy": result, "tokens": tokens, "config": raw, "args": vars(args)}
     path = harness.write_result("decode_anatomy", "\n".join(lines), suffix=args.suffix, rows=[payload])
     if args.keep_trace:
         shutil.copy(trace, path.with_suffix(".trace.json.gz"))
