@@ -32,12 +32,13 @@ from benchmarks.decode_anatomy import token_digest
 # every kernel.
 TRITON_GRAPHS = "--legacy_command_buffer_custom_call_targets=__gpu$xla.gpu.triton"
 COMMANDS = "--xla_gpu_enable_command_buffer="
+DEFAULT_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
 VARIANTS: dict[str, str] = {
     "base": "",
     "triton-graphs": TRITON_GRAPHS,
-    "triton-graphs-while": f"{TRITON_GRAPHS} {COMMANDS}FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
-    "triton-graphs-all": f"{TRITON_GRAPHS} "
-    f"{COMMANDS}FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES,WHILE,CONDITIONAL",
+    # loops and conditionals as CUDA graph control flow: a scan over layers becomes one graph
+    "triton-graphs-while": f"{TRITON_GRAPHS} {COMMANDS}{DEFAULT_COMMANDS},WHILE,CONDITIONAL",
+    "triton-graphs-all": f"{TRITON_GRAPHS} {COMMANDS}{DEFAULT_COMMANDS},COLLECTIVES,WHILE,CONDITIONAL",
     "no-graphs": COMMANDS,
 }
 
