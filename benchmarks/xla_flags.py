@@ -7,7 +7,7 @@ and writes one table: time per step on the engine thread (no profiler), the laun
 the traced anatomy (kernels, busy, idle inside, CUDA graphs launched) and whether the first
 stream's greedy tokens equal the first variant's.
 
-    python -m benchmarks.xla_flags --variants base,triton-graphs,triton-graphs-while -- \\
+    python -m benchmarks.xla_flags --variants base,thunks,ffi -- \\
         --preset glm52 --layers 20 --quantization int4 -tp 4
 
 Arguments after ``--`` go to every decode_anatomy run. Writes
@@ -26,19 +26,26 @@ import time
 
 from benchmarks import harness
 from benchmarks.decode_anatomy import token_digest
+from pallas_kernels._triton import FFI_ENV
 
-# Pallas-Triton kernels are XLA custom calls (``__gpu$xla.gpu.triton``) that XLA leaves out of its
-# command buffers unless the target is allow-listed (jax-ml/jax#27988), so the CUDA graphs break at
-# every kernel.
-TRITON_GRAPHS = "--legacy_command_buffer_custom_call_targets=__gpu$xla.gpu.triton"
+# Pallas-Triton kernels are XLA custom calls (``__gpu$xla.gpu.triton``) that XLA's HLO-level command
+# buffer pass leaves out of its CUDA graphs (jax-ml/jax#27988), so the graphs break at every kernel.
+# Ways around it: XLA's thunk-level pass (which sees the kernels as kernel launches), or jaxlib's
+# command-buffer-compatible FFI custom call (JAX 0.11's switch, pallas_kernels._triton.FFI_ENV). The
+# allow-list flag of #27988 (--legacy_command_buffer_custom_call_targets) is gone from JAX 0.11.2.
 COMMANDS = "--xla_gpu_enable_command_buffer="
 DEFAULT_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+ALL_COMMANDS = f"{COMMANDS}{DEFAULT_COMMANDS},COLLECTIVES,WHILE,CONDITIONAL"  # a scan becomes one graph
+THUNKS = "--xla_gpu_experimental_enable_command_buffer_on_thunks=true"
+FFI = f"{FFI_ENV}=1"
+# name -> XLA flags, each optionally prefixed by NAME=VALUE environment settings
 VARIANTS: dict[str, str] = {
     "base": "",
-    "triton-graphs": TRITON_GRAPHS,
-    # loops and conditionals as CUDA graph control flow: a scan over layers becomes one graph
-    "triton-graphs-while": f"{TRITON_GRAPHS} {COMMANDS}{DEFAULT_COMMANDS},WHILE,CONDITIONAL",
-    "triton-graphs-all": f"{TRITON_GRAPHS} {COMMANDS}{DEFAULT_COMMANDS},COLLECTIVES,WHILE,CONDITIONAL",
+    "thunks": THUNKS,
+    "thunks-all": f"{THUNKS} {ALL_COMMANDS}",
+    "ffi": FFI,
+    "ffi-all": f"{FFI} {ALL_COMMANDS}",
+    "all": ALL_COMMANDS,
     "no-graphs": COMMANDS,
 }
 
@@ -46,7 +53,11 @@ VARIANTS: dict[str, str] = {
 def run_variant(name: str, flags: str, anatomy_args: list[str], suffix: str, timeout: float) -> dict:
     """One decode_anatomy process under ``flags``; its JSON row, or a note why there is none."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), flags) if f)
+    words = flags.split()
+    env |= dict(w.split("=", 1) for w in words if not w.startswith("--"))
+    env["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), *(w for w in words if w.startswith("--"))]
+    ).strip()
     cmd = [sys.executable, "-m", "benchmarks.decode_anatomy", *anatomy_args, f"--suffix={suffix}-{name}"]
     began = time.perf_counter()
     try:
@@ -123,9 +134,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     lines += [
         "Each variant is one process running benchmarks.decode_anatomy with the variant's flags added to",
-        "XLA_FLAGS. ms/step: the engine thread's time per decode step, no profiler; launch ms: of it, the",
-        "time the step's launch took to return; kernels, busy, idle inside and CUDA graphs: from a trace",
-        "of further steps. tokens: the first stream's greedy tokens (digest), against the first variant's.",
+        "XLA_FLAGS (its NAME=VALUE words set in the environment). ms/step: the engine thread's time per",
+        "decode step, no profiler; launch ms: of it, the time the step's launch took to return; kernels,",
+        "busy, idle inside and CUDA graphs: from a trace of further steps (the profiler slows the step).",
+        "tokens: the first stream's greedy tokens (digest), against the first variant's.",
         "",
         harness.markdown_table(rows, [*columns, "tokens", "flags", "note"]),
         "",
