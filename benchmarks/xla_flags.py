@@ -121,7 +121,16 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         p.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
 
-    runs = [run_variant(n, VARIANTS[n], anatomy_args, args.suffix, args.timeout) for n in names]
+    runs = []
+    for name in names:  # the table is rewritten after each variant: a cut-off run keeps what it has
+        runs.append(run_variant(name, VARIANTS[name], anatomy_args, args.suffix, args.timeout))
+        text, path = write_table(runs, anatomy_args, args.suffix)
+    print(text)
+    print(f"xla_flags: wrote {path}", file=sys.stderr)
+
+
+def write_table(runs: list[dict], anatomy_args: list[str], suffix: str):
+    """The results file of the variants run so far: ``(its text, its path)``."""
     reference = next((r.get("tokens") for r in runs if "tokens" in r), None)
     rows = [summarize(r, reference if r.get("tokens") is not reference else None) for r in runs]
     columns = ["variant", "ms/step", "launch ms", "kernels/step", "busy ms", "idle inside ms", "graphs/step"]
@@ -142,9 +151,8 @@ def main(argv: list[str] | None = None) -> None:
         harness.markdown_table(rows, [*columns, "tokens", "flags", "note"]),
         "",
     ]
-    path = harness.write_result("xla_flags", "\n".join(lines), suffix=args.suffix, rows=rows)
-    print("\n".join(lines))
-    print(f"xla_flags: wrote {path}", file=sys.stderr)
+    text = "\n".join(lines)
+    return text, harness.write_result("xla_flags", text, suffix=suffix, rows=rows)
 
 
 if __name__ == "__main__":
