@@ -7,7 +7,7 @@ and writes one table: time per step on the engine thread (no profiler), the laun
 the traced anatomy (kernels, busy, idle inside, CUDA graphs launched) and whether the first
 stream's greedy tokens equal the first variant's.
 
-    python -m benchmarks.xla_flags --variants base,thunks,ffi -- \\
+    python -m benchmarks.xla_flags --variants base,thunks,all -- \\
         --preset glm52 --layers 20 --quantization int4 -tp 4
 
 Arguments after ``--`` go to every decode_anatomy run. Writes
@@ -26,25 +26,24 @@ import time
 
 from benchmarks import harness
 from benchmarks.decode_anatomy import token_digest
-from pallas_kernels._triton import FFI_ENV
 
 # Pallas-Triton kernels are XLA custom calls (``__gpu$xla.gpu.triton``) that XLA's HLO-level command
 # buffer pass leaves out of its CUDA graphs (jax-ml/jax#27988), so the graphs break at every kernel.
-# Ways around it: XLA's thunk-level pass (which sees the kernels as kernel launches), or jaxlib's
-# command-buffer-compatible FFI custom call (JAX 0.11's switch, pallas_kernels._triton.FFI_ENV). The
-# allow-list flag of #27988 (--legacy_command_buffer_custom_call_targets) is gone from JAX 0.11.2.
+# The ways around it are all missing from JAX 0.11.2 (benchmarks/results/xla_flags-h200-*.md): the
+# allow-list flag of #27988 and XLA's thunk-level pass flag are unknown flags there, and jaxlib's
+# command-buffer-compatible Triton FFI call has no switch (JAX 0.11.1 had USE_NEW_CUSTOM_CALL).
+# The variants stay so that a newer JAX can be measured the same way.
 COMMANDS = "--xla_gpu_enable_command_buffer="
 DEFAULT_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
 ALL_COMMANDS = f"{COMMANDS}{DEFAULT_COMMANDS},COLLECTIVES,WHILE,CONDITIONAL"  # a scan becomes one graph
+TRITON_GRAPHS = "--legacy_command_buffer_custom_call_targets=__gpu$xla.gpu.triton"
 THUNKS = "--xla_gpu_experimental_enable_command_buffer_on_thunks=true"
-FFI = f"{FFI_ENV}=1"
 # name -> XLA flags, each optionally prefixed by NAME=VALUE environment settings
 VARIANTS: dict[str, str] = {
     "base": "",
+    "triton-graphs": TRITON_GRAPHS,
     "thunks": THUNKS,
     "thunks-all": f"{THUNKS} {ALL_COMMANDS}",
-    "ffi": FFI,
-    "ffi-all": f"{FFI} {ALL_COMMANDS}",
     "all": ALL_COMMANDS,
     "no-graphs": COMMANDS,
 }

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -66,26 +65,6 @@ def _widen_offsets() -> None:
 
 
 _widen_offsets()
-
-FFI_ENV = "JAXDSA_TRITON_FFI"
-
-
-def _ffi_calls() -> None:
-    """With ``JAXDSA_TRITON_FFI=1``, lower Pallas-Triton kernels to jaxlib's ``triton_kernel_call_ffi``
-    custom call instead of XLA's ``__gpu$xla.gpu.triton``: the FFI handler is marked command-buffer
-    compatible, so XLA can put the kernels in its CUDA graphs, which it leaves them out of otherwise
-    (jax-ml/jax#27988). JAX 0.11 has the switch (``USE_NEW_CUSTOM_CALL``); 0.12 removed it (no-op)."""
-    if os.environ.get(FFI_ENV, "").strip() not in ("1", "true"):
-        return
-    try:
-        from jax._src.pallas.triton import pallas_call_registration as registration
-    except ImportError:  # pragma: no cover
-        return
-    if hasattr(registration, "USE_NEW_CUSTOM_CALL"):
-        registration.USE_NEW_CUSTOM_CALL = True
-
-
-_ffi_calls()
 
 # Abstract device names that JAX's Pallas-Triton gpu_info (jax/_src/pallas/triton/gpu_info.py) resolves
 # to each target's compute capability.

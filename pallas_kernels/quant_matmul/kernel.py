@@ -5,8 +5,7 @@ the weight's codes and the scale (and zero-point) rows of the step (:func:`.tile
 dequantizes them in registers to the activations' dtype and multiplies them with the matching
 activation columns, accumulating in float32. Weight bytes are read from HBM once per M tile, so
 decode (one M tile) is a pure weight stream at the codes' width: 4 or 8 bits per weight instead of
-16. With several K splits each program writes a float32 partial sum; the adds (elementwise, see
-:func:`_add_splits`) fuse into whatever XLA op reads the product.
+16. With several K splits each program writes a float32 partial sum and one XLA fusion adds them.
 
 Activation rows past M are masked on load (``other = 0``); the output is padded to whole M tiles,
 so every store is in bounds and unmasked, and the padding is sliced off outside.
@@ -145,12 +144,4 @@ def _quant_matmul(x, w, layer, *, interpret: bool, decode: str, config: tuning.Q
         interpret=interpret,
         name="quant_matmul",
     )(x, *arrays)
-    return _add_splits(out)[:m].astype(x.dtype) if cfg.splits > 1 else out[0, :m]
-
-
-def _add_splits(partials: jax.Array) -> jax.Array:
-    """The K splits' float32 partial sums ``[splits, M, N]`` added as elementwise adds of slices, not
-    a reduction: XLA fuses elementwise producers into the consumer's fusion (the RMSNorm after
-    ``q_a``, the SwiGLU after a shared expert's gate|up), where a reduce over the splits would be a
-    kernel of its own (~3 us at decode, one per linear)."""
-    return functools.reduce(jnp.add, [partials[i] for i in range(partials.shape[0])])
+    return out.sum(axis=0)[:m].astype(x.dtype) if cfg.splits > 1 else out[0, :m]
