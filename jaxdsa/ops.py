@@ -31,6 +31,10 @@ N expert width):
   to x's dtype. Its sharding depends on the call site, so the caller passes W's logical axes: a
   split N (column-parallel) splits the output, a split K (row-parallel) splits x too and sums the
   partial products (:func:`quant_matmul_sharding`).
+- ``quant_matmul_many(x [T,K], ws: tuple of QuantizedWeight [K,N_i], *, axes=((k, n_1), ...),
+  layer=None) -> (x @ W_1, ...)``: projections of one input in one kernel launch where the weights
+  allow it (one format; the kernels' :func:`~pallas_kernels.quant_matmul.kernel.groupable`), each
+  weight split as its own axes say (they share K's).
 - ``indexer_logits(q [T,Hi,Di], w [T,Hi], k [S,Di], *, q_pos [T]) -> [T,S] f32``: the same sum over one
   flat key sequence, ``s <= q_pos[t]`` (DeepSeek-V4's compressed keys).
 
@@ -149,6 +153,9 @@ OPS: dict[str, Op] = {
         weights=(3,),
     ),
     "quant_matmul": Op(quant_matmul_ref.quant_matmul, quant_matmul_kernel.quant_matmul, None, weights=(1,)),
+    "quant_matmul_many": Op(
+        quant_matmul_ref.quant_matmul_many, quant_matmul_kernel.quant_matmul_many, None, weights=(1,)
+    ),
     "indexer_logits": Op(
         indexer_logits_ref.indexer_logits,
         indexer_logits_kernel.indexer_logits,
@@ -260,6 +267,30 @@ def quant_matmul(x, w, *, axes: tuple[str | None, str | None] = (None, None), la
     if layer is None:
         return _quant_matmul_impl(get_kernels(), *axes, False)(x, w)
     return _quant_matmul_impl(get_kernels(), *axes, True)(x, w, layer=_index(layer))
+
+
+@functools.cache
+def _quant_matmul_many_impl(
+    backend: str, k: str | None, ns: tuple[str | None, ...], stacked: bool
+) -> Callable[..., Any]:
+    sharding = OpSharding(
+        args=((None, k), tuple((k, n) for n in ns)),
+        out=tuple((None, n) for n in ns),
+        reduce=(k,) if k else (),
+    )
+    if stacked:
+        sharding = sharding.with_layer_stacks(*OPS["quant_matmul_many"].weights)
+    return wrap_op(sharding, _fn("quant_matmul_many", backend))
+
+
+def quant_matmul_many(x, ws, *, axes: tuple[tuple[str | None, str | None], ...], layer=None):
+    k = axes[0][0]
+    if any(a[0] != k for a in axes):
+        raise ValueError(f"quant_matmul_many: the weights' K axes differ: {axes}")
+    ns = tuple(a[1] for a in axes)
+    if layer is None:
+        return _quant_matmul_many_impl(get_kernels(), k, ns, False)(x, tuple(ws))
+    return _quant_matmul_many_impl(get_kernels(), k, ns, True)(x, tuple(ws), layer=_index(layer))
 
 
 def _index(layer) -> jax.Array:

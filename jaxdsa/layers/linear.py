@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +100,29 @@ class Linear(nnx.Module):
         if isinstance(w, QuantizedWeight):
             return layout.dequantize(w, dtype).reshape(*self.in_shape, *self.out_shape)
         return w
+
+
+def project(x: jax.Array, linears: Sequence[Linear]) -> list[jax.Array]:
+    """``[linear(x) for linear in linears]``, the quantized ones in one kernel launch when they take
+    x alike (:func:`jaxdsa.ops.quant_matmul_many`: MLA's ``q_a`` and ``kv_a``, an MLP's gate and up):
+    at decode each projection is a few microseconds of kernel latency plus a launch, so two become
+    one. Anything else (dense weights, mixed stacking) is each linear's own call."""
+    values = [split_layer(linear.weight.get_value()) for linear in linears]
+    stacks, layers = zip(*values)
+    same_input = (
+        len({(linear.in_ndim, linear.matrix_axes and linear.matrix_axes[0]) for linear in linears}) == 1
+    )
+    if len(linears) < 2 or not same_input or not all(isinstance(w, QuantizedWeight) for w in stacks):
+        return [linear(x) for linear in linears]
+    if any(layer is not layers[0] for layer in layers):
+        return [linear(x) for linear in linears]
+    first = linears[0]
+    lead = x.shape[: x.ndim - first.in_ndim]
+    flat = x.reshape(math.prod(lead), -1)
+    ys = ops.quant_matmul_many(
+        flat, stacks, axes=tuple(linear.matrix_axes for linear in linears), layer=layers[0]
+    )
+    return [y.reshape(*lead, *linear.out_shape) for y, linear in zip(ys, linears)]
 
 
 class Embed(nnx.Module):

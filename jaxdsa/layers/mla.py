@@ -26,7 +26,7 @@ from jaxdsa import ops
 from jaxdsa.cache import LayerPages, slots_for
 from jaxdsa.layers.context import StepContext
 from jaxdsa.layers.indexer import Indexer
-from jaxdsa.layers.linear import Linear
+from jaxdsa.layers.linear import Linear, project
 from jaxdsa.layers.norms import RMSNorm
 from jaxdsa.layers.rope import apply_rope
 
@@ -65,16 +65,17 @@ class MLAttention(nnx.Module):
         self.indexer = indexer
         self.kv_lora, self.nope, self.softmax_scale = kv_lora, nope, softmax_scale
 
-    def queries(self, x: jax.Array, cos, sin):
-        """-> q_nope [T,H,Dn], q_pe [T,H,Pr] (roped), q_lat [T, q_lora] (also the indexer's input)."""
-        q_lat = self.q_a_norm(self.q_a(x))
+    def queries(self, q_a: jax.Array, cos, sin):
+        """``q_a``: the tokens' ``q_a`` projection -> q_nope [T,H,Dn], q_pe [T,H,Pr] (roped),
+        q_lat [T, q_lora] (also the indexer's input)."""
+        q_lat = self.q_a_norm(q_a)
         q = self.q_b(q_lat)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
         return q_nope, apply_rope(q_pe, cos, sin, interleaved=True), q_lat
 
-    def latent_rows(self, x: jax.Array, cos, sin) -> jax.Array:
-        """The cached row of each token: [normed latent (C) | roped shared key (Pr)] -> [T, C+Pr]."""
-        kv = self.kv_a(x)
+    def latent_rows(self, kv: jax.Array, cos, sin) -> jax.Array:
+        """The cached row of each token from its ``kv_a`` projection: [normed latent (C) | roped
+        shared key (Pr)] -> [T, C+Pr]."""
         latent = self.kv_a_norm(kv[:, : self.kv_lora])
         k_pe = apply_rope(kv[:, self.kv_lora :], cos, sin, interleaved=True)
         return jnp.concatenate([latent, k_pe], axis=-1)
@@ -90,8 +91,9 @@ class MLAttention(nnx.Module):
         """-> (out [T, D], latent, index_keys, topk key positions [T, K] or None)."""
         meta, page_size = ctx.meta, latent.page_size
         slots = slots_for(meta.page_table, meta.seq_ids, ctx.positions, page_size)
-        q_nope, q_pe, q_lat = self.queries(x, ctx.cos, ctx.sin)
-        latent = latent.write(slots, self.latent_rows(x, ctx.cos, ctx.sin))
+        q_a, kv = project(x, (self.q_a, self.kv_a))  # one kernel launch when both are quantized alike
+        q_nope, q_pe, q_lat = self.queries(q_a, ctx.cos, ctx.sin)
+        latent = latent.write(slots, self.latent_rows(kv, ctx.cos, ctx.sin))
         if self.indexer is not None:
             index_keys = index_keys.write(slots, self.indexer.keys(x, ctx.cos, ctx.sin))
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdsa import ops
-from jaxdsa.layers.linear import Linear
+from jaxdsa.layers.linear import Linear, project
 from jaxdsa.layers.params import normal, zeros
 from jaxdsa.layers.stacks import split_layer
 
@@ -26,7 +26,7 @@ class MLP(nnx.Module):
         self.swiglu_limit = swiglu_limit
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = self.gate(x), self.up(x)
+        gate, up = project(x, (self.gate, self.up))
         if self.swiglu_limit is not None:
             gate = jnp.minimum(gate, self.swiglu_limit)
             up = jnp.clip(up, -self.swiglu_limit, self.swiglu_limit)

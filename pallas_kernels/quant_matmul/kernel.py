@@ -17,10 +17,12 @@ stack for the kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels._triton import compiler_params, pl, pltriton
 from pallas_kernels.quant_matmul import layout, ref, tiles, tuning
@@ -29,27 +31,40 @@ from pallas_kernels.quant_matmul.decode import int4_decode as int4_mode
 from pallas_kernels.quant_matmul.layout import QuantizedWeight
 
 
-def _kernel(
-    x_ref, *refs, spec, block_m: int, block_n: int, block_k: int, steps: int, m_total: int, precision
-):
-    *w_refs, o_ref = refs
-    lead, w_refs = tiles.layer_lead(spec, w_refs)
+def _kernel(x_ref, *refs, specs, counts, tiles_at, block_m, block_n, block_k, steps, m_total, precision):
+    """One program: the ``[block_m, block_n]`` output tile ``j`` of the weight whose N tiles hold
+    ``j`` (``tiles_at``: each weight's first tile; one weight: all of them), over K split ``split``."""
+    w_refs, o_refs = refs[: sum(counts)], refs[sum(counts) :]
     i, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    m0, n0 = pl.multiple_of(i * block_m, block_m), pl.multiple_of(j * block_n, block_n)
+    m0 = pl.multiple_of(i * block_m, block_m)
     rows = m0 + jnp.arange(block_m, dtype=jnp.int32)
     valid = rows < m_total
     safe = jnp.where(valid, rows, 0)
 
-    def step(t, acc):
-        k0 = pl.multiple_of((split * steps + t) * block_k, block_k)
-        for offset, length, w in tiles.pieces(spec, w_refs, lead, k0, n0, block_k, block_n, x_ref.dtype):
-            cols = k0 + offset + jnp.arange(length, dtype=jnp.int32)
-            xs = pltriton.load(x_ref.at[safe[:, None], cols[None, :]], mask=valid[:, None], other=0)
-            acc += jnp.dot(xs, w, preferred_element_type=jnp.float32, precision=precision)
-        return acc
+    def tile(spec, refs, o_ref, first: int) -> None:
+        lead, refs = tiles.layer_lead(spec, refs)
+        n0 = pl.multiple_of((j - first) * block_n, block_n)
 
-    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
-    o_ref[split, pl.ds(m0, block_m), pl.ds(n0, block_n)] = acc.astype(o_ref.dtype)
+        def step(t, acc):
+            k0 = pl.multiple_of((split * steps + t) * block_k, block_k)
+            for offset, length, w in tiles.pieces(spec, refs, lead, k0, n0, block_k, block_n, x_ref.dtype):
+                cols = k0 + offset + jnp.arange(length, dtype=jnp.int32)
+                xs = pltriton.load(x_ref.at[safe[:, None], cols[None, :]], mask=valid[:, None], other=0)
+                acc += jnp.dot(xs, w, preferred_element_type=jnp.float32, precision=precision)
+            return acc
+
+        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
+        o_ref[split, pl.ds(m0, block_m), pl.ds(n0, block_n)] = acc.astype(o_ref.dtype)
+
+    start = 0
+    for w, (spec, count, o_ref) in enumerate(zip(specs, counts, o_refs)):
+        refs_w, start = w_refs[start : start + count], start + count
+        if len(specs) == 1:
+            tile(spec, refs_w, o_ref, 0)
+        else:
+            stop = tiles_at[w + 1] if w + 1 < len(specs) else None
+            inside = (j >= tiles_at[w]) if stop is None else (j >= tiles_at[w]) & (j < stop)
+            pl.when(inside)(functools.partial(tile, spec, refs_w, o_ref, tiles_at[w]))
 
 
 def quant_matmul(
@@ -83,9 +98,9 @@ def quant_matmul(
     w = layout.pad_n(w, -(-n // 16) * 16)
     if k % 16:
         x, w = jnp.pad(x, ((0, 0), (0, -k % 16))), layout.pad_k(w, -(-k // 16) * 16)
-    out = _quant_matmul(
+    (out,) = _quant_matmul(
         x,
-        w,
+        (w,),
         layer,
         interpret=interpret,
         decode=fp_decode(decode),
@@ -95,40 +110,103 @@ def quant_matmul(
     return out if out.shape[-1] == n else out[:, :n]
 
 
+def quant_matmul_many(
+    x: jax.Array,
+    ws: tuple[QuantizedWeight, ...],
+    *,
+    layer: jax.Array | None = None,
+    interpret: bool = False,
+    decode: str | None = None,
+    int4_decode: str | None = None,
+) -> tuple[jax.Array, ...]:
+    """``(x @ W_1, x @ W_2, ...)``: projections of the same activations (MLA's ``q_a`` and ``kv_a``, a
+    shared expert's gate and up) in one launch, each program computing one tile of one weight. One
+    kernel instead of several matters at decode, where each is a few microseconds of latency and a
+    launch. Weights of one format and packing whose widths are multiples of 16 go together (K as
+    well); anything else, or prefill-sized M (:func:`.tuning.dequantize_first`), is computed one
+    weight at a time by :func:`quant_matmul`, with the same results."""
+    k = x.shape[-1]
+    alone = functools.partial(
+        quant_matmul, layer=layer, interpret=interpret, decode=decode, int4_decode=int4_decode
+    )
+    if len(ws) == 1 or not groupable(x.shape[0], k, ws):
+        return tuple(alone(x, w) for w in ws)
+    return _quant_matmul(
+        x,
+        tuple(ws),
+        layer,
+        interpret=interpret,
+        decode=fp_decode(decode),
+        config=None,
+        int4=int4_mode(int4_decode, interpret=interpret),
+    )
+
+
+def groupable(m: int, k: int, ws: tuple[QuantizedWeight, ...]) -> bool:
+    """Whether ``ws`` can share one :func:`quant_matmul_many` launch for ``m`` rows of width ``k``."""
+    first = ws[0]
+    return (
+        not tuning.dequantize_first(m)
+        and k % 16 == 0
+        and all(w.shape[-1] % 16 == 0 and w.shape[-2] == k for w in ws)
+        and all((w.format, w.kpack, w.packed) == (first.format, first.kpack, first.packed) for w in ws)
+    )
+
+
 def default_config(m: int, w: QuantizedWeight, dtype) -> tuning.QmmConfig:
     """The tuning table's config for ``x [m, K]`` of ``dtype`` times ``w`` (what the kernel uses when
     given none; benchmark sweeps start from it)."""
-    k, n = w.shape[-2:]
-    return tuning.choose(
+    return group_config(m, (w,), dtype)
+
+
+def group_config(m: int, ws: tuple[QuantizedWeight, ...], dtype) -> tuning.QmmConfig:
+    """The config of one launch over weights ``ws`` of one format (:func:`quant_matmul_many`): the
+    table's choice for their summed width, a ``block_n`` dividing each width, K splits for the
+    programs of all of them."""
+    k, n = ws[0].shape[-2], sum(w.shape[-1] for w in ws)
+    cfg = tuning.choose(
         m,
         k,
         n,
         itemsize=jnp.dtype(dtype).itemsize,
-        weight_bits=4 if w.packed else 8,
-        min_block_k=max(w.kpack, 16),
+        weight_bits=4 if ws[0].packed else 8,
+        min_block_k=max(ws[0].kpack, 16),
     )
+    if len(ws) == 1:
+        return cfg
+    block_n = min(tuning.fit_block(cfg.block_n, w.shape[-1], 16, "N") for w in ws)
+    programs = -(-m // cfg.block_m) * sum(w.shape[-1] // block_n for w in ws)
+    return dataclasses.replace(cfg, block_n=block_n, splits=tuning.splits_for(programs, k // cfg.block_k))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "decode", "config", "int4"))
-def _quant_matmul(x, w, layer, *, interpret: bool, decode: str, config: tuning.QmmConfig | None, int4: str):
+def _quant_matmul(x, ws, layer, *, interpret: bool, decode: str, config: tuning.QmmConfig | None, int4: str):
     m, k = x.shape
-    if len(w.shape) != (2 if layer is None else 3):
-        raise ValueError(f"quant_matmul: a weight of shape {w.shape} with layer={layer}")
-    wk, n = w.shape[-2:]
-    if wk != k:
-        raise ValueError(f"quant_matmul: x has K = {k}, the weight {wk}")
-    spec, arrays = tiles.operands(w, decode, int4, layer, interpret=interpret)
-    min_block_k = max(spec.kpack, 16)
-    cfg = config or default_config(m, w, x.dtype)
-    block_n = tuning.fit_block(cfg.block_n, n, 16, "N")
+    specs, arrays = [], []
+    for w in ws:
+        if len(w.shape) != (2 if layer is None else 3):
+            raise ValueError(f"quant_matmul: a weight of shape {w.shape} with layer={layer}")
+        if w.shape[-2] != k:
+            raise ValueError(f"quant_matmul: x has K = {k}, the weight {w.shape[-2]}")
+        spec, operands = tiles.operands(w, decode, int4, layer, interpret=interpret)
+        specs.append(spec)
+        arrays.append(operands)
+    min_block_k = max(specs[0].kpack, 16)
+    cfg = config or group_config(m, ws, x.dtype)
+    widths = [w.shape[-1] for w in ws]
+    block_n = min(tuning.fit_block(cfg.block_n, n, 16, "N") for n in widths)
     block_k = tuning.fit_block(max(cfg.block_k, min_block_k), k, min_block_k, "K")
     steps, m_tiles = k // block_k // cfg.splits, -(-m // cfg.block_m)
     if steps * cfg.splits * block_k != k:
         raise ValueError(f"{cfg.splits} K splits do not divide {k // block_k} steps of {block_k}")
-    out = pl.pallas_call(
+    tiles_at = tuple(int(t) for t in np.cumsum([0, *(n // block_n for n in widths)]))
+    dtype = x.dtype if cfg.splits == 1 else jnp.float32
+    outs = pl.pallas_call(
         functools.partial(
             _kernel,
-            spec=spec,
+            specs=tuple(specs),
+            counts=tuple(len(a) for a in arrays),
+            tiles_at=tiles_at[:-1],
             block_m=cfg.block_m,
             block_n=block_n,
             block_k=block_k,
@@ -136,12 +214,12 @@ def _quant_matmul(x, w, layer, *, interpret: bool, decode: str, config: tuning.Q
             m_total=m,
             precision=jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None,
         ),
-        out_shape=jax.ShapeDtypeStruct(
-            (cfg.splits, m_tiles * cfg.block_m, n), x.dtype if cfg.splits == 1 else jnp.float32
-        ),
-        grid=(m_tiles, n // block_n, cfg.splits),
+        out_shape=tuple(jax.ShapeDtypeStruct((cfg.splits, m_tiles * cfg.block_m, n), dtype) for n in widths),
+        grid=(m_tiles, tiles_at[-1], cfg.splits),
         compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="quant_matmul",
-    )(x, *arrays)
-    return out.sum(axis=0)[:m].astype(x.dtype) if cfg.splits > 1 else out[0, :m]
+    )(x, *(a for operands in arrays for a in operands))
+    if cfg.splits > 1:
+        return tuple(out.sum(axis=0)[:m].astype(x.dtype) for out in outs)
+    return tuple(out[0, :m] for out in outs)

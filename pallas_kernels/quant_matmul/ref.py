@@ -17,3 +17,10 @@ def quant_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
     wd = dequantize(w, x.dtype)
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     return jnp.dot(x, wd, preferred_element_type=jnp.float32, precision=precision).astype(x.dtype)
+
+
+def quant_matmul_many(
+    x: jax.Array, ws: tuple[QuantizedWeight, ...], *, layer: jax.Array | None = None
+) -> tuple[jax.Array, ...]:
+    """``(x @ W_1, x @ W_2, ...)``, each as :func:`quant_matmul`."""
+    return tuple(quant_matmul(x, w, layer=layer) for w in ws)

@@ -131,6 +131,11 @@ def fit_block(block: int, dim: int, floor: int, what: str) -> int:
     return b
 
 
+def splits_for(programs: int, k_steps: int, cc: int | None = None) -> int:
+    """K splits for ``programs`` output tiles over ``k_steps`` K steps on this part (:func:`_splits`)."""
+    return _splits(programs, k_steps, TABLE.get(compute_capability() if cc is None else cc, DEFAULT).sms)
+
+
 def _splits(programs: int, k_steps: int, sms: int) -> int:
     """Power-of-two K splits (dividing the K steps) until there are about two programs per SM."""
     splits = 1

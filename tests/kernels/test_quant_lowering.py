@@ -56,6 +56,19 @@ def test_quant_matmul_lowers(target, fmt, t, k, n, group, zeros):
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_projections_of_one_input_lower_as_one_kernel(target, fmt):
+    """GLM-5's q_a and kv_a (2048 + 576 columns) at decode, stacked over scanned layers: one launch."""
+    ws = tuple(_abstract(fmt, (3,), D, n) for n in (N, 576))
+    x = jax.ShapeDtypeStruct((1, D), jnp.bfloat16)
+    layer = jax.ShapeDtypeStruct((), jnp.int32)
+    text = lower_for_cuda(
+        lambda x, ws, layer: kernel.quant_matmul_many(x, ws, layer=layer), x, ws, layer, target=target
+    )
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
 def test_prefill_sizes_dequantize_first(target):
     """From 512 rows on the weight is dequantized in XLA and multiplied by XLA's dot: no kernel."""
     w = _abstract("int4", (), D, N)

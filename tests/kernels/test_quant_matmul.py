@@ -434,3 +434,71 @@ def test_dequantize_first_reads_the_stacks_layer():
     for layer, (_, want) in enumerate(made):
         got = kernel.quant_matmul(x, stack, layer=jnp.int32(layer), dequantize_first=True)
         np.testing.assert_allclose(np.asarray(got), np.asarray(x) @ want, rtol=1e-5, atol=1e-5)
+
+
+GROUPS = [  # (maker of one weight given N, widths, M, dtype)
+    pytest.param(
+        lambda rng, lead, n: random_int4(rng, lead, n, 256, 32, symmetric=False),
+        (64, 48, 16),
+        1,
+        jnp.bfloat16,
+        id="int4-words-3",
+    ),
+    pytest.param(
+        lambda rng, lead, n: random_int4(rng, lead, n, 128, 32, symmetric=True, kpack=64),
+        (32, 96),
+        7,
+        jnp.float32,
+        id="int4-bytes-2",
+    ),
+    pytest.param(lambda rng, lead, n: random_fp8(rng, lead, n, 256), (128, 64), 20, jnp.float32, id="fp8-2"),
+    pytest.param(lambda rng, lead, n: random_fp4(rng, lead, n, 128), (32, 32), 3, jnp.bfloat16, id="fp4-2"),
+]
+
+
+@pytest.mark.parametrize("make,widths,m,dtype", GROUPS)
+def test_many_weights_in_one_launch(make, widths, m, dtype):
+    """quant_matmul_many: each output is that weight's product (against the reference), in one
+    pallas_call whose programs cover every weight's tiles; stacked weights read at a traced layer."""
+    rng = np.random.default_rng(m)
+    ws = tuple(_device(make(rng, (), n)[0]) for n in widths)
+    x = jnp.asarray(rng.standard_normal((m, ws[0].shape[0])), dtype)
+    assert kernel.groupable(m, x.shape[1], ws)
+    got = kernel.quant_matmul_many(x, ws, interpret=True, decode="software")
+    tol = 1e-5 if dtype == jnp.float32 else 8e-3
+    for y, w in zip(got, ws):
+        assert y.shape == (m, w.shape[1]) and y.dtype == dtype
+        assert _rel(y, _ref(x, w)) <= tol
+
+    stacks = tuple(
+        jax.tree.map(lambda *a: jnp.stack(a), *(_device(make(rng, (), n)[0]) for _ in range(2)))
+        for n in widths
+    )
+    run = jax.jit(
+        lambda layer: kernel.quant_matmul_many(x, stacks, layer=layer, interpret=True, decode="software")
+    )
+    for i in range(2):
+        for y, s in zip(run(jnp.int32(i)), stacks):
+            assert _rel(y, _ref(x, layout.take_layer(s, i))) <= tol
+
+
+def test_many_weights_fall_back_one_by_one():
+    """Weights of different formats are not grouped (nor prefill-sized M, where the parts dequantize
+    first): each computed alone, the same results."""
+    rng = np.random.default_rng(3)
+    int4 = _device(random_int4(rng, (), 64, 256, 32, symmetric=False)[0])
+    fp8 = _device(random_fp8(rng, (), 64, 256)[0])
+    x = jnp.asarray(rng.standard_normal((4, 256)), jnp.float32)
+    assert not kernel.groupable(4, 256, (int4, fp8)) and kernel.groupable(4, 256, (int4, int4))
+    got = kernel.quant_matmul_many(x, (int4, fp8), interpret=True, decode="software")
+    for y, w in zip(got, (int4, fp8)):
+        np.testing.assert_array_equal(y, kernel.quant_matmul(x, w, interpret=True, decode="software"))
+
+
+def test_group_config_covers_every_weight():
+    """One block_n dividing each width; K splits counted over all the weights' tiles."""
+    rng = np.random.default_rng(4)
+    ws = tuple(_device(random_int4(rng, (), n, 6144, 32, symmetric=True)[0]) for n in (2048, 576))
+    cfg = kernel.group_config(1, ws, jnp.bfloat16)
+    assert 2048 % cfg.block_n == 0 and 576 % cfg.block_n == 0
+    assert 6144 % (cfg.block_k * cfg.splits) == 0

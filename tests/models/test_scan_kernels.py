@@ -71,8 +71,9 @@ def _step_jaxpr(llm: jaxdsa.LLM, n_tokens: int):
 def test_kernels_in_a_scan_read_whole_stacks(name, interpret):
     """Every MoE kernel call inside a scan gets the experts as the group's whole stacks (leading
     dim = the scan's length) plus the layer index operand, never a slice; so does every
-    quant_matmul call but those of the tiny V4's 40-wide ``q_lora`` weights, which are padded to
-    multiples of 16 (padding copies the layer's weight anyway, so the op slices it first)."""
+    quant_matmul call (one index in front of each weight of a grouped one) but those of the tiny
+    V4's 40-wide ``q_lora`` weights, which are padded to multiples of 16 (padding copies the
+    layer's weight anyway, so the op slices it first)."""
     llm = jaxdsa.LLM(FIXTURES / name, scan_layers=True, **KW)
     assert any(isinstance(g, ScannedLayers) for g in llm.model.groups)
     calls = [c for c in _kernel_calls(_step_jaxpr(llm, 4)) if c[2] is not None]
@@ -85,7 +86,7 @@ def test_kernels_in_a_scan_read_whole_stacks(name, interpret):
             assert 48 in avals[0].shape + avals[1].shape  # q_lora 40 padded to 48 (K or N)
             continue
         stacked += kernel == "quant_matmul"
-        weights = avals[index[0] + 1 :]
+        weights = [a for i, a in enumerate(avals) if i > index[0] and i not in index]  # one index per weight
         expected_ndim = 3 if kernel == "quant_matmul" else 4  # [L, K, N] / [L, E, K, N]
         assert all(a.ndim == expected_ndim and a.shape[0] == length for a in weights), (kernel, weights)
     assert stacked
