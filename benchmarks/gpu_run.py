@@ -1,4 +1,4 @@
-"""One device call for the kernel tables the README quotes, torch peers in the same process.
+"""One device call for the kernel tables docs/results.md quotes, torch peers in the same process.
 
     python -m benchmarks.gpu_run [--sections mla,indexer,moe,attention,sampler]
 
@@ -37,7 +37,7 @@ from benchmarks import harness  # noqa: E402  (after the allocator settings)
 
 SECTIONS = ("mla", "indexer", "moe", "attention", "sampler")
 # Decode B = 1 / 32 / 128 at every head count and the T = 4096 prefill: the rows docs/kernels.md
-# and the README quote (B = 8 and T = 1024 are left out of this call).
+# and docs/results.md quote (B = 8 and T = 1024 are left out of this call).
 MLA_SHAPES = ",".join(
     [f"decode H={h} B={b}" for h in (16, 64, 128) for b in (1, 32, 128)]
     + [f"prefill H={h} T=4096" for h in (64, 128)]

@@ -1,13 +1,15 @@
-"""The README's GPU table, built from the results files (``benchmarks/results/*.md``).
+"""The GPU table of ``docs/results.md``, built from the results files (``benchmarks/results/*.md``).
 
     python -m benchmarks.readme_table [--write]
+
+(The module keeps its name from when the table lived in the README.)
 
 Each row reads one results file: its header (device, date, commit) and its tables. Figures from a
 file dated ``--session`` (default: the newest date among the files read) fill the "this session"
 columns; figures from an older file go to the "earlier run" column with that file's date, never
 beside this session's, and anchors (``docs/anchors.md``, not measured by these scripts) are named
-as such. ``--write`` replaces the table between the README's markers; without it the table is
-printed. A row whose file is missing is left out and reported.
+as such. ``--write`` replaces the table between the markers in ``docs/results.md``; without it the
+table is printed. A row whose file is missing is left out and reported.
 """
 
 from __future__ import annotations
@@ -20,11 +22,10 @@ from collections.abc import Callable
 
 from benchmarks.harness import RESULTS
 
-README = RESULTS.parent.parent / "README.md"
+RESULTS_DOC = RESULTS.parent.parent / "docs" / "results.md"
 BEGIN, END = "<!-- results table: python -m benchmarks.readme_table --write -->", "<!-- end results table -->"
-ANCHORS = "anchor, docs/anchors.md/{}, 2026-11-21"
-MOE_ANCHOR = ANCHORS.format("moe-attention-h100.md")
-KERNEL_ANCHOR = ANCHORS.format("kernels-h100.md")
+# docs/anchors.md holds both sets of anchors: the MoE (and attention) ones and the kernel ones.
+MOE_ANCHOR = KERNEL_ANCHOR = "anchor, docs/anchors.md, 2026-11-21"
 
 
 @dataclasses.dataclass
@@ -258,24 +259,25 @@ def build(directory: pathlib.Path = RESULTS, session: str | None = None) -> tupl
     return "\n".join(lines), missing
 
 
-def write_readme(table: str, readme: pathlib.Path = README) -> None:
-    text = readme.read_text(encoding="utf-8")
+def write_table(table: str, path: pathlib.Path = RESULTS_DOC) -> None:
+    """Replace what lies between the markers in ``path`` (``docs/results.md``) with ``table``."""
+    text = path.read_text(encoding="utf-8")
     pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
     if not pattern.search(text):
-        raise SystemExit(f"{readme}: no {BEGIN} ... {END} markers")
-    readme.write_text(pattern.sub(lambda _: f"{BEGIN}\n{table}\n{END}", text), encoding="utf-8")
+        raise SystemExit(f"{path}: no {BEGIN} ... {END} markers")
+    path.write_text(pattern.sub(lambda _: f"{BEGIN}\n{table}\n{END}", text), encoding="utf-8")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help=f"replace the table in {README.name}")
+    parser.add_argument("--write", action="store_true", help="replace the table in docs/results.md")
     parser.add_argument("--session", help="date of this session's files (default: the newest)")
     args = parser.parse_args()
     table, missing = build(session=args.session)
     for label in missing:
         print(f"left out (no results file): {label}")
     if args.write:
-        write_readme(table)
+        write_table(table)
     else:
         print(table)
 

@@ -1,8 +1,9 @@
-"""Results-file writing, ceilings and the README table built from results files (CPU, no timing)."""
+"""Results-file writing, ceilings and docs/results.md's table built from results files (CPU, no timing)."""
 
 from __future__ import annotations
 
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -87,8 +88,20 @@ def test_table_keeps_this_sessions_figures_apart_from_earlier_runs(tmp_path, mon
     )
 
 
-def test_write_readme_replaces_only_the_marked_table(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{readme_table.BEGIN}\nold\n{readme_table.END}\noutro\n")
-    readme_table.write_readme("| new |", readme)
-    assert readme.read_text() == f"intro\n{readme_table.BEGIN}\n| new |\n{readme_table.END}\noutro\n"
+def test_write_table_replaces_only_the_marked_table(tmp_path):
+    doc = tmp_path / "results.md"
+    doc.write_text(f"intro\n{readme_table.BEGIN}\nold\n{readme_table.END}\noutro\n")
+    readme_table.write_table("| new |", doc)
+    assert doc.read_text() == f"intro\n{readme_table.BEGIN}\n| new |\n{readme_table.END}\noutro\n"
+
+
+def test_docs_results_holds_the_table_the_files_build():
+    """``--write`` targets docs/results.md; what is there now is what the results files build."""
+    assert readme_table.RESULTS_DOC == pathlib.Path(__file__).resolve().parents[2] / "docs" / "results.md"
+    text = readme_table.RESULTS_DOC.read_text(encoding="utf-8")
+    assert text.count(readme_table.BEGIN) == 1 and text.count(readme_table.END) == 1
+    table, missing = readme_table.build()
+    assert not missing
+    assert f"{readme_table.BEGIN}\n{table}\n{readme_table.END}" in text
+    readme = readme_table.RESULTS_DOC.parents[1] / "README.md"
+    assert readme_table.BEGIN not in readme.read_text(encoding="utf-8")
