@@ -75,8 +75,12 @@ def shard_elements(leaf: Leaf, par: Parallelism) -> float:
     return float(math.prod(shard_shape(leaf.shape, leaf.axes, par)))
 
 
-def device_weight_bytes(family: ModelFamily, cfg, par: Parallelism, weights: str) -> float:
-    return sum(shard_elements(leaf, par) * leaf.width for leaf in parameter_leaves(family, cfg, par, weights))
+def device_weight_bytes(
+    family: ModelFamily, cfg, par: Parallelism, weights: str, leaves: list[Leaf] | None = None
+) -> float:
+    """Bytes of weights on one device (``leaves``: :func:`parameter_leaves`' answer, if at hand)."""
+    leaves = parameter_leaves(family, cfg, par, weights) if leaves is None else leaves
+    return sum(shard_elements(leaf, par) * leaf.width for leaf in leaves)
 
 
 def cache_bytes_per_token(family: ModelFamily, cfg) -> float:
@@ -100,11 +104,18 @@ def expected_experts(n_experts: int, top_k: int, tokens: int) -> float:
 
 
 def decode_step(
-    family: ModelFamily, cfg, par: Parallelism, weights: str, batch: int, context: int
+    family: ModelFamily,
+    cfg,
+    par: Parallelism,
+    weights: str,
+    batch: int,
+    context: int,
+    leaves: list[Leaf] | None = None,
 ) -> dict[str, float]:
     """Per-device bytes read and collective bytes of one decode step of ``batch`` sequences per dp
     group: every weight the step touches (routed experts at :func:`expected_experts` of the tokens
-    that meet at them, embedding rows looked up) plus the family's cache traffic."""
+    that meet at them, embedding rows looked up) plus the family's cache traffic. ``leaves``:
+    :func:`parameter_leaves`' answer, if at hand."""
     traffic = family.decode_traffic(cfg, par, batch, context)
     sizes = par.axis_sizes
     k, E = traffic["experts_per_token"], traffic["num_experts"]
@@ -112,7 +123,7 @@ def decode_step(
     moe_tokens = batch * sizes["edp"]  # dp-attention groups' tokens meet at every expert
     touched = expected_experts(E, k, moe_tokens) * E_local / E  # expected distinct local experts
     read = 0.0
-    for leaf in parameter_leaves(family, cfg, par, weights):
+    for leaf in parameter_leaves(family, cfg, par, weights) if leaves is None else leaves:
         elements = shard_elements(leaf, par)
         if "experts" in leaf.axes:
             elements *= touched / E_local
@@ -132,11 +143,13 @@ def memory_plan(
     max_model_len: int,
     batch: int,
     gpu_memory_utilization: float = memory.DEFAULT_UTILIZATION,
+    leaves: list[Leaf] | None = None,
 ) -> dict[str, float]:
     """Each device's memory as the server counts it (:mod:`jaxdsa.engine.memory`): the budget is
     ``gpu_memory_utilization`` of ``hbm_gib``; the weights, the workspace kept for steps, and
-    ``batch`` sequences' rings and penalty rows come out of it; the cache gets the rest."""
-    weight_bytes = device_weight_bytes(family, cfg, par, weights)
+    ``batch`` sequences' rings and penalty rows come out of it; the cache gets the rest.
+    ``leaves``: :func:`parameter_leaves`' answer, if at hand."""
+    weight_bytes = device_weight_bytes(family, cfg, par, weights, leaves)
     budget = memory.check_utilization(gpu_memory_utilization) * hbm_gib * GiB
     workspace = memory.workspace_bytes(budget)
     per_token = cache_bytes_per_token(family, cfg)
@@ -172,11 +185,12 @@ def plan(
 ) -> dict[str, float]:
     """The deployment's figures per device: :func:`memory_plan`'s, then one decode step's traffic
     and its roofline at ``hbm_gbs`` and ``link_gbs``."""
+    leaves = parameter_leaves(family, cfg, par, weights)  # the abstract model, built once for both
     result = memory_plan(
         family, cfg, par, hbm_gib=hbm_gib, weights=weights, max_model_len=max_model_len, batch=batch,
-        gpu_memory_utilization=gpu_memory_utilization,
+        gpu_memory_utilization=gpu_memory_utilization, leaves=leaves,
     )  # fmt: skip
-    step = decode_step(family, cfg, par, weights, batch, max_model_len)
+    step = decode_step(family, cfg, par, weights, batch, max_model_len, leaves)
     memory_s = step["bytes_read"] / (hbm_gbs * 1e9)
     comm_s = step["collective_bytes"] / (link_gbs * 1e9)
     return result | {
