@@ -33,7 +33,7 @@ import jax
 
 import jaxdsa
 from benchmarks import harness
-from checkpoints.make_tiny import make_tiny
+from checkpoints.tiny.make import make_tiny
 from jaxdsa.engine import Engine, SamplingParams
 
 # GLM-5.2's layer pattern (an indexed layer, then three that reuse its top-k)

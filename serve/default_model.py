@@ -1,6 +1,6 @@
 """The model ``python -m serve`` serves when given none: a tiny random GLM-5-architecture checkpoint.
 
-It is written once by ``checkpoints.make_tiny`` (deterministic: seed 0, float32, the tokenizer's
+It is written once by ``checkpoints.tiny`` (deterministic: seed 0, float32, the tokenizer's
 vocabulary) into ``$JAXDSA_CACHE_DIR/default-model`` (default ``~/.cache/jaxdsa/default-model``),
 so the first run needs no download and later runs reuse it. Its outputs are random text: it exists
 to try the server, the client code and the tooling, not to answer questions.
@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 
-from checkpoints.make_tiny import make_tiny
+from checkpoints.tiny.make import make_tiny
 
 NAME = "jaxdsa-tiny-glm5"
 _FILES = (

@@ -12,8 +12,8 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from checkpoints import CheckpointError
-from checkpoints.make_tiny import make_tiny
 from checkpoints.safetensors_io import CheckpointReader
+from checkpoints.tiny.make import make_tiny
 from jaxdsa.config import ConfigError
 from jaxdsa.loading import load_model
 from pallas_kernels.quant_matmul.layout import QuantizedWeight, dequantize

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import pytest
 from safetensors import safe_open
 
-from checkpoints.make_tiny import main, make_tiny
+from checkpoints.tiny.cli import main
+from checkpoints.tiny.make import make_tiny
 from jaxdsa.loading import load_model
 from jaxdsa.models.deepseek_v4.config import CSA, HCA, SWA
 

@@ -1,7 +1,7 @@
 import pytest
 
 import jaxdsa
-from checkpoints.make_tiny import make_tiny
+from checkpoints.tiny.make import make_tiny
 
 FAMILIES = {
     "glm5": ("glm_moe_dsa", "glm5"),

@@ -7,7 +7,7 @@ Run with the reference venv (Python 3.11, torch 2.13.0 CPU, transformers 5.23.0;
 
 For every fixture this script
 
-1. builds the tiny HF model (``TINY_PRESETS`` from ``checkpoints/tiny_presets.py``, read by file path so the
+1. builds the tiny HF model (``TINY_PRESETS`` from ``checkpoints/tiny/presets.py``, read by file path so the
    jaxdsa package and JAX are never imported) in float32 with deterministic random weights whose scale
    makes logits far from uniform;
 2. runs HF's own forward passes (eager attention) on a short prompt (T <= index_topk: dense), a long
@@ -235,8 +235,8 @@ FIXTURE_SPECS: list[dict[str, Any]] = [
 
 
 def load_presets():
-    """checkpoints/tiny_presets.py (stdlib-only) without importing the jaxdsa package (no JAX here)."""
-    path = ROOT / "checkpoints" / "tiny_presets.py"
+    """checkpoints/tiny/presets.py (stdlib-only) without importing the jaxdsa package (no JAX here)."""
+    path = ROOT / "checkpoints" / "tiny" / "presets.py"
     spec = importlib.util.spec_from_file_location("_jaxdsa_config", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses need the module registered

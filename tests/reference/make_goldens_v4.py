@@ -8,7 +8,7 @@ Run with the reference venv (Python 3.11, torch 2.13.0 CPU, transformers 5.23.0;
 For every fixture this script
 
 1. builds ``DeepseekV4ForCausalLM`` (eager, float32) from the tiny HF-form preset in
-   ``jaxdsa/models/deepseek_v4/presets.py`` (read by path: no JAX here) and randomizes every
+   ``checkpoints/tiny/presets.py`` (read by path: no JAX here) and randomizes every
    parameter, including those HF initializes to 0 / 1 (sinks, ``ape``, HC base and scale, norm
    weights, router bias), and draws ``tid2eid`` as distinct random experts per token;
 2. runs HF's uncached forward on prompts shorter than the window, longer than it, and crossing many
@@ -130,8 +130,8 @@ FIXTURE_SPECS: list[dict[str, Any]] = [
 
 
 def load_presets():
-    """jaxdsa/models/deepseek_v4/presets.py (stdlib only), without importing jaxdsa."""
-    path = ROOT / "jaxdsa" / "models" / "deepseek_v4" / "presets.py"
+    """checkpoints/tiny/presets.py (stdlib only), without importing jaxdsa."""
+    path = ROOT / "checkpoints" / "tiny" / "presets.py"
     spec = importlib.util.spec_from_file_location("_dsv4_presets", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
@@ -558,7 +558,7 @@ class MTPOracle(torch.nn.Module):
 
 
 def hf_config(presets) -> DeepseekV4Config:
-    cfg = DeepseekV4Config(**copy.deepcopy(presets.TINY_PRESETS["dsv4"]))
+    cfg = DeepseekV4Config(**copy.deepcopy(presets.V4_TINY_PRESETS["dsv4"]))
     cfg._attn_implementation = "eager"
     return cfg
 
@@ -719,7 +719,7 @@ def write_checkpoint(r, spec, presets, directory: Path) -> None:
         config["dtype"] = "bfloat16"
     else:
         tensors = release_state(model)
-        config = presets.release_form(presets.TINY_PRESETS["dsv4"])
+        config = presets.release_form(presets.V4_TINY_PRESETS["dsv4"])
         config["torch_dtype"] = "bfloat16"
     tensors |= mtp
     if stored is not None:
@@ -885,7 +885,7 @@ def fmt(x: float) -> str:
 
 
 def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
-    preset = load_presets().TINY_PRESETS["dsv4"]
+    preset = load_presets().V4_TINY_PRESETS["dsv4"]
     lines = [
         "# DeepSeek-V4 golden fixtures (Hugging Face transformers reference)",
         "",
@@ -893,7 +893,7 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
         f"{transformers.__version__} and torch {torch.__version__} on CPU, float32, eager attention.",
         "Do not edit by hand.",
         "",
-        "Model: the `dsv4` preset of `jaxdsa/models/deepseek_v4/presets.py`: "
+        "Model: the `dsv4` preset of `checkpoints/tiny/presets.py`: "
         f"{preset['num_hidden_layers']} layers {preset['layer_types']} (CSA ratio 4 with overlap and "
         f"indexer, HCA ratio 8), mlp {preset['mlp_layer_types']}, window {preset['sliding_window']}, hidden "
         "32, 4 heads of 32 (rope 8), q_lora 40, 2 output groups of rank 16, 16 indexer heads of 16, "

@@ -18,7 +18,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from checkpoints.make_tiny import make_tiny
+from checkpoints.tiny.make import make_tiny
 from jaxdsa.engine import (
     AsyncEngine,
     Engine,

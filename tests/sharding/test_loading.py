@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from checkpoints.make_tiny import make_tiny
+from checkpoints.tiny.make import make_tiny
 from jaxdsa import plan, sharding
 from jaxdsa.loading import device_param_bytes, load_model
 from jaxdsa.models import family as families

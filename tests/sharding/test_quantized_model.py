@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import jaxdsa
-from checkpoints.tiny_presets import TINY_PRESETS
+from checkpoints.tiny.presets import TINY_PRESETS
 from jaxdsa import plan, sharding
 from jaxdsa.loading import load_model
 from pallas_kernels.quant_matmul.layout import QuantizedWeight, dequantize

@@ -1,7 +1,7 @@
 """vLLM's ``--enable-expert-parallel`` on a mesh of CPU devices: the experts over every GPU of the
 tp x dp groups (ep = tp x dp), attention data-parallel between the groups."""
 
-from checkpoints.make_tiny import make_tiny
+from checkpoints.tiny.make import make_tiny
 from serve import cli
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 import jaxdsa
-from checkpoints.make_tiny import make_tiny
+from checkpoints.tiny.make import make_tiny
 from jaxdsa.engine import sampling
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from checkpoints.quant import QuantConfig
+from checkpoints.tiny.presets import V4_TINY_PRESETS
 from jaxdsa.config import Fields, RopeConfig, eos_ids, parse_quantization, read_config_json
 
 MODEL_TYPE = "deepseek_v4"
@@ -388,7 +389,5 @@ def load_v4_config(path: str | os.PathLike) -> V4Config:
 
 
 def tiny_v4_config(name: str = "dsv4", **overrides: Any) -> V4Config:
-    """A tiny preset from :mod:`.presets` (HF form) with field overrides."""
-    from jaxdsa.models.deepseek_v4 import presets
-
-    return v4_config_from_dict({**presets.TINY_PRESETS[name], **overrides}, f"<tiny:{name}>")
+    """A tiny preset from :data:`checkpoints.tiny.presets.V4_TINY_PRESETS` (HF form) with field overrides."""
+    return v4_config_from_dict({**V4_TINY_PRESETS[name], **overrides}, f"<tiny:{name}>")

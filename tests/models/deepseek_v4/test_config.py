@@ -5,13 +5,13 @@ import json
 
 import pytest
 
+from checkpoints.tiny.presets import V4_TINY_PRESETS, release_form
 from jaxdsa.config import ConfigError
-from jaxdsa.models.deepseek_v4 import presets
 from jaxdsa.models.deepseek_v4.config import CSA, HCA, SWA, load_v4_config, v4_config_from_dict
 from tests.conftest import FIXTURES
 
-HF = presets.TINY_PRESETS["dsv4"]
-RELEASE = presets.release_form(HF)
+HF = V4_TINY_PRESETS["dsv4"]
+RELEASE = release_form(HF)
 
 
 def test_both_forms_parse_to_the_same_config():

@@ -1,21 +1,20 @@
 """A random tiny DeepSeek-V4 in the release layout (``python -m checkpoints.make_tiny --family deepseek_v4``).
 
-The directory holds the release-form ``config.json`` (a ``jaxdsa.models.deepseek_v4.presets``
-entry through :func:`~jaxdsa.models.deepseek_v4.presets.release_form`, ``vocab_size`` set to the
-tokenizer's), ``generation_config.json``, the DeepSeek tokenizer assets (V4 shares V3.2's
-tokenizer family: BOS 0, EOS 1) with a V4 chat template for tool-less conversations (the server
+The directory holds the release-form ``config.json`` (a :data:`checkpoints.tiny.presets.V4_TINY_PRESETS`
+entry through :func:`~checkpoints.tiny.presets.release_form`, ``vocab_size`` set to the tokenizer's),
+``generation_config.json``, the DeepSeek tokenizer assets (V4 shares V3.2's tokenizer family: BOS 0,
+EOS 1) with a V4 chat template for tool-less conversations (the server
 encodes V4 chats with ``serve.deepseek_v4_encoding``, docs/models.md §6.4) and
 safetensors with the release names and dtypes of docs/models.md §4.4: bf16 (or float32) weights, float32
 HC parameters, sinks, ``ape`` and router bias, int64 ``tid2eid``, plus the MTP block ``mtp.0.*``.
 
 Names and shapes are written out here from docs/models.md, deliberately not from the family's parameter
 spec, so the loader is tested against an independent reading of the layout. Values depend only on
-(seed, tensor name), like ``make_tiny``'s other families.
+(seed, tensor name), like the other families' (:mod:`checkpoints.tiny.writers`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import zlib
 from typing import Any
@@ -23,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from checkpoints import tokenizer_assets
-from checkpoints.make_tiny import DTYPES, random_tensor, write_weights
-from jaxdsa.models.deepseek_v4 import presets
+from checkpoints.tiny.presets import V4_TINY_PRESETS, release_form
+from checkpoints.tiny.writers import DTYPES, Spec, random_tensor, write_json, write_weights
 
 TOKENIZER_FAMILY = "deepseek_v4"
 
@@ -32,7 +31,7 @@ TOKENIZER_FAMILY = "deepseek_v4"
 FP32_KINDS = ("hc_fn", "hc_base", "hc_scale", "sink", "ape", "router_bias")
 
 
-def _block(cfg: dict[str, Any], p: str, ratio: int, hashed: bool) -> dict[str, tuple[tuple[int, ...], str]]:
+def _block(cfg: dict[str, Any], p: str, ratio: int, hashed: bool) -> dict[str, Spec]:
     d, heads, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
     q_lora, groups, o_lora = cfg["q_lora_rank"], cfg["o_groups"], cfg["o_lora_rank"]
     n, experts, inter = cfg["hc_mult"], cfg["n_routed_experts"], cfg["moe_intermediate_size"]
@@ -91,7 +90,7 @@ def _block(cfg: dict[str, Any], p: str, ratio: int, hashed: bool) -> dict[str, t
     return t
 
 
-def tensor_specs(cfg: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+def tensor_specs(cfg: dict[str, Any]) -> dict[str, Spec]:
     """Every tensor of a release-form V4 config: name -> (shape, kind)."""
     d, vocab, n = cfg["hidden_size"], cfg["vocab_size"], cfg["hc_mult"]
     layers = cfg["num_hidden_layers"]
@@ -148,10 +147,10 @@ def write(
 ) -> str:
     """Write the tiny V4 checkpoint directory and return its path. ``overrides``: release-form
     config.json fields replacing the preset's (a longer ``max_position_embeddings``, say)."""
-    if preset not in presets.TINY_PRESETS:
-        raise ValueError(f"unknown DeepSeek-V4 preset {preset!r}; choose from {sorted(presets.TINY_PRESETS)}")
+    if preset not in V4_TINY_PRESETS:
+        raise ValueError(f"unknown DeepSeek-V4 preset {preset!r}; choose from {sorted(V4_TINY_PRESETS)}")
     os.makedirs(out_dir, exist_ok=True)
-    cfg = presets.release_form(presets.TINY_PRESETS[preset]) | (overrides or {})
+    cfg = release_form(V4_TINY_PRESETS[preset]) | (overrides or {})
     ids = tokenizer_assets.write_tokenizer(
         TOKENIZER_FAMILY, out_dir, model_max_length=cfg["max_position_embeddings"]
     )
@@ -160,13 +159,13 @@ def write(
     specs = tensor_specs(cfg)
     if not 1 <= shards <= len(specs):
         raise ValueError(f"shards must be between 1 and the {len(specs)} tensors, got {shards}")
-    _write_json(os.path.join(out_dir, "config.json"), cfg)
+    write_json(os.path.join(out_dir, "config.json"), cfg)
     generation = {
         "bos_token_id": ids.bos_token_id,
         "eos_token_id": ids.eos_token_ids[0],
         "pad_token_id": ids.pad_token_id,
     }
-    _write_json(os.path.join(out_dir, "generation_config.json"), generation)
+    write_json(os.path.join(out_dir, "generation_config.json"), generation)
     tensors = {}
     for name, (shape, kind) in specs.items():
         value = _value(name, shape, kind, seed, cfg)
@@ -175,9 +174,3 @@ def write(
         tensors[name] = value
     write_weights(tensors, out_dir, shards)
     return out_dir
-
-
-def _write_json(path: str, obj: Any) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=2, ensure_ascii=False)
-        fh.write("\n")

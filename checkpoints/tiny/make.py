@@ -1,0 +1,37 @@
+""":func:`make_tiny`: one random tiny checkpoint of any family, written by the family's maker
+(:mod:`checkpoints.tiny.dsa` for GLM-5.x and DeepSeek-V3.2, :mod:`checkpoints.tiny.v4` for DeepSeek-V4)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from checkpoints.tiny import dsa, v4
+from checkpoints.tiny.presets import DEFAULT_PRESET
+from checkpoints.tiny.writers import DTYPES
+
+
+def make_tiny(
+    family: str,
+    out_dir: str | os.PathLike,
+    *,
+    seed: int = 0,
+    preset: str | None = None,
+    dtype: str = "float32",
+    shards: int = 1,
+    overrides: dict[str, Any] | None = None,
+) -> str:
+    """Write the tiny checkpoint directory and return its path. ``overrides``: config.json fields
+    replacing the preset's (wider layers for a load that must outweigh the interpreter's own
+    allocations, say)."""
+    if family not in DEFAULT_PRESET:
+        raise ValueError(f"unknown family {family!r}; choose from {sorted(DEFAULT_PRESET)}")
+    preset = preset or DEFAULT_PRESET[family]
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    out_dir = os.fspath(out_dir)
+    if family == "deepseek_v4":
+        return v4.write(out_dir, seed=seed, preset=preset, dtype=dtype, shards=shards, overrides=overrides)
+    return dsa.write(
+        family, out_dir, seed=seed, preset=preset, dtype=dtype, shards=shards, overrides=overrides
+    )
