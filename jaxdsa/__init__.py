@@ -3,5 +3,6 @@
 from jaxdsa.config import ConfigError
 from jaxdsa.llm import LLM
 from jaxdsa.models.registry import load_config
+from jaxdsa.text import SamplingParams
 
-__all__ = ["LLM", "ConfigError", "load_config"]
+__all__ = ["LLM", "ConfigError", "SamplingParams", "load_config"]

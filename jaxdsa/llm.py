@@ -1,19 +1,25 @@
-"""The notebook API: ``jaxdsa.LLM(path)``, its ``.model``, ``.score(ids)`` and ``.generate(prompts)``.
+"""The notebook API: ``jaxdsa.LLM(path)``, its ``.model``, ``.score(ids)``, ``.generate(prompts)``
+and ``.chat(messages)``.
 
 ``model`` is the Flax NNX module tree: print it, index a layer (``model.layer(3)``), replace a
 submodule, call it. ``score`` is one full forward of a single sequence over the current module
-tree. ``generate`` runs on the serving engine: the prompts are served concurrently with
+tree. ``generate`` and ``chat`` run on the serving engine: the prompts are served concurrently with
 continuous batching, chunked prefill and the paged cache, exactly as the HTTP server serves them.
+Token-id prompts give new token ids; text prompts (or a :class:`jaxdsa.SamplingParams`) and chat
+give vLLM's :class:`~jaxdsa.text.RequestOutput`, whose text is what the server would send for the
+same request (the same tokenizer, chat formats, stop strings and reply parsers, from ``serve``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
+import numbers
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -21,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxdsa import sharding
-from jaxdsa.engine import Engine, EngineConfig, SamplingParams, memory
+from jaxdsa import sharding, text
+from jaxdsa.engine import Engine, EngineConfig, RequestOutput, SamplingParams, memory
 from jaxdsa.engine.engine import CacheLayout
 from jaxdsa.engine.speculative import SpeculativeConfig
 from jaxdsa.loading import load_model
@@ -59,6 +65,9 @@ class LLM:
     (not for DeepSeek-V4, whose per-sequence rings the pages do not hold). ``page_size``: cache page
     size in tokens (vLLM's block size; default the family's: 64, DeepSeek-V4 128, which needs a
     multiple of its compression ratios).
+    ``reasoning_parser`` / ``tool_call_parser``: the parsers :meth:`chat` splits replies with (the
+    server's ``--reasoning-parser`` / ``--tool-call-parser`` names; default the family's, set None to
+    parse nothing).
     ``scan_layers``: stack layers of one kind and run them under ``lax.scan`` (compile time
     independent of depth; the default), or ``False``: one module per layer, unrolled. Scanned, the
     weights the Pallas kernels read (routed experts, quantized linears) reach them as whole stacks
@@ -150,6 +159,7 @@ class LLM:
             check_weights=check_fits,
         )
         self.eos_token_ids = generation_eos_ids(self.path, self.config.eos_token_ids)
+        self.reasoning_parser, self.tool_call_parser = text.FAMILY_PARSERS.get(cfg.model_type, (None, None))
         self._engine: Engine | None = None
         self._ids = itertools.count()
 
@@ -206,51 +216,255 @@ class LLM:
         """
         return self.engine.runner.score(self.model, token_ids, self.dtype)
 
+    # -- text ----------------------------------------------------------------------------------
+    @functools.cached_property
+    def tokenizer(self):
+        """The checkpoint's tokenizer (``tokenizer.json``; the server's ``serve.tokenizer.Tokenizer``)."""
+        from serve.tokenizer import Tokenizer
+
+        return Tokenizer(self.path)
+
+    @functools.cached_property
+    def chat_format(self):
+        """The family's chat format, as the server renders ``/v1/chat/completions`` (None when the
+        checkpoint has no chat template)."""
+        from serve.chat_format import load_chat_format
+
+        tok = self.tokenizer
+        return load_chat_format(self.path, self.config.model_type, tok.config, tok.special_tokens_map)
+
+    @functools.cached_property
+    def default_sampling(self) -> dict[str, Any]:
+        """Sampling defaults from generation_config.json (temperature, top_p, top_k), as the server's."""
+        return text.generation_defaults(self.path)
+
     def generate(
         self,
-        prompts: Sequence[Sequence[int]],
-        max_new_tokens: int = 16,
-        temperature: float = 0.0,
+        prompts: Sequence[Sequence[int]] | Sequence[str | Mapping[str, Any]] | str,
+        sampling_params: text.SamplingParams | SamplingParams | Sequence[Any] | None = None,
         *,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
         seed: int | None = None,
-        stop_at_eos: bool = False,
+        stop_at_eos: bool | None = None,
         return_logits: bool = False,
     ):
-        """New token ids per prompt, served concurrently through the engine.
+        """Generate for every prompt, served concurrently through the engine.
 
-        Greedy at temperature 0; sequences stop at EOS only with ``stop_at_eos``. With
-        ``return_logits`` also returns, per prompt, the float32 logits [n_new, vocab] each new
-        token was sampled from.
+        Text prompts (strings, ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``), or any prompts
+        with ``sampling_params`` (a :class:`jaxdsa.SamplingParams`, the engine's, or one per prompt),
+        give vLLM's outputs: a :class:`~jaxdsa.text.RequestOutput` per prompt, its ``.outputs`` the
+        ``n`` completions with ``.text``, ``.token_ids`` and ``.finish_reason``. Text is tokenized
+        as ``/v1/completions`` does (with the tokenizer's special tokens); completions stop at EOS
+        and at stop strings, and their text is what the server returns for the same request.
+
+        Token-id prompts without ``sampling_params`` give the new token ids per prompt: greedy
+        unless ``temperature`` (default 0); ``max_new_tokens`` (default 16) each, ``top_p`` /
+        ``top_k`` filters, ``seed`` (prompt i samples with seed + i); they stop at EOS only with
+        ``stop_at_eos``. With ``return_logits`` also returns, per prompt, the float32 logits
+        [n_new, vocab] each new token was sampled from.
         """
-        engine = self.engine
-        ids = []
-        for i, prompt in enumerate(prompts):
-            request_id = f"llm-{next(self._ids)}"
-            sampling = SamplingParams(
-                max_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
+        if isinstance(sampling_params, numbers.Number):
+            raise TypeError(
+                "generate(prompts, sampling_params): the second argument is a SamplingParams; "
+                "pass max_new_tokens= / temperature= by name"
+            )
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if sampling_params is not None or any(isinstance(p, str | Mapping) for p in prompts):
+            legacy = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+            legacy |= dict(seed=seed, stop_at_eos=stop_at_eos, return_logits=return_logits or None)
+            given = [k for k, v in legacy.items() if v is not None]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)}: for token-id prompts only; text prompts take their sampling "
+                    "in sampling_params=jaxdsa.SamplingParams(...)"
+                )
+            return self._generate_text([self._prompt(p) for p in prompts], sampling_params)
+        sampling = [
+            SamplingParams(
+                max_tokens=16 if max_new_tokens is None else max_new_tokens,
+                temperature=0.0 if temperature is None else temperature,
+                top_p=1.0 if top_p is None else top_p,
+                top_k=0 if top_k is None else top_k,
                 seed=None if seed is None else seed + i,
                 ignore_eos=not stop_at_eos,
             )
-            engine.add_request(request_id, list(prompt), sampling, return_logits=return_logits)
-            ids.append(request_id)
-        tokens: dict[str, list[int]] = {r: [] for r in ids}
-        logits: dict[str, list[np.ndarray]] = {r: [] for r in ids}
-        while any(r in engine.requests for r in ids):
-            for out in engine.step():
-                if out.request_id in tokens and out.error is not None:
-                    for r in ids:
-                        engine.abort(r)
-                    raise RuntimeError(f"prompt {ids.index(out.request_id)}: {out.error}")
-                if out.request_id in tokens:
-                    tokens[out.request_id] += out.new_token_ids
-                    if out.logits is not None:
-                        logits[out.request_id].append(out.logits)
-        outputs = [tokens[r] for r in ids]
+            for i in range(len(prompts))
+        ]
+        tokens: list[list[int]] = [[] for _ in prompts]
+        logits: list[list[np.ndarray]] = [[] for _ in prompts]
+
+        def collect(i: int, out: RequestOutput) -> bool:
+            tokens[i] += out.new_token_ids
+            if out.logits is not None:
+                logits[i].append(out.logits)
+            return False
+
+        requests = [(f"llm-{next(self._ids)}", list(p), sp) for p, sp in zip(prompts, sampling)]
+        self._serve(requests, collect, return_logits=return_logits)
         if return_logits:
-            return outputs, [np.stack(logits[r]) for r in ids]
-        return outputs
+            return tokens, [np.stack(x) for x in logits]
+        return tokens
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: text.SamplingParams | SamplingParams | Sequence[Any] | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[text.RequestOutput]:
+        """Reply to one conversation (a list of OpenAI messages) or to each of a list of them, as
+        ``/v1/chat/completions`` does: the messages checked and rendered by the family's chat format
+        (``chat_template_kwargs``, e.g. ``{"enable_thinking": False}`` or ``{"thinking": False}``,
+        which both switch thinking off for every family), generated, and parsed by
+        :attr:`reasoning_parser` and (with ``tools``, tool choice "auto") :attr:`tool_call_parser`.
+        Returns a :class:`~jaxdsa.text.RequestOutput` per conversation whose completions carry
+        ``.text`` and ``.token_ids`` and the server's ``.content``, ``.reasoning_content``,
+        ``.tool_calls`` and ``.message`` (append it to continue the conversation)."""
+        try:
+            from serve.output import parser_markers, reply_parser
+            from serve.protocol import ChatCompletionRequest
+        except ImportError as e:  # pydantic: the server's message checks
+            raise ImportError(f"LLM.chat checks messages as the server does and needs {e.name}") from e
+        if self.chat_format is None:
+            raise ValueError(f"{self.path}: no chat template; use generate() with text")
+        single = not messages or isinstance(messages[0], Mapping)
+        conversations = [messages] if single else list(messages)
+        prompts, parsing = [], []
+        for conversation in conversations:
+            body = ChatCompletionRequest.model_validate(
+                {"messages": conversation, "tools": tools, "chat_template_kwargs": chat_template_kwargs}
+            )
+            tool_dicts = body.tool_dicts()
+            prompt = self.chat_format.render(body.template_messages(), tool_dicts, body.template_kwargs())
+            prompts.append((prompt.text, self.tokenizer.encode(prompt.text)))
+            tool_parser = self.tool_call_parser if tool_dicts else None
+            parsing.append(
+                (
+                    parser_markers(self.reasoning_parser, tool_parser),
+                    functools.partial(
+                        reply_parser, self.reasoning_parser, tool_parser, tool_dicts, prompt.thinking
+                    ),
+                )
+            )
+        return self._generate_text(prompts, sampling_params, parsing)
+
+    def _prompt(self, prompt: str | Mapping[str, Any] | Sequence[int]) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a generate prompt; text is encoded as /v1/completions does."""
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        return None, [int(t) for t in prompt]
+
+    def _generate_text(
+        self,
+        prompts: list[tuple[str | None, list[int]]],
+        sampling_params: Any,
+        parsing: list[tuple[tuple[str, ...], Callable[[], Any]]] | None = None,
+    ) -> list[text.RequestOutput]:
+        """Serve (text, ids) prompts; ``parsing``: per prompt, the markers its reply parser needs
+        kept in the text and a maker of that parser (chat)."""
+        from serve.output import ReplyDelta, text_output
+
+        per_prompt = (
+            list(sampling_params)
+            if isinstance(sampling_params, Sequence)
+            else [sampling_params] * len(prompts)
+        )
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} sampling_params for {len(prompts)} prompts")
+        eos = frozenset(self.eos_token_ids)
+        results, choices, requests = [], [], []
+        for i, ((prompt_text, ids), sp) in enumerate(zip(prompts, per_prompt)):
+            sp = text.SamplingParams.of(sp)
+            if not isinstance(sp.n, int) or sp.n < 1:
+                raise ValueError(f"n must be an integer >= 1, not {sp.n!r}")
+            room = self.engine.max_model_len - len(ids)
+            if room < 1:
+                limit = self.engine.max_model_len
+                raise ValueError(f"prompt {i}: {len(ids)} tokens leave no room below max_model_len {limit}")
+            engine_sp = text.engine_sampling(
+                sp, self.default_sampling, room if sp.max_tokens is None else sp.max_tokens
+            )
+            request_id = f"llm-{next(self._ids)}"
+            results.append(text.RequestOutput(request_id, prompt_text, ids, []))
+            keep, make_parser = parsing[i] if parsing else ((), None)
+            for j, spj in enumerate(text.choice_sampling(engine_sp, sp.n)):
+                out = text.CompletionOutput(j, "", [], None, [] if spj.logprobs is not None else None)
+                results[i].outputs.append(out)
+                text_out = text_output(
+                    self.tokenizer,
+                    eos,
+                    spj,
+                    stop=sp.stop_strings,
+                    skip_special_tokens=sp.skip_special_tokens,
+                    keep=keep,
+                )
+                parser = make_parser() if make_parser else None
+                choices.append((results[i], out, text_out, parser, ReplyDelta()))
+                requests.append((f"{request_id}-{j}", ids, spj))
+
+        def collect(k: int, engine_out: RequestOutput) -> bool:
+            result, out, text_out, parser, reply = choices[k]
+            out.token_ids += engine_out.new_token_ids
+            if engine_out.logprobs is not None and out.logprobs is not None:
+                out.logprobs += engine_out.logprobs
+            if engine_out.prompt_logprobs is not None and result.prompt_logprobs is None:
+                result.prompt_logprobs = engine_out.prompt_logprobs
+            delta = text_out.push(engine_out)
+            out.text += delta
+            if parser is not None and delta:
+                reply += parser.feed(delta)
+            out.finish_reason = text_out.finish_reason(engine_out)
+            return out.finish_reason is not None
+
+        self._serve(requests, collect)
+        for _, out, _, parser, reply in choices:
+            if parser is not None:
+                reply += parser.finish()
+                out.finish_reason = parser.finish_reason(out.finish_reason)
+                out.message = parser.message(reply)
+                out.content = out.message["content"]
+                out.reasoning_content = out.message.get("reasoning_content")
+                out.tool_calls = out.message.get("tool_calls")
+        return results
+
+    def _serve(
+        self,
+        requests: list[tuple[str, list[int], SamplingParams]],
+        on_output: Callable[[int, RequestOutput], bool],
+        *,
+        return_logits: bool = False,
+    ) -> None:
+        """Run (request id, prompt ids, sampling) requests concurrently on :attr:`engine`, calling
+        ``on_output(k, output)`` for each engine output of request k; a True return ends request k
+        there (a stop string: the engine's request is aborted). An engine error aborts them all
+        and raises RuntimeError; so does any exception, after aborting them."""
+        engine = self.engine
+        index = {request_id: k for k, (request_id, _, _) in enumerate(requests)}
+        done: set[str] = set()
+        try:
+            for request_id, prompt, sampling in requests:
+                engine.add_request(request_id, list(prompt), sampling, return_logits=return_logits)
+            while any(r in engine.requests for r in index):
+                for out in engine.step():
+                    k = index.get(out.request_id)
+                    if k is None or out.request_id in done:
+                        continue
+                    if out.error is not None:
+                        raise RuntimeError(f"prompt {k}: {out.error}")
+                    if on_output(k, out) or out.finished:
+                        done.add(out.request_id)
+                        if not out.finished:  # ended by its text (a stop string): free it now
+                            engine.abort(out.request_id)
+        finally:
+            for request_id in index:
+                if request_id not in done:
+                    engine.abort(request_id)

@@ -6,6 +6,11 @@ GLM checkpoints ship a Jinja chat template (``chat_template`` in tokenizer_confi
 ``strftime_now``, the special tokens and any ``chat_template_kwargs`` as variables).
 DeepSeek-V3.2 and DeepSeek-V4 ship no template but Python encoders, which ``serve.deepseek_encoding``
 and ``serve.deepseek_v4_encoding`` implement.
+
+Thinking is switched the same way for every family: ``chat_template_kwargs`` ``enable_thinking``
+(GLM's name) and ``thinking`` (DeepSeek's, in vLLM) are one switch (:func:`thinking_switch`), so
+``{"enable_thinking": False}`` and ``{"thinking": False}`` each turn it off for GLM-5.x,
+DeepSeek-V3.2 and DeepSeek-V4 alike; a Jinja template sees both keys set.
 """
 
 from __future__ import annotations
@@ -25,6 +30,22 @@ import jinja2.sandbox
 from serve import deepseek_encoding, deepseek_v4_encoding
 
 THINK_START = "<think>"
+THINKING_KEYS = ("enable_thinking", "thinking")
+
+
+def thinking_switch(kwargs: Mapping[str, Any]) -> bool | None:
+    """The thinking switch of ``chat_template_kwargs``: None when neither ``enable_thinking`` nor
+    ``thinking`` is given (the family's default), else on when one of the given keys is true (as
+    vLLM's DeepSeek-V4 tokenizer reads the pair)."""
+    given = [kwargs[k] for k in THINKING_KEYS if k in kwargs]
+    return any(map(bool, given)) if given else None
+
+
+def with_thinking_keys(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with both thinking keys set to the switch when one is given, so a template that
+    reads either name (GLM's read ``enable_thinking``) follows it."""
+    switch = thinking_switch(kwargs)
+    return dict(kwargs) if switch is None else {**kwargs, **dict.fromkeys(THINKING_KEYS, switch)}
 
 
 class ChatTemplateError(ValueError):
@@ -94,7 +115,11 @@ class JinjaChatFormat:
         tools: Sequence[Mapping[str, Any]] | None = None,
         kwargs: Mapping[str, Any] | None = None,
     ) -> ChatPrompt:
-        variables = {"add_generation_prompt": True, **self._special_tokens, **(kwargs or {})}
+        variables = {
+            "add_generation_prompt": True,
+            **self._special_tokens,
+            **with_thinking_keys(kwargs or {}),
+        }
         variables |= {"messages": list(messages), "tools": tools or None, "documents": None}
         try:
             text = self._template.render(variables)
@@ -104,15 +129,15 @@ class JinjaChatFormat:
 
 
 class DeepSeekChatFormat:
-    """DeepSeek-V3.2's encoder. Thinking is off unless ``thinking``/``enable_thinking`` is true
-    (vLLM's kwarg for DeepSeek) or ``thinking_mode`` is ``"thinking"``."""
+    """DeepSeek-V3.2's encoder. Thinking is off unless the switch (``thinking`` / ``enable_thinking``,
+    :func:`thinking_switch`) is on or ``thinking_mode`` is ``"thinking"``."""
 
     label = "DeepSeek"
 
     def encode(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None, kwargs
     ) -> str:
-        thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", False)))
+        thinking = bool(thinking_switch(kwargs))
         mode = kwargs.get("thinking_mode", "thinking" if thinking else "chat")
         return deepseek_encoding.encode_messages(messages, thinking_mode=mode, tools=tools)
 
@@ -141,9 +166,7 @@ class DeepSeekV4ChatFormat(DeepSeekChatFormat):
     @staticmethod
     def options(kwargs: Mapping[str, Any]) -> tuple[str, str | None]:
         """(thinking_mode, reasoning_effort) for the encoder from the chat template kwargs."""
-        thinking = True
-        if "thinking" in kwargs or "enable_thinking" in kwargs:
-            thinking = bool(kwargs.get("thinking")) or bool(kwargs.get("enable_thinking"))
+        thinking = thinking_switch(kwargs) is not False
         mode = kwargs.get("thinking_mode", "thinking" if thinking else "chat")
         effort = kwargs.get("reasoning_effort")
         if effort == "none":

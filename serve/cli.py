@@ -27,6 +27,7 @@ from fastapi import FastAPI
 import jaxdsa
 from jaxdsa.engine import AsyncEngine, SpeculativeConfig, memory
 from jaxdsa.loading import device_param_bytes
+from jaxdsa.text import generation_defaults
 from serve import default_model, foreign_flags
 from serve.app import ServingContext, create_app
 from serve.chat_format import JinjaChatFormat, load_chat_format
@@ -346,8 +347,7 @@ def _generation_defaults(setting: str, model_dir: str) -> dict[str, Any]:
         return {}
     if setting != "auto" and not os.path.isfile(os.path.join(setting, "generation_config.json")):
         raise ValueError(f"no generation_config.json in {setting}")
-    config = _checkpoint_json(model_dir if setting == "auto" else setting, "generation_config.json")
-    return {k: config[k] for k in ("temperature", "top_p", "top_k") if k in config}
+    return generation_defaults(model_dir if setting == "auto" else setting)
 
 
 def _features(args: argparse.Namespace, engine, parallel: dict[str, int | bool]) -> list[str]:

@@ -69,8 +69,7 @@ class Generation:
                 self._logprobs += out.logprobs or ()
                 delta = self.text.push(out)
                 self.num_output_tokens = out.num_output_tokens
-                if self.text.stopped or out.finished:
-                    self.finish_reason = "stop" if self.text.stopped else out.finish_reason.value
+                self.finish_reason = self.text.finish_reason(out)
                 if delta:
                     yield delta
                 if self.finish_reason is not None:

@@ -250,6 +250,10 @@ class ChatCompletionRequest(_GenerationRequest):
     def template_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages)
 
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat format and the tool parsers read them (None without tools)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
     def template_kwargs(self) -> dict[str, Any]:
         kwargs = dict(self.chat_template_kwargs or {})
         if self.reasoning_effort is not None:

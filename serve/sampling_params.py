@@ -10,10 +10,10 @@ model or the prompt: token ids within the vocabulary, the context length, ``--ma
 
 from __future__ import annotations
 
-import dataclasses
-
+from jaxdsa import text
 from jaxdsa.engine import SamplingParams
 from jaxdsa.engine.request import MAX_BANNED_TOKENS
+from serve import output
 from serve.context import ServingContext
 from serve.errors import ApiError
 from serve.output import TextOutput
@@ -80,23 +80,21 @@ def sampling_params(
     check_token_ids(stop_token_ids, ctx.vocabulary, "stop_token_ids")
     bias = body.logit_bias or {}
     check_token_ids(list(bias), ctx.vocabulary, "logit_bias")
-    d = ctx.default_sampling
-    top_k = body.top_k if body.top_k is not None else d.get("top_k", 0)
-    sp = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=body.temperature if body.temperature is not None else d.get("temperature", 1.0),
-        top_p=body.top_p if body.top_p is not None else d.get("top_p", 1.0),
-        top_k=max(top_k, 0),  # -1 and 0 mean off; so do values past the vocabulary (the engine's reading)
-        seed=body.seed,  # any int64; the engine reduces it to its 31 bits
-        stop_token_ids=tuple(stop_token_ids),
+    requested_sampling = text.SamplingParams(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        stop_token_ids=stop_token_ids,
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         min_tokens=body.min_tokens,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
-        logit_bias=tuple(sorted(bias.items())),
+        logit_bias=bias,
     )
+    sp = text.engine_sampling(requested_sampling, ctx.default_sampling, max_tokens)
     held_back = sp.stop_ids(ctx.eos_token_ids)
     if sp.min_tokens and len(held_back) > MAX_BANNED_TOKENS:
         raise ApiError(
@@ -108,19 +106,16 @@ def sampling_params(
     return sp
 
 
-def choice_sampling(sp: SamplingParams, n: int) -> list[SamplingParams]:
-    """The sampling of each of ``n`` choices: a seeded request's choice j uses seed + j, so the
-    choices differ and each one is reproducible (unseeded ones get distinct derived seeds)."""
-    return [sp if sp.seed is None else dataclasses.replace(sp, seed=sp.seed + j) for j in range(n)]
-
-
 def text_output(
     ctx: ServingContext, body: GenerationRequest, sp: SamplingParams, keep: tuple[str, ...] = ()
 ) -> TextOutput:
     """One choice's text: skipped special tokens (but the parsers' ``keep`` markers), stop
     strings, and its hidden stop tokens."""
-    skip = ctx.tokenizer.skip_ids(skip_special_tokens=body.skip_special_tokens, keep=keep)
-    hidden = sp.stop_ids(ctx.eos_token_ids)
-    return TextOutput(
-        ctx.tokenizer, skip_ids=skip, stop=body.stop, hidden_ids=hidden, min_tokens=sp.min_tokens
+    return output.text_output(
+        ctx.tokenizer,
+        ctx.eos_token_ids,
+        sp,
+        stop=body.stop,
+        skip_special_tokens=body.skip_special_tokens,
+        keep=keep,
     )

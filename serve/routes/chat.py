@@ -14,17 +14,16 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from jaxdsa.engine import SamplingParams
+from jaxdsa.text import choice_sampling
 from serve.context import ServingContext, State, authorized
 from serve.errors import ApiError, error_responses
 from serve.generation import Generation
 from serve.logprobs import LogprobsFormatter
-from serve.output import ReplyDelta, ReplyParser
+from serve.output import ReplyDelta, ReplyParser, parser_markers, reply_parser
 from serve.protocol import ChatCompletionRequest, NamedToolChoice
-from serve.reasoning import REASONING_PARSERS
 from serve.respond import interleave, respond, sse, usage
 from serve.response_models import ChatCompletion, generation_responses
-from serve.sampling_params import check_prompt, choice_sampling, sampling_params, text_output
-from serve.tool_parsers import TOOL_PARSERS
+from serve.sampling_params import check_prompt, sampling_params, text_output
 
 router = APIRouter(tags=["generation"], dependencies=[Depends(authorized)])
 
@@ -47,24 +46,17 @@ class _Choice:
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: State) -> Response:
     ctx = state.context
     name, created = ctx.model_name(body.model), int(time.time())
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    parse_tools = _tool_choice(body, ctx) == "auto" and tools is not None
+    tools = body.tool_dicts()
+    tool_parser = ctx.tool_parser if _tool_choice(body, ctx) == "auto" and tools is not None else None
     prompt = ctx.render_chat(body.template_messages(), tools, body.template_kwargs())
     ids = ctx.tokenizer.encode(prompt.text)
     check_prompt(ctx, ids, "messages")
     sp = sampling_params(ctx, body, len(ids), None)
-    keep = (REASONING_PARSERS[ctx.reasoning_parser].markers if ctx.reasoning_parser else ()) + (
-        TOOL_PARSERS[ctx.tool_parser].markers if parse_tools else ()
-    )
+    keep = parser_markers(ctx.reasoning_parser, tool_parser)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
     def choice(j: int, spj: SamplingParams) -> _Choice:
-        parser = ReplyParser(
-            REASONING_PARSERS[ctx.reasoning_parser].splitter(prompt.thinking)
-            if ctx.reasoning_parser
-            else None,
-            TOOL_PARSERS[ctx.tool_parser](tools) if parse_tools else None,
-        )
+        parser = reply_parser(ctx.reasoning_parser, tool_parser, tools, prompt.thinking)
         formatter = LogprobsFormatter(ctx.tokenizer) if spj.logprobs is not None else None
         text = text_output(ctx, body, spj, keep)
         gen = Generation(ctx.generate, state.metrics, f"{request_id}-{j}", ids, spj, text)
@@ -139,13 +131,7 @@ async def _stream(
 
 
 def _message(index: int, c: _Choice, reply: ReplyDelta) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
-    reasoning = c.parser.reasoning
-    if reasoning is not None:
-        message["reasoning_content"] = reply.reasoning if reasoning.saw_reasoning else None
-    if reply.tool_calls:
-        message["tool_calls"] = [t.to_openai() for t in reply.tool_calls]
-        message["content"] = reply.content or None
+    message = c.parser.message(reply)
     logprobs = c.formatter.chat(c.gen.take_logprobs()) if c.formatter else None
     return {
         "index": index,
@@ -176,13 +162,11 @@ def _tool_choice(body: ChatCompletionRequest, ctx: ServingContext) -> str:
 
 
 def _finish_reason(gen: Generation, parser: ReplyParser) -> str | None:
-    return "tool_calls" if parser.num_tool_calls and gen.finish_reason == "stop" else gen.finish_reason
+    return parser.finish_reason(gen.finish_reason)
 
 
 async def _collect_reply(gen: Generation, parser: ReplyParser) -> ReplyDelta:
     reply = ReplyDelta()
     for d in [parser.feed(t) async for t in gen.deltas()] + [parser.finish()]:
-        reply.reasoning += d.reasoning
-        reply.content += d.content
-        reply.tool_calls += d.tool_calls
+        reply += d
     return reply

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from jaxdsa.text import choice_sampling
 from serve.context import AppState, State, authorized
 from serve.errors import error_responses
 from serve.generation import Generation
@@ -18,7 +19,7 @@ from serve.logprobs import LogprobsFormatter
 from serve.protocol import CompletionRequest
 from serve.respond import collect_texts, interleave, respond, sse, usage
 from serve.response_models import Completion, generation_responses
-from serve.sampling_params import check_prompt, choice_sampling, sampling_params, text_output
+from serve.sampling_params import check_prompt, sampling_params, text_output
 
 router = APIRouter(tags=["generation"], dependencies=[Depends(authorized)])
 
