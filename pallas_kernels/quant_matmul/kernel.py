@@ -32,16 +32,17 @@ from pallas_kernels.quant_matmul.layout import QuantizedWeight
 
 
 def _kernel(x_ref, *refs, specs, counts, tiles_at, block_m, block_n, block_k, steps, m_total, precision):
-    """One program: the ``[block_m, block_n]`` output tile ``j`` of the weight whose N tiles hold
-    ``j`` (``tiles_at``: each weight's first tile; one weight: all of them), over K split ``split``."""
-    w_refs, o_refs = refs[: sum(counts)], refs[sum(counts) :]
+    """One program: the ``[block_m, block_n]`` output tile ``j`` over K split ``split``, from the
+    weight whose N tiles hold ``j`` (``tiles_at``: each weight's first tile). The weights' columns
+    sit side by side in the one output, so tile ``j`` is stored at column ``j * block_n``."""
+    w_refs, (o_ref,) = refs[: sum(counts)], refs[sum(counts) :]
     i, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     m0 = pl.multiple_of(i * block_m, block_m)
     rows = m0 + jnp.arange(block_m, dtype=jnp.int32)
     valid = rows < m_total
     safe = jnp.where(valid, rows, 0)
 
-    def tile(spec, refs, o_ref, first: int) -> None:
+    def tile(spec, refs, first: int) -> None:
         lead, refs = tiles.layer_lead(spec, refs)
         n0 = pl.multiple_of((j - first) * block_n, block_n)
 
@@ -54,17 +55,18 @@ def _kernel(x_ref, *refs, specs, counts, tiles_at, block_m, block_n, block_k, st
             return acc
 
         acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
-        o_ref[split, pl.ds(m0, block_m), pl.ds(n0, block_n)] = acc.astype(o_ref.dtype)
+        column = pl.multiple_of(j * block_n, block_n)
+        o_ref[split, pl.ds(m0, block_m), pl.ds(column, block_n)] = acc.astype(o_ref.dtype)
 
     start = 0
-    for w, (spec, count, o_ref) in enumerate(zip(specs, counts, o_refs)):
+    for w, (spec, count) in enumerate(zip(specs, counts)):
         refs_w, start = w_refs[start : start + count], start + count
         if len(specs) == 1:
-            tile(spec, refs_w, o_ref, 0)
+            tile(spec, refs_w, 0)
         else:
             stop = tiles_at[w + 1] if w + 1 < len(specs) else None
             inside = (j >= tiles_at[w]) if stop is None else (j >= tiles_at[w]) & (j < stop)
-            pl.when(inside)(functools.partial(tile, spec, refs_w, o_ref, tiles_at[w]))
+            pl.when(inside)(functools.partial(tile, spec, refs_w, tiles_at[w]))
 
 
 def quant_matmul(
@@ -201,7 +203,7 @@ def _quant_matmul(x, ws, layer, *, interpret: bool, decode: str, config: tuning.
         raise ValueError(f"{cfg.splits} K splits do not divide {k // block_k} steps of {block_k}")
     tiles_at = tuple(int(t) for t in np.cumsum([0, *(n // block_n for n in widths)]))
     dtype = x.dtype if cfg.splits == 1 else jnp.float32
-    outs = pl.pallas_call(
+    out = pl.pallas_call(
         functools.partial(
             _kernel,
             specs=tuple(specs),
@@ -214,12 +216,12 @@ def _quant_matmul(x, ws, layer, *, interpret: bool, decode: str, config: tuning.
             m_total=m,
             precision=jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None,
         ),
-        out_shape=tuple(jax.ShapeDtypeStruct((cfg.splits, m_tiles * cfg.block_m, n), dtype) for n in widths),
+        out_shape=jax.ShapeDtypeStruct((cfg.splits, m_tiles * cfg.block_m, sum(widths)), dtype),
         grid=(m_tiles, tiles_at[-1], cfg.splits),
         compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="quant_matmul",
     )(x, *(a for operands in arrays for a in operands))
-    if cfg.splits > 1:
-        return tuple(out.sum(axis=0)[:m].astype(x.dtype) for out in outs)
-    return tuple(out[0, :m] for out in outs)
+    # one sum over the K splits for all the weights; their columns sliced apart after it
+    out = out.sum(axis=0)[:m].astype(x.dtype) if cfg.splits > 1 else out[0, :m]
+    return tuple(out[:, a * block_n : b * block_n] for a, b in zip(tiles_at, tiles_at[1:]))
