@@ -5,8 +5,9 @@ Method (as in docs/anchors.md): one jit runs the op over R distinct input sets b
 enqueues several such calls and waits once, on the last, so the host's dispatch of one call
 overlaps the device work of the one before (as in a serving loop); timing single synchronous calls
 charged each small kernel the dispatch and sync latency (up to 2x at decode shapes, seen against
-Nsight Compute's kernel durations). Torch peers (:mod:`benchmarks.peers`) are timed the same way,
-their R calls captured in one CUDA graph as XLA's command buffers hold ours.
+Nsight Compute's kernel durations). That loop is :mod:`benchmarks.timing`'s; torch peers
+(:mod:`benchmarks.peers`) are timed by it too, their R calls captured in one CUDA graph as XLA's
+command buffers hold ours.
 
 Ceilings are measured in the same process, so every percentage is of this run's machine. The
 memory ceiling is the fastest of a copy and a read-only reduction, in JAX and (with the peers) in
@@ -16,6 +17,7 @@ torch: a copy ceiling alone was beaten by kernels that mostly read (MoE at 103-1
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import importlib.metadata
@@ -23,7 +25,6 @@ import json
 import os
 import pathlib
 import platform
-import statistics
 import subprocess
 import time
 import urllib.request
@@ -33,6 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from benchmarks import timing
 
 
 def time_op(
@@ -50,28 +53,11 @@ def time_op(
     return median_seconds(lambda: run_all(sets), len(sets), replays)
 
 
-REPLAY_S = 0.02  # a replay enqueues calls until it lasts about this long
-MAX_CALLS = 8  # calls in flight hold their outputs: 8 x 1 GiB at the copy ceiling
-
-
 def median_seconds(
     run: Callable[[], Any], per_call: int, replays: int, wait: Callable[[Any], Any] = jax.block_until_ready
 ) -> float:
-    """Median over ``replays`` of the wall time per op: each replay enqueues ``calls`` runs of
-    ``run()`` back to back and blocks on the last (``wait(result)``; one stream runs them in
-    order), divided by ``calls * per_call``. ``calls`` is sized from one synchronous run so a
-    replay lasts about ``REPLAY_S``; the one unhidden dispatch then costs at most a few percent."""
-    t0 = time.perf_counter()
-    wait(run())
-    calls = max(1, min(MAX_CALLS, round(REPLAY_S / (time.perf_counter() - t0))))
-    times = []
-    for _ in range(replays):
-        t0 = time.perf_counter()
-        for _ in range(calls - 1):
-            run()
-        wait(run())
-        times.append((time.perf_counter() - t0) / (calls * per_call))
-    return statistics.median(times)
+    """:func:`benchmarks.timing.median_seconds`, waiting on JAX results unless told otherwise."""
+    return timing.median_seconds(run, per_call, replays, wait)
 
 
 def rel_l2(got, want) -> float:
@@ -220,8 +206,107 @@ def write_result(name: str, text: str, suffix: str = "", rows: list[dict] | None
 
 def report_header(title: str, rows: dict[str, Any]) -> list[str]:
     """``# title`` and a two-column table: device, versions and date, then ``rows``."""
-    table = {**device_header(), **rows}
-    return [f"# {title}", "", "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in table.items()], ""]
+    return [f"# {title}", "", *header_table({**device_header(), **rows}), ""]
+
+
+def header_table(rows: dict[str, Any]) -> list[str]:
+    """A results file's header: ``rows`` as a two-column markdown table."""
+    return ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows.items()]]
+
+
+# ---- the tail of a run that can be merged (benchmarks/quant.py, benchmarks/v4_kernels.py) --------------
+# One process measures some rows, writes its results file and, where ``$<json_env>`` names a file, dumps
+# its header and rows there; ``python -m benchmarks.<name> merge OUT.md A.json B.json ...`` joins
+# several processes' dumps into one results file.
+
+
+def merged_header(headers: Sequence[dict[str, str]]) -> dict[str, str]:
+    """One header for rows several processes measured: every key once, in first-seen order; a value
+    that differs between them is each process's, joined by ' / ' in process order."""
+    keys = list(dict.fromkeys(k for h in headers for k in h))
+    return {k: " / ".join(dict.fromkeys(h.get(k, "") for h in headers)) for k in keys}
+
+
+def summary_report(
+    title: str,
+    headers: Sequence[dict[str, str]],
+    summary: tuple[list[dict], Sequence[str]],
+    rows: tuple[list[dict], Sequence[str]],
+    method: Sequence[str] = (),
+) -> str:
+    """A mergeable run's results file: ``# title``, the :func:`merged_header` of ``headers``, the
+    ``method`` lines, then ``## Summary`` and ``## Every measurement``, each ``(rows, columns)``."""
+    return "\n".join(
+        [
+            f"# {title}",
+            "",
+            *header_table(merged_header(headers)),
+            "",
+            *([*method, ""] if method else []),
+            "## Summary",
+            "",
+            markdown_table(*summary),
+            "",
+            "## Every measurement",
+            "",
+            markdown_table(*rows),
+            "",
+        ]
+    )
+
+
+Report = Callable[[list[dict], list[dict[str, str]]], str]  # (rows, one header per process) -> file text
+
+
+def finish_run(
+    name: str,
+    report: Report,
+    rows: list[dict],
+    header: dict[str, str],
+    json_env: str,
+    out: pathlib.Path | None,
+) -> pathlib.Path:
+    """The end of a mergeable run's ``main``: header and rows dumped to ``$<json_env>`` if set, then
+    ``report(rows, [header])`` written to ``out``, or by :func:`write_result` as ``<name>-<gpu>.md``."""
+    if os.environ.get(json_env):
+        dump_json(os.environ[json_env], {"header": header, "rows": rows})
+    text = report(rows, [header])
+    if out is None:
+        return write_result(name, text)
+    out.write_text(text, encoding="utf-8")
+    return out
+
+
+def merge_runs(
+    out: pathlib.Path,
+    parts: Sequence[pathlib.Path],
+    report: Report,
+    select: Callable[[list[list[dict]]], list[dict]],
+) -> pathlib.Path:
+    """One results file at ``out`` from the JSON dumps ``parts`` (:func:`finish_run`'s): ``select``
+    makes the rows from each dump's, and ``report`` gets them with every dump's header."""
+    loaded = [json.loads(p.read_text(encoding="utf-8")) for p in parts]
+    rows = select([part["rows"] for part in loaded])
+    out.write_text(report(rows, [part["header"] for part in loaded]), encoding="utf-8")
+    return out
+
+
+def main_or_merge(
+    doc: str,
+    main: Callable[[], pathlib.Path],
+    merge: Callable[[pathlib.Path, list[pathlib.Path]], pathlib.Path],
+    argv: Sequence[str] | None = None,
+) -> None:
+    """``python -m benchmarks.<name>``: run ``main()`` (the environment variables of ``doc``, the
+    module docstring ``--help`` prints, configure it); ``... merge OUT.md A.json B.json ...``:
+    ``merge``. Prints the file written."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command")
+    joined = commands.add_parser("merge", help="one results file from several runs' JSON dumps")
+    joined.add_argument("out", type=pathlib.Path, help="the results file to write (.md)")
+    joined.add_argument("parts", type=pathlib.Path, nargs="+", help="the runs' JSON dumps, in run order")
+    args = parser.parse_args(argv)
+    print(merge(args.out, args.parts) if args.command == "merge" else main())
 
 
 def ceiling_rows(ceilings: Ceilings, elapsed: float) -> dict[str, str]:

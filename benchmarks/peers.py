@@ -2,7 +2,7 @@
 
 The anchors (``docs/anchors.md``) timed torch in separate runs with CUDA events; here each peer
 gets the very buffers our kernel read (JAX arrays handed over through DLPack, no copy) and is timed
-by :func:`benchmarks.harness.median_seconds`, as ours are: its R calls over R input sets are
+by :func:`benchmarks.timing.median_seconds`, as ours are: its R calls over R input sets are
 captured in one CUDA graph (XLA runs ours from command buffers, i.e. CUDA graphs, too), and a
 replay enqueues several graph launches and waits once. An op that cannot be captured runs eagerly
 (``how`` says which).
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks import harness
+from benchmarks import timing
 
 
 def to_torch(x: jax.Array) -> torch.Tensor:
@@ -62,7 +62,7 @@ def time_torch(
     """Median seconds per ``fn(*inputs)`` over the R sets (one graph of R calls), and how it ran."""
     sets = list(input_sets)
     run, how = _graphed(lambda: [fn(*s) for s in sets])
-    sec = harness.median_seconds(run, len(sets), replays, wait=lambda _: torch.cuda.synchronize())
+    sec = timing.median_seconds(run, len(sets), replays, wait=lambda _: torch.cuda.synchronize())
     return sec, how
 
 

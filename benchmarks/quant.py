@@ -811,42 +811,28 @@ def header_rows(ceilings: dict, shapes: Shapes) -> dict[str, str]:
 def report(rows: list[dict], headers: list[dict[str, str]]) -> str:
     """The results file. ``headers``: one per process that measured some of ``rows`` (a merged run
     lists each process's values, joined by ' / ', where they differ)."""
-    keys = list(dict.fromkeys(k for h in headers for k in h))
-    table = {k: " / ".join(dict.fromkeys(h.get(k, "") for h in headers)) for k in keys}
-    return "\n".join(
-        [
-            "# Weights kept quantized: MoE experts and linears (benchmarks/quant.py)",
-            "",
-            "| | |",
-            "|---|---|",
-            *[f"| {k} | {v} |" for k, v in table.items()],
-            "",
-            "## Summary",
-            "",
-            harness.markdown_table(summary(rows), SUMMARY_COLUMNS),
-            "",
-            "## Every measurement",
-            "",
-            harness.markdown_table(rows, COLUMNS),
-            "",
-        ]
+    return harness.summary_report(
+        "Weights kept quantized: MoE experts and linears (benchmarks/quant.py)",
+        headers,
+        (summary(rows), SUMMARY_COLUMNS),
+        (rows, COLUMNS),
     )
 
 
 def merge(out: pathlib.Path, parts: list[pathlib.Path]) -> pathlib.Path:
     """One results file from the JSON dumps (``QUANT_JSON``) of several processes (a row one process
     skipped is dropped where another measured it)."""
-    import json
 
-    loaded = [json.loads(p.read_text(encoding="utf-8")) for p in parts]
-    rows = [r for part in loaded for r in part["rows"]]
-    key = lambda r: (r["op"], r["format"], r["T"], r["impl"])  # noqa: E731
-    measured = {key(r) for r in rows if r.get("note") != harness.SKIPPED}
-    rows = [r for r in rows if r.get("note") != harness.SKIPPED or key(r) not in measured]
-    order = {f: i for i, f in enumerate(FORMATS)}
-    rows.sort(key=lambda r: (order.get(r["format"], len(order)), r["T"]))  # stable: op order kept
-    out.write_text(report(rows, [part["header"] for part in loaded]), encoding="utf-8")
-    return out
+    def select(runs: list[list[dict]]) -> list[dict]:
+        rows = [r for run_rows in runs for r in run_rows]
+        key = lambda r: (r["op"], r["format"], r["T"], r["impl"])  # noqa: E731
+        measured = {key(r) for r in rows if r.get("note") != harness.SKIPPED}
+        rows = [r for r in rows if r.get("note") != harness.SKIPPED or key(r) not in measured]
+        order = {f: i for i, f in enumerate(FORMATS)}
+        # stable: the op order within a format and T is kept
+        return sorted(rows, key=lambda r: (order.get(r["format"], len(order)), r["T"]))
+
+    return harness.merge_runs(out, parts, report, select)
 
 
 def main(shapes: Shapes = GLM5, out: pathlib.Path | None = None) -> pathlib.Path:
@@ -865,21 +851,9 @@ def main(shapes: Shapes = GLM5, out: pathlib.Path | None = None) -> pathlib.Path
         },
         linear_tokens=_env_list("QUANT_LINEAR_TOKENS", shapes.tokens),
     )
-    header = header_rows(ceilings, shapes)
-    if os.environ.get("QUANT_JSON"):
-        harness.dump_json(os.environ["QUANT_JSON"], {"header": header, "rows": rows})
-    text = report(rows, [header])
-    if out is None:
-        return harness.write_result("quant", text)
-    out.write_text(text, encoding="utf-8")
-    return out
+    return harness.finish_run("quant", report, rows, header_rows(ceilings, shapes), "QUANT_JSON", out)
 
 
 if __name__ == "__main__":
-    import sys
-
-    if sys.argv[1:2] == ["merge"]:  # python -m benchmarks.quant merge OUT.md A.json B.json ...
-        print(merge(pathlib.Path(sys.argv[2]), [pathlib.Path(p) for p in sys.argv[3:]]))
-    else:
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
-        print(main())
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+    harness.main_or_merge(__doc__, main, merge)

@@ -670,29 +670,16 @@ def header_rows(ceilings: dict, w: Widths) -> dict[str, str]:
 def report(rows: list[dict], headers: list[dict[str, str]]) -> str:
     """The results file; ``headers``: one per run that measured some of ``rows`` (values that differ
     between runs are joined by ' / ', in run order)."""
-    keys = list(dict.fromkeys(k for h in headers for k in h))
-    table = {k: " / ".join(dict.fromkeys(h.get(k, "") for h in headers)) for k in keys}
-    return "\n".join(
-        [
-            "# DeepSeek-V4 kernels at V4-Flash widths (benchmarks/v4_kernels.py)",
-            "",
-            "| | |",
-            "|---|---|",
-            *[f"| {k} | {v} |" for k, v in table.items()],
-            "",
+    return harness.summary_report(
+        "DeepSeek-V4 kernels at V4-Flash widths (benchmarks/v4_kernels.py)",
+        headers,
+        (summary(rows), SUMMARY_COLUMNS),
+        (rows, COLUMNS),
+        method=(
             "Method: see the docstring of `benchmarks/v4_kernels.py`. `% ceiling` is of the faster of",
             "the copy and read ceilings above, `% mm` of the matmul ceiling; `speed-up` = reference us /",
             "pallas us.",
-            "",
-            "## Summary",
-            "",
-            harness.markdown_table(summary(rows), SUMMARY_COLUMNS),
-            "",
-            "## Every measurement",
-            "",
-            harness.markdown_table(rows, COLUMNS),
-            "",
-        ]
+        ),
     )
 
 
@@ -700,40 +687,31 @@ def merge(out: pathlib.Path, parts: list[pathlib.Path], w: Widths = FLASH) -> pa
     """One results file from several runs' ``V4_JSON`` dumps: a later run's row replaces an earlier
     one of the same (kernel, shape, impl); rows in :func:`cases` order; skipped rows only where no
     run measured the case."""
-    import json
 
-    loaded = [json.loads(p.read_text(encoding="utf-8")) for p in parts]
-    best: dict[tuple, dict] = {}
-    for part in loaded:
-        for r in part["rows"]:
-            key = (r["kernel"], r["shape"], r["impl"])
-            if r.get("note") != harness.SKIPPED or key not in best:
-                best[key] = r
-    order = {(c.kernel, c.shape): i for i, c in enumerate(cases(w))}
-    rows = sorted(best.values(), key=lambda r: (order.get((r["kernel"], r["shape"]), len(order)), r["impl"]))
-    measured = {(r["kernel"], r["shape"]) for r in rows if r.get("note") != harness.SKIPPED}
-    rows = [r for r in rows if r.get("note") != harness.SKIPPED or (r["kernel"], r["shape"]) not in measured]
-    out.write_text(report(rows, [part["header"] for part in loaded]), encoding="utf-8")
-    return out
+    def select(runs: list[list[dict]]) -> list[dict]:
+        best: dict[tuple, dict] = {}
+        for run_rows in runs:
+            for r in run_rows:
+                key = (r["kernel"], r["shape"], r["impl"])
+                if r.get("note") != harness.SKIPPED or key not in best:
+                    best[key] = r
+        order = {(c.kernel, c.shape): i for i, c in enumerate(cases(w))}
+        rows = sorted(
+            best.values(), key=lambda r: (order.get((r["kernel"], r["shape"]), len(order)), r["impl"])
+        )
+        measured = {(r["kernel"], r["shape"]) for r in rows if r.get("note") != harness.SKIPPED}
+        return [
+            r for r in rows if r.get("note") != harness.SKIPPED or (r["kernel"], r["shape"]) not in measured
+        ]
+
+    return harness.merge_runs(out, parts, report, select)
 
 
 def main(w: Widths = FLASH, out: pathlib.Path | None = None) -> pathlib.Path:
     kernels = tuple(k for k in os.environ.get("V4_KERNELS", "").split(",") if k)
     rows, ceilings = run(w, budget_s=float(os.environ.get("V4_BUDGET_S", "300")), kernels=kernels)
-    header = header_rows(ceilings, w)
-    if os.environ.get("V4_JSON"):
-        harness.dump_json(os.environ["V4_JSON"], {"header": header, "rows": rows})
-    text = report(rows, [header])
-    if out is None:
-        return harness.write_result("v4_kernels", text)
-    out.write_text(text, encoding="utf-8")
-    return out
+    return harness.finish_run("v4_kernels", report, rows, header_rows(ceilings, w), "V4_JSON", out)
 
 
 if __name__ == "__main__":
-    import sys
-
-    if sys.argv[1:2] == ["merge"]:  # python -m benchmarks.v4_kernels merge OUT.md A.json B.json ...
-        print(merge(pathlib.Path(sys.argv[2]), [pathlib.Path(p) for p in sys.argv[3:]]))
-    else:
-        print(main())
+    harness.main_or_merge(__doc__, main, merge)
