@@ -1,4 +1,5 @@
-"""jaxdsa: DeepSeek-Sparse-Attention MoE models (GLM-5.x, DeepSeek-V3.2) in JAX."""
+"""jaxdsa: DeepSeek-Sparse-Attention MoE models (GLM-5.x ``glm_moe_dsa``, DeepSeek-V3.2 ``deepseek_v32``,
+DeepSeek-V4 ``deepseek_v4``) in JAX, served with Pallas-Triton kernels on NVIDIA GPUs."""
 
 from jaxdsa.config import ConfigError
 from jaxdsa.llm import LLM
