@@ -2,6 +2,7 @@ import pytest
 
 import jaxdsa
 from checkpoints.tiny.make import make_tiny
+from jaxdsa import ops
 
 FAMILIES = {
     "glm5": ("glm_moe_dsa", "glm5"),
@@ -18,3 +19,12 @@ def tiny_llms(tmp_path_factory):
         path = make_tiny(family, str(tmp_path_factory.mktemp(name)), seed=7, preset=preset)
         llms[name] = jaxdsa.LLM(path, dtype="float32", page_size=8, progress=False)
     return llms
+
+
+@pytest.fixture
+def interpret():
+    """The Pallas kernels in the interpreter for one test, the previous backend restored after."""
+    previous = ops.get_kernels()
+    ops.set_kernels("interpret")
+    yield
+    ops.set_kernels(previous)

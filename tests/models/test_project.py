@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxdsa import ops
 from jaxdsa.layers.linear import Linear, project
 from pallas_kernels.quant_matmul import layout
 
@@ -28,14 +27,6 @@ def _linears(n_outs, quantized: bool):
         for linear, n in zip(linears, n_outs):
             linear.weight.set_value(_int4(rng, 128, n))
     return linears
-
-
-@pytest.fixture
-def interpret():
-    previous = ops.get_kernels()
-    ops.set_kernels("interpret")
-    yield
-    ops.set_kernels(previous)
 
 
 def _calls(fn, *args) -> list[str]:

@@ -18,21 +18,12 @@ import pytest
 from flax import nnx
 
 import jaxdsa
-from jaxdsa import ops
 from jaxdsa.cache import StepMeta, init_cache
 from jaxdsa.models.layer_groups import ScannedLayers
 from tests.conftest import FIXTURES
 
 KW = dict(dtype="float32", page_size=8, progress=False, max_model_len=64)
 WEIGHT_KERNELS = ("quant_matmul", "moe_gate_up", "moe_down")
-
-
-@pytest.fixture
-def interpret():
-    previous = ops.get_kernels()
-    ops.set_kernels("interpret")
-    yield
-    ops.set_kernels(previous)
 
 
 def _kernel_calls(jaxpr, scan_length: int | None = None):
