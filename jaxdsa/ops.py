@@ -214,13 +214,21 @@ def _fn(name: str, backend: str) -> Callable[..., Any]:
     )
 
 
+def _wrapped(name: str, backend: str, sharding: OpSharding, stacked: bool) -> Callable[..., Any]:
+    """Op ``name`` on ``backend`` under the shard_map of ``sharding``; ``stacked``: its weights come
+    as layer stacks."""
+    if stacked:
+        sharding = sharding.with_layer_stacks(*OPS[name].weights)
+    return wrap_op(sharding, _fn(name, backend))
+
+
 @functools.cache
 def _impl(name: str, backend: str, stacked: bool = False) -> Callable[..., Any]:
-    """The op on ``backend``, under its shard_map; ``stacked``: its weights come as layer stacks."""
+    """The op on ``backend``, under its own sharding's shard_map (none declared: as it is)."""
     op = OPS[name]
     if op.sharding is None:
         return _fn(name, backend)
-    return wrap_op(op.sharding.with_layer_stacks(*op.weights) if stacked else op.sharding, _fn(name, backend))
+    return _wrapped(name, backend, op.sharding, stacked)
 
 
 def sparse_mla(q, kv, indices, *, sm_scale: float, sink=None, v_dim: int = 512):
@@ -257,10 +265,7 @@ def quant_matmul_sharding(k: str | None, n: str | None) -> OpSharding:
 
 @functools.cache
 def _quant_matmul_impl(backend: str, k: str | None, n: str | None, stacked: bool) -> Callable[..., Any]:
-    sharding = quant_matmul_sharding(k, n)
-    if stacked:
-        sharding = sharding.with_layer_stacks(*OPS["quant_matmul"].weights)
-    return wrap_op(sharding, _fn("quant_matmul", backend))
+    return _wrapped("quant_matmul", backend, quant_matmul_sharding(k, n), stacked)
 
 
 def quant_matmul(x, w, *, axes: tuple[str | None, str | None] = (None, None), layer=None):
@@ -278,9 +283,7 @@ def _quant_matmul_many_impl(
         out=tuple((None, n) for n in ns),
         reduce=(k,) if k else (),
     )
-    if stacked:
-        sharding = sharding.with_layer_stacks(*OPS["quant_matmul_many"].weights)
-    return wrap_op(sharding, _fn("quant_matmul_many", backend))
+    return _wrapped("quant_matmul_many", backend, sharding, stacked)
 
 
 def quant_matmul_many(x, ws, *, axes: tuple[tuple[str | None, str | None], ...], layer=None):

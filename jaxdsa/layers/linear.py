@@ -112,9 +112,9 @@ def project(x: jax.Array, linears: Sequence[Linear]) -> list[jax.Array]:
     same_input = (
         len({(linear.in_ndim, linear.matrix_axes and linear.matrix_axes[0]) for linear in linears}) == 1
     )
-    if len(linears) < 2 or not same_input or not all(isinstance(w, QuantizedWeight) for w in stacks):
-        return [linear(x) for linear in linears]
-    if any(layer is not layers[0] for layer in layers):
+    quantized = all(isinstance(w, QuantizedWeight) for w in stacks)
+    one_layer = all(layer is layers[0] for layer in layers)  # one scan index (or none) for all
+    if len(linears) < 2 or not (same_input and quantized and one_layer):
         return [linear(x) for linear in linears]
     first = linears[0]
     lead = x.shape[: x.ndim - first.in_ndim]

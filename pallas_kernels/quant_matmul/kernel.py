@@ -33,8 +33,9 @@ from pallas_kernels.quant_matmul.layout import QuantizedWeight
 
 def _kernel(x_ref, *refs, specs, counts, tiles_at, block_m, block_n, block_k, steps, m_total, precision):
     """One program: the ``[block_m, block_n]`` output tile ``j`` over K split ``split``, from the
-    weight whose N tiles hold ``j`` (``tiles_at``: each weight's first tile). The weights' columns
-    sit side by side in the one output, so tile ``j`` is stored at column ``j * block_n``."""
+    weight whose N tiles hold ``j`` (weight ``w``'s: ``tiles_at[w]`` up to ``tiles_at[w + 1]``). The
+    weights' columns sit side by side in the one output, so tile ``j`` is stored at column
+    ``j * block_n``."""
     w_refs, (o_ref,) = refs[: sum(counts)], refs[sum(counts) :]
     i, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     m0 = pl.multiple_of(i * block_m, block_m)
@@ -64,8 +65,7 @@ def _kernel(x_ref, *refs, specs, counts, tiles_at, block_m, block_n, block_k, st
         if len(specs) == 1:
             tile(spec, refs_w, 0)
         else:
-            stop = tiles_at[w + 1] if w + 1 < len(specs) else None
-            inside = (j >= tiles_at[w]) if stop is None else (j >= tiles_at[w]) & (j < stop)
+            inside = (j >= tiles_at[w]) & (j < tiles_at[w + 1])
             pl.when(inside)(functools.partial(tile, spec, refs_w, tiles_at[w]))
 
 
@@ -208,7 +208,7 @@ def _quant_matmul(x, ws, layer, *, interpret: bool, decode: str, config: tuning.
             _kernel,
             specs=tuple(specs),
             counts=tuple(len(a) for a in arrays),
-            tiles_at=tiles_at[:-1],
+            tiles_at=tiles_at,
             block_m=cfg.block_m,
             block_n=block_n,
             block_k=block_k,
