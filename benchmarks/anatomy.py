@@ -161,8 +161,12 @@ def anatomy(
             by_kind_launches[kind(k["name"])] += 1
     ms = lambda us: us / 1e3  # noqa: E731
     period = (first[-1] - first[0]) / (n - 1)
+    flat = [k for s in steps for k in s]
     return {
         "host": host_launching(events, device, (first[0] - period, last[-1])),
+        "graph_nodes": graph_nodes(flat),
+        "in_graphs": sum("cuda_graph_id" in k.get("args", {}) for k in flat) / len(flat),
+        "by_name": by_name(steps),
         "steps": n,
         "step_boundaries": method,
         "launches_per_step": sum(len(s) for s in steps) / n,
@@ -204,17 +208,50 @@ def host_launching(events, device: str, window: tuple[float, float]) -> dict[str
     steps = [e for e in steps if window[0] <= e["ts"] < window[1]]
     if not steps:
         return None
-    conditional = [e for e in mine if e["name"] == "conditional"]
-    graphs = [e for e in mine if e["name"] == "command_buffer::execute"]
+    named = lambda name: [e for e in mine if e["name"] == name]  # noqa: E731
     inside = lambda kind: [e for e in kind if any(_contains(s, e) for s in steps)]  # noqa: E731
-    conditional, graphs = inside(conditional), inside(graphs)
+    conditional, graphs = inside(named("conditional")), inside(named("command_buffer::execute"))
+    updates = inside(named("command_buffer::update"))
     n = len(steps)
     return {
         "launch_ms": statistics.mean(e["dur"] for e in steps) / 1e3,
         "conditional_wait_ms": sum(e["dur"] for e in conditional) / n / 1e3,
         "graph_launches": len(graphs) / n,
         "graph_launch_us": statistics.mean(e["dur"] for e in graphs) if graphs else 0.0,
+        "graph_updates": len(updates) / n,
+        "graph_update_ms": sum(e["dur"] for e in updates) / n / 1e3,
     }
+
+
+def graph_nodes(kernels: list[dict]) -> float:
+    """Mean kernels per CUDA-graph launch (one launch = one correlation id of one graph): the host's
+    cost of a graph launch grows with it."""
+    launches = collections.Counter(
+        (k["args"]["cuda_graph_id"], _correlation(k)) for k in kernels if "cuda_graph_id" in k.get("args", {})
+    )
+    return statistics.mean(launches.values()) if launches else 0.0
+
+
+def by_name(steps: list[list[dict]], top: int = 60) -> list[dict[str, Any]]:
+    """The kernels that take most time per step, by name: launches and microseconds per step, and
+    the share launched inside CUDA graphs. Fusion names are XLA's (``loop_add_fusion_3``); what a
+    fusion holds is in the step's optimized HLO."""
+    us, count, graphed = collections.Counter(), collections.Counter(), collections.Counter()
+    for s in steps:
+        for k in s:
+            us[k["name"]] += k.get("dur", 0)
+            count[k["name"]] += 1
+            graphed[k["name"]] += "cuda_graph_id" in k.get("args", {})
+    n = len(steps)
+    return [
+        {
+            "name": name,
+            "launches_per_step": count[name] / n,
+            "us_per_step": t / n,
+            "in_graphs": graphed[name] / count[name],
+        }
+        for name, t in us.most_common(top)
+    ]
 
 
 def lines(result: dict[str, Any]) -> list[str]:
@@ -238,9 +275,21 @@ def lines(result: dict[str, Any]) -> list[str]:
         out.append(
             f"host, this device's launch thread: {h['launch_ms']:.2f} ms per step, of which "
             f"{h['conditional_wait_ms']:.2f} ms waiting in host-read conditionals; "
-            f"{h['graph_launches']:.0f} CUDA graphs launched, {h['graph_launch_us']:.1f} us each"
+            f"{h['graph_launches']:.0f} CUDA graphs launched, {h['graph_launch_us']:.1f} us each "
+            f"({r.get('graph_nodes', 0):.1f} kernels each; {100 * r.get('in_graphs', 0):.0f} % of kernels in "
+            f"graphs), {h.get('graph_updates', 0):.0f} graph updates ({h.get('graph_update_ms', 0):.2f} ms)"
         )
     return out
+
+
+def name_lines(result: dict[str, Any], top: int = 40) -> list[str]:
+    """The ``by_name`` table as text: the kernels that take most time per step."""
+    rows = result.get("by_name", [])[:top]
+    return [
+        f"  {r['us_per_step']:8.1f} us/step {r['launches_per_step']:6.1f} launches/step "
+        f"{100 * r['in_graphs']:4.0f} % in graphs  {r['name'][:90]}"
+        for r in rows
+    ]
 
 
 def main() -> None:
@@ -250,9 +299,10 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=1, help="leading steps to leave out (a prefill, say)")
     p.add_argument("--gap-ms", type=float, default=1.0)
     p.add_argument("--min-kernels", type=int, default=200)
+    p.add_argument("--names", type=int, default=0, help="also list the N kernels that take most time")
     a = p.parse_args()
     result = anatomy(load(a.trace), device=a.device, skip=a.skip, gap_ms=a.gap_ms, min_kernels=a.min_kernels)
-    print("\n".join(lines(result)))
+    print("\n".join(lines(result) + (name_lines(result, a.names) if a.names else [])))
 
 
 if __name__ == "__main__":

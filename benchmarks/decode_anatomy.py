@@ -76,6 +76,13 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
         default=True,
         help="layers of one kind under lax.scan (the default) or each traced on its own",
     )
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile every step shape first, as the server does (--no-warmup: only the shapes the "
+        "workload meets, compiled when first met; quicker for comparing flags)",
+    )
     p.add_argument("--device", default="/device:GPU:0", help="the trace's device whose kernels are read")
     p.add_argument("--suffix", default="")
     p.add_argument("--keep-trace", action="store_true", help="copy the perfetto trace beside the results")
@@ -106,7 +113,7 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
     )
     loaded = time.perf_counter() - began
     engine = llm.engine
-    compile_s = engine.warmup(progress=False)
+    compile_s = engine.warmup(progress=False) if args.warmup else 0.0
     ids = start_decoding(engine, args.streams, args.input_len, max_tokens=args.steps + args.trace_steps + 64)
     timing = HostClock(engine).steps(args.steps)
     trace_dir = tempfile.mkdtemp(prefix="anatomy-trace-")
@@ -133,7 +140,8 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
             f"{scheduling} scheduling",
             "layers": "under lax.scan" if args.scan_layers else "each traced on its own (--no-scan-layers)",
             "XLA_FLAGS": os.environ.get("XLA_FLAGS") or "(none)",
-            "load / compile": f"{loaded:.0f} s / {compile_s:.0f} s",
+            "load / compile": f"{loaded:.0f} s / "
+            + (f"{compile_s:.0f} s" if args.warmup else "(no warmup: compiled when first met)"),
             "time per step (engine thread)": f"{timing['wall_ms']:.2f} ms over {args.steps} steps "
             f"({1e3 * args.streams / timing['wall_ms']:.1f} tok/s)",
             "host per step": f"{timing['host_ms']:.2f} ms of engine-thread CPU time; launch "
@@ -146,6 +154,13 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
         "",
         "```",
         *text,
+        "```",
+        "",
+        "The kernels that take most time per step (XLA's fusion names; what each holds is in the step's",
+        "optimized HLO):",
+        "",
+        "```",
+        *anatomy.name_lines(result),
         "```",
         "",
     ]

@@ -27,24 +27,28 @@ import time
 from benchmarks import harness
 from benchmarks.decode_anatomy import token_digest
 
-# Pallas-Triton kernels are XLA custom calls (``__gpu$xla.gpu.triton``) that XLA's HLO-level command
-# buffer pass leaves out of its CUDA graphs (jax-ml/jax#27988), so the graphs break at every kernel.
-# The ways around it are all missing from JAX 0.11.2 (benchmarks/results/xla_flags-h200-*.md): the
-# allow-list flag of #27988 and XLA's thunk-level pass flag are unknown flags there, and jaxlib's
-# command-buffer-compatible Triton FFI call has no switch (JAX 0.11.1 had USE_NEW_CUSTOM_CALL).
-# The variants stay so that a newer JAX can be measured the same way.
+# What the traces say (benchmarks/results/decode_anatomy-h200-*): the Pallas-Triton kernels are
+# inside XLA's CUDA graphs already; the graphs break at every collective (not a default command
+# type in JAX 0.11.2) and at the scan's loop, which runs on the host. A graph's launch costs the host
+# about 2-3 us per kernel in it (cuGraphLaunch of a 20-kernel graph ~50 us), so the step's launching
+# grows with its kernels. These variants change how XLA builds and launches the graphs: straight-line
+# graphs (SERIALIZE) instead of the latency-hiding scheduler's DAG, temporary buffers at fixed
+# addresses so fewer graphs need updating (SKIP_TEMP), conditionals, collectives and loops inside the
+# graphs (the loops unrolled there), one-kernel graphs, and one exclusive user of each GPU.
 COMMANDS = "--xla_gpu_enable_command_buffer="
-DEFAULT_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
-ALL_COMMANDS = f"{COMMANDS}{DEFAULT_COMMANDS},COLLECTIVES,WHILE,CONDITIONAL"  # a scan becomes one graph
-TRITON_GRAPHS = "--legacy_command_buffer_custom_call_targets=__gpu$xla.gpu.triton"
-THUNKS = "--xla_gpu_experimental_enable_command_buffer_on_thunks=true"
+SERIALIZE = "--xla_gpu_command_buffer_scheduling_mode=SERIALIZE"
+SKIP_TEMP = "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+LOOPS = f"{COMMANDS}+CONDITIONAL,+COLLECTIVES,+WHILE --xla_gpu_command_buffer_unroll_loops=true"
 # name -> XLA flags, each optionally prefixed by NAME=VALUE environment settings
 VARIANTS: dict[str, str] = {
     "base": "",
-    "triton-graphs": TRITON_GRAPHS,
-    "thunks": THUNKS,
-    "thunks-all": f"{THUNKS} {ALL_COMMANDS}",
-    "all": ALL_COMMANDS,
+    "serialize": SERIALIZE,
+    "skip-temp": SKIP_TEMP,
+    "conditional": f"{COMMANDS}+CONDITIONAL",
+    "loops": LOOPS,
+    "loops-serialize-skip": f"{LOOPS} {SERIALIZE} {SKIP_TEMP}",
+    "min-graph-1": "--xla_gpu_graph_min_graph_size=1",
+    "exclusive": "--xla_gpu_require_exclusive_lock=true",
     "no-graphs": COMMANDS,
 }
 
@@ -98,6 +102,11 @@ def summarize(run: dict, reference_tokens: list[int] | None) -> dict:
         "busy ms": a.get("busy_ms", ""),
         "idle inside ms": a.get("idle_inside_ms", ""),
         "graphs/step": host.get("graph_launches", ""),
+        "kernels/graph": a.get("graph_nodes", ""),
+        "graph us": host.get("graph_launch_us", ""),
+        "updates/step": host.get("graph_updates", ""),
+        "traced launch ms": host.get("launch_ms", ""),
+        "cond wait ms": host.get("conditional_wait_ms", ""),
         "tokens": f"{token_digest(tokens)}" + ("" if same == "" else (" equal" if same else " DIFFER")),
         "note": "",
     }
@@ -109,9 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     )
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--variants", default="base,triton-graphs", help=f"comma-separated, of {', '.join(VARIANTS)}"
-    )
+    p.add_argument("--variants", default="base,serialize", help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--suffix", default="")
     p.add_argument("--timeout", type=float, default=400, help="seconds per variant")
     args = p.parse_args(ours)
@@ -133,6 +140,7 @@ def write_table(runs: list[dict], anatomy_args: list[str], suffix: str):
     reference = next((r.get("tokens") for r in runs if "tokens" in r), None)
     rows = [summarize(r, reference if r.get("tokens") is not reference else None) for r in runs]
     columns = ["variant", "ms/step", "launch ms", "kernels/step", "busy ms", "idle inside ms", "graphs/step"]
+    columns += ["kernels/graph", "graph us", "updates/step", "traced launch ms", "cond wait ms"]
     lines = harness.report_header(
         "XLA flag variants of a decode step",
         {
@@ -144,7 +152,9 @@ def write_table(runs: list[dict], anatomy_args: list[str], suffix: str):
         "Each variant is one process running benchmarks.decode_anatomy with the variant's flags added to",
         "XLA_FLAGS (its NAME=VALUE words set in the environment). ms/step: the engine thread's time per",
         "decode step, no profiler; launch ms: of it, the time the step's launch took to return; kernels,",
-        "busy, idle inside and CUDA graphs: from a trace of further steps (the profiler slows the step).",
+        "busy, idle inside and CUDA graphs: from a trace of further steps (the profiler slows the step);",
+        "graph us: the host's time per graph launch; traced launch ms: the launch thread's time per step;",
+        "cond wait ms: of it, waiting on the device for a conditional's predicate.",
         "tokens: the first stream's greedy tokens (digest), against the first variant's.",
         "",
         harness.markdown_table(rows, [*columns, "tokens", "flags", "note"]),

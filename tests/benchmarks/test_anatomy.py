@@ -97,6 +97,7 @@ def test_the_devices_launch_thread_per_step():
             on(3, "jit_fused_step_packed:XLA GPU module", t0, 90.0),
             on(3, "command_buffer::execute", t0 + 1, 10.0),
             on(3, "command_buffer::execute", t0 + 20, 30.0),
+            on(3, "command_buffer::update", t0 + 2, 4.0),
             on(3, "conditional", t0 + 60, 25.0),
             on(4, "[1] GpuExecutable::ExecuteThunks", t0, 500.0),
             on(4, "jit_fused_step_packed:XLA GPU module", t0, 500.0),
@@ -108,6 +109,26 @@ def test_the_devices_launch_thread_per_step():
         "conditional_wait_ms": pytest.approx(0.025),
         "graph_launches": 2,
         "graph_launch_us": pytest.approx(20.0),
+        "graph_updates": 1,
+        "graph_update_ms": pytest.approx(0.004),
     }
     assert "host, this device's launch thread: 0.09 ms per step" in "\n".join(anatomy.lines(r))
     assert anatomy.anatomy(_trace([_step(t) for t in (0.0, 100.0)], launch_gap=5.0), skip=0)["host"] is None
+
+
+def test_graph_nodes_and_the_kernels_by_name():
+    """Kernels of one graph launch share a graph id and a correlation id: two launches of a 2-kernel
+    graph and one kernel outside any graph per step; by name, most time first."""
+    events = _trace([_step(t) for t in (0.0, 100.0, 200.0)], launch_gap=5.0)
+    kernels = [e for e in events if e.get("pid") == GPU and e.get("ph") == "X"]
+    for i, k in enumerate(kernels):
+        if k["name"] != "ncclDevKernel_AllReduce":  # moe + fusion one launch, quant_matmul another
+            k["args"] |= {"cuda_graph_id": "7", "correlation_id": f"g{i // 4}-{k['name'] == 'quant_matmul_3'}"}
+    r = anatomy.anatomy(events, skip=0)
+    assert r["graph_nodes"] == pytest.approx(1.5) and r["in_graphs"] == pytest.approx(0.75)
+    names = r["by_name"]
+    assert [n["name"] for n in names][:2] == ["moe_gate_up", "loop_add_fusion"]
+    assert names[0]["us_per_step"] == 40 and names[0]["launches_per_step"] == 1
+    nccl = next(n for n in names if n["name"] == "ncclDevKernel_AllReduce")
+    assert nccl["in_graphs"] == 0 and names[0]["in_graphs"] == 1
+    assert "moe_gate_up" in anatomy.name_lines(r)[0]
