@@ -34,11 +34,19 @@ from benchmarks.decode_anatomy import token_digest
 # grows with its kernels. These variants change how XLA builds and launches the graphs: straight-line
 # graphs (SERIALIZE) instead of the latency-hiding scheduler's DAG, temporary buffers at fixed
 # addresses so fewer graphs need updating (SKIP_TEMP), conditionals, collectives and loops inside the
-# graphs (the loops unrolled there), one-kernel graphs, and one exclusive user of each GPU.
+# graphs (the loops unrolled there), one-kernel graphs, one exclusive user of each GPU; and the loop
+# itself: XLA's double buffering of its carried values (addresses that alternate between iterations
+# make graphs update) or the whole scan unrolled by XLA; collectives made synchronous (and NCCL's
+# rather than XLA's own kernels) so that they can join the graphs.
 COMMANDS = "--xla_gpu_enable_command_buffer="
 SERIALIZE = "--xla_gpu_command_buffer_scheduling_mode=SERIALIZE"
 SKIP_TEMP = "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
 LOOPS = f"{COMMANDS}+CONDITIONAL,+COLLECTIVES,+WHILE --xla_gpu_command_buffer_unroll_loops=true"
+FULL_UNROLL = "--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL"
+SYNC_COLLECTIVES = (
+    f"{COMMANDS}+CONDITIONAL,+COLLECTIVES --xla_gpu_disable_async_collectives=ALLREDUCE,ALLGATHER "
+    "--xla_gpu_experimental_use_collective_kernels=false"
+)
 # name -> XLA flags, each optionally prefixed by NAME=VALUE environment settings
 VARIANTS: dict[str, str] = {
     "base": "",
@@ -49,6 +57,10 @@ VARIANTS: dict[str, str] = {
     "loops-serialize-skip": f"{LOOPS} {SERIALIZE} {SKIP_TEMP}",
     "min-graph-1": "--xla_gpu_graph_min_graph_size=1",
     "exclusive": "--xla_gpu_require_exclusive_lock=true",
+    "no-double-buffer": "--xla_gpu_enable_while_loop_double_buffering=false",
+    "full-unroll": FULL_UNROLL,
+    "sync-collectives": SYNC_COLLECTIVES,
+    "full-unroll-sync-collectives": f"{FULL_UNROLL} {SYNC_COLLECTIVES}",
     "no-graphs": COMMANDS,
 }
 
