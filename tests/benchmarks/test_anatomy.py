@@ -123,7 +123,8 @@ def test_graph_nodes_and_the_kernels_by_name():
     kernels = [e for e in events if e.get("pid") == GPU and e.get("ph") == "X"]
     for i, k in enumerate(kernels):
         if k["name"] != "ncclDevKernel_AllReduce":  # moe + fusion one launch, quant_matmul another
-            k["args"] |= {"cuda_graph_id": "7", "correlation_id": f"g{i // 4}-{k['name'] == 'quant_matmul_3'}"}
+            launch = f"g{i // 4}-{k['name'] == 'quant_matmul_3'}"
+            k["args"] |= {"cuda_graph_id": "7", "correlation_id": launch}
     r = anatomy.anatomy(events, skip=0)
     assert r["graph_nodes"] == pytest.approx(1.5) and r["in_graphs"] == pytest.approx(0.75)
     names = r["by_name"]
