@@ -35,6 +35,9 @@ N expert width):
   layer=None) -> (x @ W_1, ...)``: projections of one input in one kernel launch where the weights
   allow it (one format; the kernels' :func:`~pallas_kernels.quant_matmul.kernel.groupable`), each
   weight split as its own axes say (they share K's).
+- ``add_rms_norm(x [T,D], weight [D], *, eps, residual=None [T,D], layer=None) -> (normed [T,D],
+  summed [T,D])``: RMSNorm of ``x + residual`` (HF's casting order), and the sum: a decoder layer's
+  residual add and norm in one launch (``weight`` a ``[L, D]`` stack when given ``layer``).
 - ``indexer_logits(q [T,Hi,Di], w [T,Hi], k [S,Di], *, q_pos [T]) -> [T,S] f32``: the same sum over one
   flat key sequence, ``s <= q_pos[t]`` (DeepSeek-V4's compressed keys).
 
@@ -84,6 +87,8 @@ from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe import ref as moe_ref
 from pallas_kernels.quant_matmul import kernel as quant_matmul_kernel
 from pallas_kernels.quant_matmul import ref as quant_matmul_ref
+from pallas_kernels.rms_norm import kernel as rms_norm_kernel
+from pallas_kernels.rms_norm import ref as rms_norm_ref
 from pallas_kernels.sparse_mla import kernel as sparse_mla_kernel
 from pallas_kernels.sparse_mla import ref as sparse_mla_ref
 from pallas_kernels.topk import kernel as topk_kernel
@@ -155,6 +160,15 @@ OPS: dict[str, Op] = {
     "quant_matmul": Op(quant_matmul_ref.quant_matmul, quant_matmul_kernel.quant_matmul, None, weights=(1,)),
     "quant_matmul_many": Op(
         quant_matmul_ref.quant_matmul_many, quant_matmul_kernel.quant_matmul_many, None, weights=(1,)
+    ),
+    # Activations are whole on every device (TP) or the caller's dp group's (dp attention).
+    "add_rms_norm": Op(
+        rms_norm_ref.add_rms_norm,
+        rms_norm_kernel.add_rms_norm,
+        OpSharding(
+            args=((None, None), (None,)), kwargs={"residual": (None, None)}, out=((None, None), (None, None))
+        ),
+        weights=(1,),
     ),
     "indexer_logits": Op(
         indexer_logits_ref.indexer_logits,
@@ -299,6 +313,13 @@ def quant_matmul_many(x, ws, *, axes: tuple[tuple[str | None, str | None], ...],
 def _index(layer) -> jax.Array:
     """A layer index as the int32 scalar array the ops' shard_maps and kernels take."""
     return jnp.asarray(layer, jnp.int32)
+
+
+def add_rms_norm(x, weight, *, eps: float, residual=None, layer=None):
+    if layer is None:
+        return _impl("add_rms_norm", get_kernels())(x, weight, eps=eps, residual=residual)
+    impl = _impl("add_rms_norm", get_kernels(), stacked=True)
+    return impl(x, weight, eps=eps, residual=residual, layer=_index(layer))
 
 
 def indexer_logits(q, w, k, *, q_pos):

@@ -1,4 +1,5 @@
-"""RMSNorm and LayerNorm with HF transformers' casting order (normalize in float32)."""
+"""RMSNorm and LayerNorm with HF transformers' casting order (normalize in float32), and the norm of a
+decoder layer's residual stream, which adds the sublayer's output first (one kernel)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxdsa import ops
 from jaxdsa.layers.params import ones, zeros
+from jaxdsa.layers.stacks import split_layer
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -31,6 +34,23 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.weight[...], self.eps)
+
+
+class ResidualRMSNorm(RMSNorm):
+    """The RMSNorm in front of a decoder sublayer, which first adds the residual: ``norm(x, residual)
+    -> (rms_norm(x + residual), x + residual)``, vLLM's fused-add convention, in one kernel
+    (:func:`jaxdsa.ops.add_rms_norm`). At decode XLA makes the add, the mean square and the scaling
+    two or three launches, and an add that follows an all-reduce falls outside the CUDA graphs.
+    Scanned, the weight reaches the layer as its stack (:meth:`stack_reads`), read in place."""
+
+    def stack_reads(self) -> tuple[str, ...]:
+        return ("weight",)
+
+    def __call__(self, x: jax.Array, residual: jax.Array) -> tuple[jax.Array, jax.Array]:
+        stack, layer = split_layer(self.weight.get_value())
+        rows = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
+        normed, summed = ops.add_rms_norm(rows(x), stack, eps=self.eps, residual=rows(residual), layer=layer)
+        return normed.reshape(x.shape), summed.reshape(x.shape)
 
 
 class LayerNorm(nnx.Module):

@@ -54,7 +54,9 @@ def test_mtp_step_follows_the_formula(name):
     g = _rms(np.asarray(hidden[:n]), raw(layer + "hnorm.weight"), eps)
     u = np.concatenate([e, g], axis=-1) @ raw(layer + "eh_proj.weight").T
     ctx = model.context(pos[:n], meta_n, sparse=True, absorbed=True)
-    block, _, _ = model.mtp[0].layer(jnp.asarray(u), ctx, mtp_cache(), (0, 0), None)
+    u = jnp.asarray(u)
+    (h, delta), _, _ = model.mtp[0].layer((u, jnp.zeros_like(u)), ctx, mtp_cache(), (0, 0), None)
+    block = h + delta
     want = _rms(np.asarray(block), raw(layer + "shared_head.norm.weight"), eps) @ raw("lm_head.weight").T
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     q_a = model.mtp[0].layer.attn.q_a.weight[...]

@@ -29,7 +29,7 @@ from jaxdsa.layers.indexer import Indexer
 from jaxdsa.layers.linear import Embed, Linear
 from jaxdsa.layers.mla import MLAttention
 from jaxdsa.layers.mlp import MLP, Experts, MoE, Router
-from jaxdsa.layers.norms import RMSNorm
+from jaxdsa.layers.norms import ResidualRMSNorm, RMSNorm
 from jaxdsa.layers.rope import cos_sin
 from jaxdsa.models.dsa.config import HF_LATENT_NORM_EPS, INDEXER_K_NORM_EPS, DsaConfig
 from jaxdsa.models.layer_groups import build_groups, take_layer
@@ -62,7 +62,7 @@ class DecoderLayer(nnx.Module):
                 dtype=dtype,
                 rngs=rngs,
             )
-        self.input_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        self.input_norm = ResidualRMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
         self.attn = MLAttention(
             hidden=D,
             heads=heads,
@@ -77,7 +77,7 @@ class DecoderLayer(nnx.Module):
             dtype=dtype,
             rngs=rngs,
         )
-        self.post_attn_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attn_norm = ResidualRMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
         if cfg.is_moe_layer(layer):
             E, N = cfg.n_routed_experts, cfg.moe_intermediate_size
             router = Router(
@@ -95,15 +95,19 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, h, ctx: StepContext, cache: Cache, rows: tuple, topk):
-        """-> (h, cache, topk). ``rows`` = (latent row, index-key row) of this layer in the cache."""
+    def __call__(self, stream: tuple, ctx: StepContext, cache: Cache, rows: tuple, topk):
+        """-> (stream, cache, topk). ``stream`` = (h, delta): the residual stream is ``h + delta``, the
+        last sublayer's output not added yet, so that the add runs in the next norm's kernel
+        (:class:`ResidualRMSNorm`); the first layer gets a zero delta. ``rows`` = (latent row,
+        index-key row) of this layer in the cache."""
         latent = LayerPages(cache["latent"], rows[0])
         index = LayerPages(cache["index_keys"], rows[1]) if self.attn.indexer is not None else None
-        a, latent, index, topk = self.attn(self.input_norm(h), ctx, latent, index, topk)
+        x, h = self.input_norm(*stream)
+        a, latent, index, topk = self.attn(x, ctx, latent, index, topk)
         cache = {**cache, "latent": latent.stacked} | ({"index_keys": index.stacked} if index else {})
-        h = h + a
-        h = h + self.mlp(self.post_attn_norm(h))
-        return sharding.constrain(h, ("batch", "embed")), cache, topk
+        x, h = self.post_attn_norm(h, a)
+        stream = (h, self.mlp(x))
+        return tuple(sharding.constrain(v, ("batch", "embed")) for v in stream), cache, topk
 
 
 class MtpLayer(nnx.Module):
@@ -169,16 +173,17 @@ class DsaModel(nnx.Module):
         index_rows = jnp.asarray(self.index_rows, jnp.int32)
 
         def run_layer(layer, carry, i):
-            h, cache, topk = carry
-            return layer(h, ctx, cache, (i, index_rows[i]), topk)
+            stream, cache, topk = carry
+            return layer(stream, ctx, cache, (i, index_rows[i]), topk)
 
         # the top-k of the last full indexer layer, read by shared layers (carried through the scans)
         topk = jnp.full((tokens.shape[0], self.cfg.index_topk), -1, jnp.int32) if sparse else None
-        carry = (self.embed(tokens), cache, topk)
+        h = self.embed(tokens)
+        carry = ((h, jnp.zeros_like(h)), cache, topk)
         for group in self.groups:
             carry = group(carry, run_layer)
-        h, cache, _ = carry
-        return h, cache
+        (h, delta), cache, _ = carry
+        return h + delta, cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Float32 logits [R, vocab] of final hidden states."""
@@ -205,8 +210,8 @@ class DsaModel(nnx.Module):
         e = mtp.enorm(self.embed(next_tokens))
         g = mtp.hnorm(hidden.astype(e.dtype))
         u = mtp.eh_proj(jnp.concatenate([e, g], axis=-1))
-        u, cache, _ = mtp.layer(u, ctx, cache, (layer, layer), None)
-        u = u[meta.logits_indices]
+        (u, delta), cache, _ = mtp.layer((u, jnp.zeros_like(u)), ctx, cache, (layer, layer), None)
+        u = (u + delta)[meta.logits_indices]
         return self.logits(mtp.shared_head_norm(u)), u, cache
 
     def layer(self, i: int) -> DecoderLayer:
