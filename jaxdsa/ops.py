@@ -22,6 +22,11 @@ N expert width):
   ``k_scale [P,page]`` marks fp8 keys (value = k * scale); seq_ids < 0 = padding.
 - ``topk_indices(logits [T,S], k) -> [T,k] int32``: indices of the k largest finite values, any
   order, -1 where a row has fewer.
+- ``select_experts(logits [T,E] f32, bias [E] f32, *, top_k, n_group, topk_group, norm_topk_prob,
+  scaling) -> (ids [T,top_k] int32, weights [T,top_k] f32)``: the MoE router after its logits
+  (computed by the caller in XLA): sigmoid scores, selection on score + bias limited to the
+  ``topk_group`` best of ``n_group`` groups (each scored by its top-2 sum), weights = the selected
+  scores, normalized if ``norm_topk_prob``, times ``scaling``. Replicated on a mesh.
 - ``moe_experts(x [T,D], topk_ids [T,k], topk_weights [T,k], experts, *, swiglu_limit=None, layer=None)
   -> [T,D]`` with ``experts = {'gate_up': [E,D,2N], 'down': [E,N,D]}``
   (:func:`pallas_kernels.moe.ref.pack_experts`; quantized experts: ``pack_experts`` of three
@@ -89,6 +94,8 @@ from pallas_kernels.quant_matmul import kernel as quant_matmul_kernel
 from pallas_kernels.quant_matmul import ref as quant_matmul_ref
 from pallas_kernels.rms_norm import kernel as rms_norm_kernel
 from pallas_kernels.rms_norm import ref as rms_norm_ref
+from pallas_kernels.router import kernel as router_kernel
+from pallas_kernels.router import ref as router_ref
 from pallas_kernels.sparse_mla import kernel as sparse_mla_kernel
 from pallas_kernels.sparse_mla import ref as sparse_mla_ref
 from pallas_kernels.topk import kernel as topk_kernel
@@ -141,6 +148,10 @@ OPS: dict[str, Op] = {
     ),
     "topk_indices": Op(
         topk_ref.topk_indices, topk_kernel.topk_indices, OpSharding(args=(None,), out=(None, None))
+    ),
+    # The router scores every expert on every device (``router_experts`` is never split).
+    "select_experts": Op(
+        router_ref.select_experts, router_kernel.select_experts, OpSharding(args=(None, None), out=None)
     ),
     # Expert parallelism without all-to-all: tokens are replicated over the expert axes, each
     # shard runs the slots routed to its own experts (ids shifted into its range, the others
@@ -261,6 +272,20 @@ def indexer_logits_paged(q, w, k_pages, page_table, seq_ids, q_pos, *, k_scale=N
 
 def topk_indices(logits, k: int):
     return _impl("topk_indices", get_kernels())(logits, k)
+
+
+def select_experts(
+    logits, bias, *, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float
+):
+    return _impl("select_experts", get_kernels())(
+        logits,
+        bias,
+        top_k=top_k,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=norm_topk_prob,
+        scaling=scaling,
+    )
 
 
 def moe_experts(x, topk_ids, topk_weights, experts, *, swiglu_limit: float | None = None, layer=None):

@@ -55,21 +55,16 @@ class Router(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """-> expert ids [T, k] int32, weights [T, k] float32 (normalized, times the scaling factor)."""
-        logits = x.astype(jnp.float32) @ self.weight[...].astype(jnp.float32)
-        scores = jax.nn.sigmoid(logits)
-        choice = scores + self.bias[...].astype(jnp.float32)
-        if self.n_group > 1:
-            T, E = choice.shape
-            grouped = choice.reshape(T, self.n_group, E // self.n_group)
-            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # sum of the top-2 biased scores
-            _, keep = jax.lax.top_k(group_scores, self.topk_group)
-            group_mask = jnp.zeros((T, self.n_group), bool).at[jnp.arange(T)[:, None], keep].set(True)
-            choice = jnp.where(jnp.repeat(group_mask, E // self.n_group, axis=1), choice, -jnp.inf)
-        _, ids = jax.lax.top_k(choice, self.top_k)
-        weights = jnp.take_along_axis(scores, ids, axis=1)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-        return ids.astype(jnp.int32), weights * self.scaling
+        logits = x.astype(jnp.float32) @ self.weight[...].astype(jnp.float32)  # one XLA dot, exact
+        return ops.select_experts(
+            logits,
+            self.bias[...].astype(jnp.float32),
+            top_k=self.top_k,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            norm_topk_prob=self.norm_topk_prob,
+            scaling=self.scaling,
+        )
 
 
 class Experts(nnx.Module):

@@ -1,0 +1,33 @@
+"""Pure-JAX oracle for the MoE router's expert selection (DeepSeek-V3 ``noaux_tc``, docs/models.md §2.9)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def select_experts(
+    logits, bias, *, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float
+):
+    """logits [T,E] f32, bias [E] f32 -> (ids [T,top_k] int32, weights [T,top_k] f32).
+
+    ``scores = sigmoid(logits)``; experts are chosen on ``scores + bias`` (the bias only selects).
+    With ``n_group > 1`` the E experts form ``n_group`` groups of consecutive ones, each scored by
+    the sum of its two largest biased scores; only the ``topk_group`` best groups stay eligible.
+    The ``top_k`` largest biased scores win (ties: lower index first, as ``lax.top_k``); their
+    weights are the unbiased scores, normalized to sum 1 if ``norm_topk_prob``, times ``scaling``.
+    """
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    choice = scores + bias.astype(jnp.float32)
+    if n_group > 1:
+        T, E = choice.shape
+        grouped = choice.reshape(T, n_group, E // n_group)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # sum of the top-2 biased scores
+        _, keep = jax.lax.top_k(group_scores, topk_group)
+        group_mask = jnp.zeros((T, n_group), bool).at[jnp.arange(T)[:, None], keep].set(True)
+        choice = jnp.where(jnp.repeat(group_mask, E // n_group, axis=1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=1)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return ids.astype(jnp.int32), weights * scaling
