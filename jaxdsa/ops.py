@@ -23,7 +23,7 @@ N expert width):
 - ``topk_indices(logits [T,S], k) -> [T,k] int32``: indices of the k largest finite values, any
   order, -1 where a row has fewer.
 - ``select_experts(logits [T,E] f32, bias [E] f32, *, top_k, n_group, topk_group, norm_topk_prob,
-  scaling) -> (ids [T,top_k] int32, weights [T,top_k] f32)``: the MoE router after its logits
+  scaling, layer=None) -> (ids [T,top_k] int32, weights [T,top_k] f32)``: the MoE router after its logits
   (computed by the caller in XLA): sigmoid scores, selection on score + bias limited to the
   ``topk_group`` best of ``n_group`` groups (each scored by its top-2 sum), weights = the selected
   scores, normalized if ``norm_topk_prob``, times ``scaling``. Replicated on a mesh.
@@ -151,7 +151,10 @@ OPS: dict[str, Op] = {
     ),
     # The router scores every expert on every device (``router_experts`` is never split).
     "select_experts": Op(
-        router_ref.select_experts, router_kernel.select_experts, OpSharding(args=(None, None), out=None)
+        router_ref.select_experts,
+        router_kernel.select_experts,
+        OpSharding(args=(None, None), out=None),
+        weights=(1,),
     ),
     # Expert parallelism without all-to-all: tokens are replicated over the expert axes, each
     # shard runs the slots routed to its own experts (ids shifted into its range, the others
@@ -275,9 +278,18 @@ def topk_indices(logits, k: int):
 
 
 def select_experts(
-    logits, bias, *, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float
+    logits,
+    bias,
+    *,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+    layer=None,
 ):
-    return _impl("select_experts", get_kernels())(
+    stacked = layer is not None
+    return _impl("select_experts", get_kernels(), stacked)(
         logits,
         bias,
         top_k=top_k,
@@ -285,6 +297,7 @@ def select_experts(
         topk_group=topk_group,
         norm_topk_prob=norm_topk_prob,
         scaling=scaling,
+        **({"layer": _index(layer)} if stacked else {}),
     )
 
 

@@ -53,17 +53,24 @@ class Router(nnx.Module):
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
 
+    def stack_reads(self) -> tuple[str, ...]:
+        """The bias: the selection kernel reads it in its stack (a slice would be copied out for it,
+        a copy that splits the step's CUDA graph)."""
+        return ("bias",)
+
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """-> expert ids [T, k] int32, weights [T, k] float32 (normalized, times the scaling factor)."""
         logits = x.astype(jnp.float32) @ self.weight[...].astype(jnp.float32)  # one XLA dot, exact
+        bias, layer = split_layer(self.bias.get_value())
         return ops.select_experts(
             logits,
-            self.bias[...].astype(jnp.float32),
+            bias.astype(jnp.float32),
             top_k=self.top_k,
             n_group=self.n_group,
             topk_group=self.topk_group,
             norm_topk_prob=self.norm_topk_prob,
             scaling=self.scaling,
+            layer=layer,
         )
 
 

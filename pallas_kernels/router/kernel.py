@@ -50,11 +50,8 @@ def _num_warps(e_pad: int) -> int:
 
 
 def _router_kernel(
-    logits_ref,
-    bias_ref,
-    ids_ref,
-    weights_ref,
-    *,
+    *refs,
+    stacked: bool,
     e: int,
     top_k: int,
     n_group: int,
@@ -62,12 +59,15 @@ def _router_kernel(
     norm_topk_prob: bool,
     scaling: float,
 ):
+    logits_ref, *refs = refs
+    lead = (refs.pop(0)[0],) if stacked else ()  # a stacked bias: the layer index, read once
+    bias_ref, ids_ref, weights_ref = refs
     row = pl.program_id(0)
     e_pad = pl.next_power_of_2(e)
     lanes = jnp.arange(e_pad, dtype=jnp.int32)
     real = lanes < e
     x = pltriton.load(logits_ref.at[row, lanes], mask=real, other=0.0)
-    b = pltriton.load(bias_ref.at[lanes], mask=real, other=0.0)
+    b = pltriton.load(bias_ref.at[(*lead, lanes)], mask=real, other=0.0)
     scores = jax.nn.sigmoid(x)
     key = jnp.where(real, _ordered_key(scores + b), _INT32_MIN)
 
@@ -79,7 +79,7 @@ def _router_kernel(
         ok = (groups < n_group)[:, None] & (cols < size)
         flat = groups[:, None] * size + cols
         gx = pltriton.load(logits_ref.at[row, flat], mask=ok, other=0.0)
-        gb = pltriton.load(bias_ref.at[flat], mask=ok, other=0.0)
+        gb = pltriton.load(bias_ref.at[(*lead, flat)], mask=ok, other=0.0)
         gchoice = jnp.where(ok, jax.nn.sigmoid(gx) + gb, -jnp.inf)
         first = jnp.argmax(gchoice, axis=1).astype(jnp.int32)
         top1 = jnp.max(gchoice, axis=1)
@@ -136,20 +136,26 @@ def select_experts(
     topk_group: int,
     norm_topk_prob: bool,
     scaling: float,
+    layer: jax.Array | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """See :func:`jaxdsa.ops.select_experts`.
 
-    logits [T,E] f32, bias [E] f32 -> (ids [T,top_k] int32, weights [T,top_k] f32).
+    logits [T,E] f32, bias [E] f32 (or a stack [L, E] read in place at ``layer``, an int32 scalar)
+    -> (ids [T,top_k] int32, weights [T,top_k] f32).
     """
     t, e = logits.shape
-    if bias.shape != (e,):
-        raise ValueError(f"select_experts: bias {bias.shape} does not match logits {logits.shape}")
+    if bias.shape[-1:] != (e,) or bias.ndim != (1 if layer is None else 2):
+        raise ValueError(
+            f"select_experts: bias {bias.shape} with layer={layer} does not match logits {logits.shape}"
+        )
     _check(e, top_k, n_group, topk_group)
     if t == 0:
         return jnp.zeros((0, top_k), jnp.int32), jnp.zeros((0, top_k), jnp.float32)
+    index = () if layer is None else (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),)
     kernel = functools.partial(
         _router_kernel,
+        stacked=layer is not None,
         e=e,
         top_k=top_k,
         n_group=n_group,
@@ -167,4 +173,4 @@ def select_experts(
         compiler_params=compiler_params(_num_warps(pl.next_power_of_2(e)), 1),
         interpret=interpret,
         name="select_experts",
-    )(logits.astype(jnp.float32), bias.astype(jnp.float32))
+    )(logits.astype(jnp.float32), *index, bias.astype(jnp.float32))

@@ -7,9 +7,18 @@ import jax.numpy as jnp
 
 
 def select_experts(
-    logits, bias, *, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float
+    logits,
+    bias,
+    *,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+    layer=None,
 ):
-    """logits [T,E] f32, bias [E] f32 -> (ids [T,top_k] int32, weights [T,top_k] f32).
+    """logits [T,E] f32, bias [E] f32 (or a stack [L, E] at ``layer``) -> (ids [T,top_k] int32,
+    weights [T,top_k] f32).
 
     ``scores = sigmoid(logits)``; experts are chosen on ``scores + bias`` (the bias only selects).
     With ``n_group > 1`` the E experts form ``n_group`` groups of consecutive ones, each scored by
@@ -17,6 +26,7 @@ def select_experts(
     The ``top_k`` largest biased scores win (ties: lower index first, as ``lax.top_k``); their
     weights are the unbiased scores, normalized to sum 1 if ``norm_topk_prob``, times ``scaling``.
     """
+    bias = bias if layer is None else bias[layer]
     scores = jax.nn.sigmoid(logits.astype(jnp.float32))
     choice = scores + bias.astype(jnp.float32)
     if n_group > 1:

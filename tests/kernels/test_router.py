@@ -88,6 +88,19 @@ def test_experts_not_a_power_of_two(e, top_k, n_group, topk_group):
     _check(kernel.select_experts(logits, bias, interpret=True, **kw), reference(logits, bias, **kw))
 
 
+@pytest.mark.parametrize("n_group, topk_group", [(1, 1), (4, 2)])
+def test_bias_read_from_a_layer_stack(n_group, topk_group):
+    """A scanned layer hands its router the bias stack [L, E] and its layer index (a slice would be
+    copied out for the kernel): the same selection as that layer's bias alone, through the op."""
+    rng = np.random.default_rng(n_group)
+    logits, bias = _inputs(rng, 3, 16, n_group, topk_group)
+    stack = jnp.stack([bias[::-1], bias, -bias])
+    kw = dict(top_k=4, n_group=n_group, topk_group=topk_group, norm_topk_prob=True, scaling=2.5)
+    want = reference(logits, bias, **kw)
+    _check(ops._impl("select_experts", "interpret", True)(logits, stack, layer=jnp.int32(1), **kw), want)
+    _check(ops._impl("select_experts", "reference", True)(logits, stack, layer=jnp.int32(1), **kw), want)
+
+
 def test_no_tokens():
     logits, bias = jnp.zeros((0, 16), jnp.float32), jnp.zeros((16,), jnp.float32)
     kw = dict(top_k=4, n_group=4, topk_group=2, norm_topk_prob=True, scaling=2.5)
@@ -133,3 +146,16 @@ def test_lowers_for_cuda(target, e, top_k, n_group, topk_group):
         scaling=2.5,
     )
     assert text.count("__gpu$xla.gpu.triton") == 1
+    stacked = lower_for_cuda(
+        lambda logits, bias, layer, **kw: kernel.select_experts(logits, bias, layer=layer, **kw),
+        jax.ShapeDtypeStruct((4, e), jnp.float32),
+        jax.ShapeDtypeStruct((3, e), jnp.float32),
+        jax.ShapeDtypeStruct((), jnp.int32),
+        target=target,
+        top_k=top_k,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=True,
+        scaling=2.5,
+    )
+    assert stacked.count("__gpu$xla.gpu.triton") == 1
