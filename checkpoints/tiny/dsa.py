@@ -116,7 +116,8 @@ def write(
     """Write the tiny checkpoint directory of a ``TINY_PRESETS`` entry of ``family`` and return its
     path. ``overrides``: config.json fields replacing the preset's."""
     if preset not in TINY_PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(TINY_PRESETS)}")
+        known = sorted(n for n, c in TINY_PRESETS.items() if c["model_type"] == family)
+        raise ValueError(f"unknown {family} preset {preset!r}; choose from {known}")
     if TINY_PRESETS[preset]["model_type"] != family:
         raise ValueError(f"preset {preset!r} is a {TINY_PRESETS[preset]['model_type']} model, not {family}")
     if not 1 <= shards <= (n_tensors := len(tensor_specs({**TINY_PRESETS[preset], **(overrides or {})}))):

@@ -10,6 +10,13 @@ from checkpoints.tiny import dsa, v4
 from checkpoints.tiny.presets import DEFAULT_PRESET
 from checkpoints.tiny.writers import DTYPES
 
+# The version of what make_tiny writes: bump it when the same arguments start to give other files
+# (the weights' draw, tensor names, the tokenizer's corpus), so that copies written before, the
+# bundled default model among them (``serve.default_model``), are seen as stale and rewritten.
+# (The default model's stamp also holds its config and a hash of its tokenizer config, chat
+# template included, so changes to those are seen without a bump.)
+MAKER_VERSION = 1
+
 
 def make_tiny(
     family: str,

@@ -219,10 +219,19 @@ def test_cli_and_errors(tmp_path, capsys):
 def test_the_command_line_names_presets_and_sets_the_context(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--family", "glm_moe_dsa", "--out", str(tmp_path / "a"), "--preset", "nope"])
-    assert e.value.code == 2 and "unknown preset 'nope'" in capsys.readouterr().err  # no traceback
+    err = capsys.readouterr().err  # one usage line and the error, no traceback
+    assert e.value.code == 2 and "unknown glm_moe_dsa preset 'nope'; choose from ['glm5', 'glm52']" in err
+    assert "Traceback" not in err
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "glm_moe_dsa: glm5, glm52, default glm5" in " ".join(capsys.readouterr().out.split())
     main(["--family", "glm_moe_dsa", "--out", str(tmp_path / "b"), "--max-model-len", "4096"])
     config = json.loads((tmp_path / "b" / "config.json").read_text())
-    assert config["max_position_embeddings"] == 4096
+    assert (
+        config["max_position_embeddings"] == 4096
+        and load_config(tmp_path / "b").max_position_embeddings == 4096
+    )
+    assert json.loads((tmp_path / "b" / "tokenizer_config.json").read_text())["model_max_length"] == 4096
+    with pytest.raises(SystemExit) as e:
+        main(["--family", "glm_moe_dsa", "--out", str(tmp_path / "c"), "--max-model-len", "0"])
+    assert e.value.code == 2 and "--max-model-len must be >= 1" in capsys.readouterr().err

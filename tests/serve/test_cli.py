@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 
+import httpx
 import jax
 import openai
 import pytest
+from openai.types.chat import ChatCompletion
 
 from jaxdsa.engine.engine import enable_compilation_cache
 from serve import cli
@@ -110,16 +115,50 @@ def test_hub_ids_resolve_through_the_hf_cache(glm_dir, tmp_path, monkeypatch):
         cli.resolve_model_dir("zai-org/GLM-5.1")
 
 
+def readme_quick_start() -> tuple[list[str], str, dict]:
+    """From the README's Quick start: the flags of its server line (after ``python -m serve``), and
+    the path and JSON body of the curl request below it."""
+    text = (pathlib.Path(ROOT) / "README.md").read_text(encoding="utf-8")
+    start = text.index("## Quick start")
+    section = text[start : text.index("\n## ", start)]
+    (line,) = [x for x in section.splitlines() if x.startswith("python3.12 -m venv") and " -m serve" in x]
+    curl = section[section.index("curl ") :]
+    argv = shlex.split(curl[: curl.index("```")])
+    url, body = argv[1], json.loads(argv[argv.index("-d") + 1])
+    assert argv[argv.index("-H") + 1] == "Content-Type: application/json"
+    return shlex.split(line.split(" -m serve", 1)[1]), url[url.index("/v1/") :], body
+
+
+def check_chat_completion(body: dict, tools: list[dict]) -> None:
+    """An OpenAI chat completion: a tool call of a named tool with JSON arguments, or text."""
+    ChatCompletion.model_validate(body)
+    (choice,) = body["choices"]
+    message = choice["message"]
+    assert body["object"] == "chat.completion" and message["role"] == "assistant"
+    if message.get("tool_calls"):
+        assert choice["finish_reason"] == "tool_calls"
+        names = {t["function"]["name"] for t in tools}
+        for call in message["tool_calls"]:
+            assert call["type"] == "function" and call["id"] and call["function"]["name"] in names
+            assert isinstance(json.loads(call["function"]["arguments"]), dict)
+    else:  # no call parsed: the reply is the text
+        assert isinstance(message["content"], str) and choice["finish_reason"] in ("stop", "length")
+
+
 def test_readme_line_serves_the_default_model(tmp_path):
-    """``python -m serve`` with no model: writes the tiny GLM-5 into JAXDSA_CACHE_DIR, warms up, serves."""
-    enable_compilation_cache()  # share compilations with this process (same shapes as test_live's server)
+    """The Quick start's server line with no model: writes the tiny GLM-5 into JAXDSA_CACHE_DIR, warms
+    up, serves; the README's tool-call request, whose prompt the old 256-token model refused, gets a
+    well-formed reply."""
+    enable_compilation_cache()  # share compilations with this process's next runs of this test
     env = dict(os.environ, JAXDSA_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     if jax.config.jax_compilation_cache_dir:
         env |= {
             "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         }
-    argv = [sys.executable, "-m", "serve", "--host", "127.0.0.1", "--port", "0"]
+    flags, path, request = readme_quick_start()
+    assert "--enable-auto-tool-choice" in flags and request["tools"]
+    argv = [sys.executable, "-m", "serve", *flags, "--host", "127.0.0.1", "--port", "0"]
     with (
         open(tmp_path / "serve.log", "w+") as log,
         subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT) as proc,
@@ -127,11 +166,16 @@ def test_readme_line_serves_the_default_model(tmp_path):
         try:
             url = wait_ready(proc, tmp_path / "serve.log")
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-            assert [m.id for m in client.models.list().data] == ["jaxdsa-tiny-glm5"]
+            models = client.models.list().data
+            assert [(m.id, m.max_model_len) for m in models] == [("jaxdsa-tiny-glm5", 4096)]
             r = client.chat.completions.create(
                 model="jaxdsa-tiny-glm5", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
             )
             assert r.usage.completion_tokens >= 1
+            reply = httpx.post(f"{url}{path}", json=request, timeout=120)
+            assert reply.status_code == 200, reply.text
+            check_chat_completion(reply.json(), request["tools"])
+            assert reply.json()["usage"]["prompt_tokens"] > 256
         finally:
             proc.send_signal(signal.SIGINT)
             code = proc.wait(timeout=60)

@@ -1,9 +1,9 @@
 """The real server (tiny GLM-5 checkpoint, real engine) on 127.0.0.1, driven by the ``openai`` client.
 
 One module-scoped server, built by the same ``serve.cli.build`` as ``python -m serve``, with the
-engine geometry of the bundled model's defaults (max_model_len 256, 16 sequences, pages of 64,
-512-token steps: the same step shapes, so the persistent compilation cache serves both) and
-``--max-queue-len 0`` so that 17 requests in flight hit HTTP 429.
+engine defaults (16 sequences, pages of 64, 512-token steps) but a 256-token context, which the
+length-limit tests below rely on (the bundled model's is 4,096: ``test_cli``'s Quick start test
+serves that), and ``--max-queue-len 0`` so that 17 requests in flight hit HTTP 429.
 """
 
 from __future__ import annotations
