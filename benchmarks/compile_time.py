@@ -21,7 +21,7 @@ bf16 at each T. A variant is
 ``name:field=value+field=value``: fields of :class:`pallas_kernels.moe.tuning.MoeConfig` or of its
 ``Tile`` (set on both kernels), and for the linears the same names where
 :class:`pallas_kernels.quant_matmul.tuning.QmmConfig` has them, or ``int4_decode``
-(:func:`pallas_kernels.quant_matmul.decode.int4_decode`). ``--parallel`` then compiles the first
+(:func:`pallas_kernels.quant.decode.int4_decode`). ``--parallel`` then compiles the first
 format's MoE layer at each T of 1, 2, 4 ... 64 (distinct kernels, as a start-up's token buckets are)
 one after another and then side by side on one thread each: how far XLA compiles scale over
 threads, which is what the engine's warm-up relies on.

@@ -12,7 +12,7 @@ Run ``python -m benchmarks.quant`` on a GPU. Per format and T it times, in one p
   path A100s run (on parts where it is the default, ``pallas`` is that path already); FP4 is
   always decoded with integer ops, on every part;
 * variants (``QUANT_VARIANTS=0`` skips them): INT4 with each other INT4 arithmetic
-  (``pallas:int4-f32`` / ``-bf16`` / ``-ptx``, :func:`pallas_kernels.quant_matmul.decode.int4_decode`;
+  (``pallas:int4-f32`` / ``-bf16`` / ``-ptx``, :func:`pallas_kernels.quant.decode.int4_decode`;
   ``QUANT_INT4_VARIANTS=0`` skips these), and at
   T <= 32 4-bit MoE tile variants (4 warps; 64-column tiles; or ``QUANT_MOE_TILES``, see
   :func:`_tile_variants`; ``QUANT_VARIANT_TOKENS=1,8`` picks the T) and quantized linears' variants
@@ -68,16 +68,16 @@ from benchmarks import harness
 from pallas_kernels._triton import compute_capability
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe import tuning as moe_tuning
-from pallas_kernels.quant_matmul import decode
-from pallas_kernels.quant_matmul import kernel as qmm_kernel
-from pallas_kernels.quant_matmul.decode import fp_decode
-from pallas_kernels.quant_matmul.layout import (
+from pallas_kernels.quant import decode
+from pallas_kernels.quant.decode import fp_decode
+from pallas_kernels.quant.layout import (
     QuantizedWeight,
     codes_dtype,
     codes_per_element,
     default_kpack,
     dequantize,
 )
+from pallas_kernels.quant_matmul import kernel as qmm_kernel
 
 FORMATS = ("int4", "fp8", "bf16", "fp4")
 # INT4 in the byte layout (layout.default_kpack's choice for K not a multiple of 256), to compare

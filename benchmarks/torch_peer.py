@@ -1,6 +1,6 @@
 """The torch peer of ``benchmarks/quant.py``: what an engine without fused dequant kernels does.
 
-Weights kept quantized in the kernels' layout (:mod:`pallas_kernels.quant_matmul.layout`, shared
+Weights kept quantized in the kernels' layout (:mod:`pallas_kernels.quant.layout`, shared
 with the JAX arrays through DLPack) are dequantized to bf16 for the batch, then multiplied:
 ``torch._grouped_mm`` for the routed experts (only the experts the batch touches are dequantized;
 bf16 experts are passed whole, with empty groups, as HF transformers does) and ``torch.matmul``
@@ -17,14 +17,14 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from pallas_kernels.quant_matmul.layout import codes_per_element
+from pallas_kernels.quant.layout import codes_per_element
 
 _E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 
 
 @dataclasses.dataclass(frozen=True)
 class TorchWeight:
-    """A :class:`~pallas_kernels.quant_matmul.layout.QuantizedWeight` as torch tensors (fp8 codes as
+    """A :class:`~pallas_kernels.quant.layout.QuantizedWeight` as torch tensors (fp8 codes as
     uint8 bytes)."""
 
     codes: torch.Tensor

@@ -6,7 +6,7 @@ model) from a mapping ``path -> spec`` (:mod:`checkpoints.spec`).
 Loading is shard-local. Every array is made with ``jax.make_array_from_callback``: each device's
 callback reads only that device's slice from the memory-mapped files and puts it straight on that
 device. A parameter whose target is a
-:class:`~pallas_kernels.quant_matmul.layout.QuantizedWeight` (weights kept quantized) gets its
+:class:`~pallas_kernels.quant.layout.QuantizedWeight` (weights kept quantized) gets its
 codes, scales and zero points that way, each device its slice of each, repacked one tensor at a
 time into the kernels' layout (groups narrowed to the target's, exactly); a dense target of a
 quantized tensor is dequantized first, one tensor at a time. Stacked
@@ -50,8 +50,8 @@ from checkpoints.quant import (
 )
 from checkpoints.safetensors_io import CheckpointReader
 from checkpoints.spec import ExpertDown, ExpertGateUp, IndexTable, Leaf, Linear, Spec, Stacked
-from pallas_kernels.quant_matmul import layout
-from pallas_kernels.quant_matmul.layout import QuantizedWeight
+from pallas_kernels.quant import layout
+from pallas_kernels.quant.layout import QuantizedWeight
 
 Path = tuple[Any, ...]
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float64))

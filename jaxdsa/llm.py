@@ -33,7 +33,7 @@ from jaxdsa.engine.engine import CacheLayout
 from jaxdsa.engine.speculative import SpeculativeConfig
 from jaxdsa.loading import load_model
 from jaxdsa.models.registry import family_for, load_config
-from pallas_kernels.quant_matmul.layout import QuantizedWeight
+from jaxdsa.quantized_weight import QuantizedWeight
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

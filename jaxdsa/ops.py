@@ -32,7 +32,7 @@ N expert width):
   (:func:`pallas_kernels.moe.ref.pack_experts`; quantized experts: ``pack_experts`` of three
   ``QuantizedWeight`` stacks ``[E, in, out]``).
 - ``quant_matmul(x [T,K], w: QuantizedWeight [K,N], *, axes=(k, n), layer=None) -> [T,N]``: ``x @ W``
-  with W kept INT4 / FP8 / FP4 (``pallas_kernels.quant_matmul.layout``), dequantized in the kernel
+  with W kept INT4 / FP8 / FP4 (``jaxdsa.quantized_weight``), dequantized in the kernel
   to x's dtype. Its sharding depends on the call site, so the caller passes W's logical axes: a
   split N (column-parallel) splits the output, a split K (row-parallel) splits x too and sums the
   partial products (:func:`quant_matmul_sharding`).

@@ -22,7 +22,7 @@ matrix, scale groups narrowed to whole parts); the absorbed MLA form dequantizes
 ``ignore`` entry naming one layer) is dequantized: one stacked parameter has one format.
 
 :func:`quantize` replaces each chosen parameter of the abstract model by a
-:class:`~pallas_kernels.quant_matmul.layout.QuantizedWeight` of ShapeDtypeStructs: a linear's
+:class:`~jaxdsa.quantized_weight.QuantizedWeight` of ShapeDtypeStructs: a linear's
 ``[*in, *out]`` weight becomes the ``[K, N]`` matrix (axes :attr:`Linear.matrix_axes`), an
 expert stack keeps its ``[E, K, N]`` shape and axes, and every leaf (codes, scales, zero points)
 carries the same logical axes, so one sharding splits them at the same places. Scale groups are
@@ -46,12 +46,12 @@ from flax import nnx
 
 from checkpoints.quant import QuantConfig, WeightFormat, fp4_format, weight_format
 from checkpoints.spec import ExpertDown, ExpertGateUp, Leaf, Linear, Spec, Stacked
+from jaxdsa import quantized_weight
 from jaxdsa.layers.linear import Linear as LinearLayer
 from jaxdsa.layers.mlp import Experts
 from jaxdsa.layers.params import axes_of
+from jaxdsa.quantized_weight import QuantizedWeight
 from jaxdsa.sharding import Axes
-from pallas_kernels.quant_matmul import layout
-from pallas_kernels.quant_matmul.layout import QuantizedWeight
 
 QUANTIZATION = ("auto", "dequantize", "fp8", "int4")
 Path = tuple[Any, ...]
@@ -87,7 +87,7 @@ class Slot:
     shape: tuple[int, ...]
     axes: Axes
     parts: int = 1
-    experts: bool = False  # a routed-expert stack (INT4 ones take the word layout: layout.default_kpack)
+    experts: bool = False  # a routed-expert stack (INT4 ones take the word layout: default_kpack)
 
 
 def slots(model: nnx.Module) -> dict[Path, Slot]:
@@ -131,7 +131,7 @@ def formats(
 def _linear_format(leaf: Linear, fmt: WeightFormat, slot: Slot) -> WeightFormat:
     """``fmt`` for the linear ``leaf`` held as ``slot``: its ``[K, N]`` matrix, or that with zero
     heads appended (heads padded for tensor parallelism: a 4-bit K only by whole 64-row packed
-    chunks of whole groups, :func:`~pallas_kernels.quant_matmul.layout.pad_k`), scale groups
+    chunks of whole groups, :func:`~pallas_kernels.quant.layout.pad_k`), scale groups
     narrowed to whole per-head parts (``kv_b``'s W_UK / W_UV)."""
     k, n = slot.shape[-2:]
     gk, gn = fmt.group
@@ -193,7 +193,7 @@ def abstract_weight(
     kpack = 0
     if fmt.format != "fp8":
         try:
-            kpack = layout.default_kpack(local_k, fmt.format, words=slot.experts)
+            kpack = quantized_weight.default_kpack(local_k, fmt.format, words=slot.experts)
         except ValueError:
             raise ValueError(
                 f"{what}: a 4-bit weight of K = {k} split into {k_shards} shards needs shards of whole "
@@ -207,8 +207,8 @@ def abstract_weight(
             raise ValueError(f"{what}: N = {n} does not split into {n_shards} shards")
         gn = _narrow(gn, piece // n_shards)
     packed = fmt.format != "fp8"
-    codes_dtype = layout.codes_dtype(kpack) if packed else np.dtype(ml_dtypes.float8_e4m3fn)
-    rows = k // layout.codes_per_element(kpack) if packed else k
+    codes_dtype = quantized_weight.codes_dtype(kpack) if packed else np.dtype(ml_dtypes.float8_e4m3fn)
+    rows = k // quantized_weight.codes_per_element(kpack) if packed else k
     groups = (*lead, -(-k // gk), -(-n // gn))
     return QuantizedWeight(
         jax.ShapeDtypeStruct((*lead, rows, n), codes_dtype),

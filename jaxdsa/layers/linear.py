@@ -12,9 +12,8 @@ from flax import nnx
 from jaxdsa import ops, sharding
 from jaxdsa.layers.params import fan_in, normal
 from jaxdsa.layers.stacks import layer_value, split_layer
+from jaxdsa.quantized_weight import QuantizedWeight, dequantize
 from jaxdsa.sharding import Axes
-from pallas_kernels.quant_matmul import layout
-from pallas_kernels.quant_matmul.layout import QuantizedWeight
 
 
 def matrix_axes(axes: Axes, in_ndim: int) -> tuple[str, str]:
@@ -98,7 +97,7 @@ class Linear(nnx.Module):
         weight's values."""
         w = layer_value(self.weight.get_value())
         if isinstance(w, QuantizedWeight):
-            return layout.dequantize(w, dtype).reshape(*self.in_shape, *self.out_shape)
+            return dequantize(w, dtype).reshape(*self.in_shape, *self.out_shape)
         return w
 
 

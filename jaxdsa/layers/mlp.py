@@ -78,7 +78,7 @@ class Experts(nnx.Module):
     """Routed experts packed for :func:`jaxdsa.ops.moe_experts`: gate_up [E, D, 2N], down [E, N, D]
     (``swiglu_limit`` as in :class:`MLP`).
 
-    A loader may replace either by a :class:`~pallas_kernels.quant_matmul.layout.QuantizedWeight`
+    A loader may replace either by a :class:`~jaxdsa.quantized_weight.QuantizedWeight`
     stack of the same shape and logical axes (the op's kernels dequantize experts in their K loop).
     Scanned, both reach the module as :class:`~jaxdsa.layers.stacks.LayerSlice` s of the layers'
     stacks (:meth:`stack_reads`), which the op's kernels read in place.

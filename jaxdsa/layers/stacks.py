@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from pallas_kernels.quant_matmul.layout import take_layer
+from jaxdsa.quantized_weight import take_layer
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["stack", "index"], meta_fields=[])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels._triton import compute_capability
+from pallas_kernels._triton import compute_capability, pl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,16 +40,9 @@ TABLE: dict[int, _Entry] = {
 DEFAULT = _Entry(max_block_s=16, warps_per_256_channels=4, num_stages=2)
 
 
-def _pow2_at_least(x: int) -> int:
-    p = 1
-    while p < x:
-        p *= 2
-    return p
-
-
 def choose(m: int, d: int) -> PoolConfig:
     """Config for windows of ``m`` rows and entries of ``d`` channels."""
     e = TABLE.get(compute_capability(), DEFAULT)
-    d_pad = max(16, _pow2_at_least(d))
+    d_pad = max(16, pl.next_power_of_2(d))
     warps = min(8, max(1, e.warps_per_256_channels * d_pad // 256))
-    return PoolConfig(min(e.max_block_s, _pow2_at_least(m)), d_pad, warps, e.num_stages)
+    return PoolConfig(min(e.max_block_s, pl.next_power_of_2(m)), d_pad, warps, e.num_stages)

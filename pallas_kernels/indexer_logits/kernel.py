@@ -30,7 +30,7 @@ homogeneous and the scales are positive (amax / 448), so
 e4m3 values (exact in bf16/f16) and multiply each logit by its key's scale, so key bytes stay at
 one per value. On sm_89+ the e4m3 cast is done in-kernel. **On sm_80/86 the Triton lowering has no
 e4m3 cast**: the keys are bitcast to uint8 in XLA (free) and decoded in-kernel with integer ops
-(:func:`_e4m3_bits_to_f16`). The choice is :func:`pallas_kernels.quant_matmul.decode.fp_decode`'s
+(:func:`_e4m3_bits_to_f16`). The choice is :func:`pallas_kernels.quant.decode.fp_decode`'s
 (``JAXDSA_FP_DECODE`` forces either path); ``native_fp8`` overrides it per call.
 
 Inputs with ragged edges are masked explicitly on every load and store (JAX 0.11.2 does not mask
@@ -49,7 +49,7 @@ from jax import lax
 
 from pallas_kernels._triton import compiler_params, pl, pltriton
 from pallas_kernels.indexer_logits import tuning
-from pallas_kernels.quant_matmul.decode import fp_decode
+from pallas_kernels.quant.decode import fp_decode
 
 KeyFormat = Literal["plain", "e4m3", "e4m3_bits"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels._triton import compute_capability
+from pallas_kernels._triton import compute_capability, pl
 
 MAX_BLOCK_PARTS = 64
 
@@ -47,18 +47,11 @@ TABLE: dict[int, _Entry] = {
 DEFAULT = _Entry(num_sms=108, tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2)
 
 
-def _pow2_at_least(x: int) -> int:
-    p = 1
-    while p < x:
-        p *= 2
-    return p
-
-
 def choose(n_parts: int, rows: int, d: int) -> MergeConfig:
     """Config for merging ``n_parts`` parts of ``rows`` x ``d`` outputs."""
     e = TABLE.get(compute_capability(), DEFAULT)
-    block_parts = min(_pow2_at_least(n_parts), MAX_BLOCK_PARTS)
-    block_d = min(e.max_block_d, _pow2_at_least(d), max(32, e.tile_elems // block_parts))
+    block_parts = min(pl.next_power_of_2(n_parts), MAX_BLOCK_PARTS)
+    block_d = min(e.max_block_d, pl.next_power_of_2(d), max(32, e.tile_elems // block_parts))
     block_rows = max(1, e.tile_elems // (block_parts * block_d))
     col_blocks = -(-d // block_d)
     while block_rows > 1 and -(-rows // block_rows) * col_blocks < e.num_sms:

@@ -21,6 +21,7 @@ import dataclasses
 
 from pallas_kernels._triton import (
     compute_capability,
+    pl,
     shared_memory_budget,
     shared_memory_bytes,
     shrink_to_fit,
@@ -52,13 +53,6 @@ TABLE: dict[int, MhcConfig] = {
 DEFAULT = MhcConfig(block_t=16, block_k=128, block_d=128, num_warps=4, num_stages=2)
 
 
-def _pow2_at_least(x: int) -> int:
-    p = 1
-    while p < x:
-        p *= 2
-    return p
-
-
 def smem_bytes(cfg: MhcConfig, n: int) -> int:
     """hc_pre's pipelined loop: a float32 stream tile and the pre / post / comb weight tiles."""
     width = max(16, n)
@@ -72,8 +66,8 @@ def choose(t: int, n: int, d: int) -> MhcConfig:
     cfg = TABLE.get(cc, DEFAULT)
     cfg = dataclasses.replace(
         cfg,
-        block_k=min(cfg.block_k, max(16, _pow2_at_least(n * d))),
-        block_d=min(cfg.block_d, max(16, _pow2_at_least(d))),
+        block_k=min(cfg.block_k, max(16, pl.next_power_of_2(n * d))),
+        block_d=min(cfg.block_d, max(16, pl.next_power_of_2(d))),
     )
     cfg = shrink_to_fit(
         cfg, lambda c: smem_bytes(c, n), shared_memory_budget(cc), (("num_stages", 1), ("block_k", 16))

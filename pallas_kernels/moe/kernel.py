@@ -27,9 +27,9 @@ before it, which multiplies those rows with the weight tiles it already has in s
 (H100, T = 4096: 4.7 vs 4.9 ms for routing + gate|up, ``benchmarks/results/moe-h100-sweep-*.md``).
 With decode-sized batches ``block_m`` almost always covers all of an expert's slots, so each
 touched expert's weights are streamed from HBM once (see :mod:`.tuning`). Both kernels read
-weights only through :func:`pallas_kernels.quant_matmul.tiles.pieces`: bf16 / float32 weights as
+weights only through :func:`pallas_kernels.quant.tiles.pieces`: bf16 / float32 weights as
 ``[block_k, block_n]`` slices, INT4 / FP8 / FP4 experts (a
-:class:`~pallas_kernels.quant_matmul.layout.QuantizedWeight` per matrix) dequantized in the K loop
+:class:`~pallas_kernels.quant.layout.QuantizedWeight` per matrix) dequantized in the K loop
 to the activations' dtype, so quantized experts stream 4 or 8 bits per weight.
 
 Loads and stores that can touch padding (the gathered ``x`` rows, the ``y`` scatter) carry
@@ -39,7 +39,7 @@ construction (tiles divide D and N, nothing overhangs), so JAX 0.11.2 and 0.12 a
 Weights use :func:`.ref.pack_experts`'s layout (``gate_up [E, D, 2N]``, ``down [E, N, D]``, dense or
 quantized), so packed weights work with the reference backend too and switching backends needs no
 repacking. With ``layer`` they are stacks over scanned layers (``[L, E, D, 2N]``, ``[L, E, N, D]``)
-read in place at that traced layer (:func:`pallas_kernels.quant_matmul.tiles.operands`): a scan
+read in place at that traced layer (:func:`pallas_kernels.quant.tiles.operands`): a scan
 over layers then never copies a layer's experts out of the stack for the kernels.
 """
 
@@ -52,10 +52,10 @@ import jax.numpy as jnp
 
 from pallas_kernels._triton import compiler_params, pl, pltriton
 from pallas_kernels.moe import routing, tuning
-from pallas_kernels.quant_matmul import tiles
-from pallas_kernels.quant_matmul.decode import fp_decode
-from pallas_kernels.quant_matmul.decode import int4_decode as int4_decode_mode
-from pallas_kernels.quant_matmul.layout import QuantizedWeight
+from pallas_kernels.quant import tiles
+from pallas_kernels.quant.decode import fp_decode
+from pallas_kernels.quant.decode import int4_decode as int4_decode_mode
+from pallas_kernels.quant.layout import QuantizedWeight
 
 __all__ = ["combine", "down", "gate_up", "moe_experts", "route"]
 
@@ -275,8 +275,8 @@ def moe_experts(
     [-limit, limit]. ``config`` overrides the tuning table (benchmark sweeps). D and N must be
     multiples of 16. Dense experts compute in their own dtype (x is cast to it); quantized experts
     are dequantized to x's dtype (``decode``: e4m3 path, see
-    :func:`pallas_kernels.quant_matmul.decode.fp_decode`; ``int4_decode``: INT4 arithmetic, see
-    :func:`pallas_kernels.quant_matmul.decode.int4_decode`). ``layer`` (int32 scalar, may be
+    :func:`pallas_kernels.quant.decode.fp_decode`; ``int4_decode``: INT4 arithmetic, see
+    :func:`pallas_kernels.quant.decode.int4_decode`). ``layer`` (int32 scalar, may be
     traced): the experts are stacks over layers, read in place at that layer (module docstring).
     Returns [T, D] in x's dtype.
     """

@@ -5,14 +5,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quant_matmul.layout import QuantizedWeight, concat_n, dequantize, take_layer
+from pallas_kernels.quant.layout import QuantizedWeight, concat_n, dequantize, take_layer
 
 
 def pack_experts(gate, up, down):
     """HF per-expert [out, in] matrices -> {'gate_up': [E, D, 2N], 'down': [E, N, D]}.
 
     Quantized experts are passed as :class:`QuantizedWeight` stacks already in the ``[E, in, out]``
-    layout (``pallas_kernels.quant_matmul.layout.pack_*``); gate and up are joined along N."""
+    layout (``pallas_kernels.quant.layout.pack_*``); gate and up are joined along N."""
     if isinstance(gate, QuantizedWeight):
         return {"gate_up": concat_n(gate, up), "down": down}
     gate_up = jnp.concatenate([jnp.swapaxes(gate, 1, 2), jnp.swapaxes(up, 1, 2)], axis=-1)

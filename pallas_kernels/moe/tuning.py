@@ -63,7 +63,7 @@ from pallas_kernels._triton import (
     shared_memory_bytes,
     shrink_to_fit,
 )
-from pallas_kernels.quant_matmul.tuning import decoded_tile_bytes
+from pallas_kernels.quant.tiles import decoded_tile_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +178,7 @@ def smem_bytes(
     per stage the ``[block_m, block_k]`` activation tile and ``weight_tiles`` (2 for gate|up, 1 for
     down) ``[block_k, block_n]`` weight tiles; the ``[block_m, block_n]`` output in the epilogue.
     Quantized weights (``weight_bits``) load their codes per stage, and their dequantized tiles stay
-    resident as :func:`pallas_kernels.quant_matmul.tuning.decoded_tile_bytes` says."""
+    resident as :func:`pallas_kernels.quant.tiles.decoded_tile_bytes` says."""
     weight = weight_tiles * tile.block_n * tile.block_k
     if weight_bits is None:
         stage, resident = (block_m * tile.block_k + weight) * itemsize, 0

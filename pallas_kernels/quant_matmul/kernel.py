@@ -1,18 +1,19 @@
 """Pallas-Triton ``quant_matmul``: ``x @ W`` with W kept quantized and dequantized tile by tile.
 
 Grid (M tiles, N tiles, K splits). A program walks its share of K in ``block_k`` steps: it reads
-the weight's codes and the scale (and zero-point) rows of the step (:func:`.tiles.pieces`),
-dequantizes them in registers to the activations' dtype and multiplies them with the matching
-activation columns, accumulating in float32. Weight bytes are read from HBM once per M tile, so
-decode (one M tile) is a pure weight stream at the codes' width: 4 or 8 bits per weight instead of
-16. With several K splits each program writes a float32 partial sum and one XLA fusion adds them.
+the weight's codes and the scale (and zero-point) rows of the step
+(:func:`pallas_kernels.quant.tiles.pieces`), dequantizes them in registers to the activations' dtype
+and multiplies them with the matching activation columns, accumulating in float32. Weight bytes are
+read from HBM once per M tile, so decode (one M tile) is a pure weight stream at the codes' width: 4
+or 8 bits per weight instead of 16. With several K splits each program writes a float32 partial sum
+and one XLA fusion adds them.
 
 Activation rows past M are masked on load (``other = 0``); the output is padded to whole M tiles,
 so every store is in bounds and unmasked, and the padding is sliced off outside.
 
 ``layer``: W is a stack ``[L, K, N]`` of scanned layers' weights, read in place at that (traced)
-layer (:func:`.tiles.operands`), so a scan over layers never copies a layer's weight out of the
-stack for the kernel.
+layer (:func:`pallas_kernels.quant.tiles.operands`), so a scan over layers never copies a layer's
+weight out of the stack for the kernel.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels._triton import compiler_params, pl, pltriton
-from pallas_kernels.quant_matmul import layout, ref, tiles, tuning
-from pallas_kernels.quant_matmul.decode import fp_decode
-from pallas_kernels.quant_matmul.decode import int4_decode as int4_mode
-from pallas_kernels.quant_matmul.layout import QuantizedWeight
+from pallas_kernels.quant import layout, tiles
+from pallas_kernels.quant.decode import fp_decode
+from pallas_kernels.quant.decode import int4_decode as int4_mode
+from pallas_kernels.quant.layout import QuantizedWeight
+from pallas_kernels.quant_matmul import ref, tuning
 
 
 def _kernel(x_ref, *refs, specs, counts, tiles_at, block_m, block_n, block_k, steps, m_total, precision):
@@ -82,11 +84,12 @@ def quant_matmul(
 ) -> jax.Array:
     """``x [M, K] @ W [K, N] -> [M, N]`` in x's dtype (bf16 or float32), W dequantized in the kernel to
     x's dtype, float32 accumulation. ``decode``: 'native' / 'software' e4m3 decoding (default:
-    :func:`.decode.fp_decode`); ``int4_decode``: 'f32' / 'bf16' / 'ptx' INT4 arithmetic (default:
-    :func:`.decode.int4_decode`); ``config`` overrides the tuning table (benchmark sweeps). An N that
-    is not a multiple of 16 (a tiny model's 136-wide ``kv_a``) is padded with zero columns, sliced
-    off the result; an FP8 weight's K likewise with zero rows (and x with zero columns: a tiny V4's
-    40-wide ``q_lora``). 4-bit weights' K is whole packed chunks (32 or 64 rows) by their layout.
+    :func:`pallas_kernels.quant.decode.fp_decode`); ``int4_decode``: 'f32' / 'bf16' / 'ptx' INT4
+    arithmetic (default: :func:`pallas_kernels.quant.decode.int4_decode`); ``config`` overrides the
+    tuning table (benchmark sweeps). An N that is not a multiple of 16 (a tiny model's 136-wide
+    ``kv_a``) is padded with zero columns, sliced off the result; an FP8 weight's K likewise with zero
+    rows (and x with zero columns: a tiny V4's 40-wide ``q_lora``). 4-bit weights' K is whole packed
+    chunks (32 or 64 rows) by their layout.
     ``dequantize_first``: dequantize W in XLA and multiply with XLA's dot instead of the kernel
     (default: from the tuning table's row count on, :func:`.tuning.dequantize_first`). ``layer``
     (int32 scalar, may be traced): W is a stack ``[L, K, N]`` read at that layer in place (a weight

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quant_matmul.layout import QuantizedWeight, dequantize, take_layer
+from pallas_kernels.quant.layout import QuantizedWeight, dequantize, take_layer
 
 
 def quant_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = None) -> jax.Array:

@@ -33,6 +33,7 @@ from pallas_kernels._triton import (
     shared_memory_bytes,
     shrink_to_fit,
 )
+from pallas_kernels.quant.tiles import decoded_tile_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,19 +93,10 @@ DEFAULT = dataclasses.replace(_SMALL, dequantize_min_m=None)  # unknown GPUs and
 _MAX_SPLITS = 16
 
 
-def decoded_tile_bytes(weight_elements: int, *, block_m: int, itemsize: int, weight_bits: int) -> int:
-    """Shared memory a quantized step's dequantized weight tile (``weight_elements``) holds on its way
-    to the tensor cores, at the activation itemsize; none for 4-bit codes in tiles of fewer than 64
-    rows, which Triton decodes straight into the MMA operand registers (H100: 70.7 KiB for 4 stages
-    of the MoE's gate|up, ``benchmarks/results/profile-h100-moe-4bit.md``). The quantized kernels'
-    shared-memory estimates (here and :func:`pallas_kernels.moe.tuning.smem_bytes`) both use it."""
-    return 0 if weight_bits == 4 and block_m < 64 else weight_elements * itemsize
-
-
 def smem_bytes(cfg: QmmConfig, *, itemsize: int, weight_bits: int) -> int:
     """Shared-memory bound (:func:`pallas_kernels._triton.shared_memory_bytes`): per stage the
     activation tile and the weight codes; resident, the dequantized weight tile
-    (:func:`decoded_tile_bytes`); the float32 output tile after."""
+    (:func:`pallas_kernels.quant.tiles.decoded_tile_bytes`); the float32 output tile after."""
     return shared_memory_bytes(
         stage=cfg.block_m * cfg.block_k * itemsize + cfg.block_k * cfg.block_n * weight_bits // 8,
         num_stages=cfg.num_stages,

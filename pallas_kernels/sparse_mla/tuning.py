@@ -44,6 +44,7 @@ import dataclasses
 
 from pallas_kernels._triton import (
     compute_capability,
+    pl,
     shared_memory_budget,
     shared_memory_bytes,
     shrink_to_fit,
@@ -108,24 +109,17 @@ TUNED: dict[tuple[int, int, int], MlaConfig] = {
 _KNOBS = (("block_n", 16), ("num_stages", 1), ("block_h", 16))
 
 
-def _pow2_at_least(x: int, floor: int) -> int:
-    p = floor
-    while p < x:
-        p *= 2
-    return p
-
-
 def smem_bytes(cfg: MlaConfig, *, d_v: int, d_r: int, itemsize: int) -> int:
     """Shared-memory estimate (:func:`pallas_kernels._triton.shared_memory_bytes`) of one program:
     the q tile ``[block_h, Dv + Dr]`` resident, per stage ``block_n`` gathered rows plus their int32
     indices, the ``[block_h, Dv]`` float32 output tile in the epilogue (widths padded as the kernel
     pads them)."""
-    width = _pow2_at_least(d_v, 16) + (_pow2_at_least(d_r, 16) if d_r else 0)
+    width = max(16, pl.next_power_of_2(d_v)) + (max(16, pl.next_power_of_2(d_r)) if d_r else 0)
     return shared_memory_bytes(
         resident=cfg.block_h * width * itemsize,
         stage=cfg.block_n * (width * itemsize + 4),
         num_stages=cfg.num_stages,
-        epilogue=cfg.block_h * _pow2_at_least(d_v, 16) * 4,
+        epilogue=cfg.block_h * max(16, pl.next_power_of_2(d_v)) * 4,
     )
 
 
@@ -148,13 +142,13 @@ def choose(
 
     def block_n_for(block_h: int) -> int:
         wide = e.wide_block_n if block_h >= 64 and e.wide_block_n else e.block_n
-        return min(wide, _pow2_at_least(k, 16))
+        return min(wide, max(16, pl.next_power_of_2(k)))
 
     def max_splits(block_n: int) -> int:
         return max(1, min(e.max_splits, k // block_n, partial_budget // (t * h * 4 * d_v)))
 
     if block_h is None:
-        block_h = min(e.max_block_h, _pow2_at_least(h, 16))
+        block_h = min(e.max_block_h, max(16, pl.next_power_of_2(h)))
         while block_h > 16 and t * -(-h // block_h) * max_splits(block_n_for(block_h)) < e.num_sms:
             block_h //= 2
     cfg = MlaConfig(block_h, block_n_for(block_h), e.num_warps, e.num_stages, splits=1)

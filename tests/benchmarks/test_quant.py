@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import quant
-from pallas_kernels.quant_matmul.layout import WORD_KPACK
+from pallas_kernels.quant.layout import WORD_KPACK
 
 
 def test_small_run_writes_a_report(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.moe import ref
-from pallas_kernels.quant_matmul import layout
+from pallas_kernels.quant import layout
 
 torch = pytest.importorskip("torch")
 torch_peer = pytest.importorskip("benchmarks.torch_peer")

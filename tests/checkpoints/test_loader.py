@@ -16,7 +16,7 @@ from checkpoints.safetensors_io import CheckpointReader
 from checkpoints.tiny.make import make_tiny
 from jaxdsa.config import ConfigError
 from jaxdsa.loading import load_model
-from pallas_kernels.quant_matmul.layout import QuantizedWeight, dequantize
+from pallas_kernels.quant.layout import QuantizedWeight, dequantize
 from tests.checkpoints.test_quant import _pack_along
 from tests.conftest import FIXTURES
 

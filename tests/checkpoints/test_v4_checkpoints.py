@@ -18,7 +18,7 @@ from checkpoints.errors import CheckpointError
 from checkpoints.safetensors_io import CheckpointReader
 from jaxdsa.loading import load_model
 from jaxdsa.models.deepseek_v4.params import release_name, tensor_name
-from pallas_kernels.quant_matmul.layout import QuantizedWeight, dequantize
+from pallas_kernels.quant.layout import QuantizedWeight, dequantize
 from tests.conftest import FIXTURES
 
 

@@ -19,7 +19,7 @@ import pytest
 from pallas_kernels._triton import compute_capability
 from pallas_kernels.moe import kernel, ref
 from pallas_kernels.moe.tuning import MoeConfig, Tile
-from pallas_kernels.quant_matmul import layout
+from pallas_kernels.quant import layout
 
 _ref = jax.jit(ref.moe_experts, static_argnames=("swiglu_limit",))
 

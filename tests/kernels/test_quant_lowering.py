@@ -16,7 +16,8 @@ import pytest
 from pallas_kernels._triton import lower_for_cuda, shared_memory_budget
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe import tuning as moe_tuning
-from pallas_kernels.quant_matmul import kernel, layout
+from pallas_kernels.quant import layout
+from pallas_kernels.quant_matmul import kernel
 
 TARGETS = {"sm_80": 80, "sm_90": 90, "sm_120": 120}
 D, N, E, TOP_K = 6144, 2048, 256, 8  # GLM-5: hidden, expert width, routed experts, experts per token

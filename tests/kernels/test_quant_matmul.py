@@ -18,7 +18,8 @@ import pytest
 from checkpoints import quant as formats
 from jaxdsa import ops
 from pallas_kernels._triton import compute_capability
-from pallas_kernels.quant_matmul import decode, kernel, layout, ref, tuning
+from pallas_kernels.quant import decode, layout
+from pallas_kernels.quant_matmul import kernel, ref, tuning
 
 BF16 = ml_dtypes.bfloat16
 

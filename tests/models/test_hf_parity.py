@@ -15,7 +15,7 @@ from flax import nnx
 
 import jaxdsa
 from jaxdsa import ops
-from pallas_kernels.quant_matmul.layout import QuantizedWeight
+from pallas_kernels.quant.layout import QuantizedWeight
 from tests.conftest import FIXTURES
 
 FIXTURE_NAMES = ["glm5", "dsv32", "glm52", "dsv32_yarn"]

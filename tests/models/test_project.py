@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxdsa.layers.linear import Linear, project
-from pallas_kernels.quant_matmul import layout
+from pallas_kernels.quant import layout
 
 
 def _int4(rng, k: int, n: int):

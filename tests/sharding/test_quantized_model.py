@@ -19,7 +19,7 @@ import jaxdsa
 from checkpoints.tiny.presets import TINY_PRESETS
 from jaxdsa import plan, sharding
 from jaxdsa.loading import load_model
-from pallas_kernels.quant_matmul.layout import QuantizedWeight, dequantize
+from pallas_kernels.quant.layout import QuantizedWeight, dequantize
 from tests.conftest import FIXTURES
 from tests.models.test_hf_parity import TOLERANCE, rel_l2
 from tests.sharding.test_loading import device_bytes

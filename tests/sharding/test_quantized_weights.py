@@ -14,7 +14,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.quant_matmul import kernel, layout, ref
+from pallas_kernels.quant import layout
+from pallas_kernels.quant_matmul import kernel, ref
 
 
 def _int4(rng, lead, n, k, group=32, kpack=None):

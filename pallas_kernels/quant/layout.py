@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from pallas_kernels.quant_matmul.decode import e8m0_to_f32
+from pallas_kernels.quant.decode import e8m0_to_f32
 
 FORMATS = ("int4", "fp8", "fp4")
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)

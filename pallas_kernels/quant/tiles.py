@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels._triton import pl
-from pallas_kernels.quant_matmul import decode
-from pallas_kernels.quant_matmul.layout import E4M3, E8M0, WORD_KPACK, WORD_PIECE, QuantizedWeight
+from pallas_kernels.quant import decode
+from pallas_kernels.quant.layout import E4M3, E8M0, WORD_KPACK, WORD_PIECE, QuantizedWeight
 
 Piece = tuple[int, int, jax.Array]  # (k offset in the tile, k length, [k length, block_n] tile)
 
@@ -52,6 +52,16 @@ class WeightSpec:
     @property
     def packed(self) -> bool:
         return self.format in ("int4", "fp4")
+
+
+def decoded_tile_bytes(weight_elements: int, *, block_m: int, itemsize: int, weight_bits: int) -> int:
+    """Shared memory a quantized step's dequantized weight tile (``weight_elements``) holds on its way
+    to the tensor cores, at the activation itemsize; none for 4-bit codes in tiles of fewer than 64
+    rows, which Triton decodes straight into the MMA operand registers (H100: 70.7 KiB for 4 stages
+    of the MoE's gate|up, ``benchmarks/results/profile-h100-moe-4bit.md``). The quantized kernels'
+    shared-memory estimates (:func:`pallas_kernels.quant_matmul.tuning.smem_bytes` and
+    :func:`pallas_kernels.moe.tuning.smem_bytes`) both use it."""
+    return 0 if weight_bits == 4 and block_m < 64 else weight_elements * itemsize
 
 
 def operands(
