@@ -288,8 +288,8 @@ def select_experts(
     scaling: float,
     layer=None,
 ):
-    stacked = layer is not None
-    return _impl("select_experts", get_kernels(), stacked)(
+    impl, at = _at_layer("select_experts", layer)
+    return impl(
         logits,
         bias,
         top_k=top_k,
@@ -297,16 +297,13 @@ def select_experts(
         topk_group=topk_group,
         norm_topk_prob=norm_topk_prob,
         scaling=scaling,
-        **({"layer": _index(layer)} if stacked else {}),
+        **at,
     )
 
 
 def moe_experts(x, topk_ids, topk_weights, experts, *, swiglu_limit: float | None = None, layer=None):
-    if layer is None:
-        impl = _impl("moe_experts", get_kernels())
-        return impl(x, topk_ids, topk_weights, experts, swiglu_limit=swiglu_limit)
-    impl = _impl("moe_experts", get_kernels(), stacked=True)
-    return impl(x, topk_ids, topk_weights, experts, swiglu_limit=swiglu_limit, layer=_index(layer))
+    impl, at = _at_layer("moe_experts", layer)
+    return impl(x, topk_ids, topk_weights, experts, swiglu_limit=swiglu_limit, **at)
 
 
 def quant_matmul_sharding(k: str | None, n: str | None) -> OpSharding:
@@ -348,16 +345,22 @@ def quant_matmul_many(x, ws, *, axes: tuple[tuple[str | None, str | None], ...],
     return _quant_matmul_many_impl(get_kernels(), k, ns, True)(x, tuple(ws), layer=_index(layer))
 
 
+def _at_layer(name: str, layer) -> tuple[Callable[..., Any], dict[str, jax.Array]]:
+    """Op ``name`` and its ``layer`` keyword: with a layer index, the op that takes its weights as
+    whole layer stacks (:attr:`Op.weights`) and the index to read them at; without, the plain op."""
+    if layer is None:
+        return _impl(name, get_kernels()), {}
+    return _impl(name, get_kernels(), stacked=True), {"layer": _index(layer)}
+
+
 def _index(layer) -> jax.Array:
     """A layer index as the int32 scalar array the ops' shard_maps and kernels take."""
     return jnp.asarray(layer, jnp.int32)
 
 
 def add_rms_norm(x, weight, *, eps: float, residual=None, layer=None):
-    if layer is None:
-        return _impl("add_rms_norm", get_kernels())(x, weight, eps=eps, residual=residual)
-    impl = _impl("add_rms_norm", get_kernels(), stacked=True)
-    return impl(x, weight, eps=eps, residual=residual, layer=_index(layer))
+    impl, at = _at_layer("add_rms_norm", layer)
+    return impl(x, weight, eps=eps, residual=residual, **at)
 
 
 def indexer_logits(q, w, k, *, q_pos):

@@ -19,14 +19,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._triton import compiler_params, pl, pltriton
+from pallas_kernels.quant import tiles
 
 
-def _kernel(*refs, d: int, block: int, eps: float, has_residual: bool, stacked: bool):
-    refs = list(refs)
-    x_ref = refs.pop(0)
+def _kernel(*refs, d: int, block: int, eps: float, has_residual: bool, w_spec: tiles.WeightSpec):
+    x_ref, *refs, o_ref, s_ref = refs
     r_ref = refs.pop(0) if has_residual else None
-    lead = (refs.pop(0)[0],) if stacked else ()  # the layer index, read once
-    w_ref, o_ref, s_ref = refs
+    lead, (w_ref,) = tiles.layer_lead(w_spec, refs)
     row = pl.program_id(0)
     cols = jnp.arange(block, dtype=jnp.int32)
     ok = cols < d
@@ -64,8 +63,8 @@ def _add_rms_norm(x, weight, residual, layer, *, eps: float, interpret: bool):
     if weight.shape[-1] != d or weight.ndim != (1 if layer is None else 2):
         raise ValueError(f"add_rms_norm: weight {weight.shape} for rows of {d} with layer={layer}")
     block = pl.next_power_of_2(d)
-    index = () if layer is None else (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),)
-    operands = (x, *(() if residual is None else (residual,)), *index, weight)
+    w_spec, w_operands = tiles.operands(weight, layer=layer)
+    operands = (x, *(() if residual is None else (residual,)), *w_operands)
     return pl.pallas_call(
         functools.partial(
             _kernel,
@@ -73,7 +72,7 @@ def _add_rms_norm(x, weight, residual, layer, *, eps: float, interpret: bool):
             block=block,
             eps=eps,
             has_residual=residual is not None,
-            stacked=layer is not None,
+            w_spec=w_spec,
         ),
         out_shape=(
             jax.ShapeDtypeStruct((t, d), jnp.result_type(weight.dtype, x.dtype)),

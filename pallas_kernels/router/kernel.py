@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._triton import compiler_params, pl, pltriton
+from pallas_kernels.quant import tiles
 
 _INT32_MIN = -(2**31)
 _NEG_INF_KEY = -(2**31) + 2**23 - 1  # _ordered_key(-inf): above INT32_MIN, below every finite key
@@ -51,7 +52,7 @@ def _num_warps(e_pad: int) -> int:
 
 def _router_kernel(
     *refs,
-    stacked: bool,
+    bias_spec: tiles.WeightSpec,
     e: int,
     top_k: int,
     n_group: int,
@@ -59,9 +60,8 @@ def _router_kernel(
     norm_topk_prob: bool,
     scaling: float,
 ):
-    logits_ref, *refs = refs
-    lead = (refs.pop(0)[0],) if stacked else ()  # a stacked bias: the layer index, read once
-    bias_ref, ids_ref, weights_ref = refs
+    logits_ref, *bias_refs, ids_ref, weights_ref = refs
+    lead, (bias_ref,) = tiles.layer_lead(bias_spec, bias_refs)
     row = pl.program_id(0)
     e_pad = pl.next_power_of_2(e)
     lanes = jnp.arange(e_pad, dtype=jnp.int32)
@@ -152,10 +152,10 @@ def select_experts(
     _check(e, top_k, n_group, topk_group)
     if t == 0:
         return jnp.zeros((0, top_k), jnp.int32), jnp.zeros((0, top_k), jnp.float32)
-    index = () if layer is None else (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),)
+    bias_spec, bias_operands = tiles.operands(bias.astype(jnp.float32), layer=layer)
     kernel = functools.partial(
         _router_kernel,
-        stacked=layer is not None,
+        bias_spec=bias_spec,
         e=e,
         top_k=top_k,
         n_group=n_group,
@@ -173,4 +173,4 @@ def select_experts(
         compiler_params=compiler_params(_num_warps(pl.next_power_of_2(e)), 1),
         interpret=interpret,
         name="select_experts",
-    )(logits.astype(jnp.float32), *index, bias.astype(jnp.float32))
+    )(logits.astype(jnp.float32), *bias_operands)

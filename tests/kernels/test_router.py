@@ -132,12 +132,21 @@ def test_invalid_shapes_raise(e, top_k, n_group, topk_group, match):
     [(256, 8, 8, 4), (256, 8, 1, 1), (160, 6, 8, 3)],
     ids=["dsv32", "glm5", "padded"],
 )
-def test_lowers_for_cuda(target, e, top_k, n_group, topk_group):
-    """DeepSeek-V3.2 (8 groups, 4 kept) and GLM-5 (no groups) routers at T = 4: one Triton call."""
-    text = lower_for_cuda(
-        kernel.select_experts,
+@pytest.mark.parametrize("stacked", [False, True], ids=["bias", "bias-stack"])
+def test_lowers_for_cuda(target, e, top_k, n_group, topk_group, stacked):
+    """DeepSeek-V3.2 (8 groups, 4 kept) and GLM-5 (no groups) routers at T = 4, the bias alone or
+    read in a layer stack: one Triton call."""
+    shapes = [
         jax.ShapeDtypeStruct((4, e), jnp.float32),
-        jax.ShapeDtypeStruct((e,), jnp.float32),
+        jax.ShapeDtypeStruct((3, e) if stacked else (e,), jnp.float32),
+    ]
+    if stacked:
+        shapes.append(jax.ShapeDtypeStruct((), jnp.int32))
+    text = lower_for_cuda(
+        lambda logits, bias, *layer, **kw: kernel.select_experts(
+            logits, bias, layer=(layer or [None])[0], **kw
+        ),
+        *shapes,
         target=target,
         top_k=top_k,
         n_group=n_group,
@@ -146,16 +155,3 @@ def test_lowers_for_cuda(target, e, top_k, n_group, topk_group):
         scaling=2.5,
     )
     assert text.count("__gpu$xla.gpu.triton") == 1
-    stacked = lower_for_cuda(
-        lambda logits, bias, layer, **kw: kernel.select_experts(logits, bias, layer=layer, **kw),
-        jax.ShapeDtypeStruct((4, e), jnp.float32),
-        jax.ShapeDtypeStruct((3, e), jnp.float32),
-        jax.ShapeDtypeStruct((), jnp.int32),
-        target=target,
-        top_k=top_k,
-        n_group=n_group,
-        topk_group=topk_group,
-        norm_topk_prob=True,
-        scaling=2.5,
-    )
-    assert stacked.count("__gpu$xla.gpu.triton") == 1
