@@ -301,9 +301,12 @@ def select_experts(
     )
 
 
-def moe_experts(x, topk_ids, topk_weights, experts, *, swiglu_limit: float | None = None, layer=None):
+def moe_experts(
+    x, topk_ids, topk_weights, experts, *, swiglu_limit: float | None = None, layer=None, unreduced=False
+):
+    """``unreduced``: the expert shards' partial sums as a :class:`jaxdsa.sharding.Partial`."""
     impl, at = _at_layer("moe_experts", layer)
-    return impl(x, topk_ids, topk_weights, experts, swiglu_limit=swiglu_limit, **at)
+    return impl(x, topk_ids, topk_weights, experts, swiglu_limit=swiglu_limit, unreduced=unreduced, **at)
 
 
 def quant_matmul_sharding(k: str | None, n: str | None) -> OpSharding:
@@ -317,10 +320,11 @@ def _quant_matmul_impl(backend: str, k: str | None, n: str | None, stacked: bool
     return _wrapped("quant_matmul", backend, quant_matmul_sharding(k, n), stacked)
 
 
-def quant_matmul(x, w, *, axes: tuple[str | None, str | None] = (None, None), layer=None):
+def quant_matmul(x, w, *, axes: tuple[str | None, str | None] = (None, None), layer=None, unreduced=False):
+    """``unreduced``: with K split, the shards' partial sums as a :class:`jaxdsa.sharding.Partial`."""
     if layer is None:
-        return _quant_matmul_impl(get_kernels(), *axes, False)(x, w)
-    return _quant_matmul_impl(get_kernels(), *axes, True)(x, w, layer=_index(layer))
+        return _quant_matmul_impl(get_kernels(), *axes, False)(x, w, unreduced=unreduced)
+    return _quant_matmul_impl(get_kernels(), *axes, True)(x, w, layer=_index(layer), unreduced=unreduced)
 
 
 @functools.cache

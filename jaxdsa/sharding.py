@@ -27,6 +27,10 @@ are pinned with :func:`constrain`, and each op of :mod:`jaxdsa.ops` declares the
 operands (:class:`OpSharding`). :data:`RULES` is the one place that turns names into mesh axes;
 a name missing from it is an error, never a silent replication. Kernels are not
 auto-partitioned, so :func:`wrap_op` runs each op under shard_map over the axes still automatic.
+
+An op whose shards each compute a partial sum (a row-parallel projection, the routed experts)
+all-reduces it by default; called with ``unreduced=True`` it returns the shards' partial sums as a
+:class:`Partial` instead, and :func:`reduce_partials` adds several of them before one all-reduce.
 """
 
 from __future__ import annotations
@@ -259,8 +263,39 @@ def _shifted(args: tuple, sharding: OpSharding, mesh_axes_of: Callable[[str], tu
     return tuple(args)
 
 
-def _sharded_call(sharding: OpSharding, fn: Callable, mesh, args: tuple, kwargs: dict):
-    """``fn`` under shard_map over the mesh's automatic axes, as ``sharding`` declares."""
+@dataclasses.dataclass(frozen=True)
+class Partial:
+    """An op's output before its sum over the shards that split its contraction: ``value``
+    ``[S, ...]`` float32 holds one partial sum per shard of the mesh ``axes`` (S their sizes'
+    product), split over them on its leading dim; ``axes == ()`` and S = 1 when nothing was split.
+
+    At decode an all-reduce is a launch outside the CUDA graphs plus its own small kernels (the
+    cast before it, the cast after it), so sums that meet anyway go through one: the routed and the
+    shared experts' down projections add their partial sums first (:func:`reduce_partials`)."""
+
+    value: jax.Array
+    axes: tuple[str, ...] = ()
+
+    @staticmethod
+    def whole(out: jax.Array) -> Partial:
+        """An output that is already complete on every device."""
+        return Partial(out.astype(jnp.float32)[None])
+
+
+def reduce_partials(parts: Partial | Any) -> jax.Array:
+    """The float32 sum of ``parts`` (a :class:`Partial` or a sequence of them): those split over
+    the same mesh axes are added shard by shard, then each such group is summed over its shards
+    (one all-reduce per group), then the groups are added."""
+    groups: dict[tuple[str, ...], jax.Array] = {}
+    for p in [parts] if isinstance(parts, Partial) else parts:
+        groups[p.axes] = groups[p.axes] + p.value if p.axes in groups else p.value
+    sums = [value.sum(axis=0) for value in groups.values()]
+    return functools.reduce(lambda a, b: a + b, sums)
+
+
+def _sharded_call(sharding: OpSharding, fn: Callable, mesh, args: tuple, kwargs: dict, unreduced: bool):
+    """``fn`` under shard_map over the mesh's automatic axes, as ``sharding`` declares; with
+    ``unreduced``, its outputs as :class:`Partial` s (each shard's partial sum, not all-reduced)."""
     live = _auto_axes(mesh)
     dead = tuple(a for a in MESH_AXES if a not in live)
 
@@ -281,21 +316,31 @@ def _sharded_call(sharding: OpSharding, fn: Callable, mesh, args: tuple, kwargs:
         *positional, kw = operands
         positional = _shifted(tuple(positional), sharding, lambda n: tuple(a for a in RULES[n] if a in live))
         out = fn(*positional, *static_args, **kw, **static_kw)
+        if reduce_axes and unreduced:
+            return jax.tree.map(lambda o: o.astype(jnp.float32)[None], out)
         if reduce_axes:
             out = jax.tree.map(
                 lambda o: jax.lax.psum(o.astype(jnp.float32), reduce_axes).astype(o.dtype), out
             )
         return out
 
+    out_specs = to_spec(sharding.out)
+    if reduce_axes and unreduced:  # one partial sum per shard, split on a new leading dim
+        out_specs = jax.tree.map(lambda p: P(reduce_axes, *p), out_specs, is_leaf=lambda x: isinstance(x, P))
     smap = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=in_specs,
-        out_specs=to_spec(sharding.out),
+        out_specs=out_specs,
         axis_names=set(live),
         check_vma=False,
     )
-    return smap(*args[: len(sharding.args)], array_kw)
+    out = smap(*args[: len(sharding.args)], array_kw)
+    if not unreduced:
+        return out
+    if not reduce_axes:
+        return jax.tree.map(Partial.whole, out)
+    return jax.tree.map(lambda o: Partial(o, reduce_axes), out)
 
 
 def _gather_tokens_across_edp(sharding: OpSharding, call: Callable, args: tuple, kwargs: dict):
@@ -319,20 +364,22 @@ _ACROSS_DP = {"gather_tokens": _gather_tokens_across_edp}
 
 
 def wrap_op(sharding: OpSharding, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run an op implementation under shard_map when the step is traced on a mesh."""
+    """Run an op implementation under shard_map when the step is traced on a mesh. The wrapped op
+    takes ``unreduced=True`` to return :class:`Partial` s instead of all-reduced outputs."""
 
     @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
+    def wrapped(*args, unreduced: bool = False, **kwargs):
         mesh = _mesh()
+        whole = (lambda out: jax.tree.map(Partial.whole, out)) if unreduced else (lambda out: out)
         if mesh is None:
-            return fn(*args, **kwargs)
-        if _auto_axes(mesh):
-            call = lambda *a, **k: _sharded_call(sharding, fn, mesh, a, k)
-        else:
-            call = fn
+            return whole(fn(*args, **kwargs))
+        auto = bool(_auto_axes(mesh))
         if sharding.across_dp and mesh.shape["edp"] > 1:
-            return _ACROSS_DP[sharding.across_dp](sharding, call, args, kwargs)
-        return call(*args, **kwargs)
+            call = (lambda *a, **k: _sharded_call(sharding, fn, mesh, a, k, False)) if auto else fn
+            return whole(_ACROSS_DP[sharding.across_dp](sharding, call, args, kwargs))
+        if auto:
+            return _sharded_call(sharding, fn, mesh, args, kwargs, unreduced)
+        return whole(fn(*args, **kwargs))
 
     return wrapped
 

@@ -59,9 +59,11 @@ class Indexer(nnx.Module):
         rot = apply_rope(x[..., :r], cos, sin, interleaved=self.interleaved)
         return jnp.concatenate([rot, x[..., r:]], axis=-1)
 
-    def keys(self, x: jax.Array, cos, sin) -> jax.Array:
-        """Index keys [T, index_head_dim]: LayerNorm(wk x), roped; cached per token."""
-        return self._rope_front(self.k_norm(self.wk(x)), cos, sin)
+    def keys(self, wk_x: jax.Array, cos, sin) -> jax.Array:
+        """Index keys [T, index_head_dim] from the tokens' ``wk`` projection: LayerNorm, roped; cached
+        per token. The caller projects (``wk`` takes the layer input, as MLA's ``q_a`` and ``kv_a``
+        do, so the three share one kernel launch: :func:`jaxdsa.layers.linear.project`)."""
+        return self._rope_front(self.k_norm(wk_x), cos, sin)
 
     def queries(self, x: jax.Array, q_lat: jax.Array, cos, sin) -> tuple[jax.Array, jax.Array]:
         """-> index queries [T, n, d] and float32 head weights [T, n] with both scales folded in."""

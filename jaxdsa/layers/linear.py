@@ -13,7 +13,7 @@ from jaxdsa import ops, sharding
 from jaxdsa.layers.params import fan_in, normal
 from jaxdsa.layers.stacks import layer_value, split_layer
 from jaxdsa.quantized_weight import QuantizedWeight, dequantize
-from jaxdsa.sharding import Axes
+from jaxdsa.sharding import Axes, Partial
 
 
 def matrix_axes(axes: Axes, in_ndim: int) -> tuple[str, str]:
@@ -85,10 +85,27 @@ class Linear(nnx.Module):
             flat = x.reshape(math.prod(lead), -1)
             y = ops.quant_matmul(flat, stack, axes=self.matrix_axes, layer=layer)
             return y.reshape(*lead, *self.out_shape)
-        w = layer_value(value)
+        return self._dense_dot(x, self.out_dtype)
+
+    def _dense_dot(self, x: jax.Array, out_dtype) -> jax.Array:
+        """XLA's dot with a dense weight (the scan's slice of a stacked one)."""
+        w = layer_value(self.weight.get_value())
         if self.compute_dtype is not None:
             x, w = x.astype(self.compute_dtype), w.astype(self.compute_dtype)
-        return jnp.tensordot(x, w, axes=self.in_ndim, preferred_element_type=self.out_dtype)
+        return jnp.tensordot(x, w, axes=self.in_ndim, preferred_element_type=out_dtype)
+
+    def unreduced(self, x: jax.Array) -> Partial:
+        """``self(x)`` in float32 before the all-reduce a row-parallel layer (its input dim split over
+        TP) ends with: each shard's partial sum, for :func:`jaxdsa.sharding.reduce_partials` to
+        add to other sums before one all-reduce. A dense weight is left to XLA's dot, which
+        all-reduces it itself (asked for a float32 result: no cast of its own)."""
+        stack, layer = split_layer(self.weight.get_value())
+        if not isinstance(stack, QuantizedWeight):
+            return Partial.whole(self._dense_dot(x, jnp.float32))
+        lead = x.shape[: x.ndim - self.in_ndim]
+        flat = x.reshape(math.prod(lead), -1)
+        p = ops.quant_matmul(flat, stack, axes=self.matrix_axes, layer=layer, unreduced=True)
+        return Partial(p.value.reshape(p.value.shape[0], *lead, *self.out_shape), p.axes)
 
     def dense(self, dtype) -> jax.Array:
         """The weight ``[*in_shape, *out_shape]`` as an array: a quantized one dequantized to ``dtype``

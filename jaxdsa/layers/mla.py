@@ -29,6 +29,7 @@ from jaxdsa.layers.indexer import Indexer
 from jaxdsa.layers.linear import Linear, project
 from jaxdsa.layers.norms import RMSNorm
 from jaxdsa.layers.rope import apply_rope
+from jaxdsa.sharding import reduce_partials
 
 
 class MLAttention(nnx.Module):
@@ -88,14 +89,18 @@ class MLAttention(nnx.Module):
         index_keys: LayerPages | None,
         prev_topk: jax.Array | None,
     ):
-        """-> (out [T, D], latent, index_keys, topk key positions [T, K] or None)."""
+        """-> (out [T, D] float32, latent, index_keys, topk key positions [T, K] or None). ``out`` is
+        the all-reduced sum of the output projection's shards, left in float32 for the next
+        residual add to round (one kernel fewer than a cast of its own)."""
         meta, page_size = ctx.meta, latent.page_size
         slots = slots_for(meta.page_table, meta.seq_ids, ctx.positions, page_size)
-        q_a, kv = project(x, (self.q_a, self.kv_a))  # one kernel launch when both are quantized alike
+        # the projections of the layer input in one kernel launch when they are quantized alike
+        wk = (self.indexer.wk,) if self.indexer is not None else ()
+        q_a, kv, *wk_x = project(x, (self.q_a, self.kv_a, *wk))
         q_nope, q_pe, q_lat = self.queries(q_a, ctx.cos, ctx.sin)
         latent = latent.write(slots, self.latent_rows(kv, ctx.cos, ctx.sin))
         if self.indexer is not None:
-            index_keys = index_keys.write(slots, self.indexer.keys(x, ctx.cos, ctx.sin))
+            index_keys = index_keys.write(slots, self.indexer.keys(wk_x[0], ctx.cos, ctx.sin))
 
         topk = None
         if ctx.sparse:
@@ -133,7 +138,7 @@ class MLAttention(nnx.Module):
                 )
                 mask &= selected
             o = self.naive_attention(q_nope, q_pe, rows[key_slots], mask)
-        return self.o(o), latent, index_keys, topk
+        return reduce_partials(self.o.unreduced(o)), latent, index_keys, topk
 
     def naive_attention(self, q_nope, q_pe, keys: jax.Array, mask: jax.Array) -> jax.Array:
         """Expanded-KV attention. keys [S, C+Pr] latent rows, mask [T, S] bool -> o [T, H, Dv]."""

@@ -10,6 +10,7 @@ from jaxdsa import ops
 from jaxdsa.layers.linear import Linear, project
 from jaxdsa.layers.params import normal, zeros
 from jaxdsa.layers.stacks import split_layer
+from jaxdsa.sharding import Partial, reduce_partials
 
 
 class MLP(nnx.Module):
@@ -26,11 +27,18 @@ class MLP(nnx.Module):
         self.swiglu_limit = swiglu_limit
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(self._act(x))
+
+    def unreduced(self, x: jax.Array) -> Partial:
+        """``self(x)`` before the down projection's all-reduce (:meth:`Linear.unreduced`)."""
+        return self.down.unreduced(self._act(x))
+
+    def _act(self, x: jax.Array) -> jax.Array:
         gate, up = project(x, (self.gate, self.up))
         if self.swiglu_limit is not None:
             gate = jnp.minimum(gate, self.swiglu_limit)
             up = jnp.clip(up, -self.swiglu_limit, self.swiglu_limit)
-        return self.down(jax.nn.silu(gate) * up)
+        return jax.nn.silu(gate) * up
 
 
 class Router(nnx.Module):
@@ -100,10 +108,19 @@ class Experts(nnx.Module):
         return ("gate_up", "down")
 
     def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
+        return self._run(x, ids, weights, unreduced=False)
+
+    def unreduced(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> Partial:
+        """``self(x, ids, weights)`` before the sum over the expert shards (float32 partial sums)."""
+        return self._run(x, ids, weights, unreduced=True)
+
+    def _run(self, x, ids, weights, *, unreduced: bool):
         gate_up, layer = split_layer(self.gate_up.get_value())
         down, _ = split_layer(self.down.get_value())  # the same layer: both come from one scan
         experts = {"gate_up": gate_up, "down": down}
-        return ops.moe_experts(x, ids, weights, experts, swiglu_limit=self.swiglu_limit, layer=layer)
+        return ops.moe_experts(
+            x, ids, weights, experts, swiglu_limit=self.swiglu_limit, layer=layer, unreduced=unreduced
+        )
 
 
 class MoE(nnx.Module):
@@ -113,4 +130,9 @@ class MoE(nnx.Module):
         self.router, self.experts, self.shared = router, experts, shared
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.experts(x, *self.router(x)) + self.shared(x)
+        return reduce_partials(self.unreduced(x)).astype(x.dtype)
+
+    def unreduced(self, x: jax.Array) -> tuple[Partial, Partial]:
+        """The routed and the shared experts' outputs before their all-reduces: added before one
+        (:func:`jaxdsa.sharding.reduce_partials`) where both split over the same devices (TP)."""
+        return self.experts.unreduced(x, *self.router(x)), self.shared.unreduced(x)

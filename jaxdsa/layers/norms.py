@@ -36,12 +36,20 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.weight[...], self.eps)
 
 
+def add_residual(h: jax.Array, delta: jax.Array) -> jax.Array:
+    """``h + delta`` rounded once to h's dtype: :class:`ResidualRMSNorm`'s sum without the norm
+    (``delta`` may be a float32 sublayer output)."""
+    return (h.astype(jnp.float32) + delta.astype(jnp.float32)).astype(h.dtype)
+
+
 class ResidualRMSNorm(RMSNorm):
     """The RMSNorm in front of a decoder sublayer, which first adds the residual: ``norm(x, residual)
     -> (rms_norm(x + residual), x + residual)``, vLLM's fused-add convention, in one kernel
     (:func:`jaxdsa.ops.add_rms_norm`). At decode XLA makes the add, the mean square and the scaling
     two or three launches, and an add that follows an all-reduce falls outside the CUDA graphs.
-    Scanned, the weight reaches the layer as its stack (:meth:`stack_reads`), read in place."""
+    ``residual`` (the sublayer's output) may be float32, as an all-reduce leaves it: the kernel
+    rounds the sum once, so no cast of its own runs in between. Scanned, the weight reaches the
+    layer as its stack (:meth:`stack_reads`), read in place."""
 
     def stack_reads(self) -> tuple[str, ...]:
         return ("weight",)

@@ -4,14 +4,20 @@ XLA's GPU backend runs a conditional inside a CUDA graph only when its branches 
 graph cannot capture, collectives included; otherwise the host reads the predicate, which stalls
 the launching of every step until the device reaches it. The sampler's fallback to a full sort is
 such a conditional, so the step must hand it logits that need no collective.
+
+Every all-reduce is a launch outside the CUDA graphs, with small kernels of its own around it, so
+a decoder layer has exactly two: after attention and after the MLP, where the routed and the
+shared experts' partial sums are added first.
 """
 
 from __future__ import annotations
 
+import json
 import re
 
 import jaxdsa
 from checkpoints.tiny.make import make_tiny
+from checkpoints.tiny.presets import TINY_PRESETS
 from jaxdsa.engine import sampling
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
@@ -59,3 +65,31 @@ def test_no_collective_inside_the_samplers_conditional_at_tp2(tmp_path, monkeypa
     found = {op for name in inside for op in COLLECTIVES if f" {op}(" in bodies[name]}
     assert not found, f"collectives inside the step's conditional: {sorted(found)}"
     assert any(f" {op}(" in hlo for op in COLLECTIVES)  # the mesh does split the step (a real tp = 2)
+
+
+def test_one_all_reduce_per_sublayer_at_tp2(tmp_path):
+    """INT4 weights (row-parallel projections through the quantized kernels) at tp=2, decode: the
+    embedding's all-reduce plus two per layer, each of one array. Summing the routed and shared
+    experts' outputs after their own all-reduces made XLA combine those two into one all-reduce
+    of a tuple, which the GPU backend runs as a concatenation, an NCCL all-reduce and two slices."""
+    layers = 3  # one dense layer, two MoE layers
+    wide = {
+        "hidden_size": 512,
+        "moe_intermediate_size": 256,
+        "n_routed_experts": 32,
+        "intermediate_size": 512,
+        "v_head_dim": 64,  # o_proj's K = 4 heads x 64: whole 32-row INT4 chunks per shard
+    }
+    config = {**TINY_PRESETS["glm52"], **wide, "vocab_size": 1024, "num_hidden_layers": layers}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "first_k_dense_replace": 1}))
+    llm = jaxdsa.LLM(
+        tmp_path, dtype="bfloat16", load_format="dummy", quantization="int4", page_size=8, progress=False,
+        max_model_len=64, max_num_seqs=2, max_num_batched_tokens=8, tp=2,
+    )  # fmt: skip
+    runner = llm.engine.runner
+    fn, args = runner._step(runner.packer.padding(1, runner.modes[0]), False)
+    hlo = fn.lower(*args).compile().as_text()
+    reduces = [line for line in hlo.splitlines() if re.search(r" all-reduce(-start)?\(", line)]
+    tuples = [line.strip()[:120] for line in reduces if re.search(r"= \(", line)]
+    assert not tuples, f"all-reduces of several arrays: {tuples}"
+    assert len(reduces) == 1 + 2 * layers, [line.strip()[:120] for line in reduces]

@@ -13,6 +13,7 @@ from flax import nnx
 from jaxdsa.layers.mlp import MLP, Experts
 from jaxdsa.layers.params import normal, param, zeros
 from jaxdsa.models.deepseek_v4.config import V4Config
+from jaxdsa.sharding import reduce_partials
 
 
 class Router(nnx.Module):
@@ -46,4 +47,7 @@ class MoE(nnx.Module):
         self.shared = MLP(D, N, dtype=dtype, rngs=rngs, swiglu_limit=limit)
 
     def __call__(self, x: jax.Array, tokens: jax.Array) -> jax.Array:
-        return self.experts(x, *self.router(x, tokens)) + self.shared(x)
+        """The routed and the shared experts' partial sums meet before one all-reduce
+        (:func:`jaxdsa.sharding.reduce_partials`), rounded to x's dtype once."""
+        parts = self.experts.unreduced(x, *self.router(x, tokens)), self.shared.unreduced(x)
+        return reduce_partials(parts).astype(x.dtype)

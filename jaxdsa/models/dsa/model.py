@@ -29,7 +29,7 @@ from jaxdsa.layers.indexer import Indexer
 from jaxdsa.layers.linear import Embed, Linear
 from jaxdsa.layers.mla import MLAttention
 from jaxdsa.layers.mlp import MLP, Experts, MoE, Router
-from jaxdsa.layers.norms import ResidualRMSNorm, RMSNorm
+from jaxdsa.layers.norms import ResidualRMSNorm, RMSNorm, add_residual
 from jaxdsa.layers.rope import cos_sin
 from jaxdsa.models.dsa.config import HF_LATENT_NORM_EPS, INDEXER_K_NORM_EPS, DsaConfig
 from jaxdsa.models.layer_groups import build_groups, take_layer
@@ -97,8 +97,10 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, stream: tuple, ctx: StepContext, cache: Cache, rows: tuple, topk):
         """-> (stream, cache, topk). ``stream`` = (h, delta): the residual stream is ``h + delta``, the
-        last sublayer's output not added yet, so that the add runs in the next norm's kernel
-        (:class:`ResidualRMSNorm`); the first layer gets a zero delta. ``rows`` = (latent row,
+        last sublayer's output (float32, as its all-reduce leaves it) not added yet, so that the add
+        runs in the next norm's kernel (:class:`ResidualRMSNorm`); the first layer gets a zero
+        delta. The MLP's partial sums (the routed and shared experts') meet in one all-reduce
+        (:func:`jaxdsa.sharding.reduce_partials`). ``rows`` = (latent row,
         index-key row) of this layer in the cache."""
         latent = LayerPages(cache["latent"], rows[0])
         index = LayerPages(cache["index_keys"], rows[1]) if self.attn.indexer is not None else None
@@ -106,7 +108,7 @@ class DecoderLayer(nnx.Module):
         a, latent, index, topk = self.attn(x, ctx, latent, index, topk)
         cache = {**cache, "latent": latent.stacked} | ({"index_keys": index.stacked} if index else {})
         x, h = self.post_attn_norm(h, a)
-        stream = (h, self.mlp(x))
+        stream = (h, sharding.reduce_partials(self.mlp.unreduced(x)))
         return tuple(sharding.constrain(v, ("batch", "embed")) for v in stream), cache, topk
 
 
@@ -179,11 +181,11 @@ class DsaModel(nnx.Module):
         # the top-k of the last full indexer layer, read by shared layers (carried through the scans)
         topk = jnp.full((tokens.shape[0], self.cfg.index_topk), -1, jnp.int32) if sparse else None
         h = self.embed(tokens)
-        carry = ((h, jnp.zeros_like(h)), cache, topk)
+        carry = ((h, jnp.zeros(h.shape, jnp.float32)), cache, topk)
         for group in self.groups:
             carry = group(carry, run_layer)
         (h, delta), cache, _ = carry
-        return h + delta, cache
+        return add_residual(h, delta), cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Float32 logits [R, vocab] of final hidden states."""
@@ -210,8 +212,10 @@ class DsaModel(nnx.Module):
         e = mtp.enorm(self.embed(next_tokens))
         g = mtp.hnorm(hidden.astype(e.dtype))
         u = mtp.eh_proj(jnp.concatenate([e, g], axis=-1))
-        (u, delta), cache, _ = mtp.layer((u, jnp.zeros_like(u)), ctx, cache, (layer, layer), None)
-        u = (u + delta)[meta.logits_indices]
+        (u, delta), cache, _ = mtp.layer(
+            (u, jnp.zeros(u.shape, jnp.float32)), ctx, cache, (layer, layer), None
+        )
+        u = add_residual(u, delta)[meta.logits_indices]
         return self.logits(mtp.shared_head_norm(u)), u, cache
 
     def layer(self, i: int) -> DecoderLayer:
