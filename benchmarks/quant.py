@@ -11,12 +11,16 @@ Run ``python -m benchmarks.quant`` on a GPU. Per format and T it times, in one p
 * ``pallas:software``: FP8 with the sm_80 integer e4m3 decode forced (``decode="software"``), the
   path A100s run (on parts where it is the default, ``pallas`` is that path already); FP4 is
   always decoded with integer ops, on every part;
+* ``pallas:gemv``: each quantized linear at T <= 4 (:data:`GEMV_TOKENS`) on the GEMV kernel with
+  the table's GEMV tile (:mod:`pallas_kernels.quant_matmul.tuning`; the table leaves it off, and
+  ``pallas`` takes it only where ``JAXDSA_QMM_GEMV_MAX_M`` turns it on), next to ``pallas``;
 * variants (``QUANT_VARIANTS=0`` skips them): INT4 with each other INT4 arithmetic
   (``pallas:int4-f32`` / ``-bf16`` / ``-ptx``, :func:`pallas_kernels.quant.decode.int4_decode`;
   ``QUANT_INT4_VARIANTS=0`` skips these), and at
   T <= 32 4-bit MoE tile variants (4 warps; 64-column tiles; or ``QUANT_MOE_TILES``, see
   :func:`_tile_variants`; ``QUANT_VARIANT_TOKENS=1,8`` picks the T) and quantized linears' variants
-  at those T (``QUANT_QMM_TILES``, none by default); linears at T >= 128 both ways
+  at those T (``QUANT_QMM_TILES``, none by default; ``gemv=1`` among a variant's fields starts it
+  from the GEMV tile, ``gemv=0`` from the tensor-core one); linears at T >= 128 both ways
   (``pallas:dequantize-first``: the weight dequantized in XLA, then XLA's dot; ``-never``: the
   kernel), whatever the tuning table picks for ``pallas``;
 * ``torch``: dequantize to bf16 then ``torch._grouped_mm`` / ``torch.matmul``
@@ -424,6 +428,7 @@ class Impl:
     tiles: Callable | None = None  # MoeConfig -> MoeConfig (QmmConfig -> QmmConfig for linears): a variant
     variant: bool = False  # a tuning variant (QUANT_VARIANTS=0 skips them)
     dequantize_first: bool | None = None  # linears: dequantize in XLA, then XLA's dot (None: the table)
+    gemv: bool | None = None  # linears: the GEMV config (True), a tensor-core one (False), the table's
 
 
 def _moe_fn(shapes: Shapes, impl: Impl) -> Callable:
@@ -448,7 +453,10 @@ def _linear_fn(shapes: Shapes, fmt: str, impl: Impl) -> Callable:
         return lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
     def fn(x, w):
-        config = None if impl.tiles is None else impl.tiles(qmm_kernel.default_config(x.shape[0], w, x.dtype))
+        config = None
+        if impl.tiles is not None or impl.gemv is not None:
+            config = qmm_kernel.default_config(x.shape[0], w, x.dtype, gemv=impl.gemv)
+            config = config if impl.tiles is None else impl.tiles(config)
         return qmm_kernel.quant_matmul(
             x,
             w,
@@ -489,6 +497,7 @@ def moe_variant(**changes) -> Callable:
 
 VARIANT_TOKENS = (1, 8, 32)  # 4-bit MoE tile variants are tried at these T (default)
 DEQUANTIZE_VARIANT_TOKENS = 128  # linears from this T on: also dequantize-then-dot, and the kernel forced
+GEMV_TOKENS = 4  # quantized linears up to this T: also the GEMV kernel (pallas:gemv)
 
 
 def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
@@ -496,10 +505,13 @@ def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
     FP8: also the software e4m3 decode where it is not already the default (sm_80 / sm_86, the CPU).
     INT4: also each other INT4 arithmetic (:func:`decode.int4_decode`); 4-bit MoE (INT4, FP4) at small
     T: two tile variants (4 warps, the tiles' own before ``warps_4bit``; 64-column tiles, twice the
-    programs)."""
+    programs). Quantized linears at T <= :data:`GEMV_TOKENS`: also the GEMV kernel, as a main row
+    (not a variant: the comparison it makes is the point of the run at decode)."""
     if fmt == "bf16":
         return [Impl("pallas bf16" if kind == "moe" else "XLA dot")]
     impls = [Impl("pallas")]
+    if kind == "linear" and t <= GEMV_TOKENS:
+        impls.append(Impl("pallas:gemv", gemv=True))
     if fmt == "fp8" and fp_decode() != "software":
         impls.append(Impl("pallas:software", decode="software"))
     if fmt == "int4" and os.environ.get("QUANT_INT4_VARIANTS", "1") != "0":
@@ -519,10 +531,10 @@ def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
             for name, changes in _tile_variants("QUANT_MOE_TILES", "w4:num_warps=4,n64:block_n=64")
         ]
     if fmt != "bf16" and kind == "linear":
-        impls += [
-            Impl(f"pallas:{name}", tiles=functools.partial(dataclasses.replace, **changes), variant=True)
-            for name, changes in _tile_variants("QUANT_QMM_TILES", "")
-        ]
+        for name, changes in _tile_variants("QUANT_QMM_TILES", ""):
+            gemv = bool(changes.pop("gemv")) if "gemv" in changes else None
+            tiles = functools.partial(dataclasses.replace, **changes)
+            impls.append(Impl(f"pallas:{name}", tiles=tiles, gemv=gemv, variant=True))
     return impls
 
 
@@ -531,7 +543,8 @@ def _tile_variants(env: str, default: str) -> list[tuple[str, dict[str, int]]]:
     4-bit MoE (``QUANT_MOE_TILES``) fields of :class:`pallas_kernels.moe.tuning.Tile`, applied to
     both kernels, or of ``MoeConfig`` (see :func:`moe_variant`); for the quantized linears
     (``QUANT_QMM_TILES``, none by default) fields of
-    :class:`pallas_kernels.quant_matmul.tuning.QmmConfig`."""
+    :class:`pallas_kernels.quant_matmul.tuning.QmmConfig`, ``gemv=1`` (``0``) taking the table's GEMV
+    (tensor-core) config as the one the other fields change."""
     out = []
     for item in filter(None, os.environ.get(env, default).split(",")):
         name, fields = parse_variant(item)

@@ -215,6 +215,15 @@ def _word_pieces(
     return out
 
 
+def piece_rows(spec: WeightSpec, block_k: int) -> int:
+    """Rows of every piece :func:`pieces` gives for a ``block_k``-row tile: the whole tile for dense and
+    FP8 weights, one nibble's rows of a packed chunk for 4-bit ones (32 for words, ``kpack / 2`` for
+    bytes)."""
+    if not spec.packed:
+        return block_k
+    return WORD_PIECE if spec.kpack == WORD_KPACK else spec.kpack // 2
+
+
 def pieces(
     spec: WeightSpec, refs: Sequence, lead: tuple, k0, n0, block_k: int, block_n: int, dtype
 ) -> list[Piece]:

@@ -14,6 +14,20 @@ so every store is in bounds and unmasked, and the padding is sliced off outside.
 ``layer``: W is a stack ``[L, K, N]`` of scanned layers' weights, read in place at that (traced)
 layer (:func:`pallas_kernels.quant.tiles.operands`), so a scan over layers never copies a layer's
 weight out of the stack for the kernel.
+
+GEMV (a config with ``gemv``; :mod:`.tuning` chooses it up to ``gemv_max_m`` rows, off until
+measured): a matrix-vector kernel for decode-sized M, with no ``tl.dot``. At M = 1 the tensor-core
+kernel runs at a quarter to a third of HBM bandwidth (H200: INT4 ``o_proj``, K = 8192, N = 6144, 23
+us for ~31 MB that need ~8): its 16-row MMA tile multiplies 15 padding rows, and every K step's
+dequantized tile must first be converted into the MMA operand layout, a round trip through shared
+memory between barriers, before a dot too small to hide it. The GEMV kernel multiplies the decoded
+weights in the layout they were decoded in (only the few activation columns are broadcast to it):
+grid (N tiles, K splits), every row in one program; each weight piece times its activation columns
+is added elementwise into one float32 accumulator ``[piece rows, block_n]`` per row, reduced over K
+once after the loop (no cross-thread reduction inside it). bf16 activations' products with bf16
+weights are exact in float32, so it sums the same products as the tensor cores; float32 activations
+get float32 products. Same output contract (float32 partial sums per K split, added by one XLA op),
+same multi-weight launches and layer stacks.
 """
 
 from __future__ import annotations
@@ -33,11 +47,24 @@ from pallas_kernels.quant.layout import QuantizedWeight
 from pallas_kernels.quant_matmul import ref, tuning
 
 
+def _each_weight(w_refs, j, tile, *, specs, counts, tiles_at) -> None:
+    """``tile(spec, refs, first)`` for the weight whose N tiles hold output tile ``j`` (weight ``w``'s:
+    ``tiles_at[w]`` up to ``tiles_at[w + 1]``; ``first``: its first tile), given all the weights'
+    refs (``counts[w]`` each). The weights' columns sit side by side in the one output, so tile
+    ``j`` is stored at column ``j * block_n``."""
+    start = 0
+    for w, (spec, count) in enumerate(zip(specs, counts)):
+        refs_w, start = w_refs[start : start + count], start + count
+        if len(specs) == 1:
+            tile(spec, refs_w, 0)
+        else:
+            inside = (j >= tiles_at[w]) & (j < tiles_at[w + 1])
+            pl.when(inside)(functools.partial(tile, spec, refs_w, tiles_at[w]))
+
+
 def _kernel(x_ref, *refs, specs, counts, tiles_at, block_m, block_n, block_k, steps, m_total, precision):
-    """One program: the ``[block_m, block_n]`` output tile ``j`` over K split ``split``, from the
-    weight whose N tiles hold ``j`` (weight ``w``'s: ``tiles_at[w]`` up to ``tiles_at[w + 1]``). The
-    weights' columns sit side by side in the one output, so tile ``j`` is stored at column
-    ``j * block_n``."""
+    """One program: the ``[block_m, block_n]`` output tile ``j`` over K split ``split``
+    (:func:`_each_weight`)."""
     w_refs, (o_ref,) = refs[: sum(counts)], refs[sum(counts) :]
     i, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     m0 = pl.multiple_of(i * block_m, block_m)
@@ -61,14 +88,37 @@ def _kernel(x_ref, *refs, specs, counts, tiles_at, block_m, block_n, block_k, st
         column = pl.multiple_of(j * block_n, block_n)
         o_ref[split, pl.ds(m0, block_m), pl.ds(column, block_n)] = acc.astype(o_ref.dtype)
 
-    start = 0
-    for w, (spec, count) in enumerate(zip(specs, counts)):
-        refs_w, start = w_refs[start : start + count], start + count
-        if len(specs) == 1:
-            tile(spec, refs_w, 0)
-        else:
-            inside = (j >= tiles_at[w]) & (j < tiles_at[w + 1])
-            pl.when(inside)(functools.partial(tile, spec, refs_w, tiles_at[w]))
+    _each_weight(w_refs, j, tile, specs=specs, counts=counts, tiles_at=tiles_at)
+
+
+def _gemv_kernel(x_ref, *refs, specs, counts, tiles_at, rows, block_n, block_k, steps):
+    """One GEMV program (module docstring): output columns ``j * block_n ...`` of all ``rows`` rows
+    over K split ``split`` (:func:`_each_weight`). One accumulator per row: M is a few rows, and
+    each accumulator is one piece's size (32 rows for 4-bit weights)."""
+    w_refs, (o_ref,) = refs[: sum(counts)], refs[sum(counts) :]
+    j, split = pl.program_id(0), pl.program_id(1)
+
+    def tile(spec, refs, first: int) -> None:
+        lead, refs = tiles.layer_lead(spec, refs)
+        n0 = pl.multiple_of((j - first) * block_n, block_n)
+
+        def step(t, accs):
+            k0 = pl.multiple_of((split * steps + t) * block_k, block_k)
+            accs = list(accs)
+            for offset, length, w in tiles.pieces(spec, refs, lead, k0, n0, block_k, block_n, x_ref.dtype):
+                w = w.astype(jnp.float32)
+                for r in range(rows):
+                    xs = x_ref[r, pl.ds(k0 + offset, length)].astype(jnp.float32)
+                    accs[r] += w * xs[:, None]
+            return tuple(accs)
+
+        zero = jnp.zeros((tiles.piece_rows(spec, block_k), block_n), jnp.float32)
+        accs = jax.lax.fori_loop(0, steps, step, (zero,) * rows)
+        column = pl.multiple_of(j * block_n, block_n)
+        for r, acc in enumerate(accs):
+            o_ref[split, r, pl.ds(column, block_n)] = jnp.sum(acc, axis=0).astype(o_ref.dtype)
+
+    _each_weight(w_refs, j, tile, specs=specs, counts=counts, tiles_at=tiles_at)
 
 
 def quant_matmul(
@@ -86,10 +136,10 @@ def quant_matmul(
     x's dtype, float32 accumulation. ``decode``: 'native' / 'software' e4m3 decoding (default:
     :func:`pallas_kernels.quant.decode.fp_decode`); ``int4_decode``: 'f32' / 'bf16' / 'ptx' INT4
     arithmetic (default: :func:`pallas_kernels.quant.decode.int4_decode`); ``config`` overrides the
-    tuning table (benchmark sweeps). An N that is not a multiple of 16 (a tiny model's 136-wide
-    ``kv_a``) is padded with zero columns, sliced off the result; an FP8 weight's K likewise with zero
-    rows (and x with zero columns: a tiny V4's 40-wide ``q_lora``). 4-bit weights' K is whole packed
-    chunks (32 or 64 rows) by their layout.
+    tuning table (benchmark sweeps; one with ``gemv=True`` takes the GEMV kernel). An N that is not a
+    multiple of 16 (a tiny model's 136-wide ``kv_a``) is padded with zero columns, sliced off the
+    result; an FP8 weight's K likewise with zero rows (and x with zero columns: a tiny V4's 40-wide
+    ``q_lora``). 4-bit weights' K is whole packed chunks (32 or 64 rows) by their layout.
     ``dequantize_first``: dequantize W in XLA and multiply with XLA's dot instead of the kernel
     (default: from the tuning table's row count on, :func:`.tuning.dequantize_first`). ``layer``
     (int32 scalar, may be traced): W is a stack ``[L, K, N]`` read at that layer in place (a weight
@@ -109,7 +159,7 @@ def quant_matmul(
         layer,
         interpret=interpret,
         decode=fp_decode(decode),
-        config=config,
+        config=config or group_config(x.shape[0], (w,), x.dtype),
         int4=int4_mode(int4_decode, interpret=interpret),
     )
     return out if out.shape[-1] == n else out[:, :n]
@@ -142,7 +192,7 @@ def quant_matmul_many(
         layer,
         interpret=interpret,
         decode=fp_decode(decode),
-        config=None,
+        config=group_config(x.shape[0], tuple(ws), x.dtype),
         int4=int4_mode(int4_decode, interpret=interpret),
     )
 
@@ -158,16 +208,19 @@ def groupable(m: int, k: int, ws: tuple[QuantizedWeight, ...]) -> bool:
     )
 
 
-def default_config(m: int, w: QuantizedWeight, dtype) -> tuning.QmmConfig:
+def default_config(m: int, w: QuantizedWeight, dtype, *, gemv: bool | None = None) -> tuning.QmmConfig:
     """The tuning table's config for ``x [m, K]`` of ``dtype`` times ``w`` (what the kernel uses when
-    given none; benchmark sweeps start from it)."""
-    return group_config(m, (w,), dtype)
+    given none; benchmark sweeps start from it). ``gemv``: the table's GEMV (True) or tensor-core
+    (False) config at any ``m``; None: the table's (and ``$JAXDSA_QMM_GEMV_MAX_M``'s) choice."""
+    return group_config(m, (w,), dtype, gemv=gemv)
 
 
-def group_config(m: int, ws: tuple[QuantizedWeight, ...], dtype) -> tuning.QmmConfig:
+def group_config(
+    m: int, ws: tuple[QuantizedWeight, ...], dtype, *, gemv: bool | None = None
+) -> tuning.QmmConfig:
     """The config of one launch over weights ``ws`` of one format (:func:`quant_matmul_many`): the
     table's choice for their summed width, a ``block_n`` dividing each width, K splits for the
-    programs of all of them."""
+    programs of all of them. ``gemv`` as in :func:`default_config`."""
     k, n = ws[0].shape[-2], sum(w.shape[-1] for w in ws)
     cfg = tuning.choose(
         m,
@@ -176,16 +229,17 @@ def group_config(m: int, ws: tuple[QuantizedWeight, ...], dtype) -> tuning.QmmCo
         itemsize=jnp.dtype(dtype).itemsize,
         weight_bits=4 if ws[0].packed else 8,
         min_block_k=max(ws[0].kpack, 16),
+        gemv=gemv,
     )
     if len(ws) == 1:
         return cfg
     block_n = min(tuning.fit_block(cfg.block_n, w.shape[-1], 16, "N") for w in ws)
-    programs = -(-m // cfg.block_m) * sum(w.shape[-1] // block_n for w in ws)
+    programs = cfg.m_tiles(m) * sum(w.shape[-1] // block_n for w in ws)
     return dataclasses.replace(cfg, block_n=block_n, splits=tuning.splits_for(programs, k // cfg.block_k))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "decode", "config", "int4"))
-def _quant_matmul(x, ws, layer, *, interpret: bool, decode: str, config: tuning.QmmConfig | None, int4: str):
+def _quant_matmul(x, ws, layer, *, interpret: bool, decode: str, config: tuning.QmmConfig, int4: str):
     m, k = x.shape
     specs, arrays = [], []
     for w in ws:
@@ -197,34 +251,38 @@ def _quant_matmul(x, ws, layer, *, interpret: bool, decode: str, config: tuning.
         specs.append(spec)
         arrays.append(operands)
     min_block_k = max(specs[0].kpack, 16)
-    cfg = config or group_config(m, ws, x.dtype)
     widths = [w.shape[-1] for w in ws]
-    block_n = min(tuning.fit_block(cfg.block_n, n, 16, "N") for n in widths)
-    block_k = tuning.fit_block(max(cfg.block_k, min_block_k), k, min_block_k, "K")
-    steps, m_tiles = k // block_k // cfg.splits, -(-m // cfg.block_m)
-    if steps * cfg.splits * block_k != k:
-        raise ValueError(f"{cfg.splits} K splits do not divide {k // block_k} steps of {block_k}")
+    block_n = min(tuning.fit_block(config.block_n, n, 16, "N") for n in widths)
+    block_k = tuning.fit_block(max(config.block_k, min_block_k), k, min_block_k, "K")
+    steps = k // block_k // config.splits
+    if steps * config.splits * block_k != k:
+        raise ValueError(f"{config.splits} K splits do not divide {k // block_k} steps of {block_k}")
     tiles_at = tuple(int(t) for t in np.cumsum([0, *(n // block_n for n in widths)]))
-    dtype = x.dtype if cfg.splits == 1 else jnp.float32
+    dtype = x.dtype if config.splits == 1 else jnp.float32
+    shared = dict(
+        specs=tuple(specs),
+        counts=tuple(len(a) for a in arrays),
+        tiles_at=tiles_at,
+        block_n=block_n,
+        block_k=block_k,
+        steps=steps,
+    )
+    if config.gemv:  # every row in one program: the output has exactly M rows
+        body = functools.partial(_gemv_kernel, rows=m, **shared)
+        rows, grid = m, (tiles_at[-1], config.splits)
+    else:
+        m_tiles = config.m_tiles(m)
+        precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+        body = functools.partial(_kernel, block_m=config.block_m, m_total=m, precision=precision, **shared)
+        rows, grid = m_tiles * config.block_m, (m_tiles, tiles_at[-1], config.splits)
     out = pl.pallas_call(
-        functools.partial(
-            _kernel,
-            specs=tuple(specs),
-            counts=tuple(len(a) for a in arrays),
-            tiles_at=tiles_at,
-            block_m=cfg.block_m,
-            block_n=block_n,
-            block_k=block_k,
-            steps=steps,
-            m_total=m,
-            precision=jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None,
-        ),
-        out_shape=jax.ShapeDtypeStruct((cfg.splits, m_tiles * cfg.block_m, sum(widths)), dtype),
-        grid=(m_tiles, tiles_at[-1], cfg.splits),
-        compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
+        body,
+        out_shape=jax.ShapeDtypeStruct((config.splits, rows, sum(widths)), dtype),
+        grid=grid,
+        compiler_params=compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="quant_matmul",
     )(x, *(a for operands in arrays for a in operands))
     # one sum over the K splits for all the weights; their columns sliced apart after it
-    out = out.sum(axis=0)[:m].astype(x.dtype) if cfg.splits > 1 else out[0, :m]
+    out = out.sum(axis=0)[:m].astype(x.dtype) if config.splits > 1 else out[0, :m]
     return tuple(out[:, a * block_n : b * block_n] for a, b in zip(tiles_at, tiles_at[1:]))

@@ -1,7 +1,12 @@
 """Tiles, K splits, warps and stages for ``quant_matmul``, per GPU compute capability.
 
-Three regimes by the number of rows M (tokens):
+Four regimes by the number of rows M (tokens), the first off until measured:
 
+* ``gemv`` (M <= :attr:`_Entry.gemv_max_m`, 0 on every part: off): the matrix-vector kernel, no
+  tensor cores (why, in :mod:`.kernel`), every row in one program, grid N tiles x K splits by the
+  same split rule. ``JAXDSA_QMM_GEMV_MAX_M=<rows>`` replaces every part's row count for a whole
+  run without code edits (:func:`gemv_max_m`; 0 turns the path off), and a ``config=`` with
+  ``gemv=True`` takes it at any M (benchmark sweeps: ``QUANT_QMM_TILES=name:gemv=1+block_n=128``).
 * ``stream`` (M <= 32, decode): a weight stream. One 16- or 32-row tile holds every token, so the
   grid is the N tiles times K splits; splits (partial sums added by one XLA fusion) give the GPU
   about two programs per SM, since a 2048-column projection has only 32 tiles of 64 columns.
@@ -26,6 +31,7 @@ against 20 with 4); FP8 keeps 4 until measured.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from pallas_kernels._triton import (
     compute_capability,
@@ -38,12 +44,17 @@ from pallas_kernels.quant.tiles import decoded_tile_bytes
 
 @dataclasses.dataclass(frozen=True)
 class QmmConfig:
-    block_m: int
+    block_m: int  # rows per M tile; a GEMV config's: M itself (every row in one program, set by choose)
     block_n: int
     block_k: int  # weight rows per K step
     splits: int  # K splits; partial sums in float32, added outside the kernel
     num_warps: int
     num_stages: int
+    gemv: bool = False  # the matrix-vector kernel: no tl.dot, every row in one program
+
+    def m_tiles(self, m: int) -> int:
+        """Programs along M for ``m`` rows (one for a GEMV config)."""
+        return 1 if self.gemv else -(-m // self.block_m)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,18 +62,23 @@ class _Entry:
     stream: QmmConfig  # block_m and splits are set by choose()
     mid: QmmConfig
     compute: QmmConfig
+    gemv: QmmConfig  # block_m and splits are set by choose()
     sms: int  # streaming multiprocessors: the split rule fills about two programs per SM
     # From this many rows on, dequantize the weight once in XLA and let XLA's GEMM multiply (None:
     # never). Tensor-core tiles fed by an in-loop decode fall far behind a plain GEMM at prefill
     # sizes, while dequantizing costs one pass over the weight (~4.5 bytes per weight).
     dequantize_min_m: int | None = None
     stages_4bit: int | None = None  # stream tiles with 4-bit weights: stages (None: the tile's)
+    gemv_max_m: int = 0  # the GEMV kernel up to this many rows (0: never; $JAXDSA_QMM_GEMV_MAX_M overrides)
 
 
 _BIG = _Entry(  # H100 / H200 / B200: 227 KiB of shared memory per block
     stream=QmmConfig(16, 64, 128, 1, 4, 4),
     mid=QmmConfig(64, 128, 64, 1, 4, 4),
     compute=QmmConfig(128, 128, 64, 1, 8, 3),
+    # not measured: 64 columns, 64 FP8 rows (a [64, 64] float32 accumulator per row, 32 registers
+    # a thread at 4 warps), one 256-row INT4 word chunk (eight 32-row pieces) per step
+    gemv=QmmConfig(1, 64, 64, 1, 4, 3, gemv=True),
     sms=132,
     # H100, GLM-5's ten linears summed (benchmarks/results/quant-h100-ptx.md): INT4 1835 vs 2135 us
     # at T = 512, 2621 vs 4090 at 1024, 6674 vs 15071 at 4096, but 1563 vs 1214 at 256; FP8 1358 vs
@@ -76,9 +92,11 @@ _SMALL = _Entry(  # 99 KiB consumer / workstation parts
     stream=QmmConfig(16, 64, 128, 1, 4, 3),
     mid=QmmConfig(64, 64, 64, 1, 4, 3),
     compute=QmmConfig(128, 64, 64, 1, 4, 2),
+    gemv=QmmConfig(1, 64, 64, 1, 4, 3, gemv=True),
     sms=84,
     dequantize_min_m=512,
 )
+# gemv_max_m: 0 (off) on every part until measured; $JAXDSA_QMM_GEMV_MAX_M overrides it (docstring)
 TABLE: dict[int, _Entry] = {
     80: _A100,
     86: _SMALL,
@@ -91,18 +109,21 @@ TABLE: dict[int, _Entry] = {
 DEFAULT = dataclasses.replace(_SMALL, dequantize_min_m=None)  # unknown GPUs and the CPU interpreter
 
 _MAX_SPLITS = 16
+GEMV_ENV = "JAXDSA_QMM_GEMV_MAX_M"
 
 
 def smem_bytes(cfg: QmmConfig, *, itemsize: int, weight_bits: int) -> int:
     """Shared-memory bound (:func:`pallas_kernels._triton.shared_memory_bytes`): per stage the
     activation tile and the weight codes; resident, the dequantized weight tile
-    (:func:`pallas_kernels.quant.tiles.decoded_tile_bytes`); the float32 output tile after."""
+    (:func:`pallas_kernels.quant.tiles.decoded_tile_bytes`), none for a GEMV config, whose weights
+    never become a tensor-core operand; the float32 output tile after."""
+    decoded = decoded_tile_bytes(
+        cfg.block_k * cfg.block_n, block_m=cfg.block_m, itemsize=itemsize, weight_bits=weight_bits
+    )
     return shared_memory_bytes(
         stage=cfg.block_m * cfg.block_k * itemsize + cfg.block_k * cfg.block_n * weight_bits // 8,
         num_stages=cfg.num_stages,
-        resident=decoded_tile_bytes(
-            cfg.block_k * cfg.block_n, block_m=cfg.block_m, itemsize=itemsize, weight_bits=weight_bits
-        ),
+        resident=0 if cfg.gemv else decoded,
         epilogue=cfg.block_m * cfg.block_n * 4,
     )
 
@@ -111,6 +132,20 @@ def dequantize_first(m: int, cc: int | None = None) -> bool:
     """Whether ``m`` rows are enough to dequantize the weight first (:attr:`_Entry.dequantize_min_m`)."""
     threshold = TABLE.get(compute_capability() if cc is None else cc, DEFAULT).dequantize_min_m
     return threshold is not None and m >= threshold
+
+
+def gemv_max_m(cc: int | None = None) -> int:
+    """Rows up to which ``quant_matmul`` takes the GEMV kernel: ``$JAXDSA_QMM_GEMV_MAX_M`` where set
+    (every part; 0 turns it off), else the part's :attr:`_Entry.gemv_max_m`."""
+    raw = os.environ.get(GEMV_ENV, "").strip()
+    if raw:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(
+                f"{GEMV_ENV}={raw!r}: expected a row count (0 turns the GEMV path off)"
+            ) from None
+    return TABLE.get(compute_capability() if cc is None else cc, DEFAULT).gemv_max_m
 
 
 def fit_block(block: int, dim: int, floor: int, what: str) -> int:
@@ -137,27 +172,41 @@ def _splits(programs: int, k_steps: int, sms: int) -> int:
 
 
 def choose(
-    m: int, k: int, n: int, *, itemsize: int, weight_bits: int, min_block_k: int, cc: int | None = None
+    m: int,
+    k: int,
+    n: int,
+    *,
+    itemsize: int,
+    weight_bits: int,
+    min_block_k: int,
+    cc: int | None = None,
+    gemv: bool | None = None,
 ) -> QmmConfig:
     """Config for ``[m, k] @ [k, n]`` with ``itemsize``-byte activations and ``weight_bits``-bit codes;
-    ``min_block_k``: the weight's packed chunk (4-bit) or 16."""
+    ``min_block_k``: the weight's packed chunk (4-bit) or 16. ``gemv``: the GEMV tile (True) or the
+    tensor-core ones (False) at any ``m``; None: GEMV up to :func:`gemv_max_m` rows."""
     cc = compute_capability() if cc is None else cc
     entry = TABLE.get(cc, DEFAULT)
-    if m <= 32:
+    use_gemv = m <= gemv_max_m(cc) if gemv is None else gemv
+    if use_gemv:
+        cfg = dataclasses.replace(entry.gemv, block_m=m)
+    elif m <= 32:
         cfg = dataclasses.replace(entry.stream, block_m=16 if m <= 16 else 32)
     else:
         cfg = entry.mid if m <= 128 else entry.compute
     if weight_bits == 4:
         cfg = dataclasses.replace(cfg, block_k=max(2 * cfg.block_k, min_block_k))
-        if m <= 32 and entry.stages_4bit:
+        if m <= 32 and entry.stages_4bit and not cfg.gemv:
             cfg = dataclasses.replace(cfg, num_stages=entry.stages_4bit)
-    # block_m last: float32 activations with 256-row word chunks need it on 99 KiB parts
+    # block_m last: float32 activations with 256-row word chunks need it on 99 KiB parts (a GEMV
+    # config's block_m is M: never shrunk)
     knobs = (("num_stages", 2), ("block_k", min_block_k), ("block_n", 32), ("block_m", 16), ("num_stages", 1))
+    knobs = tuple(knob for knob in knobs if not (cfg.gemv and knob[0] == "block_m"))
     nbytes = lambda c: smem_bytes(c, itemsize=itemsize, weight_bits=weight_bits)  # noqa: E731
     cfg = shrink_to_fit(cfg, nbytes, shared_memory_budget(cc), knobs)
     block_n = fit_block(cfg.block_n, n, 16, "N")
     block_k = fit_block(cfg.block_k, k, min_block_k, "K")
-    programs = -(-m // cfg.block_m) * (n // block_n)
+    programs = cfg.m_tiles(m) * (n // block_n)
     return dataclasses.replace(
         cfg, block_n=block_n, block_k=block_k, splits=_splits(programs, k // block_k, entry.sms)
     )

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from benchmarks import quant
 from pallas_kernels.quant.layout import WORD_KPACK
+from pallas_kernels.quant_matmul.tuning import GEMV_ENV
 
 
 def test_small_run_writes_a_report(tmp_path, monkeypatch):
@@ -24,9 +25,11 @@ def test_small_run_writes_a_report(tmp_path, monkeypatch):
     ]
     timed = [r for r in rows if "torch" not in r]
     # int4 x (experts, linear) x (default, other INT4 arithmetic); fp8 (software decode: the CPU
-    # default) and bf16 x (experts, linear); fp4 experts only
-    assert len(timed) == 9
+    # default) and bf16 x (experts, linear); fp4 experts only; at T = 4 the int4 and fp8 linears
+    # on the GEMV kernel too
+    assert len(timed) == 11
     assert sum("pallas:int4-" in r for r in timed) == 2
+    assert sum("| pallas:gemv |" in r for r in timed) == 2
     assert all(r.split("|")[5].strip() for r in timed)  # every Pallas / XLA row has a time
 
 
@@ -58,3 +61,21 @@ def test_random_int4_weights_take_the_loaders_layout():
     stack = shape("int4", (2,))
     assert stack.kpack == WORD_KPACK and stack.codes.shape == (2, 64, 64) and stack.codes.dtype == jnp.int32
     assert shape("int4", ()).kpack == 64 and shape(quant.INT4_BYTES, (2,)).kpack == 64
+
+
+def test_linear_rows_ask_for_the_gemv_kernel(monkeypatch):
+    """``pallas:gemv`` next to ``pallas`` at T <= 4 only; ``gemv=1`` / ``gemv=0`` in a QUANT_QMM_TILES
+    variant starts it from the table's GEMV / tensor-core config, the other fields applied on top."""
+    monkeypatch.delenv(GEMV_ENV, raising=False)
+    monkeypatch.setenv("QUANT_QMM_TILES", "g128:gemv=1+block_n=128,tc:gemv=0,w8:num_warps=8")
+    impls = {i.name: i for i in quant._impls("int4", "linear", 1)}
+    assert impls["pallas:gemv"].gemv is True and not impls["pallas:gemv"].variant
+    assert "pallas:gemv" not in {i.name for i in quant._impls("fp8", "linear", 8)}
+    monkeypatch.setattr(quant.qmm_kernel, "quant_matmul", lambda x, w, **kw: kw["config"])
+    w = jax.eval_shape(quant.random_weight, jax.random.key(0), "int4", (), 512, 256)
+    x = jax.ShapeDtypeStruct((1, 512), jnp.bfloat16)
+    config = {name: quant._linear_fn(quant.SMALL, "int4", impl)(x, w) for name, impl in impls.items()}
+    assert config["pallas"] is None and config["pallas:gemv"].gemv
+    assert config["pallas:g128"].gemv and config["pallas:g128"].block_n == 128
+    assert not config["pallas:tc"].gemv and not config["pallas:w8"].gemv
+    assert config["pallas:w8"].num_warps == 8

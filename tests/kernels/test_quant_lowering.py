@@ -1,6 +1,7 @@
 """Quantized kernels lowered for CUDA on the CPU (Pallas -> verified Triton IR) at GLM-5 shapes, for
-sm_80, sm_90 and sm_120, with the decode path each part gets by default; sm_80 refuses the native
-e4m3 cast, which is why the software path exists. Plus the quantized MoE tiles' shared-memory fit.
+sm_80, sm_90 and sm_120 (the GEMV path too, at decode shapes), with the decode path each part gets
+by default; sm_80 refuses the native e4m3 cast, which is why the software path exists. Plus the
+quantized MoE tiles' shared-memory fit.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pallas_kernels._triton import lower_for_cuda, shared_memory_budget
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe import tuning as moe_tuning
 from pallas_kernels.quant import layout
-from pallas_kernels.quant_matmul import kernel
+from pallas_kernels.quant_matmul import kernel, tuning
 
 TARGETS = {"sm_80": 80, "sm_90": 90, "sm_120": 120}
 D, N, E, TOP_K = 6144, 2048, 256, 8  # GLM-5: hidden, expert width, routed experts, experts per token
@@ -57,9 +58,12 @@ def test_quant_matmul_lowers(target, fmt, t, k, n, group, zeros):
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
-@pytest.mark.parametrize("fmt", ["int4", "fp8"])
-def test_projections_of_one_input_lower_as_one_kernel(target, fmt):
-    """GLM-5's q_a and kv_a (2048 + 576 columns) at decode, stacked over scanned layers: one launch."""
+@pytest.mark.parametrize("gemv", [False, True])
+@pytest.mark.parametrize("fmt", ["int4", "fp8", "fp4"])
+def test_projections_of_one_input_lower_as_one_kernel(target, fmt, gemv, monkeypatch):
+    """GLM-5's q_a and kv_a (2048 + 576 columns) at decode, stacked over scanned layers: one launch,
+    also on the GEMV kernel (turned on by the environment: a grid of 2624 / 64 N tiles)."""
+    monkeypatch.setenv(tuning.GEMV_ENV, "1" if gemv else "0")
     ws = tuple(_abstract(fmt, (3,), D, n) for n in (N, 576))
     x = jax.ShapeDtypeStruct((1, D), jnp.bfloat16)
     layer = jax.ShapeDtypeStruct((), jnp.int32)
@@ -67,6 +71,41 @@ def test_projections_of_one_input_lower_as_one_kernel(target, fmt):
         lambda x, ws, layer: kernel.quant_matmul_many(x, ws, layer=layer), x, ws, layer, target=target
     )
     assert text.count("__gpu$xla.gpu.triton") == 1
+    assert ("grid_x = 41 : i32" in text) == gemv  # the tensor-core kernel's grid_x is its one M tile
+
+
+GEMV_LINEARS = [  # (format, T, K, N, activations dtype): decode shapes, GLM-5 and a TP-4 share
+    pytest.param("int4", 1, D, N + 576, jnp.bfloat16, id="int4-T1-q_a|kv_a"),
+    pytest.param("int4", 3, 8192, D, jnp.bfloat16, id="int4-T3-K8192"),
+    pytest.param("int4", 2, 16384 // 4, D, jnp.float32, id="int4-T2-f32-o_proj-tp4"),
+    pytest.param("fp8", 1, D, N + 576, jnp.bfloat16, id="fp8-T1-q_a|kv_a"),
+    pytest.param("fp8", 2, 8192, D, jnp.bfloat16, id="fp8-T2-K8192"),
+    pytest.param("fp4", 1, D, N + 576, jnp.bfloat16, id="fp4-T1-q_a|kv_a"),
+    pytest.param("fp4", 3, 8192, D, jnp.float32, id="fp4-T3-f32-K8192"),
+]
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("fmt,t,k,n,dtype", GEMV_LINEARS)
+def test_gemv_lowers(target, fmt, t, k, n, dtype, monkeypatch):
+    """The GEMV kernel with the part's GEMV tile (turned on by the environment) at decode shapes, INT4
+    in int32 words, FP8 and FP4 in bytes, the part's default decodes: one launch whose grid is the
+    tile's N tiles x K splits."""
+    monkeypatch.setenv(tuning.GEMV_ENV, str(t))
+    w = _abstract(fmt, (), k, n)
+    x = jax.ShapeDtypeStruct((t, k), dtype)
+    text = lower_for_cuda(kernel.quant_matmul, x, w, target=target)
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    cfg = tuning.choose(
+        t,
+        k,
+        n,
+        itemsize=jnp.dtype(dtype).itemsize,
+        weight_bits=8 if fmt == "fp8" else 4,
+        min_block_k=max(w.kpack, 16),
+        cc=TARGETS[target],
+    )
+    assert cfg.gemv and f"grid_x = {n // cfg.block_n} : i32, grid_y = {cfg.splits} : i32, grid_z = 1" in text
 
 
 @pytest.mark.parametrize("target", list(TARGETS))

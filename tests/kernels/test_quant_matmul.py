@@ -1,7 +1,7 @@
 """Quantized weights: the layout's packers and dequantizer, the in-kernel decoders, and the
-``quant_matmul`` kernel vs its reference (CPU, interpret mode) on fresh random codes, scales and
-zero points. The decoders and the dequantizer are held to the NumPy format decoders of
-``checkpoints.quant`` (written from the formats' bit layouts) bit for bit.
+``quant_matmul`` kernels (tensor-core and GEMV) vs their reference (CPU, interpret mode) on fresh
+random codes, scales and zero points. The decoders and the dequantizer are held to the NumPy format
+decoders of ``checkpoints.quant`` (written from the formats' bit layouts) bit for bit.
 """
 
 from __future__ import annotations
@@ -503,3 +503,245 @@ def test_group_config_covers_every_weight():
     cfg = kernel.group_config(1, ws, jnp.bfloat16)
     assert 2048 % cfg.block_n == 0 and 576 % cfg.block_n == 0
     assert 6144 % (cfg.block_k * cfg.splits) == 0
+
+
+# ---- the GEMV kernel (decode-sized M, no tl.dot) --------------------------------------------------
+
+
+def _gemv(m: int, splits: int = 1) -> tuning.QmmConfig:
+    """A GEMV config asking 64 columns and 64 8-bit rows a step (4-bit: at least one packed chunk);
+    quant_matmul fits both to the weight."""
+    return tuning.QmmConfig(m, 64, 64, splits, 4, 3, gemv=True)
+
+
+def _grids(fn, *args) -> list[tuple[int, ...]]:
+    """The grids of the pallas_calls in ``fn``'s jaxpr (a GEMV launch's has two axes: N tiles, K splits)."""
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield tuple(eqn.params["grid_mapping"].grid)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from walk(sub)
+
+    return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+GEMV_CASES = [  # (format maker, M, activations dtype, decode mode, K splits)
+    pytest.param(
+        functools.partial(random_int4, n=64, k=512, group=32, symmetric=False),
+        1,
+        jnp.bfloat16,
+        None,
+        2,
+        id="int4-words-asym-M1-bf16-split2",
+    ),
+    pytest.param(  # N = 48: 16-column tiles
+        functools.partial(random_int4, n=48, k=1024, group=128, symmetric=True),
+        2,
+        jnp.float32,
+        None,
+        4,
+        id="int4-words-sym-N48-M2-f32-split4",
+    ),
+    pytest.param(
+        functools.partial(random_int4, n=96, k=256, group=32, symmetric=False, kpack=64),
+        3,
+        jnp.bfloat16,
+        None,
+        2,
+        id="int4-bytes-asym-M3-bf16-split2",
+    ),
+    pytest.param(  # K = 96: 32-row byte chunks, 16-row pieces
+        functools.partial(random_int4, n=32, k=96, group=32, symmetric=True),
+        2,
+        jnp.float32,
+        None,
+        1,
+        id="int4-bytes32-sym-M2-f32",
+    ),
+    pytest.param(
+        functools.partial(random_fp8, n=576, k=256), 3, jnp.float32, "software", 2, id="fp8-576-M3-f32-split2"
+    ),
+    pytest.param(
+        functools.partial(random_fp8, n=64, k=320, block=(32, 64), e8m0=True),
+        1,
+        jnp.bfloat16,
+        "native",
+        1,
+        id="fp8-e8m0-K320-M1-bf16",
+    ),
+    pytest.param(  # K = 40 and N = 24 padded to multiples of 16 in the op
+        functools.partial(random_fp8, n=24, k=40, block=(32, 32), e8m0=True),
+        2,
+        jnp.float32,
+        "software",
+        1,
+        id="fp8-K40-N24-padded-M2-f32",
+    ),
+    pytest.param(functools.partial(random_fp4, n=32, k=128), 3, jnp.float32, None, 2, id="fp4-M3-f32-split2"),
+    pytest.param(functools.partial(random_fp4, n=80, k=256), 1, jnp.bfloat16, None, 1, id="fp4-N80-M1-bf16"),
+]
+
+
+@pytest.mark.parametrize("make,m,dtype,mode,splits", GEMV_CASES)
+def test_gemv_matches_reference(make, m, dtype, mode, splits):
+    """The GEMV kernel against the reference, with the same tolerances as the tensor-core kernel, in
+    one launch of two grid axes (N tiles x K splits)."""
+    rng = np.random.default_rng(100 + m)
+    w, _ = make(rng, ())
+    w = _device(w)
+    x = jnp.asarray(rng.standard_normal((m, w.shape[0])), dtype)
+    _check(x, w, decode_mode=mode, config=_gemv(m, splits))
+    run = lambda x: kernel.quant_matmul(x, w, interpret=True, decode=mode, config=_gemv(m, splits))  # noqa: E731
+    [grid] = _grids(run, x)
+    assert len(grid) == 2 and grid[1] == splits
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "fmt", ["int4-words-asym", "int4-words-sym", "int4-bytes-asym", "fp8-native", "fp8-software", "fp4"]
+)
+def test_gemv_dequantizes_bit_for_bit(fmt, dtype):
+    """Three rows of the identity pick three weight rows (in different pieces and chunks) through
+    the GEMV kernel, over two K splits: exactly the format's values (bf16 activations: those
+    values in bf16, which INT4's are already), but for the sign of zero."""
+    rng = np.random.default_rng(9)
+    k, rows = 512, np.array([5, 300, 511])
+    make = {
+        "int4-words-asym": functools.partial(random_int4, group=32, symmetric=False),
+        "int4-words-sym": functools.partial(random_int4, group=128, symmetric=True),
+        "int4-bytes-asym": functools.partial(random_int4, group=32, symmetric=False, kpack=64),
+        "fp8-native": random_fp8,
+        "fp8-software": random_fp8,
+        "fp4": random_fp4,
+    }[fmt]
+    w, want = make(rng, (), 48, k)
+    x = jnp.asarray(np.eye(k, dtype=np.float32)[rows], dtype)
+    mode = fmt.removeprefix("fp8-") if fmt.startswith("fp8") else None
+    got = kernel.quant_matmul(x, _device(w), interpret=True, decode=mode, config=_gemv(3, 2))
+    assert got.dtype == dtype
+    want = want[rows].astype(np.dtype(dtype)).astype(np.float32)
+    _same_bits(got, want + np.float32(0))
+
+
+@pytest.mark.parametrize("make,m,dtype,mode,splits", [GEMV_CASES[i] for i in (0, 2, 4, 7)])
+def test_gemv_layer_stack_read_in_place(make, m, dtype, mode, splits):
+    """A weight stacked over 3 layers (INT4 words and bytes, FP8, FP4), read in place at a traced
+    layer by the GEMV kernel: exactly that layer's own product."""
+    rng = np.random.default_rng(m + 7)
+    per_layer = [_device(make(rng, ())[0]) for _ in range(3)]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+    x = jnp.asarray(rng.standard_normal((m, stack.shape[1])), dtype)
+    cfg = _gemv(m, splits)
+    run = jax.jit(
+        lambda layer: kernel.quant_matmul(x, stack, layer=layer, interpret=True, decode=mode, config=cfg)
+    )
+    for i, w in enumerate(per_layer):
+        want = jax.jit(lambda w: kernel.quant_matmul(x, w, interpret=True, decode=mode, config=cfg))(w)
+        np.testing.assert_array_equal(run(jnp.int32(i)), want)
+        assert _rel(want, _ref(x, w)) <= (1e-5 if dtype == jnp.float32 else 8e-3)
+
+
+GEMV_GROUPS = [  # (maker of one weight given N, widths, M, dtype)
+    pytest.param(
+        lambda rng, lead, n: random_int4(rng, lead, n, 512, 32, symmetric=False),
+        (64, 48, 16),
+        2,
+        jnp.bfloat16,
+        id="int4-words-3",
+    ),
+    pytest.param(
+        lambda rng, lead, n: random_int4(rng, lead, n, 128, 32, symmetric=True, kpack=64),
+        (32, 96),
+        3,
+        jnp.float32,
+        id="int4-bytes-2",
+    ),
+    pytest.param(lambda rng, lead, n: random_fp8(rng, lead, n, 256), (128, 64), 1, jnp.float32, id="fp8-2"),
+    pytest.param(
+        lambda rng, lead, n: random_fp4(rng, lead, n, 128), (32, 32, 64), 3, jnp.bfloat16, id="fp4-3"
+    ),
+]
+
+
+@pytest.mark.parametrize("make,widths,m,dtype", GEMV_GROUPS)
+def test_gemv_many_weights_in_one_launch(make, widths, m, dtype, monkeypatch):
+    """quant_matmul_many on the GEMV kernel (turned on by the environment): one two-axis launch over
+    every weight's tiles, each output that weight's product; stacked weights at a traced layer."""
+    monkeypatch.setenv(tuning.GEMV_ENV, "3")
+    rng = np.random.default_rng(20 + m)
+    ws = tuple(_device(make(rng, (), n)[0]) for n in widths)
+    x = jnp.asarray(rng.standard_normal((m, ws[0].shape[0])), dtype)
+    many = lambda x: kernel.quant_matmul_many(x, ws, interpret=True, decode="software")  # noqa: E731
+    [grid] = _grids(many, x)
+    cfg = kernel.group_config(m, ws, dtype)
+    assert cfg.gemv and grid == (sum(widths) // cfg.block_n, cfg.splits)
+    tol = 1e-5 if dtype == jnp.float32 else 8e-3
+    for y, w in zip(many(x), ws):
+        assert y.shape == (m, w.shape[1]) and y.dtype == dtype
+        assert _rel(y, _ref(x, w)) <= tol
+
+    stacks = tuple(
+        jax.tree.map(lambda *a: jnp.stack(a), *(_device(make(rng, (), n)[0]) for _ in range(2)))
+        for n in widths
+    )
+    run = jax.jit(
+        lambda layer: kernel.quant_matmul_many(x, stacks, layer=layer, interpret=True, decode="software")
+    )
+    for i in range(2):
+        for y, s in zip(run(jnp.int32(i)), stacks):
+            assert _rel(y, _ref(x, layout.take_layer(s, i))) <= tol
+
+
+def test_gemv_switch(monkeypatch):
+    """The table keeps the GEMV path off on every part; ``JAXDSA_QMM_GEMV_MAX_M`` turns it on up to
+    that many rows for quant_matmul and quant_matmul_many alike (their launches have two grid axes
+    then), 0 turns it off again; ``gemv=`` asks for either config at any M."""
+    monkeypatch.delenv(tuning.GEMV_ENV, raising=False)
+    rng = np.random.default_rng(13)
+    w = _device(random_int4(rng, (), 64, 256, 32, symmetric=False)[0])
+    choose = functools.partial(tuning.choose, k=6144, n=2048, itemsize=2, weight_bits=4, min_block_k=256)
+    assert tuning.DEFAULT.gemv_max_m == 0 and tuning.gemv_max_m() == 0
+    for cc in (*tuning.TABLE, 0):
+        assert tuning.gemv_max_m(cc) == 0 and not choose(1, cc=cc).gemv
+    assert not kernel.default_config(1, w, jnp.bfloat16).gemv
+
+    def launch_axes(m: int) -> tuple[int, int]:
+        x = jnp.ones((m, 256), jnp.bfloat16)
+        one = lambda x: kernel.quant_matmul(x, w, interpret=True)  # noqa: E731
+        many = lambda x: kernel.quant_matmul_many(x, (w, w), interpret=True)  # noqa: E731
+        [a], [b] = _grids(one, x), _grids(many, x)
+        return len(a), len(b)
+
+    assert launch_axes(2) == (3, 3)
+    monkeypatch.setenv(tuning.GEMV_ENV, "2")
+    assert tuning.gemv_max_m(90) == 2 and choose(2, cc=90).gemv and not choose(3, cc=90).gemv
+    cfg = kernel.default_config(2, w, jnp.bfloat16)
+    assert cfg.gemv and cfg.block_m == 2 and cfg.block_k == 256  # one word chunk a step
+    assert launch_axes(2) == (2, 2) and launch_axes(3) == (3, 3)
+    assert not kernel.default_config(1, w, jnp.bfloat16, gemv=False).gemv
+    monkeypatch.setenv(tuning.GEMV_ENV, "0")
+    assert not kernel.default_config(1, w, jnp.bfloat16).gemv and launch_axes(1) == (3, 3)
+    forced = kernel.default_config(40, w, jnp.float32, gemv=True)
+    assert forced.gemv and forced.block_m == 40
+    monkeypatch.setenv(tuning.GEMV_ENV, "one")
+    with pytest.raises(ValueError, match=tuning.GEMV_ENV):
+        kernel.default_config(1, w, jnp.bfloat16)
+
+
+def test_gemv_tiles_fit():
+    """GEMV configs at decode sizes on every part: within the shared memory, whole packed chunks a
+    step (INT4 words: one 256-row chunk), K splits that divide the steps and fill the GPU."""
+    for cc, m, itemsize in itertools.product((80, 90, 120), (1, 2, 4, 8), (2, 4)):
+        for bits, floor in ((4, 64), (4, 256), (8, 16)):
+            cfg = tuning.choose(
+                m, 6144, 2048, itemsize=itemsize, weight_bits=bits, min_block_k=floor, cc=cc, gemv=True
+            )
+            assert cfg.gemv and cfg.block_m == m and cfg.block_k >= floor
+            assert 6144 % (cfg.block_k * cfg.splits) == 0 and cfg.splits > 1
+            assert tuning.smem_bytes(cfg, itemsize=itemsize, weight_bits=bits) <= tuning.shared_memory_budget(
+                cc
+            )
+    words = tuning.choose(1, 6144, 2048, itemsize=2, weight_bits=4, min_block_k=256, cc=90, gemv=True)
+    assert words.block_k == 256
