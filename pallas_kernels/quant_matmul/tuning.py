@@ -7,6 +7,12 @@ Four regimes by the number of rows M (tokens), the first off until measured:
   same split rule. ``JAXDSA_QMM_GEMV_MAX_M=<rows>`` replaces every part's row count for a whole
   run without code edits (:func:`gemv_max_m`; 0 turns the path off), and a ``config=`` with
   ``gemv=True`` takes it at any M (benchmark sweeps: ``QUANT_QMM_TILES=name:gemv=1+block_n=128``).
+  Measured once, at its starting tile (64 columns, one 256-row INT4 chunk per step, 4 warps, 3
+  stages), in a 10-layer GLM-5.2 INT4 decode at tp = 2 on 2 x H100 (traced kernel times,
+  ``benchmarks/results/decode_anatomy-h100-glm52-int4-tp2-10l-{tc,gemv}{1,2}.md``): slower where
+  it matters, so it stays off. ``o_proj`` (K 8192, N 6144) 38.5 against 23.6 us, the dense
+  gate|up 58 against 33, ``q_a|kv_a|wk`` 12.4 against 11.0; only the shared experts' gate|up was
+  faster (7.8 against 13.0). All linears of a step: 1.06 against 0.77 ms. A tile sweep is next.
 * ``stream`` (M <= 32, decode): a weight stream. One 16- or 32-row tile holds every token, so the
   grid is the N tiles times K splits; splits (partial sums added by one XLA fusion) give the GPU
   about two programs per SM, since a 2048-column projection has only 32 tiles of 64 columns.
