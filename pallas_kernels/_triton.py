@@ -140,6 +140,18 @@ def shrink_to_fit[C](cfg: C, nbytes: Callable[[C], int], budget: int, knobs: Seq
     return cfg
 
 
+def fit_block(block: int, dim: int, *, floor: int, what: str, op: str) -> int:
+    """The largest power of two <= ``block`` dividing ``dim``, at least ``floor``: a tile side that
+    never leaves a partial tile (4-bit weights need whole packed chunks, so their K floor is the
+    chunk). ``what`` / ``op`` name the dimension and the kernel in the error when none exists."""
+    b = block
+    while b > floor and (b > dim or dim % b):
+        b //= 2
+    if b < floor or dim % b:
+        raise ValueError(f"{op} needs {what} = {dim} to be a multiple of {floor}")
+    return b
+
+
 def compute_capability() -> int:
     """Compute capability being compiled for, as an int (90 for H100): the abstract device of a
     deviceless lowering (:func:`abstract_gpu`), else the local GPU; 0 without either (CPU

@@ -50,7 +50,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._triton import compiler_params, pl, pltriton
+from pallas_kernels._triton import compiler_params, fit_block, pl, pltriton
 from pallas_kernels.moe import routing, tuning
 from pallas_kernels.quant import tiles
 from pallas_kernels.quant.decode import fp_decode
@@ -63,14 +63,8 @@ _EXPERT, _ROWS, _SPAN_START, _SPAN_LEN = range(4)  # rows of the per-block metad
 
 
 def _fit(block: int, dim: int, what: str, floor: int = 16) -> int:
-    """Largest power of two <= ``block`` dividing ``dim``, at least ``floor`` (so weight tiles are never
-    partial; 4-bit weights need whole packed chunks)."""
-    b = block
-    while b >= floor and (b > dim or dim % b):
-        b //= 2
-    if b < floor:
-        raise ValueError(f"moe_experts needs {what} = {dim} to be a multiple of {floor}")
-    return b
+    """:func:`pallas_kernels._triton.fit_block` for the expert weights' tiles."""
+    return fit_block(block, dim, floor=floor, what=what, op="moe_experts")
 
 
 def _block_and_tile(meta_ref, n_tiles: int, pid=None) -> tuple[jax.Array, jax.Array]:

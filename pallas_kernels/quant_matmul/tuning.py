@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from pallas_kernels import _triton
 from pallas_kernels._triton import (
     compute_capability,
     shared_memory_budget,
@@ -155,13 +156,8 @@ def gemv_max_m(cc: int | None = None) -> int:
 
 
 def fit_block(block: int, dim: int, floor: int, what: str) -> int:
-    """Largest power of two <= ``block`` dividing ``dim``, at least ``floor``."""
-    b = block
-    while b > floor and (b > dim or dim % b):
-        b //= 2
-    if b < floor or dim % b:
-        raise ValueError(f"quant_matmul needs {what} = {dim} to be a multiple of {floor}")
-    return b
+    """:func:`pallas_kernels._triton.fit_block` for ``quant_matmul``'s tiles."""
+    return _triton.fit_block(block, dim, floor=floor, what=what, op="quant_matmul")
 
 
 def splits_for(programs: int, k_steps: int, cc: int | None = None) -> int:
