@@ -152,6 +152,30 @@ def fit_block(block: int, dim: int, *, floor: int, what: str, op: str) -> int:
     return b
 
 
+# Streaming multiprocessors of the parts the tuning tables know, for lowering without the GPU (the
+# GPU this process runs on reports its own count: :func:`sm_count`). A100, A40 / RTX 3090, RTX
+# 4090, H100 / H200 SXM, B200, RTX Pro 6000 Blackwell, DGX Spark (GB10).
+SMS = {80: 108, 86: 84, 89: 128, 90: 132, 100: 148, 120: 188, 121: 48}
+_DEFAULT_SMS = 108
+
+
+def sm_count(cc: int | None = None) -> int:
+    """Streaming multiprocessors of the part being compiled for (``cc``, default the current target):
+    the local GPU's own count when it is that part (an H100 PCIe has 114, not the SXM's 132), else
+    :data:`SMS`. Every tuning rule that sizes a grid to fill the GPU (K splits, head blocks, row
+    blocks) asks here, so the rules agree on each part."""
+    cc = compute_capability() if cc is None else cc
+    try:
+        dev = jax.devices("gpu")[0]
+    except (RuntimeError, IndexError):  # no GPU backend
+        dev = None
+    local_cc = int(str(getattr(dev, "compute_capability", "0") or "0").replace(".", "")) if dev else 0
+    cores = getattr(dev, "core_count", None) if dev else None
+    if local_cc == cc and isinstance(cores, int) and cores > 0:
+        return cores
+    return SMS.get(cc, _DEFAULT_SMS)
+
+
 def compute_capability() -> int:
     """Compute capability being compiled for, as an int (90 for H100): the abstract device of a
     deviceless lowering (:func:`abstract_gpu`), else the local GPU; 0 without either (CPU

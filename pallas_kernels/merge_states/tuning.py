@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels._triton import compute_capability, pl
+from pallas_kernels._triton import compute_capability, pl, sm_count
 
 MAX_BLOCK_PARTS = 64
 
@@ -28,7 +28,6 @@ class MergeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    num_sms: int
     tile_elems: int  # float32 values per [rows, parts, cols] tile
     max_block_d: int
     num_warps: int
@@ -36,24 +35,25 @@ class _Entry:
 
 
 TABLE: dict[int, _Entry] = {
-    80: _Entry(num_sms=108, tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
-    86: _Entry(num_sms=84, tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
-    89: _Entry(num_sms=128, tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
-    90: _Entry(num_sms=132, tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
-    100: _Entry(num_sms=148, tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
-    120: _Entry(num_sms=188, tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
-    121: _Entry(num_sms=48, tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
+    80: _Entry(tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
+    86: _Entry(tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
+    89: _Entry(tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
+    90: _Entry(tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
+    100: _Entry(tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
+    120: _Entry(tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
+    121: _Entry(tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
 }
-DEFAULT = _Entry(num_sms=108, tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2)
+DEFAULT = _Entry(tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2)
 
 
 def choose(n_parts: int, rows: int, d: int) -> MergeConfig:
     """Config for merging ``n_parts`` parts of ``rows`` x ``d`` outputs."""
-    e = TABLE.get(compute_capability(), DEFAULT)
+    cc = compute_capability()
+    e = TABLE.get(cc, DEFAULT)
     block_parts = min(pl.next_power_of_2(n_parts), MAX_BLOCK_PARTS)
     block_d = min(e.max_block_d, pl.next_power_of_2(d), max(32, e.tile_elems // block_parts))
     block_rows = max(1, e.tile_elems // (block_parts * block_d))
     col_blocks = -(-d // block_d)
-    while block_rows > 1 and -(-rows // block_rows) * col_blocks < e.num_sms:
+    while block_rows > 1 and -(-rows // block_rows) * col_blocks < sm_count(cc):
         block_rows //= 2
     return MergeConfig(block_rows, block_parts, block_d, e.num_warps, e.num_stages)

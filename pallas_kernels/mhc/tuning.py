@@ -25,6 +25,7 @@ from pallas_kernels._triton import (
     shared_memory_budget,
     shared_memory_bytes,
     shrink_to_fit,
+    sm_count,
 )
 
 
@@ -36,9 +37,6 @@ class MhcConfig:
     num_warps: int
     num_stages: int
     splits: int = 0  # hc_pre column splits: 0 = the rule in choose(), 1 = the fused kernel
-
-
-SMS = {80: 108, 86: 84, 89: 128, 90: 132, 100: 148, 120: 188, 121: 48}  # streaming multiprocessors
 
 
 TABLE: dict[int, MhcConfig] = {
@@ -73,9 +71,7 @@ def choose(t: int, n: int, d: int) -> MhcConfig:
         cfg, lambda c: smem_bytes(c, n), shared_memory_budget(cc), (("num_stages", 1), ("block_k", 16))
     )
     if cfg.splits == 0:
-        cfg = dataclasses.replace(
-            cfg, splits=split_rule(t, n * d, cfg.block_t, cfg.block_k, SMS.get(cc, 108))
-        )
+        cfg = dataclasses.replace(cfg, splits=split_rule(t, n * d, cfg.block_t, cfg.block_k, sm_count(cc)))
     return cfg
 
 

@@ -62,6 +62,7 @@ from pallas_kernels._triton import (
     shared_memory_budget,
     shared_memory_bytes,
     shrink_to_fit,
+    sm_count,
 )
 from pallas_kernels.quant.tiles import decoded_tile_bytes
 
@@ -93,7 +94,6 @@ class _Entry:
     stream: Tiles
     compute: Tiles
     max_block_m: int = 64
-    sms: int = 132  # streaming multiprocessors (the K-split rule fills about one wave)
     warps_4bit: int | None = None  # few / stream tiles with 4-bit weights: warps (None: as the tiles)
     stages_4bit: int | None = None  # ... and stages (None: as the tiles)
     # 4-bit weights keep 32-row blocks and the stream tiles until the mean slots per expert pass
@@ -117,19 +117,16 @@ _BIG_SMEM = _Entry(  # sm_100: ~227 KiB
     few=(Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
     stream=(Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
     compute=(Tile(128, 64, 8, 3), Tile(128, 64, 4, 4)),
-    sms=148,
 )
 _A100 = _Entry(  # 163 KiB
     few=(Tile(64, 128, 4, 3), Tile(64, 128, 4, 4)),
     stream=(Tile(64, 128, 4, 3), Tile(64, 128, 4, 4)),
     compute=(Tile(128, 64, 8, 3), Tile(128, 64, 4, 4)),
-    sms=108,
 )
 _SMALL_SMEM = _Entry(  # 99 KiB consumer parts
     few=(Tile(64, 64, 4, 4), Tile(64, 128, 4, 3)),
     stream=(Tile(64, 64, 4, 4), Tile(64, 128, 4, 3)),
     compute=(Tile(64, 64, 4, 3), Tile(128, 64, 4, 3)),
-    sms=84,
 )
 
 TABLE: dict[int, _Entry] = {
@@ -235,7 +232,9 @@ def choose(
         try:
             gate_up_tile = fit(gate_up, 2, block_m)
             splits = (
-                k_splits(num_slots, num_experts, n_out, gate_up_tile.block_n, e.sms) if weight_bits else 1
+                k_splits(num_slots, num_experts, n_out, gate_up_tile.block_n, sm_count(cc))
+                if weight_bits
+                else 1
             )
             return MoeConfig(block_m, gate_up_tile, fit(down, 1, block_m), splits=splits)
         except ValueError:

@@ -45,6 +45,7 @@ from pallas_kernels._triton import (
     shared_memory_budget,
     shared_memory_bytes,
     shrink_to_fit,
+    sm_count,
 )
 from pallas_kernels.quant.tiles import decoded_tile_bytes
 
@@ -70,7 +71,6 @@ class _Entry:
     mid: QmmConfig
     compute: QmmConfig
     gemv: QmmConfig  # block_m and splits are set by choose()
-    sms: int  # streaming multiprocessors: the split rule fills about two programs per SM
     # From this many rows on, dequantize the weight once in XLA and let XLA's GEMM multiply (None:
     # never). Tensor-core tiles fed by an in-loop decode fall far behind a plain GEMM at prefill
     # sizes, while dequantizing costs one pass over the weight (~4.5 bytes per weight).
@@ -86,7 +86,6 @@ _BIG = _Entry(  # H100 / H200 / B200: 227 KiB of shared memory per block
     # not measured: 64 columns, 64 FP8 rows (a [64, 64] float32 accumulator per row, 32 registers
     # a thread at 4 warps), one 256-row INT4 word chunk (eight 32-row pieces) per step
     gemv=QmmConfig(1, 64, 64, 1, 4, 3, gemv=True),
-    sms=132,
     # H100, GLM-5's ten linears summed (benchmarks/results/quant-h100-ptx.md): INT4 1835 vs 2135 us
     # at T = 512, 2621 vs 4090 at 1024, 6674 vs 15071 at 4096, but 1563 vs 1214 at 256; FP8 1358 vs
     # 1421 at 512, 6242 vs 8991 at 4096. The other parts keep this row count until measured (vLLM's
@@ -94,18 +93,16 @@ _BIG = _Entry(  # H100 / H200 / B200: 227 KiB of shared memory per block
     dequantize_min_m=512,
 )
 _HOPPER = dataclasses.replace(_BIG, stages_4bit=3)  # measured on H100
-_A100 = dataclasses.replace(_BIG, sms=108)  # 163 KiB: the same tiles fit
 _SMALL = _Entry(  # 99 KiB consumer / workstation parts
     stream=QmmConfig(16, 64, 128, 1, 4, 3),
     mid=QmmConfig(64, 64, 64, 1, 4, 3),
     compute=QmmConfig(128, 64, 64, 1, 4, 2),
     gemv=QmmConfig(1, 64, 64, 1, 4, 3, gemv=True),
-    sms=84,
     dequantize_min_m=512,
 )
 # gemv_max_m: 0 (off) on every part until measured; $JAXDSA_QMM_GEMV_MAX_M overrides it (docstring)
 TABLE: dict[int, _Entry] = {
-    80: _A100,
+    80: _BIG,  # A100: 163 KiB, the same tiles fit
     86: _SMALL,
     89: _SMALL,
     90: _HOPPER,
@@ -162,7 +159,7 @@ def fit_block(block: int, dim: int, floor: int, what: str) -> int:
 
 def splits_for(programs: int, k_steps: int, cc: int | None = None) -> int:
     """K splits for ``programs`` output tiles over ``k_steps`` K steps on this part (:func:`_splits`)."""
-    return _splits(programs, k_steps, TABLE.get(compute_capability() if cc is None else cc, DEFAULT).sms)
+    return _splits(programs, k_steps, sm_count(cc))
 
 
 def _splits(programs: int, k_steps: int, sms: int) -> int:
@@ -210,5 +207,5 @@ def choose(
     block_k = fit_block(cfg.block_k, k, min_block_k, "K")
     programs = cfg.m_tiles(m) * (n // block_n)
     return dataclasses.replace(
-        cfg, block_n=block_n, block_k=block_k, splits=_splits(programs, k // block_k, entry.sms)
+        cfg, block_n=block_n, block_k=block_k, splits=_splits(programs, k // block_k, sm_count(cc))
     )

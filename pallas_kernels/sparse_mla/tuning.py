@@ -11,7 +11,7 @@ query's index list; it gathers ``block_n`` rows per loop step. The choice per sh
    query are co-resident and the second read of each row comes from L2, not HBM).
 2. Splits fill the GPU when few (query, head group) programs exist (decode): the K axis is cut
    into ``splits`` chunks whose partial states are LSE-merged. Splits are chosen as
-   ``floor(num_sms / programs)`` so the grid is one full wave, and capped so the float32 partials
+   ``floor(SMs / programs)`` (:func:`pallas_kernels._triton.sm_count`) so the grid is one full wave, and capped so the float32 partials
    (written, then read by the merge) stay below the gathered bytes (``S*H*Dv*4 <= K*D*itemsize``
    per query) or below ``PARTIAL_FLOOR_BYTES`` in all, an amount every target's L2 holds (small
    batches, where latency and not bandwidth decides).
@@ -48,6 +48,7 @@ from pallas_kernels._triton import (
     shared_memory_budget,
     shared_memory_bytes,
     shrink_to_fit,
+    sm_count,
 )
 
 
@@ -66,7 +67,6 @@ class MlaConfig:
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    num_sms: int
     max_block_h: int
     block_n: int  # rows per step for head blocks below 64
     num_warps: int
@@ -76,16 +76,16 @@ class _Entry:
 
 
 TABLE: dict[int, _Entry] = {
-    80: _Entry(num_sms=108, max_block_h=32, block_n=32, num_warps=8, num_stages=2),
-    86: _Entry(num_sms=84, max_block_h=32, block_n=16, num_warps=8, num_stages=2),
-    89: _Entry(num_sms=128, max_block_h=32, block_n=16, num_warps=8, num_stages=2),
-    90: _Entry(num_sms=132, max_block_h=64, block_n=32, num_warps=8, num_stages=2, wide_block_n=64),
-    100: _Entry(num_sms=148, max_block_h=64, block_n=32, num_warps=8, num_stages=2),
-    120: _Entry(num_sms=188, max_block_h=32, block_n=16, num_warps=8, num_stages=2),
-    121: _Entry(num_sms=48, max_block_h=32, block_n=16, num_warps=8, num_stages=2),
+    80: _Entry(max_block_h=32, block_n=32, num_warps=8, num_stages=2),
+    86: _Entry(max_block_h=32, block_n=16, num_warps=8, num_stages=2),
+    89: _Entry(max_block_h=32, block_n=16, num_warps=8, num_stages=2),
+    90: _Entry(max_block_h=64, block_n=32, num_warps=8, num_stages=2, wide_block_n=64),
+    100: _Entry(max_block_h=64, block_n=32, num_warps=8, num_stages=2),
+    120: _Entry(max_block_h=32, block_n=16, num_warps=8, num_stages=2),
+    121: _Entry(max_block_h=32, block_n=16, num_warps=8, num_stages=2),
 }
 # Unknown GPU: sized for the smallest shared memory (99 KiB) so it always compiles.
-DEFAULT = _Entry(num_sms=108, max_block_h=32, block_n=16, num_warps=8, num_stages=2)
+DEFAULT = _Entry(max_block_h=32, block_n=16, num_warps=8, num_stages=2)
 
 PARTIAL_FLOOR_BYTES = 4 << 20
 
@@ -149,9 +149,9 @@ def choose(
 
     if block_h is None:
         block_h = min(e.max_block_h, max(16, pl.next_power_of_2(h)))
-        while block_h > 16 and t * -(-h // block_h) * max_splits(block_n_for(block_h)) < e.num_sms:
+        while block_h > 16 and t * -(-h // block_h) * max_splits(block_n_for(block_h)) < sm_count(cc):
             block_h //= 2
     cfg = MlaConfig(block_h, block_n_for(block_h), e.num_warps, e.num_stages, splits=1)
     cfg = shrink_to_fit(cfg, nbytes, budget, _KNOBS)
     programs = t * -(-h // cfg.block_h)
-    return dataclasses.replace(cfg, splits=max(1, min(max_splits(cfg.block_n), e.num_sms // programs)))
+    return dataclasses.replace(cfg, splits=max(1, min(max_splits(cfg.block_n), sm_count(cc) // programs)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels._triton import compute_capability
+from pallas_kernels._triton import compute_capability, sm_count
 
 MAX_WARPS = 16
 SEARCHES = ("bisect", "secant")
@@ -41,12 +41,12 @@ class TopkConfig:
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """A part's configs: ``large`` unless its first stage would run fewer programs than the part
-    has SMs (``rows * ceil(keys / large.chunk) < sms``), where ``small`` keeps more of them busy;
-    ``single`` (if set) for rows that fit one of its chunks when there are at least ``sms`` rows."""
+    has SMs (``rows * ceil(keys / large.chunk) < sms``, :func:`pallas_kernels._triton.sm_count`),
+    where ``small`` keeps more of them busy; ``single`` (if set) for rows that fit one of its chunks
+    when there are at least ``sms`` rows."""
 
     small: TopkConfig
     large: TopkConfig
-    sms: int = 0
     single: TopkConfig | None = None
 
 
@@ -62,7 +62,6 @@ TABLE: dict[int, Entry] = {
     90: Entry(
         small=TopkConfig(chunk=8192, elems_per_thread=16),
         large=TopkConfig(chunk=16384, elems_per_thread=32),
-        sms=132,
         single=TopkConfig(chunk=8192, elems_per_thread=32, search="secant"),
     ),
     100: Entry(_BASE, _BASE),
@@ -75,9 +74,11 @@ DEFAULT = Entry(TopkConfig(), TopkConfig())
 def config_for(cc: int | None = None, *, rows: int | None = None, keys: int | None = None) -> TopkConfig:
     """The table's config for ``cc`` (default: the current target) and a ``[rows, keys]`` input
     (unknown shape: the ``large`` config); unknown parts get ``DEFAULT``."""
-    e = TABLE.get(compute_capability() if cc is None else cc, DEFAULT)
+    cc = compute_capability() if cc is None else cc
+    e = TABLE.get(cc, DEFAULT)
     if rows is None or keys is None:
         return e.large
-    if e.single is not None and keys <= e.single.chunk and rows >= e.sms:
+    sms = sm_count(cc)
+    if e.single is not None and keys <= e.single.chunk and rows >= sms:
         return e.single
-    return e.large if rows * -(-keys // e.large.chunk) >= e.sms else e.small
+    return e.large if rows * -(-keys // e.large.chunk) >= sms else e.small

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from pallas_kernels._triton import SHARED_MEMORY, shared_memory_budget
+from pallas_kernels import _triton
+from pallas_kernels._triton import SHARED_MEMORY, shared_memory_budget, sm_count
 from pallas_kernels.indexer_logits import tuning as indexer_tuning
 from pallas_kernels.moe import tuning as moe_tuning
 from pallas_kernels.moe.tuning import Tile
@@ -111,3 +112,26 @@ def test_bf16_tables_are_not_shrunk(monkeypatch):
                 entry = moe_tuning.TABLE[cc]
                 cfg = moe_tuning.choose(t * 8, e, itemsize=2, cc=cc)
                 assert (cfg.gate_up, cfg.down) in (entry.few, entry.stream, entry.compute)
+
+
+class _FakeGpu:
+    """What ``jax.devices("gpu")`` reports about a GPU that is not in the tables' form."""
+
+    compute_capability = "9.0"
+    core_count = 114  # an H100 PCIe: the tables' sm_90 row is the SXM's 132
+
+
+def test_sm_count_one_table_and_the_local_gpu_wins(monkeypatch):
+    """Every tuning rule that fills the GPU asks one place: the table for a part lowered without it,
+    the local GPU's own count for its own part (the tables had disagreed: sm_100 132 against 148,
+    sm_89 / sm_120 84 against 128 / 188)."""
+    assert (sm_count(80), sm_count(90), sm_count(100), sm_count(120)) == (108, 132, 148, 188)
+    assert sm_count(75) == 108  # an unknown part
+    monkeypatch.setattr(_triton.jax, "devices", lambda kind=None: [_FakeGpu()])
+    assert sm_count(90) == 114 and sm_count(80) == 108
+    # the rules follow it: with 114 SMs 64 output tiles over 32 K steps take 4 splits, not 8
+    from pallas_kernels.quant_matmul import tuning as qmm_tuning
+
+    assert qmm_tuning.splits_for(64, 32, cc=90) == 4
+    monkeypatch.setattr(_triton.jax, "devices", lambda kind=None: [])
+    assert qmm_tuning.splits_for(64, 32, cc=90) == 8

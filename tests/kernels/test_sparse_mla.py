@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels._triton import lower_for_cuda
+from pallas_kernels._triton import lower_for_cuda, sm_count
 from pallas_kernels.sparse_mla import kernel, ref, tuning
 from pallas_kernels.sparse_mla.tuning import MlaConfig
 
@@ -131,7 +131,7 @@ def test_tuning_rule_shapes(monkeypatch):
     monkeypatch.setattr(tuning, "TUNED", {})
     for cc in (0, 80, 90, 120):
         monkeypatch.setattr(tuning, "compute_capability", lambda cc=cc: cc)
-        num_sms = tuning.TABLE.get(cc, tuning.DEFAULT).num_sms
+        num_sms = sm_count(cc)
         for t, h in [(1, 16), (1, 128), (8, 64), (32, 128), (128, 16), (4096, 128)]:
             cfg = tuning.choose(t, h, 2048, d_v=512, d_r=64, itemsize=2)
             assert cfg.block_h >= 16 and cfg.block_h & (cfg.block_h - 1) == 0
