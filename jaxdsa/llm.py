@@ -29,7 +29,7 @@ from flax import nnx
 
 from jaxdsa import sharding, text
 from jaxdsa.engine import Engine, EngineConfig, RequestOutput, SamplingParams, memory
-from jaxdsa.engine.engine import CacheLayout
+from jaxdsa.engine.engine import CacheLayout, enable_compilation_cache
 from jaxdsa.engine.speculative import SpeculativeConfig
 from jaxdsa.loading import load_model
 from jaxdsa.models.registry import family_for, load_config
@@ -116,6 +116,7 @@ class LLM:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r}: choose float32 or bfloat16")
         memory.claim(gpu_memory_utilization)  # before the first JAX call starts the backend
+        enable_compilation_cache()  # before loading, whose small placement jits are cached too
         self.path = os.fspath(path)
         self.dtype = _DTYPES[dtype]
         self.parallelism = sharding.Parallelism(tp=tp, ep=ep, dp=dp, dp_attention=dp_attention)
