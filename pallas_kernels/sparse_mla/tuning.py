@@ -11,10 +11,10 @@ query's index list; it gathers ``block_n`` rows per loop step. The choice per sh
    query are co-resident and the second read of each row comes from L2, not HBM).
 2. Splits fill the GPU when few (query, head group) programs exist (decode): the K axis is cut
    into ``splits`` chunks whose partial states are LSE-merged. Splits are chosen as
-   ``floor(SMs / programs)`` (:func:`pallas_kernels._triton.sm_count`) so the grid is one full wave, and capped so the float32 partials
-   (written, then read by the merge) stay below the gathered bytes (``S*H*Dv*4 <= K*D*itemsize``
-   per query) or below ``PARTIAL_FLOOR_BYTES`` in all, an amount every target's L2 holds (small
-   batches, where latency and not bandwidth decides).
+   ``floor(SMs / programs)`` (:func:`pallas_kernels._triton.sm_count`) so the grid is one full
+   wave, and capped so the float32 partials (written, then read by the merge) stay below the
+   gathered bytes (``S*H*Dv*4 <= K*D*itemsize`` per query) or below ``PARTIAL_FLOOR_BYTES`` in all,
+   an amount every target's L2 holds (small batches, where latency and not bandwidth decides).
 3. If even the maximal split count cannot fill one wave (B = 1 with many heads), the head block
    is halved: more, smaller programs re-read the same rows from L2, which is cheaper than the
    latency of a few programs walking long index lists.
