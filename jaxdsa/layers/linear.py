@@ -81,11 +81,15 @@ class Linear(nnx.Module):
         value = self.weight.get_value()
         stack, layer = split_layer(value)
         if isinstance(stack, QuantizedWeight):
-            lead = x.shape[: x.ndim - self.in_ndim]
-            flat = x.reshape(math.prod(lead), -1)
+            lead, flat = self._flat(x)
             y = ops.quant_matmul(flat, stack, axes=self.matrix_axes, layer=layer)
             return y.reshape(*lead, *self.out_shape)
         return self._dense_dot(x, self.out_dtype)
+
+    def _flat(self, x: jax.Array) -> tuple[tuple[int, ...], jax.Array]:
+        """``x``'s leading (token) dims and ``x`` as the ``[tokens, K]`` rows the matmul op takes."""
+        lead = x.shape[: x.ndim - self.in_ndim]
+        return lead, x.reshape(math.prod(lead), -1)
 
     def _dense_dot(self, x: jax.Array, out_dtype) -> jax.Array:
         """XLA's dot with a dense weight (the scan's slice of a stacked one)."""
@@ -102,8 +106,7 @@ class Linear(nnx.Module):
         stack, layer = split_layer(self.weight.get_value())
         if not isinstance(stack, QuantizedWeight):
             return Partial.whole(self._dense_dot(x, jnp.float32))
-        lead = x.shape[: x.ndim - self.in_ndim]
-        flat = x.reshape(math.prod(lead), -1)
+        lead, flat = self._flat(x)
         p = ops.quant_matmul(flat, stack, axes=self.matrix_axes, layer=layer, unreduced=True)
         return Partial(p.value.reshape(p.value.shape[0], *lead, *self.out_shape), p.axes)
 
@@ -132,9 +135,7 @@ def project(x: jax.Array, linears: Sequence[Linear]) -> list[jax.Array]:
     one_layer = all(layer is layers[0] for layer in layers)  # one scan index (or none) for all
     if len(linears) < 2 or not (same_input and quantized and one_layer):
         return [linear(x) for linear in linears]
-    first = linears[0]
-    lead = x.shape[: x.ndim - first.in_ndim]
-    flat = x.reshape(math.prod(lead), -1)
+    lead, flat = linears[0]._flat(x)
     ys = ops.quant_matmul_many(
         flat, stacks, axes=tuple(linear.matrix_axes for linear in linears), layer=layers[0]
     )

@@ -34,16 +34,9 @@ class _Entry:
     num_stages: int
 
 
-TABLE: dict[int, _Entry] = {
-    80: _Entry(tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
-    86: _Entry(tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
-    89: _Entry(tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
-    90: _Entry(tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
-    100: _Entry(tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
-    120: _Entry(tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
-    121: _Entry(tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2),
-}
+# One entry for every part (their rows differed only in the SM count, now :func:`sm_count`'s).
 DEFAULT = _Entry(tile_elems=4096, max_block_d=256, num_warps=4, num_stages=2)
+TABLE: dict[int, _Entry] = dict.fromkeys((80, 86, 89, 90, 100, 120, 121), DEFAULT)
 
 
 def choose(n_parts: int, rows: int, d: int) -> MergeConfig:
@@ -53,7 +46,7 @@ def choose(n_parts: int, rows: int, d: int) -> MergeConfig:
     block_parts = min(pl.next_power_of_2(n_parts), MAX_BLOCK_PARTS)
     block_d = min(e.max_block_d, pl.next_power_of_2(d), max(32, e.tile_elems // block_parts))
     block_rows = max(1, e.tile_elems // (block_parts * block_d))
-    col_blocks = -(-d // block_d)
-    while block_rows > 1 and -(-rows // block_rows) * col_blocks < sm_count(cc):
+    col_blocks, sms = -(-d // block_d), sm_count(cc)
+    while block_rows > 1 and -(-rows // block_rows) * col_blocks < sms:
         block_rows //= 2
     return MergeConfig(block_rows, block_parts, block_d, e.num_warps, e.num_stages)

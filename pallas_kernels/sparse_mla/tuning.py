@@ -147,11 +147,12 @@ def choose(
     def max_splits(block_n: int) -> int:
         return max(1, min(e.max_splits, k // block_n, partial_budget // (t * h * 4 * d_v)))
 
+    sms = sm_count(cc)
     if block_h is None:
         block_h = min(e.max_block_h, max(16, pl.next_power_of_2(h)))
-        while block_h > 16 and t * -(-h // block_h) * max_splits(block_n_for(block_h)) < sm_count(cc):
+        while block_h > 16 and t * -(-h // block_h) * max_splits(block_n_for(block_h)) < sms:
             block_h //= 2
     cfg = MlaConfig(block_h, block_n_for(block_h), e.num_warps, e.num_stages, splits=1)
     cfg = shrink_to_fit(cfg, nbytes, budget, _KNOBS)
     programs = t * -(-h // cfg.block_h)
-    return dataclasses.replace(cfg, splits=max(1, min(max_splits(cfg.block_n), sm_count(cc) // programs)))
+    return dataclasses.replace(cfg, splits=max(1, min(max_splits(cfg.block_n), sms // programs)))
