@@ -91,28 +91,35 @@ def device_kernels(events, device: str) -> list[dict]:
 def steps_by_launch(events, kernels: list[dict]) -> list[list[dict]] | None:
     """Kernels grouped by the annotated step that launched them; None if the trace cannot say."""
     marks = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events if e.get("name") == STEP_MARK)
+    groups = launched_in(events, kernels, marks)
+    if groups is None or sum(map(len, groups)) < len(kernels) // 2:
+        return None
+    return [s for s in groups if s]
+
+
+def launched_in(events, kernels: list[dict], ranges: list[tuple[float, float]]) -> list[list[dict]] | None:
+    """``kernels`` by the host time range (sorted, disjoint ``(start, end)`` in the trace's
+    microseconds) in which each was launched: the host API event that shares its correlation id
+    falls inside it. Kernels launched elsewhere are left out; None when the trace has no ranges or
+    no correlation ids."""
     device_pids = {k["pid"] for k in kernels}
     launches = {
         _correlation(e): e["ts"]
         for e in events
         if e.get("ph") == "X" and e.get("pid") not in device_pids and _correlation(e) is not None
     }
-    if not marks or not launches:
+    if not ranges or not launches:
         return None
-    starts = [m[0] for m in marks]
-    steps: list[list[dict]] = [[] for _ in marks]
-    placed = 0
+    starts = [r[0] for r in ranges]
+    groups: list[list[dict]] = [[] for _ in ranges]
     for k in kernels:
         launched = launches.get(_correlation(k))
         if launched is None:
             continue
         i = bisect.bisect_right(starts, launched) - 1
-        if i >= 0 and launched <= marks[i][1]:
-            steps[i].append(k)
-            placed += 1
-    if placed < len(kernels) // 2:
-        return None
-    return [s for s in steps if s]
+        if i >= 0 and launched <= ranges[i][1]:
+            groups[i].append(k)
+    return groups
 
 
 def steps_by_gaps(kernels: list[dict], gap_ms: float, min_kernels: int) -> list[list[dict]]:

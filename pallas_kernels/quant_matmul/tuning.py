@@ -32,6 +32,17 @@ Measured so far: on H100 the 4-bit stream tiles run 3 stages, not 4 (INT4, GLM-5
 shortens their compile (Triton copies the unrolled K step per stage: 6-12 s each with 4 stages, 2-3 s
 with 2, ``compile_time-h100-linears.md``; 3 not timed for the linears, the MoE layer took 11 s with 3
 against 20 with 4); FP8 keeps 4 until measured.
+
+And on H100 they step 64 weight rows at a time (two 32-row pieces), not 256. Each kernel's own time
+at GLM-5.2's TP-4 widths, traced (``benchmarks/linear_tiles.py``,
+``benchmarks/results/linear_tiles-h100-glm52-tp4-khalf.md``), INT4, T = 1: ``q_b`` 5.7 against 12.5
+us, the shared expert's ``down`` 3.7 against 11.8, ``o_proj`` 12.1 against 13.4, ``q_a|kv_a`` 10.1
+against 10.9, the dense ``gate|up`` 17.7 against 18.4; T = 8 and 32 alike (``q_b`` at 32: 6.6
+against 23.3). With 256-row steps the split rule left a short projection one or two K steps per
+program (``q_b``: 2048 rows, 8 splits), so nothing overlapped a program's loads with its
+arithmetic; 128-row steps were in between, and 8 warps, 2 or 4 stages, 32- or 128-column tiles and
+more or fewer programs per SM all lost (``linear_tiles-h100-glm52-tp4-t1.md``). The other parts keep
+256 rows until the sweep has run on them.
 """
 
 from __future__ import annotations
@@ -76,6 +87,9 @@ class _Entry:
     # sizes, while dequantizing costs one pass over the weight (~4.5 bytes per weight).
     dequantize_min_m: int | None = None
     stages_4bit: int | None = None  # stream tiles with 4-bit weights: stages (None: the tile's)
+    # stream tiles with 4-bit weights: weight rows per K step (None: twice the tile's block_k, the
+    # same bytes per load as 8-bit codes); at least the weight's packed chunk
+    stream_rows_4bit: int | None = None
     gemv_max_m: int = 0  # the GEMV kernel up to this many rows (0: never; $JAXDSA_QMM_GEMV_MAX_M overrides)
 
 
@@ -92,7 +106,8 @@ _BIG = _Entry(  # H100 / H200 / B200: 227 KiB of shared memory per block
     # AWQ path switches at 256 tokens for the same reason).
     dequantize_min_m=512,
 )
-_HOPPER = dataclasses.replace(_BIG, stages_4bit=3)  # measured on H100
+# measured on H100: 3 stages, and 64-row K steps (two 32-row pieces; module docstring)
+_HOPPER = dataclasses.replace(_BIG, stages_4bit=3, stream_rows_4bit=64)
 _SMALL = _Entry(  # 99 KiB consumer / workstation parts
     stream=QmmConfig(16, 64, 128, 1, 4, 3),
     mid=QmmConfig(64, 64, 64, 1, 4, 3),
@@ -194,8 +209,10 @@ def choose(
     else:
         cfg = entry.mid if m <= 128 else entry.compute
     if weight_bits == 4:
-        cfg = dataclasses.replace(cfg, block_k=max(2 * cfg.block_k, min_block_k))
-        if m <= 32 and entry.stages_4bit and not cfg.gemv:
+        stream = m <= 32 and not cfg.gemv
+        rows = entry.stream_rows_4bit if stream and entry.stream_rows_4bit else 2 * cfg.block_k
+        cfg = dataclasses.replace(cfg, block_k=max(rows, min_block_k))
+        if stream and entry.stages_4bit:
             cfg = dataclasses.replace(cfg, num_stages=entry.stages_4bit)
     # block_m last: float32 activations with 256-row word chunks need it on 99 KiB parts (a GEMV
     # config's block_m is M: never shrunk)

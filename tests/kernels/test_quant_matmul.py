@@ -397,6 +397,11 @@ def test_tuning_regimes_and_budgets():
     assert decode_cfg.splits > 1 and decode_cfg.block_m == 16  # 32 N tiles alone would leave SMs idle
     # 4-bit stream tiles: 3 stages on sm_90 (H100, H200; measured on H100); B200 and FP8 keep 4 until measured
     assert decode_cfg.num_stages == 3
+    # ... stepping 64 weight rows (measured on H100); other parts and 8-bit codes keep their steps
+    assert decode_cfg.block_k == 64 and 6144 // 64 // decode_cfg.splits >= 2
+    assert tuning.choose(1, 6144, 2048, itemsize=2, weight_bits=4, min_block_k=256, cc=90).block_k == 256
+    assert tuning.choose(1, 6144, 2048, itemsize=2, weight_bits=4, min_block_k=64, cc=80).block_k == 256
+    assert tuning.choose(64, 6144, 2048, itemsize=2, weight_bits=4, min_block_k=64, cc=90).block_k == 128
     assert tuning.choose(1, 6144, 2048, itemsize=2, weight_bits=4, min_block_k=64, cc=100).num_stages == 4
     assert tuning.choose(1, 6144, 2048, itemsize=2, weight_bits=8, min_block_k=16, cc=90).num_stages == 4
 
