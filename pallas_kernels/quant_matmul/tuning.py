@@ -12,7 +12,7 @@ Four regimes by the number of rows M (tokens), the first off until measured:
   ``benchmarks/results/decode_anatomy-h100-glm52-int4-tp2-10l-{tc,gemv}{1,2}.md``): slower where
   it matters, so it stays off. ``o_proj`` (K 8192, N 6144) 38.5 against 23.6 us, the dense
   gate|up 58 against 33, ``q_a|kv_a|wk`` 12.4 against 11.0; only the shared experts' gate|up was
-  faster (7.8 against 13.0). All linears of a step: 1.06 against 0.77 ms. A tile sweep is next.
+  faster (7.8 against 13.0). All linears of a step: 1.06 against 0.77 ms.
 * ``stream`` (M <= 32, decode): a weight stream. One 16- or 32-row tile holds every token, so the
   grid is the N tiles times K splits; splits (partial sums added by one XLA fusion) give the GPU
   about two programs per SM, since a 2048-column projection has only 32 tiles of 64 columns.
@@ -23,9 +23,11 @@ Four regimes by the number of rows M (tokens), the first off until measured:
   for INT4 at T = 4096 on H100), see :func:`dequantize_first`.
 
 ``block_k`` counts weight rows for 8-bit codes; 4-bit codes take twice as many rows per step (the
-same bytes per load). These are reasoned starting points, sized like the MoE kernel's measured
-tiles (``pallas_kernels/moe/tuning.py``); ``benchmarks/quant.py`` is the sweep that will replace
-them. Every choice is shrunk to the part's shared memory (:func:`smem_bytes`).
+same bytes per load), except where a part's ``stream_rows_4bit`` says otherwise. Unless noted below
+these are reasoned starting points, sized like the MoE kernel's measured tiles
+(``pallas_kernels/moe/tuning.py``); ``benchmarks/linear_tiles.py`` is the decode sweep (each
+kernel's traced time per tile variant) and ``benchmarks/quant.py`` the one across T. Every choice
+is shrunk to the part's shared memory (:func:`smem_bytes`).
 
 Measured so far: on H100 the 4-bit stream tiles run 3 stages, not 4 (INT4, GLM-5's ten linears summed:
 311 vs 384 us at T = 1, 393 vs 464 at 32, ``benchmarks/results/quant-h100-stages.md``), which also

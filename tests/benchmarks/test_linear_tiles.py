@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import linear_tiles
+from benchmarks import linear_tiles, moe_tiles
 from benchmarks.serve_gpu import PRESETS
 
 TINY = {
@@ -72,3 +72,26 @@ def test_kernel_time_from_traced_kernels():
     t = linear_tiles.kernel_time(group, 2, "quant_matmul")
     assert t == {"kernel_us": 11.0, "other_us": 2.0, "total_us": 13.0, "kernels": 4}
     assert linear_tiles.kernel_time(group, 2, "")["kernel_us"] == 13.0
+
+
+def test_moe_variants_checked_in_interpret_mode():
+    """benchmarks/moe_tiles.py: every variant of the routed experts checked against the float32
+    definition, and the traced kernels split into gate|up, down and the rest."""
+    raw = TINY | {"n_routed_experts": 8, "num_experts_per_tok": 2}
+    variants = linear_tiles.parse_variants("base,dn_n32:dn_block_n=32,w8:num_warps=8")
+    rows, _ = moe_tiles.run(raw, tp=2, tokens=(1,), variants=variants, interpret=True)
+    assert [r["impl"] for r in rows] == ["base", "dn_n32", "w8"]
+    assert all("note" not in r and r["rel_err"] <= linear_tiles.TOLERANCE for r in rows), rows
+    assert "dn n32" in rows[1]["config"] and "w8" in rows[2]["config"]
+    group = [
+        {"name": "moe_gate_up", "dur": 10.0},
+        {"name": "moe_down", "dur": 6.0},
+        {"name": "loop_add_fusion", "dur": 2.0},
+        {"name": "Memset", "dur": 1.0},
+    ]
+    assert moe_tiles.kernel_times(group, 2) == {
+        "moe_gate_up_us": 5.0,
+        "moe_down_us": 3.0,
+        "other_us": 1.0,
+        "total_us": 9.0,
+    }
