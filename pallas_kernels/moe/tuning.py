@@ -38,6 +38,13 @@ blocks and the stream tiles up to 64 slots per expert on average (``stream_4bit_
 at top-8 of 256), where four passes catch up with one (T = 4096: 15.3 ms against 13.0;
 ``benchmarks/results/quant-h100-int4-block-m.md``).
 
+Swept at decode by each kernel's traced time (``benchmarks/moe_tiles.py``; GLM-5.2's routed experts
+at TP 4 on H100, INT4, ``benchmarks/results/moe_tiles-h100-glm52-tp4.md``), the table's 4-bit tiles
+stand: at T = 1 gate|up 19.1 and down 13.4 us (40 % of the read ceiling with the routing, SwiGLU and
+combine kernels, 6.8 us more per call); 4 warps 1.8-2.2x slower, 2 or 4 stages, 2 or 8 K splits and
+64- or 256-column tiles 7-23 % slower, a 64-column down tile at 4 warps within 4 % (12.9 us at T = 1,
+70 against 68 at T = 8).
+
 Decode batches of quantized experts split the gate|up kernel over K when its grid would not fill
 the GPU (``splits``, :func:`k_splits`): one token at top-8 meets 8 experts, and at TP 4 an expert's
 1024 gate|up columns are 4 tiles of 128, 32 programs for 132 SMs. Split 4 ways (float32 partial
