@@ -200,6 +200,26 @@ def _compile(items: list, threads: int) -> list:
         return list(pool.map(build, items))
 
 
+def checked(entries: list, want: jax.Array, rows: list[dict]) -> tuple[list, list[dict]]:
+    """Each ``(row, compiled or the exception that stopped it, args)``: its first output checked
+    against ``want`` (rel L2 <= :data:`TOLERANCE`). A variant that failed becomes a row with a note
+    in ``rows``; returns the others' thunks and rows (with ``rel_err``), to be timed."""
+    runs, meta = [], []
+    for row, exe, args in entries:
+        try:
+            if isinstance(exe, Exception):
+                raise exe
+            err = harness.rel_l2(exe(*args)[0].astype(jnp.float32), want)
+            if not err <= TOLERANCE:
+                raise AssertionError(f"FAILED check (rel L2 {err:.2e})")
+        except Exception as exc:  # noqa: BLE001 - one variant must not end the sweep
+            rows.append(row | {"note": harness.error_note(exc)})
+            continue
+        runs.append(functools.partial(exe, *args))
+        meta.append(row | {"rel_err": err})
+    return runs, meta
+
+
 def _trace_ranges(runs: list, reps: int, directory: str) -> tuple[list, list]:
     """Run each thunk of ``runs`` ``reps`` times inside its own annotated range under the profiler;
     returns the trace's events and the ranges' ``(start, end)`` in trace time, in ``runs`` order."""
@@ -278,21 +298,12 @@ def run(
                 f"linear_tiles: {name} T={m}: {len(items)} compiled in {time.perf_counter() - t0:.0f} s",
                 flush=True,
             )
-            runs, meta = [], []
+            entries = []
             for (impl, _, cfg), exe, (_, args) in zip(impls, compiled, items):
                 mb = 2 * want_w.size / 1e6 if impl == "xla:bf16" else w_bytes / 1e6
                 row = {"launch": name, "T": m, "impl": impl, "MB": mb, "config": _cfg_text(cfg)}
-                try:
-                    if isinstance(exe, Exception):
-                        raise exe
-                    err = harness.rel_l2(exe(*args)[0].astype(jnp.float32), want)
-                    if not err <= TOLERANCE:
-                        raise AssertionError(f"FAILED check (rel L2 {err:.2e})")
-                except Exception as exc:  # noqa: BLE001 - one variant must not end the sweep
-                    rows.append(row | {"note": harness.error_note(exc)})
-                    continue
-                runs.append(functools.partial(exe, *args))
-                meta.append(row | {"rel_err": err})
+                entries.append((row, exe, args))
+            runs, meta = checked(entries, want, rows)
             if interpret:
                 rows.extend(meta)
                 continue
@@ -353,9 +364,6 @@ def report(rows: list[dict], ceiling: float, args: argparse.Namespace, wall_s: f
     lines.append(harness.markdown_table(summary, list(summary[0]) if summary else ["launch"]))
     cols = "launch T impl config MB kernel_us other_us total_us GB/s rel_err note".split()
     cols.insert(-2, "% ceiling")
-    fmt_rows = [
-        {c: (f"{r[c]:.3g}" if isinstance(r.get(c), float) else r.get(c, "")) for c in cols} for r in rows
-    ]
     lines += [
         "",
         "## Every measurement",
@@ -363,27 +371,39 @@ def report(rows: list[dict], ceiling: float, args: argparse.Namespace, wall_s: f
         "kernel_us: the quant_matmul kernel's mean duration; other_us:",
         "the call's other kernels (the K splits' sum); total_us: both, per call.",
         "",
-        harness.markdown_table(fmt_rows, cols),
+        table(rows, cols),
     ]
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> pathlib.Path:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def table(rows: list[dict], cols: list[str]) -> str:
+    """``rows`` as a markdown table of ``cols``, floats to three significant digits."""
+    text = [{c: (f"{r[c]:.3g}" if isinstance(r.get(c), float) else r.get(c, "")) for c in cols} for r in rows]
+    return harness.markdown_table(text, cols)
+
+
+def sweep_args(description: str, tokens: str) -> argparse.ArgumentParser:
+    """The arguments both tile sweeps take (this one and :mod:`benchmarks.moe_tiles`)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--preset", choices=sorted(PRESETS), default="glm52")
     p.add_argument("--tp", type=int, default=4)
-    p.add_argument("--tokens", default="1,8,32")
+    p.add_argument("--tokens", default=tokens)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=8, help="compiles at once")
+    p.add_argument("--suffix", default="")
+    return p
+
+
+def main(argv: list[str] | None = None) -> pathlib.Path:
+    p = sweep_args(__doc__.splitlines()[0], "1,8,32")
     p.add_argument("--format", default="int4", choices=("int4", "fp8"))
     p.add_argument("--variants", default=DEFAULT_VARIANTS)
     p.add_argument("--only", default="", help="comma-separated launch names (decode_linears)")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=8, help="compiles at once")
     p.add_argument(
         "--peers",
         default=",".join(PEERS),
         help="XLA peers timed beside the kernel (comma-separated, 'none'); XLA autotunes their dots",
     )
-    p.add_argument("--suffix", default="")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     paths = []

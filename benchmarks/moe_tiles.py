@@ -24,7 +24,6 @@ Writes ``benchmarks/results/moe_tiles-<gpu><suffix>.md`` and ``.json``.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import pathlib
 import tempfile
@@ -119,20 +118,11 @@ def run(
         t0 = time.perf_counter()
         compiled = linear_tiles._compile(items, threads)
         print(f"moe_tiles: T={t}: {len(items)} compiled in {time.perf_counter() - t0:.0f} s", flush=True)
-        runs, meta = [], []
-        for (name, cfg), exe, (_, args) in zip(configs, compiled, items):
-            row = {"T": t, "impl": name, "MB": mb, "config": _cfg_text(cfg)}
-            try:
-                if isinstance(exe, Exception):
-                    raise exe
-                err = harness.rel_l2(exe(*args)[0].astype(jnp.float32), want)
-                if not err <= linear_tiles.TOLERANCE:
-                    raise AssertionError(f"FAILED check (rel L2 {err:.2e})")
-            except Exception as exc:  # noqa: BLE001 - one variant must not end the sweep
-                rows.append(row | {"note": harness.error_note(exc)})
-                continue
-            runs.append(functools.partial(exe, *args))
-            meta.append(row | {"rel_err": err})
+        entries = [
+            ({"T": t, "impl": name, "MB": mb, "config": _cfg_text(cfg)}, exe, args)
+            for (name, cfg), exe, (_, args) in zip(configs, compiled, items)
+        ]
+        runs, meta = linear_tiles.checked(entries, want, rows)
         if interpret:
             rows.extend(meta)
             continue
@@ -177,27 +167,20 @@ def report(rows: list[dict], ceiling: float, args: argparse.Namespace, wall_s: f
     }
     cols = ["T", "impl", "config", "MB", *(f"{k}_us" for k in KERNELS), "other_us", "total_us"]
     cols += ["GB/s", "% ceiling", "rel_err", "note"]
-    text = [{c: (f"{r[c]:.3g}" if isinstance(r.get(c), float) else r.get(c, "")) for c in cols} for r in rows]
     lines = harness.report_header("Decode-sized routed experts by tile config (kernel time, traced)", header)
     lines += [
         "",
         "MB: the touched experts' bytes per call (mean distinct experts x one expert's gate|up + down);",
         "other_us: the call's other kernels (routing metadata, the splits' sum with the SwiGLU, combine).",
         "",
-        harness.markdown_table(text, cols),
+        linear_tiles.table(rows, cols),
     ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> pathlib.Path:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), default="glm52")
-    p.add_argument("--tp", type=int, default=4)
-    p.add_argument("--tokens", default="1,8")
+    p = linear_tiles.sweep_args(__doc__.splitlines()[0], "1,8")
     p.add_argument("--variants", default=DEFAULT_VARIANTS)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=8, help="compiles at once")
-    p.add_argument("--suffix", default="")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     rows, ceiling = run(

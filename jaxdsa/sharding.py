@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -431,12 +430,9 @@ def jit_step(
     the shard_map wrappers of :mod:`jaxdsa.ops` see it). ``in_axes`` gives, per argument, a
     pytree of logical axes (tuples), or None for a batch argument whose every leaf is split on
     its leading dim (arguments past ``in_axes`` are batch arguments); ``out_axes`` is a pytree
-    prefix of the outputs in the same terms (None: every output is batch-split). On the CPU the
-    step compiles with :func:`cpu_compiler_options`."""
-    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
-    options = cpu_compiler_options() if platform == "cpu" else None
+    prefix of the outputs in the same terms (None: every output is batch-split)."""
     if mesh is None:
-        return jax.jit(fn, donate_argnums=donate_argnums, compiler_options=options)
+        return jax.jit(fn, donate_argnums=donate_argnums)
 
     def specs(axes):
         return batch_spec() if axes is None else jax.tree.map(group_spec, axes, is_leaf=_is_axes)
@@ -454,21 +450,7 @@ def jit_step(
 
     # named after the step (a function or a partial of one), as jit names it without a mesh
     run.__name__ = run.__qualname__ = getattr(fn, "func", fn).__name__
-    return _OnMesh(jax.jit(run, donate_argnums=donate_argnums, compiler_options=options), mesh)
-
-
-CPU_OPT_FLAG = "xla_backend_optimization_level"
-
-
-def cpu_compiler_options() -> dict[str, int] | None:
-    """XLA CPU's backend (LLVM) at optimization level 0 for the engine's steps, unless ``XLA_FLAGS``
-    sets the level itself. On the CPU jaxdsa runs the bundled model and the tests, whose start-up is
-    mostly XLA compiling its step shapes: at level 0 the Quick start server's cold start on 2 cores
-    took 79.9 s instead of 125 (warm 27.6 against 29.6, which XLA's cache already served), and the
-    bundled model decoded as fast (16-33 tok/s either way: its steps are bound by dispatch, not by
-    generated code; ``benchmarks/results/serve_startup-cpu-{base,opt0}.md``).
-    GPUs keep XLA's defaults."""
-    return None if CPU_OPT_FLAG in os.environ.get("XLA_FLAGS", "") else {CPU_OPT_FLAG: 0}
+    return _OnMesh(jax.jit(run, donate_argnums=donate_argnums), mesh)
 
 
 class _OnMesh:

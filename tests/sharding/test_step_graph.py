@@ -15,12 +15,9 @@ from __future__ import annotations
 import json
 import re
 
-import jax
-
 import jaxdsa
 from checkpoints.tiny.make import make_tiny
 from checkpoints.tiny.presets import TINY_PRESETS
-from jaxdsa import sharding
 from jaxdsa.engine import sampling
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
@@ -96,19 +93,3 @@ def test_one_all_reduce_per_sublayer_at_tp2(tmp_path):
     tuples = [line.strip()[:120] for line in reduces if re.search(r"= \(", line)]
     assert not tuples, f"all-reduces of several arrays: {tuples}"
     assert len(reduces) == 1 + 2 * layers, [line.strip()[:120] for line in reduces]
-
-
-def test_cpu_steps_compile_at_backend_level_0_unless_xla_flags_say(monkeypatch):
-    """The engine's steps on the CPU ask XLA for LLVM level 0 (the Quick start's cold start: 79.9 s
-    instead of 125 on 2 cores); an XLA_FLAGS that sets the level itself is left to decide."""
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
-    assert sharding.cpu_compiler_options() == {"xla_backend_optimization_level": 0}
-    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=2")
-    assert sharding.cpu_compiler_options() is None
-    monkeypatch.delenv("XLA_FLAGS")
-    seen = []
-    real_jit = jax.jit
-    monkeypatch.setattr(jax, "jit", lambda fn, **kw: seen.append(kw) or real_jit(fn, **kw))
-    step = sharding.jit_step(lambda x: x + 1, None, donate_argnums=())
-    assert seen[-1]["compiler_options"] == {"xla_backend_optimization_level": 0}
-    assert float(step(jax.numpy.ones(2))[0]) == 2.0
