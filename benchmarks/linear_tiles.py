@@ -108,17 +108,9 @@ class Variant:
                 raise ValueError(f"variant {self.name}: unknown field {key!r}")
         if fill is not None or any(key in ("block_n", "block_k") for key, _ in self.fields):
             programs = cfg.m_tiles(m) * n_tiles(cfg.block_n)
-            cfg = dataclasses.replace(cfg, splits=splits_for_fill(programs, k // cfg.block_k, fill or 2.0))
+            splits = tuning.splits_for(programs, k // cfg.block_k, fill=fill or 2, max_splits=64)
+            cfg = dataclasses.replace(cfg, splits=splits)
         return cfg
-
-
-def splits_for_fill(programs: int, k_steps: int, fill: float) -> int:
-    """Power-of-two K splits dividing ``k_steps`` until there are about ``fill`` programs per SM
-    (:func:`pallas_kernels.quant_matmul.tuning.splits_for` at ``fill`` = 2)."""
-    sms, splits = tuning.sm_count(None), 1
-    while programs * splits < fill * sms and splits < 64 and k_steps % (2 * splits) == 0:
-        splits *= 2
-    return splits
 
 
 def parse_variants(text: str) -> list[Variant]:
@@ -240,12 +232,18 @@ def _trace_ranges(runs: list, reps: int, directory: str) -> tuple[list, list]:
     return events, [marks[f"{MARK}:{i}"] for i in range(len(runs))]
 
 
+def without_copies(group: list[dict]) -> list[dict]:
+    """Traced kernels less copies and memsets: a ``fori_loop``'s trip count going to the host, no
+    part of the product timed."""
+    return [k for k in group if not any(word in k["name"].lower() for word in ("memcpy", "memset"))]
+
+
 def kernel_time(group: list[dict], calls: int, main: str) -> dict[str, float]:
     """One variant's traced kernels over its ``calls`` calls: the mean duration of the kernels named
     ``main`` (µs; every kernel's time per call when ``main`` is empty), the other kernels' time per
     call (the K splits' sum, and the loop's counter: the same for every variant), and the sum per
     call. Copies and memsets (the loop's trip count going to the host) are no part of it."""
-    group = [k for k in group if not any(word in k["name"].lower() for word in ("memcpy", "memset"))]
+    group = without_copies(group)
     mains = [k.get("dur", 0) for k in group if main in k["name"]]
     rest = sum(k.get("dur", 0) for k in group if main not in k["name"])
     total = sum(k.get("dur", 0) for k in group) / calls if group else float("nan")

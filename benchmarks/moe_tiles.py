@@ -140,7 +140,7 @@ def kernel_times(group: list[dict], calls: int) -> dict[str, float]:
     """Per call: each of :data:`KERNELS`' time (µs; a kernel launched twice, as a prefill's two
     block sizes, counts both), the other kernels', and the sum; copies and memsets left out (the
     loop's trip count)."""
-    group = [k for k in group if not any(w in k["name"].lower() for w in ("memcpy", "memset"))]
+    group = linear_tiles.without_copies(group)
     out = {
         f"{name}_us": sum(k.get("dur", 0) for k in group if k["name"].startswith(name)) / calls
         for name in KERNELS

@@ -174,15 +174,18 @@ def fit_block(block: int, dim: int, floor: int, what: str) -> int:
     return _triton.fit_block(block, dim, floor=floor, what=what, op="quant_matmul")
 
 
-def splits_for(programs: int, k_steps: int, cc: int | None = None) -> int:
+def splits_for(
+    programs: int, k_steps: int, cc: int | None = None, *, fill: float = 2, max_splits: int = _MAX_SPLITS
+) -> int:
     """K splits for ``programs`` output tiles over ``k_steps`` K steps on this part (:func:`_splits`)."""
-    return _splits(programs, k_steps, sm_count(cc))
+    return _splits(programs, k_steps, sm_count(cc), fill=fill, max_splits=max_splits)
 
 
-def _splits(programs: int, k_steps: int, sms: int) -> int:
-    """Power-of-two K splits (dividing the K steps) until there are about two programs per SM."""
+def _splits(programs: int, k_steps: int, sms: int, *, fill: float = 2, max_splits: int = _MAX_SPLITS) -> int:
+    """Power-of-two K splits (dividing the K steps) until there are about ``fill`` programs per SM
+    (two: the table's rule; benchmark sweeps try others)."""
     splits = 1
-    while programs * splits < 2 * sms and splits < _MAX_SPLITS and k_steps % (2 * splits) == 0:
+    while programs * splits < fill * sms and splits < max_splits and k_steps % (2 * splits) == 0:
         splits *= 2
     return splits
 
