@@ -91,7 +91,9 @@ V4_EXPERT_NAMES = ("w1", "w3", "w2")
 class _Experts:
     """Routed experts stored per expert as ``{prefix}.{e}.{module}.weight``. ``names``: the
     per-expert module names (gate, up, down). ``fp4``: the checkpoint may store them as DeepSeek-V4
-    FP4 (packed e2m1 bytes plus ue8m0 scales per 32 inputs, docs/models.md §4.6)."""
+    FP4 (packed e2m1 bytes plus ue8m0 scales per 32 inputs, docs/models.md §4.6). ``ids``: the
+    checkpoint experts the parameter holds, in its order (None: all ``num`` of them); experts split
+    between the GPUs and host RAM (:mod:`jaxdsa.offload`) hold a subset on each side."""
 
     prefix: str
     num: int
@@ -99,11 +101,16 @@ class _Experts:
     hidden: int
     names: tuple[str, str, str] = HF_EXPERT_NAMES
     fp4: bool = False
+    ids: tuple[int, ...] | None = None
     projections: ClassVar[tuple[str, ...]] = ()  # what the parameter holds, of gate / up / down
 
+    def source(self, e: int) -> int:
+        """The checkpoint expert held at position ``e`` of the parameter."""
+        return e if self.ids is None else self.ids[e]
+
     def module(self, proj: str, e: int) -> str:
-        """The module name of expert ``e``'s ``proj`` (gate / up / down) projection."""
-        return f"{self.prefix}.{e}.{self.names[('gate', 'up', 'down').index(proj)]}"
+        """The module name of the ``proj`` (gate / up / down) projection held at position ``e``."""
+        return f"{self.prefix}.{self.source(e)}.{self.names[('gate', 'up', 'down').index(proj)]}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -274,13 +274,13 @@ class _Source:
             raise self.fail(packed, str(e)) from None
 
     def expert(self, spec: ExpertGateUp | ExpertDown, proj: str, e: int) -> np.ndarray:
-        """One expert's HF [out, in] matrix (``proj`` gate / up / down)."""
+        """The HF [out, in] matrix (``proj`` gate / up / down) of the expert held at position ``e``."""
         fused = spec.prefix + (".down_proj" if proj == "down" else ".gate_up_proj")
         if spec.module(proj, 0) + ".weight" not in self.reader and fused in self.reader:
             # transformers 5.x in-memory layout: gate_up [E, 2N, D] (gate rows first), down [E, D, N].
             if proj == "down":
-                return self.plain(fused, (spec.num, spec.hidden, spec.inter))[e]
-            rows = self.plain(fused, (spec.num, 2 * spec.inter, spec.hidden))[e]
+                return self.plain(fused, (spec.num, spec.hidden, spec.inter))[spec.source(e)]
+            rows = self.plain(fused, (spec.num, 2 * spec.inter, spec.hidden))[spec.source(e)]
             return rows[: spec.inter] if proj == "gate" else rows[spec.inter :]
         out, inp = (spec.hidden, spec.inter) if proj == "down" else (spec.inter, spec.hidden)
         return self.linear(spec.module(proj, e), out, inp, fp4=spec.fp4)
@@ -296,8 +296,15 @@ def _slice_padded(value: np.ndarray, index: tuple[slice, ...], shape: tuple[int,
     return out
 
 
+def _no_experts(index: tuple[slice, ...], shape: tuple[int, ...], dtype) -> np.ndarray:
+    """The empty slice ``index`` of an expert stack that holds no expert (all of them in host RAM)."""
+    return np.zeros([len(range(*s.indices(n))) for s, n in zip(index, shape)], dtype)
+
+
 def _leaf_slice(source: _Source, leaf: Leaf, index: tuple[slice, ...], shape: tuple[int, ...], dtype):
     """The slice ``index`` of one (unstacked) parameter of ``shape``, read from the files."""
+    if isinstance(leaf, ExpertGateUp | ExpertDown) and shape[0] == 0:
+        return _no_experts(index, shape, dtype)
     if isinstance(leaf, ExpertGateUp):
         experts, rows, cols = (s.indices(n) for s, n in zip(index, shape))
         width = cols[1] - cols[0]
@@ -386,6 +393,9 @@ def _quantized_from_files(source: _Source, leaf: Leaf, target: QuantizedWeight) 
         if not experts:
             return np.asarray(getattr(_packed_matrix(source, leaf, 0, target, pieces), name)[index])
         first, stop, _ = index[0].indices(codes.shape[0])
+        if first == stop:
+            struct = getattr(target, name)
+            return _no_experts(index, struct.shape, struct.dtype)
         return np.stack(
             [
                 getattr(_packed_matrix(source, leaf, e, target, pieces), name)[index[1:]]

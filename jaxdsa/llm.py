@@ -33,6 +33,7 @@ from jaxdsa.engine.engine import CacheLayout, enable_compilation_cache
 from jaxdsa.engine.speculative import SpeculativeConfig
 from jaxdsa.loading import load_model
 from jaxdsa.models.registry import family_for, load_config
+from jaxdsa.offload import ExpertPlacement
 from jaxdsa.quantized_weight import QuantizedWeight
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -99,6 +100,9 @@ class LLM:
         speculative_config: str | dict | SpeculativeConfig | None = None,
         gpu_memory_utilization: float = memory.DEFAULT_UTILIZATION,
         async_scheduling: bool = True,
+        num_gpu_experts: int | None = None,
+        gpu_experts_policy: str = "uniform",
+        expert_stats: str | os.PathLike | None = None,
     ):
         """``load_format="dummy"``: random weights of the checkpoint's config, made on the device
         (benchmarking real shapes without the files, like vLLM's ``--load-format dummy``).
@@ -112,9 +116,13 @@ class LLM:
         (vLLM's; set before JAX starts, :mod:`jaxdsa.engine.memory`): a model whose weights and one
         ``max_model_len`` sequence do not fit in it is refused before any weight is read.
         ``async_scheduling``: the engine launches each step before the last one's tokens reach the
-        host (vLLM's; outputs unchanged)."""
+        host (vLLM's; outputs unchanged). ``num_gpu_experts``: routed experts per MoE layer kept on
+        the GPUs, the others held in host RAM and computed on the CPU inside the step (default: all
+        on the GPUs); ``gpu_experts_policy`` ``"uniform"`` or ``"frequency"`` (the most-routed ones
+        of ``expert_stats``, a JSON file of routing counts), see :mod:`jaxdsa.offload`."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r}: choose float32 or bfloat16")
+        placement = ExpertPlacement.of(num_gpu_experts, gpu_experts_policy, expert_stats)
         memory.claim(gpu_memory_utilization)  # before the first JAX call starts the backend
         enable_compilation_cache()  # before loading, whose small placement jits are cached too
         self.path = os.fspath(path)
@@ -158,6 +166,7 @@ class LLM:
             scan_layers=scan_layers,
             quantization=quantization,
             check_weights=check_fits,
+            placement=placement,
         )
         self.eos_token_ids = generation_eos_ids(self.path, self.config.eos_token_ids)
         self.reasoning_parser, self.tool_call_parser = text.FAMILY_PARSERS.get(cfg.model_type, (None, None))

@@ -18,10 +18,12 @@ from flax import nnx
 
 from checkpoints import walker
 from checkpoints.safetensors_io import CheckpointReader
+from jaxdsa import offload
 from jaxdsa import quantization as quant
 from jaxdsa.models import family as families
 from jaxdsa.models.family import ModelFamily
 from jaxdsa.models.registry import family_for, load_config
+from jaxdsa.offload import ExpertPlacement
 from jaxdsa.sharding import Parallelism
 
 LOAD_FORMATS = ("safetensors", "dummy")
@@ -40,6 +42,7 @@ def load_model(
     scan_layers: bool = True,
     quantization: str = "auto",
     check_weights: Callable[[float], None] | None = None,
+    placement: ExpertPlacement | None = None,
 ) -> tuple[ModelFamily, Any, nnx.Module]:
     """-> (family, config, model) of the checkpoint at ``path``, placed on ``mesh``.
 
@@ -49,6 +52,7 @@ def load_model(
     quantized format (:mod:`jaxdsa.quantization`; default: the checkpoint's FP8 / INT4 linears and
     experts). ``scan_layers``: see :class:`jaxdsa.LLM`. ``check_weights``: called with the bytes of
     weights one device will hold before any is read or drawn; it raises to stop the load.
+    ``placement``: routed experts split between the GPUs and host RAM (:mod:`jaxdsa.offload`).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r}: choose one of {', '.join(LOAD_FORMATS)}")
@@ -70,15 +74,30 @@ def load_model(
     else:
         stored = lambda leaf: walker.stored_format(reader, kept, leaf)  # noqa: E731
     shards = parallelism.shards if parallelism is not None else lambda _: 1
-    model = quant.quantize(model, quant.formats(model, specs, stored), shards)
+    formats = quant.formats(model, specs, stored)
+    host = None
+    if placement is not None:
+        model, specs, host = offload.plan(model, specs, formats, placement)
+    model = quant.quantize(model, formats, shards)
     targets = families.targets(model, mesh)
     if check_weights is not None:
         check_weights(device_target_bytes(targets))
+    model = families.fill(model, _read(reader, specs, targets, family.quantization(cfg), seed, progress))
+    if host is not None:
+        offload.attach(
+            model,
+            host,
+            _read(reader, host.specs, host.targets, family.quantization(cfg), seed, progress),
+            mesh,
+        )
+    return family, cfg, model
+
+
+def _read(reader: CheckpointReader | None, specs, targets, quantization, seed: int, progress: bool) -> dict:
+    """The arrays of ``targets``: read from the files, or dummy weights without a reader."""
     if reader is None:
-        arrays = walker.random(specs, targets, seed=seed)
-    else:
-        arrays = walker.load(reader, specs, targets, quant=family.quantization(cfg), progress=progress)
-    return family, cfg, families.fill(model, arrays)
+        return walker.random(specs, targets, seed=seed)
+    return walker.load(reader, specs, targets, quant=quantization, progress=progress)
 
 
 def device_param_bytes(model: nnx.Module) -> dict[Any, int]:

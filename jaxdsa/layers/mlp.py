@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -11,6 +13,9 @@ from jaxdsa.layers.linear import Linear, project
 from jaxdsa.layers.params import normal, zeros
 from jaxdsa.layers.stacks import split_layer
 from jaxdsa.sharding import Partial, reduce_partials
+
+if TYPE_CHECKING:
+    from jaxdsa.offload.host_experts import HostExperts
 
 
 class MLP(nnx.Module):
@@ -82,6 +87,11 @@ class Router(nnx.Module):
         )
 
 
+class ExpertSlots(nnx.Variable):
+    """A MoE layer's routing-slot table ``[E]`` int32 when its experts are split between the GPUs and
+    host RAM (:func:`jaxdsa.offload.placement.slot_table`): made by the placement, not a weight."""
+
+
 class Experts(nnx.Module):
     """Routed experts packed for :func:`jaxdsa.ops.moe_experts`: gate_up [E, D, 2N], down [E, N, D]
     (``swiglu_limit`` as in :class:`MLP`).
@@ -90,9 +100,14 @@ class Experts(nnx.Module):
     stack of the same shape and logical axes (the op's kernels dequantize experts in their K loop).
     Scanned, both reach the module as :class:`~jaxdsa.layers.stacks.LayerSlice` s of the layers'
     stacks (:meth:`stack_reads`), which the op's kernels read in place.
+
+    Split between the GPUs and host RAM (:mod:`jaxdsa.offload`), the stacks hold the GPU experts,
+    ``host`` the others and ``slots`` the table that maps routing ids to either side.
     """
 
     quantizable = True
+    host: HostExperts | None = None
+    slots: ExpertSlots | None = None
 
     def __init__(
         self, num: int, hidden: int, inter: int, *, dtype, rngs: nnx.Rngs, swiglu_limit: float | None = None
@@ -108,18 +123,35 @@ class Experts(nnx.Module):
         return ("gate_up", "down")
 
     def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
-        return self._run(x, ids, weights, unreduced=False)
+        return reduce_partials(self.partials(x, ids, weights)).astype(x.dtype)
 
-    def unreduced(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> Partial:
-        """``self(x, ids, weights)`` before the sum over the expert shards (float32 partial sums)."""
-        return self._run(x, ids, weights, unreduced=True)
+    def partials(
+        self, x: jax.Array, ids: jax.Array, weights: jax.Array, shared: MLP | None = None
+    ) -> list[Partial]:
+        """The routed experts' output (and the ``shared`` expert's) as partial sums, before their
+        all-reduces (float32; :func:`jaxdsa.sharding.reduce_partials` adds them).
 
-    def _run(self, x, ids, weights, *, unreduced: bool):
+        With host experts, the CPU computes its slots while the GPU computes its own and the shared
+        expert (:mod:`jaxdsa.offload.host_experts`): the barriers keep the callbacks on either side
+        of that work."""
+        if self.host is None:
+            return [self._run(x, ids, weights), *([shared.unreduced(x)] if shared is not None else [])]
+        slots = jnp.take(self.slots[...], ids)
+        _, layer = split_layer(self.down.get_value())
+        ticket = self.host.submit(x, slots, weights, layer)
+        x_gpu, ticket = jax.lax.optimization_barrier((x, ticket))
+        parts = [self._run(x_gpu, slots, weights)] if self.host.gpu else []
+        parts += [shared.unreduced(x_gpu)] if shared is not None else []
+        ticket, values = jax.lax.optimization_barrier((ticket, [p.value for p in parts]))
+        parts = [Partial(v, p.axes) for v, p in zip(values, parts)]
+        return [*parts, Partial.whole(self.host.collect(ticket, x))]
+
+    def _run(self, x, ids, weights) -> Partial:
         gate_up, layer = split_layer(self.gate_up.get_value())
         down, _ = split_layer(self.down.get_value())  # the same layer: both come from one scan
         experts = {"gate_up": gate_up, "down": down}
         return ops.moe_experts(
-            x, ids, weights, experts, swiglu_limit=self.swiglu_limit, layer=layer, unreduced=unreduced
+            x, ids, weights, experts, swiglu_limit=self.swiglu_limit, layer=layer, unreduced=True
         )
 
 
@@ -132,7 +164,7 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         return reduce_partials(self.unreduced(x)).astype(x.dtype)
 
-    def unreduced(self, x: jax.Array) -> tuple[Partial, Partial]:
+    def unreduced(self, x: jax.Array) -> list[Partial]:
         """The routed and the shared experts' outputs before their all-reduces: added before one
         (:func:`jaxdsa.sharding.reduce_partials`) where both split over the same devices (TP)."""
-        return self.experts.unreduced(x, *self.router(x)), self.shared.unreduced(x)
+        return self.experts.partials(x, *self.router(x), shared=self.shared)

@@ -25,14 +25,22 @@ def _weights(w, dtype):
 
 
 def moe_experts(
-    x, topk_ids, topk_weights, experts, *, swiglu_limit: float | None = None, layer: jax.Array | None = None
+    x,
+    topk_ids,
+    topk_weights,
+    experts,
+    *,
+    swiglu_limit: float | None = None,
+    layer: jax.Array | None = None,
+    out_dtype=None,
 ):
     """out[t] = sum_j w[t,j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t,j].
 
     Ids outside [0, E) contribute nothing, so an expert-parallel shard can pass global routing
     shifted to its local range. Quantized experts are dequantized to x's dtype. ``layer``: the
     experts are stacks over layers (``gate_up [L, E, D, 2N]``, ``down [L, E, N, D]``) and layer
-    ``layer``'s are used.
+    ``layer``'s are used. ``out_dtype``: the float32 sum over the slots is rounded to it (x's dtype
+    unless given).
     """
     if layer is not None:
         experts = take_layer(experts, layer)
@@ -56,4 +64,4 @@ def moe_experts(
     w = jnp.where(in_range, topk_weights.reshape(-1), 0.0)[order]
     y = y * w[:, None]
     out = jnp.zeros((T * k, x.shape[1]), jnp.float32).at[order].set(y)
-    return out.reshape(T, k, -1).sum(axis=1).astype(x.dtype)
+    return out.reshape(T, k, -1).sum(axis=1).astype(out_dtype or x.dtype)

@@ -49,5 +49,5 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array, tokens: jax.Array) -> jax.Array:
         """The routed and the shared experts' partial sums meet before one all-reduce
         (:func:`jaxdsa.sharding.reduce_partials`), rounded to x's dtype once."""
-        parts = self.experts.unreduced(x, *self.router(x, tokens)), self.shared.unreduced(x)
+        parts = self.experts.partials(x, *self.router(x, tokens), shared=self.shared)
         return reduce_partials(parts).astype(x.dtype)

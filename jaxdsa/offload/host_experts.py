@@ -1,0 +1,122 @@
+"""Routed experts held in host RAM and computed on the CPU, inside the GPU step.
+
+A MoE layer whose experts are split (:mod:`jaxdsa.offload.placement`) runs its routed experts on two
+sides. The step stays one compiled program: two host callbacks per layer hand the CPU its work and
+take its result back, and two optimization barriers order them around the GPU's own experts and the
+shared expert, which run while the CPU computes:
+
+    submit(x, slots, weights)  ->  GPU experts + shared expert  ->  collect()  ->  sum
+
+``submit`` copies the layer's tokens and routing to the host and queues the CPU computation on a
+worker thread; ``collect`` waits for it and returns its float32 sum, which joins the layer's other
+partial sums (:func:`jaxdsa.sharding.reduce_partials`). A callback is not a CUDA-graph command, so
+each one splits the step's graphs, and it waits for the GPU work before it: the cost of a layer's
+round trip is two such synchronizations plus the copies of ``x`` (``T x D``) there and back.
+
+The CPU side computes exactly what the GPU's experts compute (:func:`pallas_kernels.moe.ref.moe_experts`
+on the experts the tokens chose, gathered from the host stack): the weights stay in their checkpoint
+format (INT4 / FP8 / FP4 codes with their scales, or dense), held once, on JAX's CPU device.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdsa.quantized_weight import take_layer
+from pallas_kernels.moe.ref import moe_experts
+
+_WORKER = ThreadPoolExecutor(1, thread_name_prefix="jaxdsa-host-experts")
+_TICKETS = itertools.count(1)
+
+
+class HostExperts:
+    """One :class:`~jaxdsa.layers.mlp.Experts` module's host-resident experts.
+
+    ``experts``: ``{"gate_up": [L?, E_host, D, 2N], "down": [L?, E_host, N, D]}`` (arrays or
+    QuantizedWeights on the CPU device; ``L`` when the module is a scanned stack); ``gpu``: how many
+    experts the GPU stack holds (a routing slot ``s >= gpu`` is host expert ``s - gpu``). Compared by
+    identity: it is static data of the module tree, as the module's hyperparameters are.
+    """
+
+    def __init__(self, experts: dict[str, Any], *, gpu: int, stacked: bool, swiglu_limit: float | None):
+        self.experts, self.gpu, self.stacked, self.swiglu_limit = experts, gpu, stacked, swiglu_limit
+        self.cpu = jax.tree.leaves(experts)[0].sharding
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def num(self) -> int:
+        """Experts per layer held in host RAM."""
+        return self.experts["down"].shape[-3]
+
+    def nbytes(self) -> int:
+        return sum(leaf.nbytes for leaf in jax.tree.leaves(self.experts))
+
+    # -- inside the traced step ----------------------------------------------------------------
+
+    def submit(
+        self, x: jax.Array, slots: jax.Array, weights: jax.Array, layer: jax.Array | None
+    ) -> jax.Array:
+        """Queue the CPU's share of ``x``'s routed experts (``slots [T, k]`` as :func:`slot_table`
+        gives them); -> a ticket for :meth:`collect`."""
+        layer = jnp.zeros((), jnp.int32) if layer is None else layer
+        ticket = jax.ShapeDtypeStruct((), jnp.int32)
+        return jax.pure_callback(self._submit, ticket, x, slots, weights, layer, vmap_method="sequential")
+
+    def collect(self, ticket: jax.Array, x: jax.Array) -> jax.Array:
+        """The CPU's float32 sum ``[T, D]`` for ``ticket``, once computed."""
+        out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+        return jax.pure_callback(self._collect, out, ticket, vmap_method="sequential")
+
+    # -- on the host ---------------------------------------------------------------------------
+
+    def _submit(self, x, slots, weights, layer) -> np.ndarray:
+        ticket = next(_TICKETS) % 2**31
+        args = (np.asarray(x), np.asarray(slots), np.asarray(weights), int(layer))
+        with self._lock:
+            self._pending[ticket] = _WORKER.submit(self.compute, *args)
+        return np.int32(ticket)
+
+    def _collect(self, ticket) -> np.ndarray:
+        with self._lock:
+            future = self._pending.pop(int(ticket))
+        return future.result()
+
+    def compute(self, x: np.ndarray, slots: np.ndarray, weights: np.ndarray, layer: int) -> np.ndarray:
+        """sum_j weights[t, j] * expert(slots[t, j] - gpu)(x[t]) over the host's slots, float32."""
+        put = functools.partial(jax.device_put, device=self.cpu)
+        unique = min(slots.size, self.num)
+        out = _host_moe(
+            put(x),
+            put(slots - self.gpu),
+            put(weights),
+            self.experts,
+            put(np.int32(layer)) if self.stacked else None,
+            unique=unique,
+            swiglu_limit=self.swiglu_limit,
+        )
+        return np.asarray(out)
+
+
+@functools.partial(jax.jit, static_argnames=("unique", "swiglu_limit"))
+def _host_moe(x, ids, weights, experts, layer, *, unique: int, swiglu_limit: float | None):
+    """The routed experts of ``ids`` (``[0, E)``: this side's; others contribute nothing), float32.
+
+    Only the experts the tokens chose are gathered from the layer's stack (at most ``unique``) and
+    run through the reference computation of the GPU kernels."""
+    if layer is not None:
+        experts = take_layer(experts, layer)
+    E = experts["down"].shape[0]
+    valid = (ids >= 0) & (ids < E)
+    chosen = jnp.unique(jnp.where(valid, ids, E).reshape(-1), size=unique, fill_value=E)  # ascending
+    local = jnp.where(valid, jnp.searchsorted(chosen, ids), unique)  # an id's position in ``chosen``
+    picked = jax.tree.map(lambda a: jnp.take(a, jnp.minimum(chosen, E - 1), axis=0), experts)
+    return moe_experts(x, local, weights, picked, swiglu_limit=swiglu_limit, out_dtype=jnp.float32)
