@@ -13,9 +13,9 @@ partial sums (:func:`jaxdsa.sharding.reduce_partials`). A callback is not a CUDA
 each one splits the step's graphs, and it waits for the GPU work before it: the cost of a layer's
 round trip is two such synchronizations plus the copies of ``x`` (``T x D``) there and back.
 
-The CPU side computes exactly what the GPU's experts compute (:func:`pallas_kernels.moe.ref.moe_experts`
-on the experts the tokens chose, gathered from the host stack): the weights stay in their checkpoint
-format (INT4 / FP8 / FP4 codes with their scales, or dense), held once, on JAX's CPU device.
+The CPU side computes what the GPU's experts compute (:mod:`jaxdsa.offload.cpu_moe`, held to
+:func:`reference`): the weights stay in their checkpoint format (INT4 / FP8 / FP4 codes with their
+scales, or dense), held once, on JAX's CPU device, and the kernel reads them in place.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdsa.offload.cpu_moe import HostWeight, expert_matmul
 from jaxdsa.quantized_weight import take_layer
 from pallas_kernels.moe.ref import moe_experts
 
@@ -49,6 +50,11 @@ class HostExperts:
     def __init__(self, experts: dict[str, Any], *, gpu: int, stacked: bool, swiglu_limit: float | None):
         self.experts, self.gpu, self.stacked, self.swiglu_limit = experts, gpu, stacked, swiglu_limit
         self.cpu = jax.tree.leaves(experts)[0].sharding
+        layers = experts["down"].shape[0] if stacked else 1
+        self._layers = [
+            tuple(HostWeight.of(experts[name], i if stacked else None) for name in ("gate_up", "down"))
+            for i in range(layers)
+        ]
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
 
@@ -91,27 +97,51 @@ class HostExperts:
         return future.result()
 
     def compute(self, x: np.ndarray, slots: np.ndarray, weights: np.ndarray, layer: int) -> np.ndarray:
-        """sum_j weights[t, j] * expert(slots[t, j] - gpu)(x[t]) over the host's slots, float32."""
+        """sum_j weights[t, j] * expert(slots[t, j] - gpu)(x[t]) over the host's slots, float32 [T, D]."""
+        T, k = slots.shape
+        ids = (slots - self.gpu).reshape(-1)
+        mine = np.flatnonzero((ids >= 0) & (ids < self.num))
+        order = mine[np.argsort(ids[mine], kind="stable")]  # the host's slots, grouped by expert
+        experts, counts = np.unique(ids[order], return_counts=True)
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        tokens = order // k
+        bf16 = x.dtype != np.float32
+        gate_up, down = self._layers[layer if self.stacked else 0]
+        h = expert_matmul(x[tokens].astype(np.float32), offsets, experts, gate_up, bf16, 2 * self.inter)
+        gate, up = h[:, : self.inter], h[:, self.inter :]
+        if self.swiglu_limit is not None:
+            gate, up = np.minimum(gate, self.swiglu_limit), np.clip(up, -self.swiglu_limit, self.swiglu_limit)
+        act = (gate / (1 + np.exp(-gate)) * up).astype(x.dtype).astype(np.float32)
+        y = expert_matmul(act, offsets, experts, down, bf16, x.shape[1])
+        out = np.zeros((T, x.shape[1]), np.float32)
+        np.add.at(out, tokens, y * weights.reshape(-1)[order, None].astype(np.float32))
+        return out
+
+    @property
+    def inter(self) -> int:
+        """The experts' intermediate width N."""
+        return self.experts["down"].shape[-2]
+
+    def reference(self, x: np.ndarray, slots: np.ndarray, weights: np.ndarray, layer: int) -> np.ndarray:
+        """:meth:`compute` through :func:`pallas_kernels.moe.ref.moe_experts` on JAX's CPU device: the
+        oracle the kernel is tested against (XLA:CPU decodes whole experts: far slower)."""
         put = functools.partial(jax.device_put, device=self.cpu)
-        unique = min(slots.size, self.num)
-        out = _host_moe(
+        out = _reference(
             put(x),
             put(slots - self.gpu),
             put(weights),
             self.experts,
             put(np.int32(layer)) if self.stacked else None,
-            unique=unique,
+            unique=min(slots.size, self.num),
             swiglu_limit=self.swiglu_limit,
         )
         return np.asarray(out)
 
 
 @functools.partial(jax.jit, static_argnames=("unique", "swiglu_limit"))
-def _host_moe(x, ids, weights, experts, layer, *, unique: int, swiglu_limit: float | None):
+def _reference(x, ids, weights, experts, layer, *, unique: int, swiglu_limit: float | None):
     """The routed experts of ``ids`` (``[0, E)``: this side's; others contribute nothing), float32.
-
-    Only the experts the tokens chose are gathered from the layer's stack (at most ``unique``) and
-    run through the reference computation of the GPU kernels."""
+    Only the experts the tokens chose (at most ``unique``) are gathered from the layer's stack."""
     if layer is not None:
         experts = take_layer(experts, layer)
     E = experts["down"].shape[0]

@@ -28,7 +28,6 @@ from checkpoints.spec import Spec, Stacked
 from jaxdsa import quantization as quant
 from jaxdsa.layers.mlp import Experts, ExpertSlots
 from jaxdsa.layers.params import axes_of
-from jaxdsa.offload.host_experts import HostExperts
 from jaxdsa.offload.placement import ExpertPlacement, slot_table
 
 Path = tuple[Any, ...]
@@ -113,6 +112,11 @@ def _restrict(spec: Spec, ids: list[tuple[int, ...]]) -> Spec:
 def attach(model: nnx.Module, host: HostPlan, arrays: dict[Path, Any], mesh) -> None:
     """Give each split Experts module of the loaded ``model`` its host experts (``arrays``: the host
     stacks as the walker read or drew them) and its slot table, replicated over ``mesh``."""
+    try:  # the CPU kernel needs Numba, an optional dependency: only a split model imports it
+        from jaxdsa.offload.host_experts import HostExperts
+    except ImportError as e:
+        need = "routed experts in host RAM need Numba: pip install 'jaxdsa[offload]'"
+        raise ImportError(f"{need} ({e})") from e
     home = jax.tree.leaves(nnx.state(model, nnx.Param))[0].sharding
     placed = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else home
     for path, node in nnx.iter_graph(model):

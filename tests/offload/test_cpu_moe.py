@@ -1,0 +1,113 @@
+"""The host experts' CPU kernel against the reference computation, every weight format.
+
+Fresh random experts in each format's layout (INT4 words and bytes, symmetric and asymmetric,
+bf16 and float32 scales; FP8 with float32 and ue8m0 block scales; FP4; dense float32 and bf16),
+random routing with ragged counts per expert, slots that belong to the device (ids below the
+device's count) or to nobody (-1, past the end), experts nobody chose, and float32 or bf16
+activations, as :class:`jaxdsa.offload.host_experts.HostExperts` receives them.
+"""
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxdsa.offload.host_experts import HostExperts
+from pallas_kernels.quant import layout
+
+D, N, E, GPU = 256, 256, 6, 3  # K = 256: one INT4 word chunk
+CPU = jax.devices("cpu")[0]
+
+
+def int4(rng, k, n, *, group, symmetric, scale_dtype, kpack):
+    q = rng.integers(-8, 8, size=(E, n, k)).astype(np.int8)
+    s = (rng.random((E, n, k // group)) * 0.05 + 0.01).astype(scale_dtype)
+    zp = None if symmetric else rng.integers(-8, 8, size=(E, n, k // group)).astype(np.int8)
+    return layout.pack_int4(q, s, zp, group_size=group, kpack=kpack)
+
+
+def fp8(rng, k, n, *, block, e8m0):
+    codes = (rng.standard_normal((E, k, n)) * 2).astype(ml_dtypes.float8_e4m3fn)
+    shape = (E, -(-k // block[0]), -(-n // block[1]))
+    if e8m0:
+        scales = rng.integers(120, 125, size=shape).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)
+    else:
+        scales = (rng.random(shape) * 0.05).astype(np.float32)
+    return layout.QuantizedWeight(codes, scales, None, "fp8", block, 0)
+
+
+def fp4(rng, k, n):
+    codes = rng.integers(0, 16, size=(E, k, n)).astype(np.uint8)
+    packed = layout.pack_nibbles(codes, 64)
+    scales = rng.integers(118, 126, size=(E, k // 32, n)).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)
+    return layout.QuantizedWeight(packed, scales, None, "fp4", (32, 1), 64)
+
+
+def dense(rng, k, n, dtype):
+    return (rng.standard_normal((E, k, n)) * k**-0.5).astype(dtype)
+
+
+FORMATS = {
+    "int4-words-asym-bf16": lambda r, k, n: int4(
+        r, k, n, group=32, symmetric=False, scale_dtype=ml_dtypes.bfloat16, kpack=256
+    ),
+    "int4-bytes-sym-f32": lambda r, k, n: int4(
+        r, k, n, group=64, symmetric=True, scale_dtype=np.float32, kpack=64
+    ),
+    "fp8-f32-blocks": lambda r, k, n: fp8(r, k, n, block=(32, 32), e8m0=False),
+    "fp8-e8m0-blocks": lambda r, k, n: fp8(r, k, n, block=(128, 128), e8m0=True),
+    "fp4": fp4,
+    "dense-f32": lambda r, k, n: dense(r, k, n, np.float32),
+    "dense-bf16": lambda r, k, n: dense(r, k, n, ml_dtypes.bfloat16),
+}
+
+
+def host_experts(fmt, rng, *, stacked, swiglu_limit=None):
+    def one():
+        gate, up = FORMATS[fmt](rng, D, N), FORMATS[fmt](rng, D, N)
+        if isinstance(gate, np.ndarray):
+            return np.concatenate([gate, up], axis=-1), FORMATS[fmt](rng, N, D)
+        return layout.concat_n(gate, up), FORMATS[fmt](rng, N, D)
+
+    layers = [one() for _ in range(2 if stacked else 1)]
+    pack = lambda *xs: np.stack(xs) if stacked else xs[0]  # noqa: E731
+    gate_up = jax.tree.map(pack, *[g for g, _ in layers])
+    down = jax.tree.map(pack, *[d for _, d in layers])
+    experts = jax.device_put({"gate_up": gate_up, "down": down}, CPU)
+    return HostExperts(experts, gpu=GPU, stacked=stacked, swiglu_limit=swiglu_limit)
+
+
+def routing(rng, tokens, k=4):
+    """Slots over the device's experts, the host's, and none (-1, past the end); one host expert
+    nobody picks."""
+    total = GPU + E
+    slots = rng.integers(0, total + 1, size=(tokens, k)).astype(np.int32)
+    slots[slots == GPU + 1] = GPU  # host expert 1 is never chosen
+    slots[rng.random(slots.shape) < 0.1] = -1
+    return slots, rng.random((tokens, k)).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_kernel_matches_reference(fmt, tokens):
+    rng = np.random.default_rng(abs(hash((fmt, tokens))) % 2**32)
+    stacked = tokens == 5
+    host = host_experts(fmt, rng, stacked=stacked, swiglu_limit=0.8 if fmt == "fp4" else None)
+    for act in (np.float32, ml_dtypes.bfloat16):
+        x = rng.standard_normal((tokens, D)).astype(act)
+        slots, weights = routing(rng, tokens)
+        layer = 1 if stacked else 0
+        got, want = host.compute(x, slots, weights, layer), host.reference(x, slots, weights, layer)
+        assert got.dtype == np.float32 and got.shape == (tokens, D)
+        scale = np.abs(want).max() + 1e-30
+        bound = 1e-5 if act == np.float32 else 1e-2  # bf16: a product rounds differently once in a while
+        assert np.abs(got - want).max() <= bound * scale, (fmt, act)
+
+
+def test_no_host_slot_gives_zeros():
+    rng = np.random.default_rng(0)
+    host = host_experts("int4-words-asym-bf16", rng, stacked=False)
+    x = rng.standard_normal((3, D)).astype(np.float32)
+    slots = np.array([[0, 1], [2, -1], [GPU + E, 1]], np.int32)  # device experts, none, past the end
+    out = host.compute(x, slots, np.ones((3, 2), np.float32), 0)
+    assert not out.any()
