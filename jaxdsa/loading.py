@@ -77,7 +77,7 @@ def load_model(
     formats = quant.formats(model, specs, stored)
     host = None
     if placement is not None:
-        model, specs, host = offload.plan(model, specs, formats, placement)
+        model, specs, host = offload.plan(model, specs, formats, placement, shards)
     model = quant.quantize(model, formats, shards)
     targets = families.targets(model, mesh)
     if check_weights is not None:

@@ -204,6 +204,45 @@ def _auto_axes(mesh) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if a not in mesh.manual_axes and mesh.shape[a] > 1)
 
 
+def on_every_device(fn: Callable[..., Any], args: tuple, axes: tuple[str, ...], split: int = 0) -> Any:
+    """``fn(*args, first)`` on each device of the step's mesh, for host callbacks, which run only
+    where every mesh axis is manual. ``first``: whether the device is the first along the mesh
+    ``axes`` (devices along its other axes hold copies). Each output gets a leading dim split over
+    ``axes`` (size 1 per device), so devices along them return their own values; the first ``split``
+    operands come in that form (an earlier call's outputs), the others replicated. Off a mesh:
+    ``fn(*args, True)``, its outputs given that dim of 1."""
+    mesh = _mesh()
+    lead = lambda out: jax.tree.map(lambda o: o[None], out)  # noqa: E731
+    if mesh is None:
+        return lead(fn(*args, jnp.bool_(True)))
+    manual = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
+
+    def local(*operands):
+        first = functools.reduce(jnp.logical_and, [jax.lax.axis_index(a) == 0 for a in axes], jnp.bool_(True))
+        return lead(fn(*operands, first))
+
+    own = P(axes or None)
+    smap = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=tuple(own if i < split else P() for i in range(len(args))),
+        out_specs=own,
+        axis_names=set(manual),
+        check_vma=False,
+    )
+    return smap(*args)
+
+
+def partial_axes(*names: str) -> tuple[str, ...]:
+    """The mesh axes a partial sum over the logical ``names`` spans on the step's mesh (none off a
+    mesh): the axes of the :class:`Partial` an op with ``reduce=names`` returns."""
+    mesh = _mesh()
+    if mesh is None:
+        return ()
+    live = _auto_axes(mesh)
+    return tuple(a for name in names for a in RULES[name] if a in live)
+
+
 @dataclasses.dataclass(frozen=True)
 class OpSharding:
     """How an op's operands split over the mesh, in logical names (see :mod:`jaxdsa.ops`).

@@ -12,7 +12,7 @@ from jaxdsa import ops
 from jaxdsa.layers.linear import Linear, project
 from jaxdsa.layers.params import normal, zeros
 from jaxdsa.layers.stacks import split_layer
-from jaxdsa.sharding import Partial, reduce_partials
+from jaxdsa.sharding import Partial, partial_axes, reduce_partials
 
 if TYPE_CHECKING:
     from jaxdsa.offload.host_experts import HostExperts
@@ -138,13 +138,14 @@ class Experts(nnx.Module):
             return [self._run(x, ids, weights), *([shared.unreduced(x)] if shared is not None else [])]
         slots = jnp.take(self.slots[...], ids)
         _, layer = split_layer(self.down.get_value())
-        ticket = self.host.submit(x, slots, weights, layer)
-        x_gpu, ticket = jax.lax.optimization_barrier((x, ticket))
+        axes = partial_axes(*ops.OPS["moe_experts"].sharding.reduce)  # the routed experts' partial sums
+        tickets = self.host.submit(x, slots, weights, layer, axes)
+        x_gpu, tickets = jax.lax.optimization_barrier((x, tickets))
         parts = [self._run(x_gpu, slots, weights)] if self.host.gpu else []
         parts += [shared.unreduced(x_gpu)] if shared is not None else []
-        ticket, values = jax.lax.optimization_barrier((ticket, [p.value for p in parts]))
+        tickets, values = jax.lax.optimization_barrier((tickets, [p.value for p in parts]))
         parts = [Partial(v, p.axes) for v, p in zip(values, parts)]
-        return [*parts, Partial.whole(self.host.collect(ticket, x))]
+        return [*parts, self.host.collect(tickets, x, axes)]
 
     def _run(self, x, ids, weights) -> Partial:
         gate_up, layer = split_layer(self.gate_up.get_value())

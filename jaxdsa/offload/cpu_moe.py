@@ -32,8 +32,6 @@ BLOCK = 64  # output columns per task: one decoded row is BLOCK float32
 # what the codes hold, and how the scales are stored (kernel arguments)
 INT4, FP4, FP8, DENSE_F32, DENSE_BF16 = 0, 1, 2, 3, 4
 SCALE_F32, SCALE_BF16, SCALE_E8M0 = 0, 1, 2
-_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-_E4M3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 _NONE = np.zeros((1, 1, 1), np.uint8)
 _BF16, _E8M0 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e8m0fnu)
 
@@ -49,7 +47,6 @@ class HostWeight:
     scales: np.ndarray
     scale_kind: int
     zeros: np.ndarray
-    lut: np.ndarray
     gk: int
     kpack: int
     int4_bf16: bool  # INT4 values round to their bf16 scales' dtype
@@ -62,10 +59,8 @@ class HostWeight:
         if not isinstance(w, QuantizedWeight):
             codes = pick(w)
             if codes.dtype == _BF16:
-                return cls(DENSE_BF16, codes.view(np.uint16), _NONE, SCALE_F32, _NONE, _E2M1, 1, 1, False)
-            return cls(
-                DENSE_F32, codes.astype(np.float32, copy=False), _NONE, SCALE_F32, _NONE, _E2M1, 1, 1, False
-            )
+                return cls(DENSE_BF16, codes.view(np.uint16), _NONE, SCALE_F32, _NONE, 1, 1, False)
+            return cls(DENSE_F32, codes.astype(np.float32, copy=False), _NONE, SCALE_F32, _NONE, 1, 1, False)
         codes, scales = pick(w.codes), pick(w.scales)
         zeros = _NONE if w.zeros is None else pick(w.zeros)
         kind = {_BF16: SCALE_BF16, _E8M0: SCALE_E8M0}.get(scales.dtype, SCALE_F32)
@@ -85,9 +80,9 @@ class HostWeight:
                 kind = SCALE_F32
             scales = np.ascontiguousarray(np.repeat(scales, w.group[1], axis=-1)[..., : codes.shape[-1]])
         if w.format == "fp8":
-            return cls(FP8, codes.view(np.uint8), scales, kind, zeros, _E4M3, w.group[0], 1, False)
+            return cls(FP8, codes.view(np.uint8), scales, kind, zeros, w.group[0], 1, False)
         fmt = FP4 if w.format == "fp4" else INT4
-        return cls(fmt, codes, scales, kind, zeros, _E2M1, w.group[0], w.kpack, kind == SCALE_BF16)
+        return cls(fmt, codes, scales, kind, zeros, w.group[0], w.kpack, kind == SCALE_BF16)
 
 
 def expert_matmul(
@@ -107,7 +102,6 @@ def expert_matmul(
         w.scale_kind,
         w.zeros,
         w.zeros.size > 1,
-        w.lut,
         w.gk,
         w.kpack,
         round_bf16 or w.int4_bf16,
@@ -118,7 +112,7 @@ def expert_matmul(
 
 @numba.njit(parallel=True, cache=True)
 def _matmul(
-    xs, offsets, experts, fmt, codes, scales, scale_kind, zeros, has_zeros, lut, gk, kpack, round_bf16, out
+    xs, offsets, experts, fmt, codes, scales, scale_kind, zeros, has_zeros, gk, kpack, round_bf16, out
 ):
     """One task per (expert group, BLOCK output columns); its weights decoded one row at a time."""
     groups = experts.shape[0]
@@ -144,7 +138,6 @@ def _matmul(
                 scale_kind,
                 z,
                 has_zeros,
-                lut,
                 gk,
                 kpack,
                 round_bf16,
@@ -153,7 +146,7 @@ def _matmul(
                 acc,
             )
         else:
-            _rows(x, fmt, codes[e], scales[e if fmt == FP8 else 0], lut, gk, round_bf16, n0, width, acc)
+            _rows(x, fmt, codes[e], scales[e if fmt == FP8 else 0], gk, round_bf16, n0, width, acc)
         out[r0:r1, n0 : n0 + width] = acc[:, :width]
 
 
@@ -183,46 +176,88 @@ def _to_bf16(w, round_bf16):
 
 
 @numba.njit(inline="always")
-def _nibbles(x, fmt, codes, scales, scale_kind, zeros, has_zeros, lut, gk, kpack, round_bf16, n0, width, acc):
+def _nibbles(x, fmt, codes, scales, scale_kind, zeros, has_zeros, gk, kpack, round_bf16, n0, width, acc):
     """INT4 / FP4 codes ``[K', N]``: code row ``r`` of chunk ``c`` holds ``per`` rows of the chunk's
     ``kpack``, ``piece`` apart (8 in an int32 word, 2 in a byte), each in its own nibble; each
-    piece lies inside one scale group. One token and INT4: decoded and multiplied in one loop;
-    else each row is decoded once into ``row``, then multiplied with every token."""
+    piece lies inside one scale group. An INT4 weight is ``q * s - z * s``: with bf16 scales both
+    products and their difference are exact in float32, so this is ``(q - z) * s`` to the bit.
+    One token and INT4 words: a word's eight weights decoded and multiplied in one loop over the
+    columns; else each row is decoded once into ``row``, then multiplied with every token."""
     per = 8 if kpack == WORD_KPACK else 2
     piece = kpack // per
     scale = np.zeros((per, BLOCK), np.float32)
-    zero = np.full((per, BLOCK), np.float32(8))
+    zs = np.zeros((per, BLOCK), np.float32)  # zero point times scale
     row = np.zeros(BLOCK, np.float32)
     for chunk in range(codes.shape[0] // piece):
         for j in range(per):
             g = (chunk * kpack + j * piece) // gk
             _decode_scales(scales[g, n0 : n0 + width], scale_kind, scale[j])
-            if has_zeros:
-                for c in range(width):
-                    zero[j, c] = np.float32(zeros[g, n0 + c])
+            for c in range(width):
+                zero = np.float32(zeros[g, n0 + c]) if has_zeros else np.float32(8)
+                zs[j, c] = zero * scale[j, c]
         for r in range(piece):
             code_row = codes[chunk * piece + r, n0 : n0 + width]
+            k0 = chunk * kpack + r
+            if fmt == INT4 and per == 8 and x.shape[0] == 1:
+                _word_row(x[0], k0, code_row, scale, zs, round_bf16, width, acc[0])
+                continue
             for j in range(per):
-                k, shift, s, z = chunk * kpack + j * piece + r, 4 * j, scale[j], zero[j]
+                shift, s, z = 4 * j, scale[j], zs[j]
                 # the format's branch stays outside the column loops, which LLVM vectorizes
                 if fmt == FP4:
                     for c in range(width):
-                        row[c] = _to_bf16(lut[(np.int32(code_row[c]) >> shift) & 15] * s[c], round_bf16)
-                elif x.shape[0] == 1:
-                    xv = x[0, k]
-                    for c in range(width):
-                        q = np.float32((np.int32(code_row[c]) >> shift) & 15)
-                        acc[0, c] += xv * _to_bf16((q - z[c]) * s[c], round_bf16)
-                    continue
+                        row[c] = _to_bf16(_e2m1((np.int32(code_row[c]) >> shift) & 15) * s[c], round_bf16)
                 else:
                     for c in range(width):
                         q = np.float32((np.int32(code_row[c]) >> shift) & 15)
-                        row[c] = _to_bf16((q - z[c]) * s[c], round_bf16)
-                _multiply(x, k, row, width, acc)
+                        row[c] = _to_bf16(q * s[c] - z[c], round_bf16)
+                _multiply(x, k0 + j * piece, row, width, acc)
 
 
 @numba.njit(inline="always")
-def _rows(x, fmt, codes, scales, lut, gk, round_bf16, n0, width, acc):
+def _word_row(x, k0, code_row, scale, zs, round_bf16, width, acc):
+    """acc += the eight weights of each word of ``code_row`` (rows ``k0 + 32 j``) times x: the
+    nibble loop unrolled, so that the column loop is innermost and keeps ``acc`` in registers."""
+    x0, x1, x2, x3 = x[k0], x[k0 + 32], x[k0 + 64], x[k0 + 96]
+    x4, x5, x6, x7 = x[k0 + 128], x[k0 + 160], x[k0 + 192], x[k0 + 224]
+    for c in range(width):
+        w = np.int32(code_row[c])
+        a = acc[c]
+        a += x0 * _to_bf16(np.float32(w & 15) * scale[0, c] - zs[0, c], round_bf16)
+        a += x1 * _to_bf16(np.float32((w >> 4) & 15) * scale[1, c] - zs[1, c], round_bf16)
+        a += x2 * _to_bf16(np.float32((w >> 8) & 15) * scale[2, c] - zs[2, c], round_bf16)
+        a += x3 * _to_bf16(np.float32((w >> 12) & 15) * scale[3, c] - zs[3, c], round_bf16)
+        a += x4 * _to_bf16(np.float32((w >> 16) & 15) * scale[4, c] - zs[4, c], round_bf16)
+        a += x5 * _to_bf16(np.float32((w >> 20) & 15) * scale[5, c] - zs[5, c], round_bf16)
+        a += x6 * _to_bf16(np.float32((w >> 24) & 15) * scale[6, c] - zs[6, c], round_bf16)
+        a += x7 * _to_bf16(np.float32((w >> 28) & 15) * scale[7, c] - zs[7, c], round_bf16)
+        acc[c] = a
+
+
+@numba.njit(inline="always")
+def _e2m1(q):
+    """An FP4 e2m1 code (sign, 2 exponent bits, 1 mantissa bit) as float32, by its bits (no table
+    lookup, so the column loop vectorizes): 0, 0.5 or 2^(e-1) (1 + m/2)."""
+    q = np.uint32(q)
+    e, m = (q >> np.uint32(1)) & np.uint32(3), q & np.uint32(1)
+    normal = ((e + np.uint32(126)) << np.uint32(23)) | (m << np.uint32(22))
+    magnitude = normal if e > 0 else m * np.uint32(0x3F000000)
+    return _float(magnitude | ((q >> np.uint32(3)) << np.uint32(31)))
+
+
+@numba.njit(inline="always")
+def _e4m3(b):
+    """An FP8 e4m3fn code as float32, by its bits: 2^(e-7) (1 + m/8), or m 2^-9 when e = 0 (the
+    NaN codes 0x7F / 0xFF, which weights never hold, decode to 480)."""
+    b = np.uint32(b)
+    e, m = (b >> np.uint32(3)) & np.uint32(15), b & np.uint32(7)
+    normal = _float(((e + np.uint32(120)) << np.uint32(23)) | (m << np.uint32(20)))
+    magnitude = normal if e > 0 else np.float32(m) * np.float32(2.0**-9)
+    return -magnitude if b >= np.uint32(128) else magnitude
+
+
+@numba.njit(inline="always")
+def _rows(x, fmt, codes, scales, gk, round_bf16, n0, width, acc):
     """FP8 codes (bytes; float32 scales, one per column) or dense rows ``[K, N]``."""
     row = np.zeros(BLOCK, np.float32)
     for k in range(codes.shape[0]):
@@ -230,7 +265,7 @@ def _rows(x, fmt, codes, scales, lut, gk, round_bf16, n0, width, acc):
         s = scales[k // gk, n0 : n0 + width] if fmt == FP8 else scales[0, :1]
         if fmt == FP8:
             for c in range(width):
-                row[c] = _to_bf16(lut[np.int32(code_row[c])] * s[c], round_bf16)
+                row[c] = _to_bf16(_e4m3(code_row[c]) * s[c], round_bf16)
         elif fmt == DENSE_BF16:
             for c in range(width):
                 row[c] = _float(np.uint32(code_row[c]) << np.uint32(16))

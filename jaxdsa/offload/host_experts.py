@@ -30,8 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdsa import sharding
 from jaxdsa.offload.cpu_moe import HostWeight, expert_matmul
 from jaxdsa.quantized_weight import take_layer
+from jaxdsa.sharding import Partial
 from pallas_kernels.moe.ref import moe_experts
 
 _WORKER = ThreadPoolExecutor(1, thread_name_prefix="jaxdsa-host-experts")
@@ -69,29 +71,51 @@ class HostExperts:
     # -- inside the traced step ----------------------------------------------------------------
 
     def submit(
-        self, x: jax.Array, slots: jax.Array, weights: jax.Array, layer: jax.Array | None
+        self,
+        x: jax.Array,
+        slots: jax.Array,
+        weights: jax.Array,
+        layer: jax.Array | None,
+        axes: tuple[str, ...],
     ) -> jax.Array:
-        """Queue the CPU's share of ``x``'s routed experts (``slots [T, k]`` as :func:`slot_table`
-        gives them); -> a ticket for :meth:`collect`."""
+        """Queue the CPU's share of ``x``'s routed experts (``slots [T, k]`` as
+        :func:`~jaxdsa.offload.placement.slot_table` gives them); -> tickets for :meth:`collect`.
+        On a mesh the first device along ``axes`` (the mesh axes of the routed experts' partial
+        sums) queues the work, the others return no ticket."""
         layer = jnp.zeros((), jnp.int32) if layer is None else layer
         ticket = jax.ShapeDtypeStruct((), jnp.int32)
-        return jax.pure_callback(self._submit, ticket, x, slots, weights, layer, vmap_method="sequential")
 
-    def collect(self, ticket: jax.Array, x: jax.Array) -> jax.Array:
-        """The CPU's float32 sum ``[T, D]`` for ``ticket``, once computed."""
+        def local(x, slots, weights, layer, first):
+            return jax.pure_callback(
+                self._submit, ticket, x, slots, weights, layer, first, vmap_method="sequential"
+            )
+
+        return sharding.on_every_device(local, (x, slots, weights, layer), axes)
+
+    def collect(self, tickets: jax.Array, x: jax.Array, axes: tuple[str, ...]) -> Partial:
+        """The CPU's float32 sum ``[T, D]`` for ``tickets``, once computed: a partial sum over
+        ``axes`` (the first device's, zeros elsewhere) that joins the routed experts' own."""
         out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
-        return jax.pure_callback(self._collect, out, ticket, vmap_method="sequential")
+
+        def local(ticket, x, first):
+            return jax.pure_callback(self._collect, out, ticket[0], x, vmap_method="sequential")
+
+        return Partial(sharding.on_every_device(local, (tickets, x), axes, split=1), axes)
 
     # -- on the host ---------------------------------------------------------------------------
 
-    def _submit(self, x, slots, weights, layer) -> np.ndarray:
+    def _submit(self, x, slots, weights, layer, first) -> np.ndarray:
+        if not first:
+            return np.int32(-1)
         ticket = next(_TICKETS) % 2**31
         args = (np.asarray(x), np.asarray(slots), np.asarray(weights), int(layer))
         with self._lock:
             self._pending[ticket] = _WORKER.submit(self.compute, *args)
         return np.int32(ticket)
 
-    def _collect(self, ticket) -> np.ndarray:
+    def _collect(self, ticket, like) -> np.ndarray:
+        if ticket < 0:
+            return np.zeros(like.shape, np.float32)
         with self._lock:
             future = self._pending.pop(int(ticket))
         return future.result()

@@ -16,6 +16,7 @@ its ids into GPU or host slots inside the step (:meth:`jaxdsa.layers.mlp.Experts
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -54,9 +55,12 @@ def plan(
     specs: dict[Path, Spec],
     formats: dict[Path, WeightFormat],
     placement: ExpertPlacement,
+    shards: Callable[[str], int] = lambda _: 1,
 ) -> tuple[nnx.Module, dict[Path, Spec], HostPlan]:
     """(the abstract model with its expert stacks cut to the GPU experts, its specs, the host plan).
-    ``formats``: the weights kept quantized (:func:`jaxdsa.quantization.formats`), host ones alike."""
+    ``formats``: the weights kept quantized (:func:`jaxdsa.quantization.formats`), host ones alike;
+    ``shards(name)``: how many pieces the mesh splits a logical axis into (the GPU experts split
+    over the expert shards as all of them would)."""
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     specs = dict(specs)
     host = HostPlan({}, {}, {}, {})
@@ -73,6 +77,12 @@ def plan(
         n_gpu = len(sides[0][0])
         if n_gpu == num:
             continue
+        if n_gpu % shards("experts"):
+            pieces = shards("experts")
+            raise ValueError(
+                f"num_gpu_experts {n_gpu}: the mesh splits routed experts over {pieces} devices; "
+                f"choose a multiple of {pieces} (e.g. {n_gpu // pieces * pieces or pieces})"
+            )
         host.gpu[path] = n_gpu
         tables = np.stack([slot_table(g, h) for g, h in sides])
         host.tables[path] = tables if isinstance(spec, Stacked) else tables[0]
