@@ -69,13 +69,13 @@ def host_read_gbs(threads: int, nbytes: int = 4 << 30) -> float:
     numba.set_num_threads(threads)
     a = np.ones(nbytes // 8, np.int64)
     _read(a)
-    best = min(_timed(lambda: _read(a)) for _ in range(5))
+    best = min(_timed(_read, a) for _ in range(5))
     return nbytes / best / 1e9
 
 
-def _timed(fn) -> float:
+def _timed(fn, *args) -> float:
     began = time.perf_counter()
-    fn()
+    fn(*args)
     return time.perf_counter() - began
 
 
@@ -112,14 +112,15 @@ def main(argv: list[str] | None = None) -> None:
             if T == 1:
                 numba.set_num_threads(threads[-1])
                 got = host.compute(x, slots, weights, 0)
-                xla = min(_timed(lambda: host.reference(x, slots, weights, 0)) for _ in range(2))
+                xla = min(_timed(host.reference, x, slots, weights, 0) for _ in range(2))
                 want = host.reference(x, slots, weights, 0)
                 check = f"{harness.rel_l2(got, want):.1e}"
                 rows.append(_row(fmt, T, "XLA:CPU (reference)", xla, read, ceilings[threads[-1]], ""))
             for t in threads:
                 numba.set_num_threads(t)
                 host.compute(x, slots, weights, 0)  # compiles on the first call
-                best = min(_timed(lambda: host.compute(x, slots, weights, 0)) for _ in range(args.repeats))
+                call = (x, slots, weights, 0)
+                best = min(_timed(host.compute, *call) for _ in range(args.repeats))
                 rows.append(_row(fmt, T, f"Numba kernel, {t} threads", best, read, ceilings[t], check))
             text = report(args, rows, ceilings, per_expert)
     path = harness.write_result("host_experts", text, args.suffix, rows)
