@@ -86,6 +86,12 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
     p.add_argument("--device", default="/device:GPU:0", help="the trace's device whose kernels are read")
     p.add_argument("--suffix", default="")
     p.add_argument("--keep-trace", action="store_true", help="copy the perfetto trace beside the results")
+    p.add_argument(
+        "--num-gpu-experts",
+        type=int,
+        default=None,
+        help="routed experts per layer on the GPUs, the rest in RAM",
+    )
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
@@ -110,6 +116,7 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
         ep=par.ep,
         dp=par.dp,
         dp_attention=par.dp_attention,
+        num_gpu_experts=args.num_gpu_experts,
     )
     loaded = time.perf_counter() - began
     engine = llm.engine
