@@ -126,20 +126,27 @@ class Experts(nnx.Module):
         return reduce_partials(self.partials(x, ids, weights)).astype(x.dtype)
 
     def partials(
-        self, x: jax.Array, ids: jax.Array, weights: jax.Array, shared: MLP | None = None
+        self,
+        x: jax.Array,
+        ids: jax.Array,
+        weights: jax.Array,
+        shared: MLP | None = None,
+        valid: jax.Array | None = None,
     ) -> list[Partial]:
         """The routed experts' output (and the ``shared`` expert's) as partial sums, before their
         all-reduces (float32; :func:`jaxdsa.sharding.reduce_partials` adds them).
 
         With host experts, the CPU computes its slots while the GPU computes its own and the shared
         expert (:mod:`jaxdsa.offload.host_experts`): the barriers keep the callbacks on either side
-        of that work."""
+        of that work. ``valid [T]``: the step's real tokens; the CPU skips padding rows, whose
+        experts it would otherwise read."""
         if self.host is None:
             return [self._run(x, ids, weights), *([shared.unreduced(x)] if shared is not None else [])]
         slots = jnp.take(self.slots[...], ids)
         _, layer = split_layer(self.down.get_value())
         axes = partial_axes(*ops.OPS["moe_experts"].sharding.reduce)  # the routed experts' partial sums
-        tickets = self.host.submit(x, slots, weights, layer, axes)
+        host_slots = slots if valid is None else jnp.where(valid[:, None], slots, -1)
+        tickets = self.host.submit(x, host_slots, weights, layer, axes)
         x_gpu, tickets = jax.lax.optimization_barrier((x, tickets))
         parts = [self._run(x_gpu, slots, weights)] if self.host.gpu else []
         parts += [shared.unreduced(x_gpu)] if shared is not None else []
@@ -165,7 +172,8 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         return reduce_partials(self.unreduced(x)).astype(x.dtype)
 
-    def unreduced(self, x: jax.Array) -> list[Partial]:
+    def unreduced(self, x: jax.Array, valid: jax.Array | None = None) -> list[Partial]:
         """The routed and the shared experts' outputs before their all-reduces: added before one
-        (:func:`jaxdsa.sharding.reduce_partials`) where both split over the same devices (TP)."""
-        return self.experts.partials(x, *self.router(x), shared=self.shared)
+        (:func:`jaxdsa.sharding.reduce_partials`) where both split over the same devices (TP).
+        ``valid``: the step's real tokens (:meth:`Experts.partials`)."""
+        return self.experts.partials(x, *self.router(x), shared=self.shared, valid=valid)

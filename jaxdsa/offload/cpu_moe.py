@@ -114,7 +114,9 @@ def expert_matmul(
 def _matmul(
     xs, offsets, experts, fmt, codes, scales, scale_kind, zeros, has_zeros, gk, kpack, round_bf16, out
 ):
-    """One task per (expert group, BLOCK output columns); its weights decoded one row at a time."""
+    """One task per (expert group, BLOCK output columns); its weights decoded one row at a time.
+    The tasks' loops are functions of their own, compiled apart: inlined into the parallel loop's
+    body, Numba's parfor lowering left them unvectorized (6x slower on one thread)."""
     groups = experts.shape[0]
     n_total = out.shape[1]
     blocks = (n_total + BLOCK - 1) // BLOCK
@@ -128,6 +130,7 @@ def _matmul(
         x = xs[r0:r1]
         acc = np.zeros((r1 - r0, BLOCK), np.float32)
         e = experts[u]
+        rounding = _rounding(round_bf16)
         if fmt == INT4 or fmt == FP4:
             z = zeros[e if has_zeros else 0]
             _nibbles(
@@ -140,13 +143,13 @@ def _matmul(
                 has_zeros,
                 gk,
                 kpack,
-                round_bf16,
+                rounding,
                 n0,
                 width,
                 acc,
             )
         else:
-            _rows(x, fmt, codes[e], scales[e if fmt == FP8 else 0], gk, round_bf16, n0, width, acc)
+            _rows(x, fmt, codes[e], scales[e if fmt == FP8 else 0], gk, rounding, n0, width, acc)
         out[r0:r1, n0 : n0 + width] = acc[:, :width]
 
 
@@ -167,24 +170,33 @@ def _float(typingctx, value):
 
 
 @numba.njit(inline="always")
-def _to_bf16(w, round_bf16):
-    """``w`` rounded to bf16 (nearest even, as float32 -> bf16 casts do) if asked."""
-    if not round_bf16:
-        return w
-    v = _bits(w)
-    return _float((v + np.uint32(0x7FFF) + ((v >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000))
+def _rounding(round_bf16):
+    """The constants of :func:`_to_bf16`: rounding to bf16 (nearest even), or none."""
+    if round_bf16:
+        return np.uint32(0x7FFF), np.uint32(1), np.uint32(0xFFFF0000)
+    return np.uint32(0), np.uint32(0), np.uint32(0xFFFFFFFF)
 
 
 @numba.njit(inline="always")
-def _nibbles(x, fmt, codes, scales, scale_kind, zeros, has_zeros, gk, kpack, round_bf16, n0, width, acc):
+def _to_bf16(w, rounding):
+    """``w`` rounded as ``rounding`` (:func:`_rounding`) says, without a branch, so that the loops
+    around it vectorize: ``(bits + half + lsb) & keep`` rounds to nearest even, or is the identity."""
+    half, lsb, keep = rounding
+    v = _bits(w)
+    return _float((v + half + ((v >> np.uint32(16)) & lsb)) & keep)
+
+
+@numba.njit(cache=True)
+def _nibbles(x, fmt, codes, scales, scale_kind, zeros, has_zeros, gk, kpack, rounding, n0, width, acc):
     """INT4 / FP4 codes ``[K', N]``: code row ``r`` of chunk ``c`` holds ``per`` rows of the chunk's
     ``kpack``, ``piece`` apart (8 in an int32 word, 2 in a byte), each in its own nibble; each
     piece lies inside one scale group. An INT4 weight is ``q * s - z * s``: with bf16 scales both
     products and their difference are exact in float32, so this is ``(q - z) * s`` to the bit.
-    One token and INT4 words: a word's eight weights decoded and multiplied in one loop over the
-    columns; else each row is decoded once into ``row``, then multiplied with every token."""
+    One token: decoded and multiplied in one loop over the columns (INT4 words: a word's eight
+    weights at once); more: each row decoded once into ``row``, then multiplied with every token."""
     per = 8 if kpack == WORD_KPACK else 2
     piece = kpack // per
+    one = x.shape[0] == 1
     scale = np.zeros((per, BLOCK), np.float32)
     zs = np.zeros((per, BLOCK), np.float32)  # zero point times scale
     row = np.zeros(BLOCK, np.float32)
@@ -198,80 +210,96 @@ def _nibbles(x, fmt, codes, scales, scale_kind, zeros, has_zeros, gk, kpack, rou
         for r in range(piece):
             code_row = codes[chunk * piece + r, n0 : n0 + width]
             k0 = chunk * kpack + r
-            if fmt == INT4 and per == 8 and x.shape[0] == 1:
-                _word_row(x[0], k0, code_row, scale, zs, round_bf16, width, acc[0])
+            if fmt == INT4 and per == 8 and one:
+                _word_row(x[0], k0, code_row, scale, zs, rounding, width, acc[0])
                 continue
             for j in range(per):
-                shift, s, z = 4 * j, scale[j], zs[j]
+                shift, s, z = np.int32(4 * j), scale[j], zs[j]
                 # the format's branch stays outside the column loops, which LLVM vectorizes
+                if fmt == FP4 and one:
+                    xv = x[0, k0 + j * piece]
+                    for c in range(width):
+                        q = (np.int32(code_row[c]) >> shift) & np.int32(15)
+                        acc[0, c] += xv * _to_bf16(_e2m1(q) * s[c], rounding)
+                    continue
                 if fmt == FP4:
                     for c in range(width):
-                        row[c] = _to_bf16(_e2m1((np.int32(code_row[c]) >> shift) & 15) * s[c], round_bf16)
+                        q = (np.int32(code_row[c]) >> shift) & np.int32(15)
+                        row[c] = _to_bf16(_e2m1(q) * s[c], rounding)
                 else:
                     for c in range(width):
-                        q = np.float32((np.int32(code_row[c]) >> shift) & 15)
-                        row[c] = _to_bf16(q * s[c] - z[c], round_bf16)
+                        q = np.float32((np.int32(code_row[c]) >> shift) & np.int32(15))
+                        row[c] = _to_bf16(q * s[c] - z[c], rounding)
                 _multiply(x, k0 + j * piece, row, width, acc)
 
 
 @numba.njit(inline="always")
-def _word_row(x, k0, code_row, scale, zs, round_bf16, width, acc):
+def _word_row(x, k0, code_row, scale, zs, rounding, width, acc):
     """acc += the eight weights of each word of ``code_row`` (rows ``k0 + 32 j``) times x: the
     nibble loop unrolled, so that the column loop is innermost and keeps ``acc`` in registers."""
     x0, x1, x2, x3 = x[k0], x[k0 + 32], x[k0 + 64], x[k0 + 96]
     x4, x5, x6, x7 = x[k0 + 128], x[k0 + 160], x[k0 + 192], x[k0 + 224]
+    f = np.int32(15)
     for c in range(width):
         w = np.int32(code_row[c])
         a = acc[c]
-        a += x0 * _to_bf16(np.float32(w & 15) * scale[0, c] - zs[0, c], round_bf16)
-        a += x1 * _to_bf16(np.float32((w >> 4) & 15) * scale[1, c] - zs[1, c], round_bf16)
-        a += x2 * _to_bf16(np.float32((w >> 8) & 15) * scale[2, c] - zs[2, c], round_bf16)
-        a += x3 * _to_bf16(np.float32((w >> 12) & 15) * scale[3, c] - zs[3, c], round_bf16)
-        a += x4 * _to_bf16(np.float32((w >> 16) & 15) * scale[4, c] - zs[4, c], round_bf16)
-        a += x5 * _to_bf16(np.float32((w >> 20) & 15) * scale[5, c] - zs[5, c], round_bf16)
-        a += x6 * _to_bf16(np.float32((w >> 24) & 15) * scale[6, c] - zs[6, c], round_bf16)
-        a += x7 * _to_bf16(np.float32((w >> 28) & 15) * scale[7, c] - zs[7, c], round_bf16)
+        a += x0 * _to_bf16(np.float32(w & f) * scale[0, c] - zs[0, c], rounding)
+        a += x1 * _to_bf16(np.float32((w >> np.int32(4)) & f) * scale[1, c] - zs[1, c], rounding)
+        a += x2 * _to_bf16(np.float32((w >> np.int32(8)) & f) * scale[2, c] - zs[2, c], rounding)
+        a += x3 * _to_bf16(np.float32((w >> np.int32(12)) & f) * scale[3, c] - zs[3, c], rounding)
+        a += x4 * _to_bf16(np.float32((w >> np.int32(16)) & f) * scale[4, c] - zs[4, c], rounding)
+        a += x5 * _to_bf16(np.float32((w >> np.int32(20)) & f) * scale[5, c] - zs[5, c], rounding)
+        a += x6 * _to_bf16(np.float32((w >> np.int32(24)) & f) * scale[6, c] - zs[6, c], rounding)
+        a += x7 * _to_bf16(np.float32((w >> np.int32(28)) & f) * scale[7, c] - zs[7, c], rounding)
         acc[c] = a
 
 
 @numba.njit(inline="always")
 def _e2m1(q):
-    """An FP4 e2m1 code (sign, 2 exponent bits, 1 mantissa bit) as float32, by its bits (no table
-    lookup, so the column loop vectorizes): 0, 0.5 or 2^(e-1) (1 + m/2)."""
+    """An FP4 e2m1 code as float32, by its bits (no table lookup or branch, so that the column loop
+    vectorizes; no subnormal either, which the threads of XLA's callbacks flush to zero): the
+    magnitude's bits under a float32 exponent of 126 make ``v = 2^(e-1) (1 + m/2)``, the value when
+    e > 0; when e = 0 the value is ``m/2 = 2v - 1``."""
     q = np.uint32(q)
-    e, m = (q >> np.uint32(1)) & np.uint32(3), q & np.uint32(1)
-    normal = ((e + np.uint32(126)) << np.uint32(23)) | (m << np.uint32(22))
-    magnitude = normal if e > 0 else m * np.uint32(0x3F000000)
-    return _float(magnitude | ((q >> np.uint32(3)) << np.uint32(31)))
+    magnitude = q & np.uint32(7)
+    v = _float((magnitude << np.uint32(22)) + (np.uint32(126) << np.uint32(23)))
+    v += np.float32((magnitude >> np.uint32(1)) == 0) * (v - np.float32(1))
+    return _float(_bits(v) | ((q & np.uint32(8)) << np.uint32(28)))
 
 
 @numba.njit(inline="always")
 def _e4m3(b):
-    """An FP8 e4m3fn code as float32, by its bits: 2^(e-7) (1 + m/8), or m 2^-9 when e = 0 (the
-    NaN codes 0x7F / 0xFF, which weights never hold, decode to 480)."""
+    """An FP8 e4m3fn code as float32, the same way: ``v = 2^(e-7) (1 + m/8)`` under an exponent of
+    120, and ``m 2^-9 = 2v - 2^-6`` when e = 0."""
     b = np.uint32(b)
-    e, m = (b >> np.uint32(3)) & np.uint32(15), b & np.uint32(7)
-    normal = _float(((e + np.uint32(120)) << np.uint32(23)) | (m << np.uint32(20)))
-    magnitude = normal if e > 0 else np.float32(m) * np.float32(2.0**-9)
-    return -magnitude if b >= np.uint32(128) else magnitude
+    magnitude = b & np.uint32(0x7F)
+    v = _float((magnitude << np.uint32(20)) + (np.uint32(120) << np.uint32(23)))
+    v += np.float32((magnitude >> np.uint32(3)) == 0) * (v - np.float32(2.0**-6))
+    return _float(_bits(v) | ((b & np.uint32(0x80)) << np.uint32(24)))
 
 
-@numba.njit(inline="always")
-def _rows(x, fmt, codes, scales, gk, round_bf16, n0, width, acc):
-    """FP8 codes (bytes; float32 scales, one per column) or dense rows ``[K, N]``."""
+@numba.njit(cache=True)
+def _rows(x, fmt, codes, scales, gk, rounding, n0, width, acc):
+    """FP8 codes (bytes; float32 scales, one per column) or dense rows ``[K, N]``; one token's FP8
+    decoded and multiplied in one loop."""
     row = np.zeros(BLOCK, np.float32)
     for k in range(codes.shape[0]):
         code_row = codes[k, n0 : n0 + width]
         s = scales[k // gk, n0 : n0 + width] if fmt == FP8 else scales[0, :1]
+        if fmt == FP8 and x.shape[0] == 1:
+            xv = x[0, k]
+            for c in range(width):
+                acc[0, c] += xv * _to_bf16(_e4m3(code_row[c]) * s[c], rounding)
+            continue
         if fmt == FP8:
             for c in range(width):
-                row[c] = _to_bf16(_e4m3(code_row[c]) * s[c], round_bf16)
+                row[c] = _to_bf16(_e4m3(code_row[c]) * s[c], rounding)
         elif fmt == DENSE_BF16:
             for c in range(width):
                 row[c] = _float(np.uint32(code_row[c]) << np.uint32(16))
         else:
             for c in range(width):
-                row[c] = _to_bf16(np.float32(code_row[c]), round_bf16)
+                row[c] = _to_bf16(np.float32(code_row[c]), rounding)
         _multiply(x, k, row, width, acc)
 
 

@@ -47,7 +47,7 @@ class Block(nnx.Module):
         a, cache = self.attn(self.attn_norm(h), ctx, cache, rows)
         x = site_out(x, a, post, comb)
         h, post, comb = self.hc_ffn(x)
-        return site_out(x, self.ffn(self.ffn_norm(h), ctx.tokens), post, comb), cache
+        return site_out(x, self.ffn(self.ffn_norm(h), ctx.tokens, ctx.meta.seq_ids >= 0), post, comb), cache
 
 
 class MtpBlock(nnx.Module):

@@ -46,8 +46,9 @@ class MoE(nnx.Module):
         self.experts = Experts(cfg.n_routed_experts, D, N, dtype=dtype, rngs=rngs, swiglu_limit=limit)
         self.shared = MLP(D, N, dtype=dtype, rngs=rngs, swiglu_limit=limit)
 
-    def __call__(self, x: jax.Array, tokens: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, tokens: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         """The routed and the shared experts' partial sums meet before one all-reduce
-        (:func:`jaxdsa.sharding.reduce_partials`), rounded to x's dtype once."""
-        parts = self.experts.partials(x, *self.router(x, tokens), shared=self.shared)
+        (:func:`jaxdsa.sharding.reduce_partials`), rounded to x's dtype once. ``valid``: the step's
+        real tokens (host experts skip padding)."""
+        parts = self.experts.partials(x, *self.router(x, tokens), shared=self.shared, valid=valid)
         return reduce_partials(parts).astype(x.dtype)

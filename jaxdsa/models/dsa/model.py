@@ -108,13 +108,16 @@ class DecoderLayer(nnx.Module):
         a, latent, index, topk = self.attn(x, ctx, latent, index, topk)
         cache = {**cache, "latent": latent.stacked} | ({"index_keys": index.stacked} if index else {})
         x, h = self.post_attn_norm(h, a)
-        stream = (h, sharding.reduce_partials(_mlp_partials(self.mlp, x)))
+        stream = (h, sharding.reduce_partials(_mlp_partials(self.mlp, x, ctx.meta.seq_ids >= 0)))
         return tuple(sharding.constrain(v, ("batch", "embed")) for v in stream), cache, topk
 
 
-def _mlp_partials(mlp: nnx.Module, x: jax.Array):
+def _mlp_partials(mlp: nnx.Module, x: jax.Array, valid: jax.Array):
     """The MLP's output as partial sums (:meth:`MoE.unreduced`, :meth:`MLP.unreduced`); a module that
-    only maps ``[T, D] -> [T, D]`` (a notebook's replacement) gives its output, taken as complete."""
+    only maps ``[T, D] -> [T, D]`` (a notebook's replacement) gives its output, taken as complete.
+    ``valid``: the step's real tokens (a MoE's host experts skip padding)."""
+    if isinstance(mlp, MoE):
+        return mlp.unreduced(x, valid)
     if hasattr(mlp, "unreduced"):
         return mlp.unreduced(x)
     return sharding.Partial.whole(mlp(x))
