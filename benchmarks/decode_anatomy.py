@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
             "workload": f"{args.streams} stream(s) decoding after {args.input_len}-token prompts, "
             f"{scheduling} scheduling",
             "layers": "under lax.scan" if args.scan_layers else "each traced on its own (--no-scan-layers)",
+            "routed experts": "all on the GPUs"
+            if args.num_gpu_experts is None
+            else f"{args.num_gpu_experts} per layer on the GPUs, the others in host RAM (--num-gpu-experts)",
             "XLA_FLAGS": os.environ.get("XLA_FLAGS") or "(none)",
             "load / compile": f"{loaded:.0f} s / "
             + (f"{compile_s:.0f} s" if args.warmup else "(no warmup: compiled when first met)"),

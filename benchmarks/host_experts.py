@@ -110,14 +110,14 @@ def main(argv: list[str] | None = None) -> None:
             read = len(np.unique(slots)) * per_expert
             check = ""
             if T == 1:
-                numba.set_num_threads(threads[-1])
+                host.threads = threads[-1]
                 got = host.compute(x, slots, weights, 0)
                 xla = min(_timed(host.reference, x, slots, weights, 0) for _ in range(2))
                 want = host.reference(x, slots, weights, 0)
                 check = f"{harness.rel_l2(got, want):.1e}"
                 rows.append(_row(fmt, T, "XLA:CPU (reference)", xla, read, ceilings[threads[-1]], ""))
             for t in threads:
-                numba.set_num_threads(t)
+                host.threads = t
                 host.compute(x, slots, weights, 0)  # compiles on the first call
                 call = (x, slots, weights, 0)
                 best = min(_timed(host.compute, *call) for _ in range(args.repeats))

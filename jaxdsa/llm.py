@@ -103,6 +103,7 @@ class LLM:
         num_gpu_experts: int | None = None,
         gpu_experts_policy: str = "uniform",
         expert_stats: str | os.PathLike | None = None,
+        cpu_threads: int | None = None,
     ):
         """``load_format="dummy"``: random weights of the checkpoint's config, made on the device
         (benchmarking real shapes without the files, like vLLM's ``--load-format dummy``).
@@ -119,10 +120,11 @@ class LLM:
         host (vLLM's; outputs unchanged). ``num_gpu_experts``: routed experts per MoE layer kept on
         the GPUs, the others held in host RAM and computed on the CPU inside the step (default: all
         on the GPUs); ``gpu_experts_policy`` ``"uniform"`` or ``"frequency"`` (the most-routed ones
-        of ``expert_stats``, a JSON file of routing counts), see :mod:`jaxdsa.offload`."""
+        of ``expert_stats``, a JSON file of routing counts); ``cpu_threads``: the host experts'
+        kernel threads (default half the cores), see :mod:`jaxdsa.offload`."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r}: choose float32 or bfloat16")
-        placement = ExpertPlacement.of(num_gpu_experts, gpu_experts_policy, expert_stats)
+        placement = ExpertPlacement.of(num_gpu_experts, gpu_experts_policy, expert_stats, cpu_threads)
         memory.claim(gpu_memory_utilization)  # before the first JAX call starts the backend
         enable_compilation_cache()  # before loading, whose small placement jits are cached too
         self.path = os.fspath(path)

@@ -153,6 +153,22 @@ def build_parser() -> argparse.ArgumentParser:
         "with the checkpoint's next-n (MTP) layers and verifies them in one step",
     )
     g.add_argument(
+        "--num-gpu-experts",
+        type=int,
+        help="routed experts per MoE layer kept on the GPUs; the others live in host RAM, in their "
+        "checkpoint format, and run on the CPU inside the step (default: all on the GPUs)",
+    )
+    g.add_argument(
+        "--gpu-experts-policy",
+        choices=["uniform", "frequency"],
+        default="uniform",
+        help="which experts stay on the GPUs: spread evenly, or the most-routed of --expert-stats",
+    )
+    g.add_argument("--expert-stats", help="JSON routing counts per MoE layer, for the frequency policy")
+    g.add_argument(
+        "--cpu-threads", type=int, help="threads of the host experts' CPU kernel (default: half the cores)"
+    )
+    g.add_argument(
         "--no-warmup", action="store_true", help="compile step shapes on first use instead of at startup"
     )
     g.add_argument("--tensor-parallel-size", "-tp", "--tp-size", "--tp", type=int, default=1)
@@ -422,10 +438,14 @@ def build(args: argparse.Namespace) -> Server:
             speculative_config=args.speculative_config,
             gpu_memory_utilization=args.gpu_memory_utilization,
             async_scheduling=args.async_scheduling,
+            num_gpu_experts=args.num_gpu_experts,
+            gpu_experts_policy=args.gpu_experts_policy,
+            expert_stats=args.expert_stats,
+            cpu_threads=args.cpu_threads,
             **parallel,
         )
         engine = llm.engine
-    except (ValueError, OSError) as e:  # ConfigError / CheckpointError are ValueErrors
+    except (ValueError, OSError, ImportError) as e:  # ConfigError / CheckpointError are ValueErrors
         raise StartupError(str(e)) from e
     weights = max(device_param_bytes(llm.model).values()) / 2**30
     _log(

@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numba
 import numpy as np
 
 from jaxdsa import sharding
@@ -45,12 +46,22 @@ class HostExperts:
 
     ``experts``: ``{"gate_up": [L?, E_host, D, 2N], "down": [L?, E_host, N, D]}`` (arrays or
     QuantizedWeights on the CPU device; ``L`` when the module is a scanned stack); ``gpu``: how many
-    experts the GPU stack holds (a routing slot ``s >= gpu`` is host expert ``s - gpu``). Compared by
-    identity: it is static data of the module tree, as the module's hyperparameters are.
+    experts the GPU stack holds (a routing slot ``s >= gpu`` is host expert ``s - gpu``); ``threads``:
+    the kernel's (Numba's are per calling thread, so :meth:`compute` sets them; default all cores).
+    Compared by identity: it is static data of the module tree, as the module's hyperparameters are.
     """
 
-    def __init__(self, experts: dict[str, Any], *, gpu: int, stacked: bool, swiglu_limit: float | None):
+    def __init__(
+        self,
+        experts: dict[str, Any],
+        *,
+        gpu: int,
+        stacked: bool,
+        swiglu_limit: float | None,
+        threads: int | None = None,
+    ):
         self.experts, self.gpu, self.stacked, self.swiglu_limit = experts, gpu, stacked, swiglu_limit
+        self.threads = threads or numba.config.NUMBA_NUM_THREADS
         self.cpu = jax.tree.leaves(experts)[0].sharding
         layers = experts["down"].shape[0] if stacked else 1
         self._layers = [
@@ -122,6 +133,7 @@ class HostExperts:
 
     def compute(self, x: np.ndarray, slots: np.ndarray, weights: np.ndarray, layer: int) -> np.ndarray:
         """sum_j weights[t, j] * expert(slots[t, j] - gpu)(x[t]) over the host's slots, float32 [T, D]."""
+        numba.set_num_threads(self.threads)
         T, k = slots.shape
         ids = (slots - self.gpu).reshape(-1)
         mine = np.flatnonzero((ids >= 0) & (ids < self.num))

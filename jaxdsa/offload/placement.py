@@ -31,11 +31,14 @@ POLICIES = ("uniform", "frequency")
 @dataclasses.dataclass(frozen=True)
 class ExpertPlacement:
     """``num_gpu_experts`` routed experts per MoE layer on the GPUs, chosen by ``policy``; ``stats``:
-    routing counts per experts prefix (the ``frequency`` policy's input)."""
+    routing counts per experts prefix (the ``frequency`` policy's input); ``cpu_threads``: the host
+    side's kernel threads. Half the cores by default: on a 64-core Sapphire Rapids host 32 threads
+    ran one token's INT4 experts in 11 ms, 64 in 26 (``benchmarks/results/host_experts-h100-glm52.md``)."""
 
     num_gpu_experts: int
     policy: str = "uniform"
     stats: Mapping[str, Sequence[float]] = dataclasses.field(default_factory=dict)
+    cpu_threads: int = dataclasses.field(default_factory=lambda: max(1, (os.cpu_count() or 2) // 2))
 
     def __post_init__(self):
         if self.num_gpu_experts < 0:
@@ -44,18 +47,26 @@ class ExpertPlacement:
             raise ValueError(f"gpu_experts_policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
         if self.policy == "frequency" and not self.stats:
             raise ValueError("gpu_experts_policy 'frequency' needs routing statistics (expert_stats=FILE)")
+        if self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads {self.cpu_threads}: must be 1 or more")
 
     @classmethod
     def of(
-        cls, num_gpu_experts: int | None, policy: str = "uniform", stats_path: str | os.PathLike | None = None
+        cls,
+        num_gpu_experts: int | None,
+        policy: str = "uniform",
+        stats_path: str | os.PathLike | None = None,
+        cpu_threads: int | None = None,
     ) -> ExpertPlacement | None:
         """The placement the user's arguments ask for; None (every expert on the GPUs) without
         ``num_gpu_experts``."""
         if num_gpu_experts is None:
-            if stats_path is not None or policy != "uniform":
-                raise ValueError("gpu_experts_policy and expert_stats need num_gpu_experts")
+            if stats_path is not None or policy != "uniform" or cpu_threads is not None:
+                raise ValueError("gpu_experts_policy, expert_stats and cpu_threads need num_gpu_experts")
             return None
-        return cls(num_gpu_experts, policy, load_stats(stats_path) if stats_path is not None else {})
+        stats = load_stats(stats_path) if stats_path is not None else {}
+        threads = {} if cpu_threads is None else {"cpu_threads": cpu_threads}
+        return cls(num_gpu_experts, policy, stats, **threads)
 
     def gpu_experts(self, prefix: str, num: int) -> tuple[int, ...]:
         """The experts (ids, ascending) of the layer whose experts are stored under ``prefix`` that the

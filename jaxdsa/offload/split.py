@@ -44,6 +44,7 @@ class HostPlan:
     tables: dict[Path, np.ndarray]
     specs: dict[Path, Spec]
     targets: dict[Path, Any]
+    cpu_threads: int = 1
 
     def nbytes(self) -> int:
         """Bytes of host RAM the host experts take."""
@@ -63,7 +64,7 @@ def plan(
     over the expert shards as all of them would)."""
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     specs = dict(specs)
-    host = HostPlan({}, {}, {}, {})
+    host = HostPlan({}, {}, {}, {}, placement.cpu_threads)
     shapes: dict[Path, tuple[int, ...]] = {}
     for path, node in nnx.iter_graph(model):
         if not isinstance(node, Experts):
@@ -138,5 +139,6 @@ def attach(model: nnx.Module, host: HostPlan, arrays: dict[Path, Any], mesh) -> 
             gpu=host.gpu[path],
             stacked=table.ndim == 2,
             swiglu_limit=node.swiglu_limit,
+            threads=host.cpu_threads,
         )
         node.slots = ExpertSlots(jax.device_put(jnp.asarray(table), placed))
