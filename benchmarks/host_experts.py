@@ -17,6 +17,7 @@ Writes benchmarks/results/host_experts-<gpu><suffix>.md and .json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import time
@@ -28,6 +29,7 @@ import numpy as np
 
 from benchmarks import harness
 from benchmarks.serve_gpu import NAMES, PRESETS
+from jaxdsa.offload.cpu_moe import BLOCK
 from jaxdsa.offload.host_experts import HostExperts
 from pallas_kernels.quant.layout import QuantizedWeight
 
@@ -86,12 +88,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--experts", type=int, default=32, help="host-resident experts in the layer")
     p.add_argument("--tokens", default="1,4,8,32")
     p.add_argument("--threads", default="", help="comma-separated thread counts (default: all cores)")
+    p.add_argument("--blocks", default="", help="comma-separated output columns per kernel task")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--suffix", default="")
     args = p.parse_args(argv)
     cfg = PRESETS[args.preset]
     D, N, k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
     threads = [int(t) for t in args.threads.split(",") if t] or [numba.config.NUMBA_NUM_THREADS]
+    blocks = [int(b) for b in args.blocks.split(",") if b] or [BLOCK]
     cpu = jax.devices("cpu")[0]
     rng = np.random.default_rng(0)
     ceilings = {t: host_read_gbs(t) for t in threads}
@@ -116,12 +120,13 @@ def main(argv: list[str] | None = None) -> None:
                 want = host.reference(x, slots, weights, 0)
                 check = f"{harness.rel_l2(got, want):.1e}"
                 rows.append(_row(fmt, T, "XLA:CPU (reference)", xla, read, ceilings[threads[-1]], ""))
-            for t in threads:
-                host.threads = t
+            for t, block in itertools.product(threads, blocks):
+                host.threads, host.block = t, block
                 host.compute(x, slots, weights, 0)  # compiles on the first call
                 call = (x, slots, weights, 0)
                 best = min(_timed(host.compute, *call) for _ in range(args.repeats))
-                rows.append(_row(fmt, T, f"Numba kernel, {t} threads", best, read, ceilings[t], check))
+                path = f"Numba kernel, {t} threads, {block} columns a task"
+                rows.append(_row(fmt, T, path, best, read, ceilings[t], check))
             text = report(args, rows, ceilings, per_expert)
     path = harness.write_result("host_experts", text, args.suffix, rows)
     print(text)

@@ -28,7 +28,7 @@ from numba.extending import intrinsic
 
 from pallas_kernels.quant.layout import WORD_KPACK, QuantizedWeight
 
-BLOCK = 64  # output columns per task: one decoded row is BLOCK float32
+BLOCK = 256  # output columns per task by default (a 1 KiB strip of an INT4 word row)
 # what the codes hold, and how the scales are stored (kernel arguments)
 INT4, FP4, FP8, DENSE_F32, DENSE_BF16 = 0, 1, 2, 3, 4
 SCALE_F32, SCALE_BF16, SCALE_E8M0 = 0, 1, 2
@@ -86,11 +86,17 @@ class HostWeight:
 
 
 def expert_matmul(
-    xs: np.ndarray, offsets: np.ndarray, experts: np.ndarray, w: HostWeight, round_bf16: bool, n: int
+    xs: np.ndarray,
+    offsets: np.ndarray,
+    experts: np.ndarray,
+    w: HostWeight,
+    round_bf16: bool,
+    n: int,
+    block: int = BLOCK,
 ) -> np.ndarray:
     """``out[r] = xs[r] @ W[experts[u]]`` for the rows ``offsets[u] .. offsets[u + 1]`` of group
     ``u`` (float32 ``[S, n]``); decoded weights rounded to bf16 where ``round_bf16`` (bf16
-    activations) or the format says so."""
+    activations) or the format says so; ``block`` output columns per task."""
     out = np.zeros((xs.shape[0], n), np.float32)
     _matmul(
         xs,
@@ -105,6 +111,7 @@ def expert_matmul(
         w.gk,
         w.kpack,
         round_bf16 or w.int4_bf16,
+        block,
         out,
     )
     return out
@@ -112,23 +119,23 @@ def expert_matmul(
 
 @numba.njit(parallel=True, cache=True)
 def _matmul(
-    xs, offsets, experts, fmt, codes, scales, scale_kind, zeros, has_zeros, gk, kpack, round_bf16, out
+    xs, offsets, experts, fmt, codes, scales, scale_kind, zeros, has_zeros, gk, kpack, round_bf16, block, out
 ):
-    """One task per (expert group, BLOCK output columns); its weights decoded one row at a time.
+    """One task per (expert group, ``block`` output columns); its weights decoded one row at a time.
     The tasks' loops are functions of their own, compiled apart: inlined into the parallel loop's
     body, Numba's parfor lowering left them unvectorized (6x slower on one thread)."""
     groups = experts.shape[0]
     n_total = out.shape[1]
-    blocks = (n_total + BLOCK - 1) // BLOCK
+    blocks = (n_total + block - 1) // block
     for task in numba.prange(groups * blocks):
         u, b = task // blocks, task % blocks
         r0, r1 = offsets[u], offsets[u + 1]
         if r0 == r1:
             continue
-        n0 = b * BLOCK
-        width = min(BLOCK, n_total - n0)
+        n0 = b * block
+        width = min(block, n_total - n0)
         x = xs[r0:r1]
-        acc = np.zeros((r1 - r0, BLOCK), np.float32)
+        acc = np.zeros((r1 - r0, width), np.float32)
         e = experts[u]
         rounding = _rounding(round_bf16)
         if fmt == INT4 or fmt == FP4:
@@ -197,9 +204,9 @@ def _nibbles(x, fmt, codes, scales, scale_kind, zeros, has_zeros, gk, kpack, rou
     per = 8 if kpack == WORD_KPACK else 2
     piece = kpack // per
     one = x.shape[0] == 1
-    scale = np.zeros((per, BLOCK), np.float32)
-    zs = np.zeros((per, BLOCK), np.float32)  # zero point times scale
-    row = np.zeros(BLOCK, np.float32)
+    scale = np.zeros((per, width), np.float32)
+    zs = np.zeros((per, width), np.float32)  # zero point times scale
+    row = np.zeros(width, np.float32)
     for chunk in range(codes.shape[0] // piece):
         for j in range(per):
             g = (chunk * kpack + j * piece) // gk
@@ -282,7 +289,7 @@ def _e4m3(b):
 def _rows(x, fmt, codes, scales, gk, rounding, n0, width, acc):
     """FP8 codes (bytes; float32 scales, one per column) or dense rows ``[K, N]``; one token's FP8
     decoded and multiplied in one loop."""
-    row = np.zeros(BLOCK, np.float32)
+    row = np.zeros(width, np.float32)
     for k in range(codes.shape[0]):
         code_row = codes[k, n0 : n0 + width]
         s = scales[k // gk, n0 : n0 + width] if fmt == FP8 else scales[0, :1]

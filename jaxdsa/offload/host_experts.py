@@ -32,7 +32,7 @@ import numba
 import numpy as np
 
 from jaxdsa import sharding
-from jaxdsa.offload.cpu_moe import HostWeight, expert_matmul
+from jaxdsa.offload.cpu_moe import BLOCK, HostWeight, expert_matmul
 from jaxdsa.quantized_weight import take_layer
 from jaxdsa.sharding import Partial
 from pallas_kernels.moe.ref import moe_experts
@@ -62,6 +62,7 @@ class HostExperts:
     ):
         self.experts, self.gpu, self.stacked, self.swiglu_limit = experts, gpu, stacked, swiglu_limit
         self.threads = threads or numba.config.NUMBA_NUM_THREADS
+        self.block = BLOCK  # output columns per kernel task
         self.cpu = jax.tree.leaves(experts)[0].sharding
         layers = experts["down"].shape[0] if stacked else 1
         self._layers = [
@@ -143,12 +144,14 @@ class HostExperts:
         tokens = order // k
         bf16 = x.dtype != np.float32
         gate_up, down = self._layers[layer if self.stacked else 0]
-        h = expert_matmul(x[tokens].astype(np.float32), offsets, experts, gate_up, bf16, 2 * self.inter)
+        h = expert_matmul(
+            x[tokens].astype(np.float32), offsets, experts, gate_up, bf16, 2 * self.inter, self.block
+        )
         gate, up = h[:, : self.inter], h[:, self.inter :]
         if self.swiglu_limit is not None:
             gate, up = np.minimum(gate, self.swiglu_limit), np.clip(up, -self.swiglu_limit, self.swiglu_limit)
         act = (gate / (1 + np.exp(-gate)) * up).astype(x.dtype).astype(np.float32)
-        y = expert_matmul(act, offsets, experts, down, bf16, x.shape[1])
+        y = expert_matmul(act, offsets, experts, down, bf16, x.shape[1], self.block)
         out = np.zeros((T, x.shape[1]), np.float32)
         np.add.at(out, tokens, y * weights.reshape(-1)[order, None].astype(np.float32))
         return out
