@@ -16,7 +16,6 @@ from jaxdsa.offload.host_experts import HostExperts
 from pallas_kernels.quant import layout
 
 D, N, E, GPU = 256, 256, 6, 3  # K = 256: one INT4 word chunk
-CPU = jax.devices("cpu")[0]
 
 
 def int4(rng, k, n, *, group, symmetric, scale_dtype, kpack):
@@ -73,7 +72,8 @@ def host_experts(fmt, rng, *, stacked, swiglu_limit=None):
     pack = lambda *xs: np.stack(xs) if stacked else xs[0]  # noqa: E731
     gate_up = jax.tree.map(pack, *[g for g, _ in layers])
     down = jax.tree.map(pack, *[d for _, d in layers])
-    experts = jax.device_put({"gate_up": gate_up, "down": down}, CPU)
+    # (the CPU device is asked for here, not at import: collection must not start JAX's backends)
+    experts = jax.device_put({"gate_up": gate_up, "down": down}, jax.devices("cpu")[0])
     return HostExperts(experts, gpu=GPU, stacked=stacked, swiglu_limit=swiglu_limit)
 
 
