@@ -2,10 +2,12 @@
 
 XLA:CPU does not fuse a 4-bit or FP8 decode into its dot (it materializes the decoded weights:
 0.18 GB/s of INT4 expert bytes on 2 cores for GLM-5.2's shapes), so the host side runs a Numba
-kernel instead: one parallel loop over (expert, 64-column block) tasks, each decoding its weights
-row by row into a 64-wide buffer (shift, mask, zero point, scale, the format's rounding) and
-accumulating ``x @ W`` for the expert's tokens in float32. The weights are read once per step and
-never written; a decoded row lives in L1.
+kernel instead: one parallel loop over (expert, block of output columns) tasks, each decoding its
+weights row by row (shift, mask, zero point, scale, the format's rounding) and accumulating ``x @ W``
+for the expert's tokens in float32: for one token in registers as it decodes, for more through a
+decoded row in L1 that every token reuses. The weights are read once per step and never written.
+Measured against the host's read bandwidth by ``benchmarks/host_experts.py``: 13-18 % for INT4 and
+FP8 on the GPU machines' Sapphire Rapids hosts (docs/results.md), far from what streaming allows.
 
 The arithmetic is the kernels' (:func:`pallas_kernels.quant.layout.dequantize`): INT4 values
 rounded to their scale's dtype, every weight rounded to the activations' dtype (bf16 or float32),

@@ -77,9 +77,6 @@ class HostExperts:
         """Experts per layer held in host RAM."""
         return self.experts["down"].shape[-3]
 
-    def nbytes(self) -> int:
-        return sum(leaf.nbytes for leaf in jax.tree.leaves(self.experts))
-
     # -- inside the traced step ----------------------------------------------------------------
 
     def submit(

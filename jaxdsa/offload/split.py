@@ -46,10 +46,6 @@ class HostPlan:
     targets: dict[Path, Any]
     cpu_threads: int = 1
 
-    def nbytes(self) -> int:
-        """Bytes of host RAM the host experts take."""
-        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(self.targets))
-
 
 def plan(
     model: nnx.Module,
