@@ -105,11 +105,12 @@ class HostExperts:
         """The CPU's float32 sum ``[T, D]`` for ``tickets``, once computed: a partial sum over
         ``axes`` (the first device's, zeros elsewhere) that joins the routed experts' own."""
         out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+        collect = functools.partial(self._collect, shape=x.shape)  # static: no copy of x to the host
 
-        def local(ticket, x, first):
-            return jax.pure_callback(self._collect, out, ticket[0], x, vmap_method="sequential")
+        def local(ticket, first):
+            return jax.pure_callback(collect, out, ticket[0], vmap_method="sequential")
 
-        return Partial(sharding.on_every_device(local, (tickets, x), axes, split=1), axes)
+        return Partial(sharding.on_every_device(local, (tickets,), axes, split=1), axes)
 
     # -- on the host ---------------------------------------------------------------------------
 
@@ -122,9 +123,9 @@ class HostExperts:
             self._pending[ticket] = _WORKER.submit(self.compute, *args)
         return np.int32(ticket)
 
-    def _collect(self, ticket, like) -> np.ndarray:
+    def _collect(self, ticket, *, shape: tuple[int, ...]) -> np.ndarray:
         if ticket < 0:
-            return np.zeros(like.shape, np.float32)
+            return np.zeros(shape, np.float32)
         with self._lock:
             future = self._pending.pop(int(ticket))
         return future.result()
