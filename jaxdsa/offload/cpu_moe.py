@@ -2,16 +2,23 @@
 
 XLA:CPU does not fuse a 4-bit or FP8 decode into its dot (it materializes the decoded weights:
 0.18 GB/s of INT4 expert bytes on 2 cores for GLM-5.2's shapes), so the host side runs a Numba
-kernel instead: one parallel loop over (expert, block of output columns) tasks, each decoding its
-weights row by row (shift, mask, zero point, scale, the format's rounding) and accumulating ``x @ W``
-for the expert's tokens in float32: for one token in registers as it decodes, for more through a
-decoded row in L1 that every token reuses. The weights are read once per step and never written.
-Measured against the host's read bandwidth by ``benchmarks/host_experts.py``: 13-18 % for INT4 and
-FP8 on the GPU machines' Sapphire Rapids hosts (docs/results.md), far from what streaming allows.
+kernel instead: one parallel loop over (expert, block of output columns) tasks. A task walks its
+expert's code rows once, decoding each into float32 (mask, convert, scale and zero point in one
+fused multiply-add, the format's rounding) and accumulating ``x @ W`` for the expert's tokens: for
+one token straight into the accumulator, for more through decoded rows in L1 that every token
+reuses. The weights are read once per step and never written.
+
+What makes it fast is what LLVM vectorizes: every inner loop runs over the task's output columns
+(contiguous in the layout), branch-free, in a function compiled on its own (Numba's parallel-loop
+lowering leaves inlined loops scalar), and a chunk's scales are decoded once into L1 rows. The
+benchmark ``benchmarks/host_experts.py`` measures the rate against the host's read bandwidth.
 
 The arithmetic is the kernels' (:func:`pallas_kernels.quant.layout.dequantize`): INT4 values
 rounded to their scale's dtype, every weight rounded to the activations' dtype (bf16 or float32),
 products summed in float32; ``act`` rounded to the activations' dtype before the down projection.
+Rounding to bf16 is Veltkamp's split (``c = w * (2^16 + 1); c - (c - w)``), which rounds a float32
+to its nearest bf16, ties to even, in three float operations; it needs ``|w| < 2^112``. An FP4
+weight times its power-of-two (ue8m0) scale is a bf16 already and is not rounded.
 :func:`pallas_kernels.moe.ref.moe_experts` is the reference the tests hold it to.
 
 Layouts are the kernels' (:mod:`pallas_kernels.quant.layout`), read in place from the host stacks.
@@ -34,8 +41,10 @@ BLOCK = 256  # output columns per task by default (a 1 KiB strip of an INT4 word
 # what the codes hold, and how the scales are stored (kernel arguments)
 INT4, FP4, FP8, DENSE_F32, DENSE_BF16 = 0, 1, 2, 3, 4
 SCALE_F32, SCALE_BF16, SCALE_E8M0 = 0, 1, 2
+SPLIT_BF16 = np.float32(65537.0)  # Veltkamp's constant for rounding to bf16; 0 leaves a float32 as it is
 _NONE = np.zeros((1, 1, 1), np.uint8)
 _BF16, _E8M0 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e8m0fnu)
+_FP8_ROWS = 4  # FP8 rows decoded together
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +95,13 @@ class HostWeight:
         fmt = FP4 if w.format == "fp4" else INT4
         return cls(fmt, codes, scales, kind, zeros, w.group[0], w.kpack, kind == SCALE_BF16)
 
+    def split(self, round_bf16: bool) -> np.float32:
+        """The rounding constant for bf16 activations (``round_bf16``) or this format's own
+        rounding: :data:`SPLIT_BF16`, or 0 where the decoded weights are exact already."""
+        if self.fmt == FP4 and self.scale_kind == SCALE_E8M0:
+            return np.float32(0)
+        return SPLIT_BF16 if round_bf16 or self.int4_bf16 else np.float32(0)
+
 
 def expert_matmul(
     xs: np.ndarray,
@@ -100,32 +116,17 @@ def expert_matmul(
     ``u`` (float32 ``[S, n]``); decoded weights rounded to bf16 where ``round_bf16`` (bf16
     activations) or the format says so; ``block`` output columns per task."""
     out = np.zeros((xs.shape[0], n), np.float32)
-    _matmul(
-        xs,
-        offsets,
-        experts,
-        w.fmt,
-        w.codes,
-        w.scales,
-        w.scale_kind,
-        w.zeros,
-        w.zeros.size > 1,
-        w.gk,
-        w.kpack,
-        round_bf16 or w.int4_bf16,
-        block,
-        out,
-    )
+    zeros = w.zeros.size > 1
+    args = (w.codes, w.scales, w.scale_kind, w.zeros, zeros, w.gk, w.kpack, w.split(round_bf16), block, out)
+    _matmul(xs, offsets, experts, w.fmt, *args)
     return out
 
 
 @numba.njit(parallel=True, cache=True)
 def _matmul(
-    xs, offsets, experts, fmt, codes, scales, scale_kind, zeros, has_zeros, gk, kpack, round_bf16, block, out
+    xs, offsets, experts, fmt, codes, scales, scale_kind, zeros, has_zeros, gk, kpack, split, block, out
 ):
-    """One task per (expert group, ``block`` output columns); its weights decoded one row at a time.
-    The tasks' loops are functions of their own, compiled apart: inlined into the parallel loop's
-    body, Numba's parfor lowering left them unvectorized (6x slower on one thread)."""
+    """One task per (expert group, ``block`` output columns)."""
     groups = experts.shape[0]
     n_total = out.shape[1]
     blocks = (n_total + block - 1) // block
@@ -136,30 +137,17 @@ def _matmul(
             continue
         n0 = b * block
         width = min(block, n_total - n0)
-        x = xs[r0:r1]
         acc = np.zeros((r1 - r0, width), np.float32)
         e = experts[u]
-        rounding = _rounding(round_bf16)
         if fmt == INT4 or fmt == FP4:
             z = zeros[e if has_zeros else 0]
-            _nibbles(
-                x,
-                fmt,
-                codes[e],
-                scales[e],
-                scale_kind,
-                z,
-                has_zeros,
-                gk,
-                kpack,
-                rounding,
-                n0,
-                width,
-                acc,
-            )
+            _nibbles(xs[r0:r1], fmt, codes[e], scales[e], scale_kind, z, has_zeros, gk, kpack, split, n0, acc)
         else:
-            _rows(x, fmt, codes[e], scales[e if fmt == FP8 else 0], gk, rounding, n0, width, acc)
-        out[r0:r1, n0 : n0 + width] = acc[:, :width]
+            _rows(xs[r0:r1], fmt, codes[e], scales[e if fmt == FP8 else 0], gk, split, n0, acc)
+        out[r0:r1, n0 : n0 + width] = acc
+
+
+# -- register-level helpers (inlined) ------------------------------------------------------------
 
 
 @intrinsic
@@ -178,157 +166,283 @@ def _float(typingctx, value):
     )
 
 
-@numba.njit(inline="always")
-def _rounding(round_bf16):
-    """The constants of :func:`_to_bf16`: rounding to bf16 (nearest even), or none."""
-    if round_bf16:
-        return np.uint32(0x7FFF), np.uint32(1), np.uint32(0xFFFF0000)
-    return np.uint32(0), np.uint32(0), np.uint32(0xFFFFFFFF)
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """``a * b + c`` rounded once (llvm.fma, which LLVM vectorizes)."""
+    return types.float32(types.float32, types.float32, types.float32), (
+        lambda context, builder, sig, args: builder.fma(*args)
+    )
 
 
 @numba.njit(inline="always")
-def _to_bf16(w, rounding):
-    """``w`` rounded as ``rounding`` (:func:`_rounding`) says, without a branch, so that the loops
-    around it vectorize: ``(bits + half + lsb) & keep`` rounds to nearest even, or is the identity."""
-    half, lsb, keep = rounding
-    v = _bits(w)
-    return _float((v + half + ((v >> np.uint32(16)) & lsb)) & keep)
-
-
-@numba.njit(cache=True)
-def _nibbles(x, fmt, codes, scales, scale_kind, zeros, has_zeros, gk, kpack, rounding, n0, width, acc):
-    """INT4 / FP4 codes ``[K', N]``: code row ``r`` of chunk ``c`` holds ``per`` rows of the chunk's
-    ``kpack``, ``piece`` apart (8 in an int32 word, 2 in a byte), each in its own nibble; each
-    piece lies inside one scale group. An INT4 weight is ``q * s - z * s``: with bf16 scales both
-    products and their difference are exact in float32, so this is ``(q - z) * s`` to the bit.
-    One token: decoded and multiplied in one loop over the columns (INT4 words: a word's eight
-    weights at once); more: each row decoded once into ``row``, then multiplied with every token."""
-    per = 8 if kpack == WORD_KPACK else 2
-    piece = kpack // per
-    one = x.shape[0] == 1
-    scale = np.zeros((per, width), np.float32)
-    zs = np.zeros((per, width), np.float32)  # zero point times scale
-    row = np.zeros(width, np.float32)
-    for chunk in range(codes.shape[0] // piece):
-        for j in range(per):
-            g = (chunk * kpack + j * piece) // gk
-            _decode_scales(scales[g, n0 : n0 + width], scale_kind, scale[j])
-            for c in range(width):
-                zero = np.float32(zeros[g, n0 + c]) if has_zeros else np.float32(8)
-                zs[j, c] = zero * scale[j, c]
-        for r in range(piece):
-            code_row = codes[chunk * piece + r, n0 : n0 + width]
-            k0 = chunk * kpack + r
-            if fmt == INT4 and per == 8 and one:
-                _word_row(x[0], k0, code_row, scale, zs, rounding, width, acc[0])
-                continue
-            for j in range(per):
-                shift, s, z = np.int32(4 * j), scale[j], zs[j]
-                # the format's branch stays outside the column loops, which LLVM vectorizes
-                if fmt == FP4 and one:
-                    xv = x[0, k0 + j * piece]
-                    for c in range(width):
-                        q = (np.int32(code_row[c]) >> shift) & np.int32(15)
-                        acc[0, c] += xv * _to_bf16(_e2m1(q) * s[c], rounding)
-                    continue
-                if fmt == FP4:
-                    for c in range(width):
-                        q = (np.int32(code_row[c]) >> shift) & np.int32(15)
-                        row[c] = _to_bf16(_e2m1(q) * s[c], rounding)
-                else:
-                    for c in range(width):
-                        q = np.float32((np.int32(code_row[c]) >> shift) & np.int32(15))
-                        row[c] = _to_bf16(q * s[c] - z[c], rounding)
-                _multiply(x, k0 + j * piece, row, width, acc)
-
-
-@numba.njit(inline="always")
-def _word_row(x, k0, code_row, scale, zs, rounding, width, acc):
-    """acc += the eight weights of each word of ``code_row`` (rows ``k0 + 32 j``) times x: the
-    nibble loop unrolled, so that the column loop is innermost and keeps ``acc`` in registers."""
-    x0, x1, x2, x3 = x[k0], x[k0 + 32], x[k0 + 64], x[k0 + 96]
-    x4, x5, x6, x7 = x[k0 + 128], x[k0 + 160], x[k0 + 192], x[k0 + 224]
-    f = np.int32(15)
-    for c in range(width):
-        w = np.int32(code_row[c])
-        a = acc[c]
-        a += x0 * _to_bf16(np.float32(w & f) * scale[0, c] - zs[0, c], rounding)
-        a += x1 * _to_bf16(np.float32((w >> np.int32(4)) & f) * scale[1, c] - zs[1, c], rounding)
-        a += x2 * _to_bf16(np.float32((w >> np.int32(8)) & f) * scale[2, c] - zs[2, c], rounding)
-        a += x3 * _to_bf16(np.float32((w >> np.int32(12)) & f) * scale[3, c] - zs[3, c], rounding)
-        a += x4 * _to_bf16(np.float32((w >> np.int32(16)) & f) * scale[4, c] - zs[4, c], rounding)
-        a += x5 * _to_bf16(np.float32((w >> np.int32(20)) & f) * scale[5, c] - zs[5, c], rounding)
-        a += x6 * _to_bf16(np.float32((w >> np.int32(24)) & f) * scale[6, c] - zs[6, c], rounding)
-        a += x7 * _to_bf16(np.float32((w >> np.int32(28)) & f) * scale[7, c] - zs[7, c], rounding)
-        acc[c] = a
-
-
-@numba.njit(inline="always")
-def _e2m1(q):
-    """An FP4 e2m1 code as float32, by its bits (no table lookup or branch, so that the column loop
-    vectorizes; no subnormal either, which the threads of XLA's callbacks flush to zero): the
-    magnitude's bits under a float32 exponent of 126 make ``v = 2^(e-1) (1 + m/2)``, the value when
-    e > 0; when e = 0 the value is ``m/2 = 2v - 1``."""
-    q = np.uint32(q)
-    magnitude = q & np.uint32(7)
-    v = _float((magnitude << np.uint32(22)) + (np.uint32(126) << np.uint32(23)))
-    v += np.float32((magnitude >> np.uint32(1)) == 0) * (v - np.float32(1))
-    return _float(_bits(v) | ((q & np.uint32(8)) << np.uint32(28)))
+def _round(w, split):
+    """``w`` rounded to bf16 (nearest, ties to even) when ``split`` is :data:`SPLIT_BF16`, ``w``
+    itself when it is 0 (``0 - (0 - w)``): Veltkamp's split, branch-free."""
+    c = w * split
+    return c - (c - w)
 
 
 @numba.njit(inline="always")
 def _e4m3(b):
-    """An FP8 e4m3fn code as float32, the same way: ``v = 2^(e-7) (1 + m/8)`` under an exponent of
-    120, and ``m 2^-9 = 2v - 2^-6`` when e = 0."""
+    """An FP8 e4m3fn code as float32, by its bits (no table lookup or branch, so that the column loop
+    vectorizes; no subnormal either, which the threads of XLA's callbacks flush to zero): the
+    magnitude's bits under a float32 exponent of 120 make ``v = 2^(e-7) (1 + m/8)``, the value when
+    e > 0; when e = 0 the value is ``m 2^-9 = 2v - 2^-6``."""
     b = np.uint32(b)
-    magnitude = b & np.uint32(0x7F)
-    v = _float((magnitude << np.uint32(20)) + (np.uint32(120) << np.uint32(23)))
-    v += np.float32((magnitude >> np.uint32(3)) == 0) * (v - np.float32(2.0**-6))
-    return _float(_bits(v) | ((b & np.uint32(0x80)) << np.uint32(24)))
+    magnitude = np.uint32(b & np.uint32(0x7F))
+    v = _float(np.uint32((magnitude << np.uint32(20)) + np.uint32(120 << 23)))
+    v += np.float32(magnitude < np.uint32(8)) * (v - np.float32(2.0**-6))
+    return _float(np.uint32(_bits(v) | np.uint32(np.uint32(b & np.uint32(0x80)) << np.uint32(24))))
 
 
-@numba.njit(cache=True)
-def _rows(x, fmt, codes, scales, gk, rounding, n0, width, acc):
-    """FP8 codes (bytes; float32 scales, one per column) or dense rows ``[K, N]``; one token's FP8
-    decoded and multiplied in one loop."""
-    row = np.zeros(width, np.float32)
-    for k in range(codes.shape[0]):
-        code_row = codes[k, n0 : n0 + width]
-        s = scales[k // gk, n0 : n0 + width] if fmt == FP8 else scales[0, :1]
-        if fmt == FP8 and x.shape[0] == 1:
-            xv = x[0, k]
-            for c in range(width):
-                acc[0, c] += xv * _to_bf16(_e4m3(code_row[c]) * s[c], rounding)
-            continue
-        if fmt == FP8:
-            for c in range(width):
-                row[c] = _to_bf16(_e4m3(code_row[c]) * s[c], rounding)
-        elif fmt == DENSE_BF16:
-            for c in range(width):
-                row[c] = _float(np.uint32(code_row[c]) << np.uint32(16))
-        else:
-            for c in range(width):
-                row[c] = _to_bf16(np.float32(code_row[c]), rounding)
-        _multiply(x, k, row, width, acc)
+_E2M1_TWICE = np.uint32(0xC8643210)  # nibble i: twice the e2m1 magnitude i (0, .5, 1, 1.5, 2, 3, 4, 6)
 
 
 @numba.njit(inline="always")
-def _multiply(x, k, row, width, acc):
-    """acc[t] += x[t, k] * row for every token t."""
-    for t in range(x.shape[0]):
-        xv = x[t, k]
-        for c in range(width):
-            acc[t, c] += xv * row[c]
+def _e2m1_twice(q):
+    """Twice an FP4 e2m1 code's value, as float32: the magnitude looked up in the nibbles of one
+    constant by a shift, converted exactly, and given the code's sign bit."""
+    q = np.uint32(q)
+    shift = np.uint32(np.uint32(q & np.uint32(7)) << np.uint32(2))
+    twice = np.int32(np.uint32(_E2M1_TWICE >> shift) & np.uint32(15))
+    sign = np.uint32(np.uint32(q & np.uint32(8)) << np.uint32(28))
+    return _float(np.uint32(_bits(np.float32(twice)) | sign))
+
+
+# -- 4-bit codes -----------------------------------------------------------------------------------
+
+
+@numba.njit(cache=True)
+def _nibbles(x, fmt, codes, scales, scale_kind, zeros, has_zeros, gk, kpack, split, n0, acc):
+    """INT4 / FP4 codes ``[K', N]``: code row ``r`` of chunk ``c`` holds ``per`` rows of the chunk's
+    ``kpack``, ``piece`` apart (8 in an int32 word, 2 in a byte), each in its own nibble; each
+    piece lies inside one scale group. One token: each code row decoded and multiplied in one loop
+    over the columns; more: decoded once into ``rows``, then multiplied with every token. A chunk's
+    rows go to one compiled function (a call per row cost as much as the row's arithmetic)."""
+    per = 8 if kpack == WORD_KPACK else 2
+    piece = kpack // per
+    width = acc.shape[1]
+    words = fmt == INT4 and per == 8
+    one = x.shape[0] == 1
+    scale = np.empty((per, width), np.float32)
+    offset = np.empty((per, width), np.float32)
+    rows = np.empty((per, width), np.float32)
+    for chunk in range(codes.shape[0] // piece):
+        k0 = chunk * kpack
+        _chunk_scales(scales, scale_kind, zeros, has_zeros, fmt, words, k0, piece, gk, n0, scale, offset)
+        rows0 = chunk * piece
+        if words and one:
+            _word_dot(x[0], k0, codes, rows0, piece, n0, scale, offset, split, acc[0])
+        elif words:
+            _word_multiply(x, k0, codes, rows0, piece, n0, scale, offset, split, rows, acc)
+        elif fmt == FP4 and one:
+            _fp4_dot(x[0], k0, codes, rows0, piece, n0, scale, split, acc[0])
+        else:
+            _byte_multiply(x, fmt, k0, codes, rows0, piece, n0, scale, offset, split, rows, acc)
+
+
+@numba.njit(cache=True)
+def _chunk_scales(scales, scale_kind, zeros, has_zeros, fmt, words, k0, piece, gk, n0, scale, offset):
+    """The scales of a chunk's ``per`` pieces as float32 rows, and for INT4 the offset
+    ``-zero * scale`` (an INT4 weight is ``q s - z s``; with bf16 scales both products and their
+    difference are exact in float32, so this is ``(q - z) s`` to the bit). INT4 words keep nibble j
+    in place (``q 2^4j``), so their scales come divided by ``2^4j``, exactly, and nibble 7 shifted
+    down; FP4 decodes to twice its value, so its scales come halved."""
+    width = scale.shape[1]
+    for j in range(scale.shape[0]):
+        g = (k0 + j * piece) // gk
+        _decode_scales(scales[g, n0 : n0 + width], scale_kind, scale[j])
+        if fmt == FP4:
+            for c in range(width):
+                scale[j, c] *= np.float32(0.5)
+            continue
+        if has_zeros:
+            for c in range(width):
+                offset[j, c] = -np.float32(zeros[g, n0 + c]) * scale[j, c]
+        else:
+            for c in range(width):
+                offset[j, c] = np.float32(-8) * scale[j, c]
+        if words and j < 7:
+            f = np.float32(2.0 ** (-4 * j))
+            for c in range(width):
+                scale[j, c] *= f
 
 
 @numba.njit(inline="always")
 def _decode_scales(scales, scale_kind, scale):
-    """One scale row (bf16 bits, ue8m0 exponents or float32) into ``scale`` (float32)."""
-    for c in range(scales.shape[0]):
-        if scale_kind == SCALE_BF16:
-            scale[c] = _float(np.uint32(scales[c]) << np.uint32(16))
-        elif scale_kind == SCALE_E8M0:  # 2^(s - 127); s = 0 is 2^-127, a float32 subnormal
+    """One scale row (bf16 bits, ue8m0 exponents or float32) into ``scale`` (float32); the kind's
+    branch outside the loops, so that each vectorizes."""
+    if scale_kind == SCALE_BF16:
+        for c in range(scales.shape[0]):
+            scale[c] = _float(np.uint32(np.uint32(scales[c]) << np.uint32(16)))
+    elif scale_kind == SCALE_E8M0:  # 2^(s - 127); s = 0 is 2^-127, a float32 subnormal
+        for c in range(scales.shape[0]):
             e = np.uint32(scales[c])
-            scale[c] = _float(e << np.uint32(23) if e > 0 else np.uint32(0x00400000))
-        else:
+            scale[c] = _float(np.uint32(e << np.uint32(23)) if e > 0 else np.uint32(0x00400000))
+    else:
+        for c in range(scales.shape[0]):
             scale[c] = scales[c]
+
+
+@numba.njit(inline="always")
+def _word(w, j, scale, offset, c, split):
+    """Nibble ``j`` of INT4 word ``w`` (column ``c``) decoded: masked in place, converted, scaled
+    and offset in one fused multiply-add (exact), rounded."""
+    if j == 7:
+        q = np.float32(np.int32(np.uint32(w) >> np.uint32(28)))
+    else:
+        q = np.float32(np.int32(w & np.int32(15 << (4 * j))))
+    return _round(_fma(q, scale[j, c], offset[j, c]), split)
+
+
+@numba.njit(cache=True)
+def _word_dot(x, k0, codes, rows0, piece, n0, scale, offset, split, acc):
+    """acc += a chunk's INT4 word rows times x: each word's eight weights (rows ``k + 32 j``)
+    unrolled, so that the column loop is innermost and keeps its sums in registers (two chains,
+    for latency)."""
+    for r in range(piece):
+        k = k0 + r
+        x0, x1, x2, x3 = x[k], x[k + 32], x[k + 64], x[k + 96]
+        x4, x5, x6, x7 = x[k + 128], x[k + 160], x[k + 192], x[k + 224]
+        code_row = codes[rows0 + r, n0 : n0 + acc.shape[0]]
+        for c in range(acc.shape[0]):
+            w = np.int32(code_row[c])
+            a = x0 * _word(w, 0, scale, offset, c, split)
+            b = x1 * _word(w, 1, scale, offset, c, split)
+            a = _fma(x2, _word(w, 2, scale, offset, c, split), a)
+            b = _fma(x3, _word(w, 3, scale, offset, c, split), b)
+            a = _fma(x4, _word(w, 4, scale, offset, c, split), a)
+            b = _fma(x5, _word(w, 5, scale, offset, c, split), b)
+            a = _fma(x6, _word(w, 6, scale, offset, c, split), a)
+            b = _fma(x7, _word(w, 7, scale, offset, c, split), b)
+            acc[c] += a + b
+
+
+@numba.njit(cache=True)
+def _word_multiply(x, k0, codes, rows0, piece, n0, scale, offset, split, rows, acc):
+    """acc += a chunk's INT4 word rows times every token's x, each word row decoded once."""
+    for r in range(piece):
+        code_row = codes[rows0 + r, n0 : n0 + rows.shape[1]]
+        for c in range(rows.shape[1]):
+            w = np.int32(code_row[c])
+            rows[0, c] = _word(w, 0, scale, offset, c, split)
+            rows[1, c] = _word(w, 1, scale, offset, c, split)
+            rows[2, c] = _word(w, 2, scale, offset, c, split)
+            rows[3, c] = _word(w, 3, scale, offset, c, split)
+            rows[4, c] = _word(w, 4, scale, offset, c, split)
+            rows[5, c] = _word(w, 5, scale, offset, c, split)
+            rows[6, c] = _word(w, 6, scale, offset, c, split)
+            rows[7, c] = _word(w, 7, scale, offset, c, split)
+        _multiply(x, k0 + r, piece, rows, acc)
+
+
+@numba.njit(cache=True)
+def _fp4_dot(x, k0, codes, rows0, piece, n0, scale, split, acc):
+    """acc += a chunk's FP4 byte rows times x, both weights of a byte (rows ``k``, ``k + piece``)."""
+    for r in range(piece):
+        x0, x1 = x[k0 + r], x[k0 + r + piece]
+        code_row = codes[rows0 + r, n0 : n0 + acc.shape[0]]
+        for c in range(acc.shape[0]):
+            q = np.uint32(code_row[c])
+            a = x0 * _round(_e2m1_twice(q) * scale[0, c], split)
+            acc[c] += _fma(x1, _round(_e2m1_twice(np.uint32(q >> np.uint32(4))) * scale[1, c], split), a)
+
+
+@numba.njit(cache=True)
+def _byte_multiply(x, fmt, k0, codes, rows0, piece, n0, scale, offset, split, rows, acc):
+    """acc += a chunk's 4-bit byte rows (INT4 or FP4) times every token's x, each decoded once."""
+    for r in range(piece):
+        code_row = codes[rows0 + r, n0 : n0 + rows.shape[1]]
+        if fmt == FP4:
+            for c in range(rows.shape[1]):
+                q = np.uint32(code_row[c])
+                rows[0, c] = _round(_e2m1_twice(q) * scale[0, c], split)
+                rows[1, c] = _round(_e2m1_twice(np.uint32(q >> np.uint32(4))) * scale[1, c], split)
+        else:
+            for c in range(rows.shape[1]):
+                q = np.uint32(code_row[c])
+                lo, hi = np.float32(np.int32(q & np.uint32(15))), np.float32(np.int32(q >> np.uint32(4)))
+                rows[0, c] = _round(_fma(lo, scale[0, c], offset[0, c]), split)
+                rows[1, c] = _round(_fma(hi, scale[1, c], offset[1, c]), split)
+        _multiply(x, k0 + r, piece, rows, acc)
+
+
+@numba.njit(inline="always")
+def _multiply(x, k, step, rows, acc):
+    """acc[t] += sum_j x[t, k + j step] rows[j] for every token t."""
+    for t in range(x.shape[0]):
+        for j in range(rows.shape[0]):
+            xv = x[t, k + j * step]
+            for c in range(acc.shape[1]):
+                acc[t, c] = _fma(xv, rows[j, c], acc[t, c])
+
+
+# -- FP8 and dense rows ----------------------------------------------------------------------------
+
+
+@numba.njit(cache=True)
+def _rows(x, fmt, codes, scales, gk, split, n0, acc):
+    """FP8 codes (bytes; float32 scales, one per column and block of ``gk`` rows), a block of rows
+    per call, or dense rows ``[K, N]``."""
+    width = acc.shape[1]
+    if fmt != FP8:
+        row = np.empty((1, width), np.float32)
+        for k in range(codes.shape[0]):
+            _dense_decode(fmt, codes[k, n0 : n0 + width], split, row[0])
+            _multiply(x, k, 1, row, acc)
+        return
+    rows = np.empty((_FP8_ROWS, width), np.float32)
+    for k0 in range(0, codes.shape[0], gk):
+        k1 = min(k0 + gk, codes.shape[0])
+        if x.shape[0] == 1:
+            _fp8_dot(x[0], k0, k1, codes, n0, scales[k0 // gk], split, acc[0])
+        else:
+            _fp8_multiply(x, k0, k1, codes, n0, scales[k0 // gk], split, rows, acc)
+
+
+@numba.njit(cache=True)
+def _fp8_dot(x, k0, k1, codes, n0, s, split, acc):
+    """acc += FP8 rows ``k0 .. k1`` (one scale block) decoded, scaled, rounded, times x, four at a
+    time."""
+    width = acc.shape[0]
+    s = s[n0 : n0 + width]
+    k = k0
+    while k + _FP8_ROWS <= k1:
+        x0, x1, x2, x3 = x[k], x[k + 1], x[k + 2], x[k + 3]
+        r0, r1 = codes[k, n0 : n0 + width], codes[k + 1, n0 : n0 + width]
+        r2, r3 = codes[k + 2, n0 : n0 + width], codes[k + 3, n0 : n0 + width]
+        for c in range(width):
+            sc = s[c]
+            a = x0 * _round(_e4m3(r0[c]) * sc, split)
+            b = x1 * _round(_e4m3(r1[c]) * sc, split)
+            a = _fma(x2, _round(_e4m3(r2[c]) * sc, split), a)
+            b = _fma(x3, _round(_e4m3(r3[c]) * sc, split), b)
+            acc[c] += a + b
+        k += _FP8_ROWS
+    for tail in range(k, k1):  # a block of a height that is not a multiple of four
+        xv, code_row = x[tail], codes[tail, n0 : n0 + width]
+        for c in range(width):
+            acc[c] = _fma(xv, _round(_e4m3(code_row[c]) * s[c], split), acc[c])
+
+
+@numba.njit(cache=True)
+def _fp8_multiply(x, k0, k1, codes, n0, s, split, rows, acc):
+    """acc += FP8 rows ``k0 .. k1`` times every token's x, :data:`_FP8_ROWS` decoded at a time."""
+    for k in range(k0, k1, _FP8_ROWS):
+        n = min(_FP8_ROWS, k1 - k)
+        for j in range(n):
+            code_row, sc, row = codes[k + j, n0 : n0 + rows.shape[1]], s[n0 : n0 + rows.shape[1]], rows[j]
+            for c in range(rows.shape[1]):
+                row[c] = _round(_e4m3(code_row[c]) * sc[c], split)
+        _multiply(x, k, 1, rows[:n], acc)
+
+
+@numba.njit(cache=True)
+def _dense_decode(fmt, code_row, split, row):
+    """A dense row (bf16 bits, or float32 rounded as ``split`` says) into ``row``."""
+    if fmt == DENSE_BF16:
+        for c in range(row.shape[0]):
+            row[c] = _float(np.uint32(np.uint32(code_row[c]) << np.uint32(16)))
+    else:
+        for c in range(row.shape[0]):
+            row[c] = _round(np.float32(code_row[c]), split)
