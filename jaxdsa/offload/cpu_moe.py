@@ -320,19 +320,14 @@ def _word_dot(x, k0, codes, rows0, piece, n0, scale, offset, split, acc):
 
 @numba.njit(cache=True)
 def _word_multiply(x, k0, codes, rows0, piece, n0, scale, offset, split, rows, acc):
-    """acc += a chunk's INT4 word rows times every token's x, each word row decoded once."""
+    """acc += a chunk's INT4 word rows times every token's x, each word row decoded once, a nibble
+    at a time (a loop that stores to one row vectorizes; one that stores to eight did not)."""
     for r in range(piece):
         code_row = codes[rows0 + r, n0 : n0 + rows.shape[1]]
-        for c in range(rows.shape[1]):
-            w = np.int32(code_row[c])
-            rows[0, c] = _word(w, 0, scale, offset, c, split)
-            rows[1, c] = _word(w, 1, scale, offset, c, split)
-            rows[2, c] = _word(w, 2, scale, offset, c, split)
-            rows[3, c] = _word(w, 3, scale, offset, c, split)
-            rows[4, c] = _word(w, 4, scale, offset, c, split)
-            rows[5, c] = _word(w, 5, scale, offset, c, split)
-            rows[6, c] = _word(w, 6, scale, offset, c, split)
-            rows[7, c] = _word(w, 7, scale, offset, c, split)
+        for j in range(8):
+            row = rows[j]
+            for c in range(row.shape[0]):
+                row[c] = _word(np.int32(code_row[c]), j, scale, offset, c, split)
         _multiply(x, k0 + r, piece, rows, acc)
 
 
@@ -350,31 +345,50 @@ def _fp4_dot(x, k0, codes, rows0, piece, n0, scale, split, acc):
 
 @numba.njit(cache=True)
 def _byte_multiply(x, fmt, k0, codes, rows0, piece, n0, scale, offset, split, rows, acc):
-    """acc += a chunk's 4-bit byte rows (INT4 or FP4) times every token's x, each decoded once."""
+    """acc += a chunk's 4-bit byte rows (INT4 or FP4) times every token's x, each decoded once, a
+    row at a time."""
     for r in range(piece):
         code_row = codes[rows0 + r, n0 : n0 + rows.shape[1]]
-        if fmt == FP4:
-            for c in range(rows.shape[1]):
-                q = np.uint32(code_row[c])
-                rows[0, c] = _round(_e2m1_twice(q) * scale[0, c], split)
-                rows[1, c] = _round(_e2m1_twice(np.uint32(q >> np.uint32(4))) * scale[1, c], split)
-        else:
-            for c in range(rows.shape[1]):
-                q = np.uint32(code_row[c])
-                lo, hi = np.float32(np.int32(q & np.uint32(15))), np.float32(np.int32(q >> np.uint32(4)))
-                rows[0, c] = _round(_fma(lo, scale[0, c], offset[0, c]), split)
-                rows[1, c] = _round(_fma(hi, scale[1, c], offset[1, c]), split)
+        for j in range(2):
+            row, shift = rows[j], np.uint32(4 * j)
+            if fmt == FP4:
+                for c in range(row.shape[0]):
+                    q = np.uint32(np.uint32(code_row[c]) >> shift)
+                    row[c] = _round(_e2m1_twice(q) * scale[j, c], split)
+            else:
+                for c in range(row.shape[0]):
+                    q = np.float32(np.int32(np.uint32(np.uint32(code_row[c]) >> shift) & np.uint32(15)))
+                    row[c] = _round(_fma(q, scale[j, c], offset[j, c]), split)
         _multiply(x, k0 + r, piece, rows, acc)
 
 
 @numba.njit(inline="always")
 def _multiply(x, k, step, rows, acc):
-    """acc[t] += sum_j x[t, k + j step] rows[j] for every token t."""
+    """acc[t] += sum_j x[t, k + j step] rows[j] for every token t: for eight or four rows one
+    pass over the columns per token (one load and store of the sums for all the rows), else a
+    pass per row."""
+    n = rows.shape[0]
     for t in range(x.shape[0]):
-        for j in range(rows.shape[0]):
-            xv = x[t, k + j * step]
-            for c in range(acc.shape[1]):
-                acc[t, c] = _fma(xv, rows[j, c], acc[t, c])
+        xt, a = x[t], acc[t]
+        if n == 8:
+            x0, x1, x2, x3 = xt[k], xt[k + step], xt[k + 2 * step], xt[k + 3 * step]
+            x4, x5, x6, x7 = xt[k + 4 * step], xt[k + 5 * step], xt[k + 6 * step], xt[k + 7 * step]
+            r0, r1, r2, r3 = rows[0], rows[1], rows[2], rows[3]
+            r4, r5, r6, r7 = rows[4], rows[5], rows[6], rows[7]
+            for c in range(a.shape[0]):
+                p = _fma(x2, r2[c], _fma(x1, r1[c], x0 * r0[c]))
+                q = _fma(x6, r6[c], _fma(x5, r5[c], x4 * r4[c]))
+                a[c] += _fma(x3, r3[c], p) + _fma(x7, r7[c], q)
+        elif n == 4:
+            x0, x1, x2, x3 = xt[k], xt[k + step], xt[k + 2 * step], xt[k + 3 * step]
+            r0, r1, r2, r3 = rows[0], rows[1], rows[2], rows[3]
+            for c in range(a.shape[0]):
+                a[c] += _fma(x1, r1[c], x0 * r0[c]) + _fma(x3, r3[c], x2 * r2[c])
+        else:
+            for j in range(n):
+                xv, r = xt[k + j * step], rows[j]
+                for c in range(a.shape[0]):
+                    a[c] = _fma(xv, r[c], a[c])
 
 
 # -- FP8 and dense rows ----------------------------------------------------------------------------
@@ -430,7 +444,7 @@ def _fp8_multiply(x, k0, k1, codes, n0, s, split, rows, acc):
     """acc += FP8 rows ``k0 .. k1`` times every token's x, :data:`_FP8_ROWS` decoded at a time."""
     for k in range(k0, k1, _FP8_ROWS):
         n = min(_FP8_ROWS, k1 - k)
-        for j in range(n):
+        for j in range(n):  # a row at a time (module docstring)
             code_row, sc, row = codes[k + j, n0 : n0 + rows.shape[1]], s[n0 : n0 + rows.shape[1]], rows[j]
             for c in range(rows.shape[1]):
                 row[c] = _round(_e4m3(code_row[c]) * sc[c], split)

@@ -1,7 +1,8 @@
 """The host experts' CPU kernel against the reference computation, every weight format.
 
 Fresh random experts in each format's layout (INT4 words and bytes, symmetric and asymmetric,
-bf16 and float32 scales; FP8 with float32 and ue8m0 block scales; FP4; dense float32 and bf16),
+bf16 and float32 scales; FP8 with float32 and ue8m0 block scales, blocks of a height the kernel's
+four-row passes do not divide; FP4; dense float32 and bf16),
 random routing with ragged counts per expert, slots that belong to the device (ids below the
 device's count) or to nobody (-1, past the end), experts nobody chose, and float32 or bf16
 activations, as :class:`jaxdsa.offload.host_experts.HostExperts` receives them.
@@ -15,7 +16,7 @@ import pytest
 from jaxdsa.offload.host_experts import HostExperts
 from pallas_kernels.quant import layout
 
-D, N, E, GPU = 256, 256, 6, 3  # K = 256: one INT4 word chunk
+D, N, E, GPU = 512, 256, 6, 3  # K = 512: two INT4 word chunks (gate_up), one (down)
 
 
 def int4(rng, k, n, *, group, symmetric, scale_dtype, kpack):
@@ -55,6 +56,7 @@ FORMATS = {
     ),
     "fp8-f32-blocks": lambda r, k, n: fp8(r, k, n, block=(32, 32), e8m0=False),
     "fp8-e8m0-blocks": lambda r, k, n: fp8(r, k, n, block=(128, 128), e8m0=True),
+    "fp8-f32-ragged-blocks": lambda r, k, n: fp8(r, k, n, block=(6, 64), e8m0=False),  # 6 rows: a tail
     "fp4": fp4,
     "dense-f32": lambda r, k, n: dense(r, k, n, np.float32),
     "dense-bf16": lambda r, k, n: dense(r, k, n, ml_dtypes.bfloat16),
@@ -111,3 +113,29 @@ def test_no_host_slot_gives_zeros():
     slots = np.array([[0, 1], [2, -1], [GPU + E, 1]], np.int32)  # device experts, none, past the end
     out = host.compute(x, slots, np.ones((3, 2), np.float32), 0)
     assert not out.any()
+
+
+def test_bf16_rounding_matches_ml_dtypes():
+    """The kernel's branch-free rounding (Veltkamp's split) is bf16's round-to-nearest-even on
+    every INT4 product (ties included) and on random floats; with a zero constant it is the identity."""
+    import numba
+
+    from jaxdsa.offload import cpu_moe
+
+    @numba.njit
+    def rounded(w, split):
+        out = np.empty_like(w)
+        for i in range(w.shape[0]):
+            out[i] = cpu_moe._round(w[i], split)
+        return out
+
+    significands = np.arange(128, 256, dtype=np.float32)
+    products = [
+        (d[:, None] * significands[None, :] * np.float32(2.0**e)).ravel()
+        for d in [np.arange(-15, 16, dtype=np.float32)]
+        for e in (-40, -12, 0, 20)
+    ]
+    w = np.concatenate(products + [np.random.default_rng(0).standard_normal(100_000).astype(np.float32)])
+    want = w.astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(rounded(w, cpu_moe.SPLIT_BF16), want)
+    np.testing.assert_array_equal(rounded(w, np.float32(0)), w)
