@@ -32,7 +32,7 @@ import ml_dtypes
 import numba
 import numpy as np
 from llvmlite import ir
-from numba.core import types
+from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from pallas_kernels.quant.layout import WORD_KPACK, QuantizedWeight
@@ -45,6 +45,7 @@ SPLIT_BF16 = np.float32(65537.0)  # Veltkamp's constant for rounding to bf16; 0 
 _NONE = np.zeros((1, 1, 1), np.uint8)
 _BF16, _E8M0 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e8m0fnu)
 _FP8_ROWS = 4  # FP8 rows decoded together
+_AHEAD_BYTES = 4096  # how far ahead of the row being decoded its task's code rows are prefetched
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +175,36 @@ def _fma(typingctx, a, b, c):
     )
 
 
+@intrinsic
+def _prefetch(typingctx, array, offset):
+    """Prefetch the cache line at byte ``offset`` of ``array``'s data (llvm.prefetch: read, keep)."""
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        pointer = builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()), [args[1]])
+        i32 = ir.IntType(32)
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [pointer.type, i32, i32, i32]), "llvm.prefetch.p0"
+        )
+        builder.call(prefetch, [pointer, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(array, types.intp), codegen
+
+
+@numba.njit(inline="always")
+def _prefetch_ahead(codes, row, n0, width):
+    """Prefetch the task's strip of the code row :data:`_AHEAD_BYTES` ahead of ``row``: a task's
+    rows lie a whole row of the stack apart, each strip in a page of its own, where the hardware's
+    prefetchers do not follow (2x slower from DRAM than from cache without it)."""
+    strip = width * codes.itemsize
+    ahead = row + max(1, _AHEAD_BYTES // strip)
+    if ahead < codes.shape[0]:
+        base = (ahead * codes.shape[1] + n0) * codes.itemsize
+        for line in range(0, strip, 64):
+            _prefetch(codes, base + line)
+
+
 @numba.njit(inline="always")
 def _round(w, split):
     """``w`` rounded to bf16 (nearest, ties to even) when ``split`` is :data:`SPLIT_BF16`, ``w``
@@ -301,6 +332,7 @@ def _word_dot(x, k0, codes, rows0, piece, n0, scale, offset, split, acc):
     unrolled, so that the column loop is innermost and keeps its sums in registers (two chains,
     for latency)."""
     for r in range(piece):
+        _prefetch_ahead(codes, rows0 + r, n0, acc.shape[0])
         k = k0 + r
         x0, x1, x2, x3 = x[k], x[k + 32], x[k + 64], x[k + 96]
         x4, x5, x6, x7 = x[k + 128], x[k + 160], x[k + 192], x[k + 224]
@@ -323,6 +355,7 @@ def _word_multiply(x, k0, codes, rows0, piece, n0, scale, offset, split, rows, a
     """acc += a chunk's INT4 word rows times every token's x, each word row decoded once, a nibble
     at a time (a loop that stores to one row vectorizes; one that stores to eight did not)."""
     for r in range(piece):
+        _prefetch_ahead(codes, rows0 + r, n0, rows.shape[1])
         code_row = codes[rows0 + r, n0 : n0 + rows.shape[1]]
         for j in range(8):
             row = rows[j]
@@ -335,6 +368,7 @@ def _word_multiply(x, k0, codes, rows0, piece, n0, scale, offset, split, rows, a
 def _fp4_dot(x, k0, codes, rows0, piece, n0, scale, split, acc):
     """acc += a chunk's FP4 byte rows times x, both weights of a byte (rows ``k``, ``k + piece``)."""
     for r in range(piece):
+        _prefetch_ahead(codes, rows0 + r, n0, acc.shape[0])
         x0, x1 = x[k0 + r], x[k0 + r + piece]
         code_row = codes[rows0 + r, n0 : n0 + acc.shape[0]]
         for c in range(acc.shape[0]):
@@ -348,6 +382,7 @@ def _byte_multiply(x, fmt, k0, codes, rows0, piece, n0, scale, offset, split, ro
     """acc += a chunk's 4-bit byte rows (INT4 or FP4) times every token's x, each decoded once, a
     row at a time."""
     for r in range(piece):
+        _prefetch_ahead(codes, rows0 + r, n0, rows.shape[1])
         code_row = codes[rows0 + r, n0 : n0 + rows.shape[1]]
         for j in range(2):
             row, shift = rows[j], np.uint32(4 * j)
@@ -422,6 +457,8 @@ def _fp8_dot(x, k0, k1, codes, n0, s, split, acc):
     s = s[n0 : n0 + width]
     k = k0
     while k + _FP8_ROWS <= k1:
+        for j in range(_FP8_ROWS):
+            _prefetch_ahead(codes, k + j, n0, width)
         x0, x1, x2, x3 = x[k], x[k + 1], x[k + 2], x[k + 3]
         r0, r1 = codes[k, n0 : n0 + width], codes[k + 1, n0 : n0 + width]
         r2, r3 = codes[k + 2, n0 : n0 + width], codes[k + 3, n0 : n0 + width]
@@ -445,6 +482,7 @@ def _fp8_multiply(x, k0, k1, codes, n0, s, split, rows, acc):
     for k in range(k0, k1, _FP8_ROWS):
         n = min(_FP8_ROWS, k1 - k)
         for j in range(n):  # a row at a time (module docstring)
+            _prefetch_ahead(codes, k + j, n0, rows.shape[1])
             code_row, sc, row = codes[k + j, n0 : n0 + rows.shape[1]], s[n0 : n0 + rows.shape[1]], rows[j]
             for c in range(rows.shape[1]):
                 row[c] = _round(_e4m3(code_row[c]) * sc[c], split)
