@@ -4,7 +4,13 @@ fewest GPUs it fits on.
 
     python -m jaxdsa.plan (--config CONFIG_JSON | --preset glm5|glm52|dsv32|v4-flash|v4-pro) \\
         --tp 8 --ep 8 --dp 1 [--dp-attention] --hbm-gib 80 [--weights auto|bf16|fp8|int4] \\
-        --max-model-len 32768 [--batch 32] [--gpu-memory-utilization 0.9]
+        --max-model-len 32768 [--batch 32] [--gpu-memory-utilization 0.9] [--num-gpu-experts N]
+
+With ``--num-gpu-experts N`` (the server's flag) each MoE layer keeps N routed experts on the GPUs
+and the rest in host RAM: the GPU side counts N of them, the host side the others once (the host
+holds whole experts, whatever the mesh), plus the float32 copy of FP8 block scales the CPU kernel
+reads; a decode step's host reads stream at ``--host-gbs``. When the model does not fit the GPUs
+whole, the planner says how many experts per layer do.
 
 Shard sizes come from the same rules table the loader uses (:mod:`jaxdsa.sharding`) applied to
 the parameters of the family's abstract model, so the figures describe what jaxdsa would place on
@@ -36,6 +42,7 @@ from jaxdsa.engine.penalties import BYTES_PER_ENTRY as PENALTY_BYTES
 from jaxdsa.models import family as families
 from jaxdsa.models.family import ModelFamily
 from jaxdsa.models.registry import RELEASED, family_for, load_config, released_config
+from jaxdsa.quantized_weight import QuantizedWeight
 from jaxdsa.sharding import EXPERT_AXES, Parallelism, shard_shape
 
 WEIGHTS = {"auto": "auto", "bf16": "dequantize", "fp8": "fp8", "int4": "int4"}  # --weights -> quantization
@@ -53,6 +60,12 @@ class Leaf:
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     width: int
+    widened: float = 0.0  # FP8 block scales: output columns per stored scale in the host's float32 copy
+
+    @property
+    def experts(self) -> int:
+        """Routed experts along the leaf's experts axis (0: not a routed expert stack)."""
+        return self.shape[self.axes.index("experts")] if "experts" in self.axes else 0
 
 
 def parameter_leaves(family: ModelFamily, cfg, par: Parallelism, weights: str) -> list[Leaf]:
@@ -66,9 +79,49 @@ def parameter_leaves(family: ModelFamily, cfg, par: Parallelism, weights: str) -
     axes = families.param_axes(model)
     leaves = []
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        for array in jax.tree.leaves(variable.get_value()):
-            leaves.append(Leaf(path, tuple(array.shape), axes[path], np.dtype(array.dtype).itemsize))
+        value = variable.get_value()
+        block_scales = value.scales if isinstance(value, QuantizedWeight) and value.group[1] > 1 else None
+        for array in jax.tree.leaves(value):
+            widened = value.codes.shape[-1] / array.shape[-1] if array is block_scales else 0.0
+            leaves.append(Leaf(path, tuple(array.shape), axes[path], np.dtype(array.dtype).itemsize, widened))
     return leaves
+
+
+def expert_shards(par: Parallelism) -> int:
+    """Devices the routed experts are split over."""
+    return math.prod(par.axis_sizes[a] for a in EXPERT_AXES)
+
+
+def check_gpu_experts(leaves: list[Leaf], par: Parallelism, num_gpu_experts: int | None) -> None:
+    """The server's rule for ``--num-gpu-experts``: at most the experts there are, a multiple of the
+    devices they are split over."""
+    total = max((leaf.experts for leaf in leaves), default=0)
+    if num_gpu_experts is None or num_gpu_experts >= total:
+        return
+    pieces = expert_shards(par)
+    if num_gpu_experts < 0 or num_gpu_experts % pieces:
+        raise ValueError(
+            f"--num-gpu-experts {num_gpu_experts}: routed experts are split over {pieces} devices; "
+            f"choose a multiple of {pieces} from 0 to {total}"
+        )
+
+
+def gpu_share(leaf: Leaf, num_gpu_experts: int | None) -> float:
+    """The share of a leaf on the GPUs: N of E for a routed expert stack, else all of it."""
+    if num_gpu_experts is None or not leaf.experts:
+        return 1.0
+    return min(num_gpu_experts, leaf.experts) / leaf.experts
+
+
+def host_expert_bytes(leaves: list[Leaf], num_gpu_experts: int | None) -> float:
+    """Bytes of routed experts in host RAM (held once for the whole mesh), with the float32 copy
+    of FP8 block scales widened to one per column."""
+    total = 0.0
+    for leaf in leaves:
+        share = 1.0 - gpu_share(leaf, num_gpu_experts)
+        elements = math.prod(leaf.shape) * share
+        total += elements * leaf.width + elements * leaf.widened * 4
+    return total
 
 
 def shard_elements(leaf: Leaf, par: Parallelism) -> float:
@@ -76,11 +129,17 @@ def shard_elements(leaf: Leaf, par: Parallelism) -> float:
 
 
 def device_weight_bytes(
-    family: ModelFamily, cfg, par: Parallelism, weights: str, leaves: list[Leaf] | None = None
+    family: ModelFamily,
+    cfg,
+    par: Parallelism,
+    weights: str,
+    leaves: list[Leaf] | None = None,
+    num_gpu_experts: int | None = None,
 ) -> float:
-    """Bytes of weights on one device (``leaves``: :func:`parameter_leaves`' answer, if at hand)."""
+    """Bytes of weights on one device (``leaves``: :func:`parameter_leaves`' answer, if at hand;
+    ``num_gpu_experts``: routed experts per MoE layer kept on the GPUs, None: all)."""
     leaves = parameter_leaves(family, cfg, par, weights) if leaves is None else leaves
-    return sum(shard_elements(leaf, par) * leaf.width for leaf in leaves)
+    return sum(shard_elements(leaf, par) * leaf.width * gpu_share(leaf, num_gpu_experts) for leaf in leaves)
 
 
 def cache_bytes_per_token(family: ModelFamily, cfg) -> float:
@@ -111,10 +170,12 @@ def decode_step(
     batch: int,
     context: int,
     leaves: list[Leaf] | None = None,
+    num_gpu_experts: int | None = None,
 ) -> dict[str, float]:
     """Per-device bytes read and collective bytes of one decode step of ``batch`` sequences per dp
     group: every weight the step touches (routed experts at :func:`expected_experts` of the tokens
-    that meet at them, embedding rows looked up) plus the family's cache traffic. ``leaves``:
+    that meet at them, embedding rows looked up) plus the family's cache traffic; and the host's
+    reads of the touched experts it holds (``num_gpu_experts``). ``leaves``:
     :func:`parameter_leaves`' answer, if at hand."""
     traffic = family.decode_traffic(cfg, par, batch, context)
     sizes = par.axis_sizes
@@ -122,15 +183,23 @@ def decode_step(
     E_local = E / math.prod(sizes[a] for a in EXPERT_AXES)
     moe_tokens = batch * sizes["edp"]  # dp-attention groups' tokens meet at every expert
     touched = expected_experts(E, k, moe_tokens) * E_local / E  # expected distinct local experts
-    read = 0.0
+    read = host_read = 0.0
     for leaf in parameter_leaves(family, cfg, par, weights) if leaves is None else leaves:
         elements = shard_elements(leaf, par)
         if "experts" in leaf.axes:
             elements *= touched / E_local
+            share = gpu_share(leaf, num_gpu_experts)
+            # the host reads every touched expert it holds whole: touched / E_local of them all
+            host_read += math.prod(leaf.shape) * touched / E_local * (1 - share) * leaf.width
+            elements *= share
         if leaf.axes[0] == "vocab" and leaf.path[0] == "embed":
             elements *= batch / leaf.shape[0]  # a lookup reads only the rows it needs
         read += elements * leaf.width
-    return {"bytes_read": read + traffic["cache_bytes_read"], "collective_bytes": traffic["collective_bytes"]}
+    return {
+        "bytes_read": read + traffic["cache_bytes_read"],
+        "collective_bytes": traffic["collective_bytes"],
+        "host_bytes_read": host_read,
+    }
 
 
 def memory_plan(
@@ -144,12 +213,16 @@ def memory_plan(
     batch: int,
     gpu_memory_utilization: float = memory.DEFAULT_UTILIZATION,
     leaves: list[Leaf] | None = None,
+    num_gpu_experts: int | None = None,
 ) -> dict[str, float]:
     """Each device's memory as the server counts it (:mod:`jaxdsa.engine.memory`): the budget is
     ``gpu_memory_utilization`` of ``hbm_gib``; the weights, the workspace kept for steps, and
-    ``batch`` sequences' rings and penalty rows come out of it; the cache gets the rest.
+    ``batch`` sequences' rings and penalty rows come out of it; the cache gets the rest. With
+    ``num_gpu_experts`` the routed experts past N per layer count in host RAM instead.
     ``leaves``: :func:`parameter_leaves`' answer, if at hand."""
-    weight_bytes = device_weight_bytes(family, cfg, par, weights, leaves)
+    leaves = parameter_leaves(family, cfg, par, weights) if leaves is None else leaves
+    check_gpu_experts(leaves, par, num_gpu_experts)
+    weight_bytes = device_weight_bytes(family, cfg, par, weights, leaves, num_gpu_experts)
     budget = memory.check_utilization(gpu_memory_utilization) * hbm_gib * GiB
     workspace = memory.workspace_bytes(budget)
     per_token = cache_bytes_per_token(family, cfg)
@@ -167,6 +240,7 @@ def memory_plan(
         "cache_tokens_per_dp_group": tokens_per_group,
         "cache_tokens_total": tokens_per_group * par.dp,
         "full_length_sequences_per_dp_group": tokens_per_group // max_model_len,
+        "host_experts_gib": host_expert_bytes(leaves, num_gpu_experts) / GiB,
     }
 
 
@@ -182,22 +256,27 @@ def plan(
     hbm_gbs: float,
     link_gbs: float,
     gpu_memory_utilization: float = memory.DEFAULT_UTILIZATION,
+    num_gpu_experts: int | None = None,
+    host_gbs: float = 100.0,
 ) -> dict[str, float]:
     """The deployment's figures per device: :func:`memory_plan`'s, then one decode step's traffic
-    and its roofline at ``hbm_gbs`` and ``link_gbs``."""
+    and its roofline at ``hbm_gbs`` and ``link_gbs``, and with host experts their reads at
+    ``host_gbs`` (added to the step: the GPU waits for the host's experts of each layer)."""
     leaves = parameter_leaves(family, cfg, par, weights)  # the abstract model, built once for both
     result = memory_plan(
         family, cfg, par, hbm_gib=hbm_gib, weights=weights, max_model_len=max_model_len, batch=batch,
-        gpu_memory_utilization=gpu_memory_utilization, leaves=leaves,
+        gpu_memory_utilization=gpu_memory_utilization, leaves=leaves, num_gpu_experts=num_gpu_experts,
     )  # fmt: skip
-    step = decode_step(family, cfg, par, weights, batch, max_model_len, leaves)
+    step = decode_step(family, cfg, par, weights, batch, max_model_len, leaves, num_gpu_experts)
     memory_s = step["bytes_read"] / (hbm_gbs * 1e9)
     comm_s = step["collective_bytes"] / (link_gbs * 1e9)
+    host_s = step["host_bytes_read"] / (host_gbs * 1e9)
     return result | {
         "decode_bytes_read_gib_per_device": step["bytes_read"] / GiB,
         "decode_collective_mib_per_device": step["collective_bytes"] / (1 << 20),
-        "decode_step_ms_roofline": 1e3 * (memory_s + comm_s),
-        "decode_tok_s_roofline": batch * par.dp / (memory_s + comm_s),
+        "decode_host_bytes_read_gib": step["host_bytes_read"] / GiB,
+        "decode_step_ms_roofline": 1e3 * (memory_s + comm_s + host_s),
+        "decode_tok_s_roofline": batch * par.dp / (memory_s + comm_s + host_s),
     }
 
 
@@ -233,6 +312,43 @@ def fewest_gpus(family: ModelFamily, cfg, *, max_model_len: int, **memory_kwargs
         if fits(result, max_model_len):
             return n
     return None
+
+
+def gpu_experts_that_fit(
+    family: ModelFamily, cfg, par: Parallelism, *, max_model_len: int, **memory_kwargs
+) -> tuple[int, int] | None:
+    """(the most routed experts per MoE layer the GPUs hold with one ``max_model_len`` sequence's
+    cache beside them, a multiple of the devices the experts are split over; of how many), or None
+    when the model does not fit even with every routed expert in host RAM. ``memory_kwargs``: the
+    rest of :func:`memory_plan`'s arguments."""
+    leaves = parameter_leaves(family, cfg, par, memory_kwargs["weights"])
+    total, pieces = max((leaf.experts for leaf in leaves), default=0), expert_shards(par)
+
+    def fit(n: int) -> bool:
+        kwargs = dict(memory_kwargs, leaves=leaves, num_gpu_experts=n)
+        return fits(memory_plan(family, cfg, par, max_model_len=max_model_len, **kwargs), max_model_len)
+
+    if not fit(0):
+        return None
+    lo, hi = 0, total // pieces  # in units of ``pieces``: fit(lo * pieces) holds
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fit(mid * pieces) else (lo, mid - 1)
+    return lo * pieces, total
+
+
+def _host_line(family: ModelFamily, cfg, par: Parallelism, *, max_model_len: int, **memory_kwargs) -> str:
+    """What fits with routed experts in host RAM, for a model the GPUs do not hold whole."""
+    found = gpu_experts_that_fit(family, cfg, par, max_model_len=max_model_len, **memory_kwargs)
+    if found is None:
+        return "with routed experts in host RAM: does not fit even with all of them there"
+    n, total = found
+    leaves = parameter_leaves(family, cfg, par, memory_kwargs["weights"])
+    host = host_expert_bytes(leaves, n) / GiB
+    return (
+        f"with routed experts in host RAM: fits with --num-gpu-experts {n} of {total} per MoE layer, "
+        f"{host:,.1f} GiB of experts in host RAM"
+    )
 
 
 def _fewest_line(n: int | None, hbm_gib: float) -> str:
@@ -274,8 +390,20 @@ def main(argv=None) -> int:
         default=memory.DEFAULT_UTILIZATION,
         help="share of each GPU the server may take (its flag of the same name)",
     )
+    p.add_argument(
+        "--num-gpu-experts",
+        type=int,
+        default=None,
+        help="routed experts per MoE layer kept on the GPUs, the rest in host RAM (default: all)",
+    )
+    p.add_argument(
+        "--host-gbs",
+        type=float,
+        default=100,
+        help="host RAM read bandwidth for the host experts (the 4 x H100 machine's host: ~130)",
+    )
     args = p.parse_args(argv)
-    for flag in ("max_model_len", "batch", "hbm_gib", "hbm_gbs", "link_gbs"):
+    for flag in ("max_model_len", "batch", "hbm_gib", "hbm_gbs", "link_gbs", "host_gbs"):
         if getattr(args, flag) <= 0:
             p.error(f"--{flag.replace('_', '-')} must be > 0")
     try:
@@ -290,7 +418,10 @@ def main(argv=None) -> int:
             batch=args.batch,
             gpu_memory_utilization=args.gpu_memory_utilization,
         )
-        result = plan(family, cfg, par, hbm_gbs=args.hbm_gbs, link_gbs=args.link_gbs, **sizes)
+        result = plan(
+            family, cfg, par, hbm_gbs=args.hbm_gbs, link_gbs=args.link_gbs, host_gbs=args.host_gbs,
+            num_gpu_experts=args.num_gpu_experts, **sizes,
+        )  # fmt: skip
     except ValueError as e:
         print(f"plan: {e}", file=sys.stderr)
         return 2
@@ -308,6 +439,8 @@ def main(argv=None) -> int:
     for key, value in result.items():
         print(f"  {key:38s} {value:,.2f}" if isinstance(value, float) else f"  {key:38s} {value:,}")
     print(verdict(result, args.max_model_len))
+    if args.num_gpu_experts is None and not fits(result, args.max_model_len):
+        print(_host_line(family, cfg, par, **sizes))
     print(_fewest_line(fewest_gpus(family, cfg, **sizes), args.hbm_gib))
     return 0 if fits(result, args.max_model_len) else 1
 

@@ -189,7 +189,8 @@ def test_the_planners_verdict_and_the_fewest_gpus(capsys):
     assert plan.main(["--preset", "glm52", "--tp", "4", "--ep", "4", "--hbm-gib", "79"]) == 1
     out = capsys.readouterr().out.splitlines()
     assert "weights auto (bf16)" in out[0]  # GLM's released config: BF16
-    assert out[-2].startswith("does not fit: short by ") and "GiB per GPU" in out[-2]
+    assert out[-3].startswith("does not fit: short by ") and "GiB per GPU" in out[-3]
+    assert out[-2].startswith("with routed experts in host RAM: fits with --num-gpu-experts ")
     assert out[-1].startswith("fewest GPUs: 32 of 79 GiB (-tp 32 -ep 32); more than one host of 8")
     assert plan.main(["--preset", "v4-flash", "--hbm-gib", "140"]) == 1  # one GPU: short
     out = capsys.readouterr().out.splitlines()
@@ -199,3 +200,60 @@ def test_the_planners_verdict_and_the_fewest_gpus(capsys):
     with pytest.raises(SystemExit):
         plan.main(["--preset", "v4-flash", "--max-model-len", "0"])
     assert "--max-model-len must be > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fixture, gpu", [("glm5_int4", 4), ("dsv32_fp8", 0)])
+def test_planner_host_split_matches_the_loader(fixture, gpu):
+    """--num-gpu-experts: the planner's routed-expert bytes on the GPU and in host RAM are what the
+    loader holds (INT4 experts half on the host; FP8 experts all there, with the float32 copy of
+    their block scales the CPU kernel reads)."""
+    import jax
+    from flax import nnx
+
+    import jaxdsa
+    from jaxdsa.layers.mlp import Experts
+    from jaxdsa.offload import cpu_moe
+    from tests.conftest import FIXTURES
+
+    llm = jaxdsa.LLM(FIXTURES / fixture, dtype="bfloat16", progress=False, num_gpu_experts=gpu)
+    nodes = [node for _, node in nnx.iter_graph(llm.model) if isinstance(node, Experts)]
+
+    def nbytes(tree):
+        return sum(leaf.nbytes for leaf in jax.tree.leaves(tree))
+
+    loaded_gpu = sum(nbytes(node.gate_up.get_value()) + nbytes(node.down.get_value()) for node in nodes)
+    host_weights = [w for node in nodes for layer in node.host._layers for w in layer]
+    widened = sum(w.scales.nbytes for w in host_weights if w.fmt == cpu_moe.FP8)
+    loaded_host = sum(nbytes(node.host.experts) for node in nodes) + widened
+
+    family, par = family_for(llm.config.model_type), sharding.Parallelism()
+    leaves = [leaf for leaf in plan.parameter_leaves(family, llm.config, par, "auto") if leaf.experts]
+    assert plan.device_weight_bytes(family, llm.config, par, "auto", leaves, gpu) == loaded_gpu
+    assert plan.host_expert_bytes(leaves, gpu) == loaded_host
+
+
+def test_planner_says_how_many_experts_fit_on_the_gpus(capsys):
+    """GLM-5.2 INT4 does not fit 4 x 80 GB whole; the planner finds the most routed experts per
+    layer that do (a multiple of the 4 expert shards: one more shard's worth does not fit) and
+    sizes the host side; an expert count the mesh cannot split is refused."""
+    cfg, par = released_config("glm52"), sharding.Parallelism(tp=4, ep=4)
+    family = family_for(cfg.model_type)
+    sizes = dict(hbm_gib=80, weights="int4", batch=1, max_model_len=8192)
+    n, total = plan.gpu_experts_that_fit(family, cfg, par, **sizes)
+    assert total == 256 and 0 < n < total and n % 4 == 0
+    for experts, fit in ((n, True), (n + 4, False)):
+        assert plan.fits(plan.memory_plan(family, cfg, par, num_gpu_experts=experts, **sizes), 8192) == fit
+    whole = plan.memory_plan(family, cfg, par, **sizes)
+    split = plan.memory_plan(family, cfg, par, num_gpu_experts=n, **sizes)
+    assert whole["host_experts_gib"] == 0 and split["host_experts_gib"] > 100
+    assert split["weights_gib_per_device"] < whole["weights_gib_per_device"]
+    with pytest.raises(ValueError, match="multiple of 4"):
+        plan.memory_plan(family, cfg, par, num_gpu_experts=n + 2, **sizes)
+
+    argv = ["--preset", "glm52", "--tp", "4", "--ep", "4", "--weights", "int4", "--max-model-len", "8192"]
+    assert plan.main(argv) == 1
+    assert f"fits with --num-gpu-experts {n} of 256 per MoE layer" in capsys.readouterr().out
+    assert plan.main([*argv, "--num-gpu-experts", str(n), "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"host_experts_gib\s+[1-9]", out)
+    assert re.search(r"decode_host_bytes_read_gib\s+[1-9]", out)
