@@ -12,6 +12,7 @@ same request (the same tokenizer, chat formats, stop strings and reply parsers, 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import functools
@@ -34,6 +35,7 @@ from jaxdsa.engine.speculative import SpeculativeConfig
 from jaxdsa.loading import load_model
 from jaxdsa.models.registry import family_for, load_config
 from jaxdsa.offload import ExpertPlacement
+from jaxdsa.offload.stats import ExpertStats
 from jaxdsa.quantized_weight import QuantizedWeight
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -104,6 +106,7 @@ class LLM:
         gpu_experts_policy: str = "uniform",
         expert_stats: str | os.PathLike | None = None,
         cpu_threads: int | None = None,
+        record_expert_stats: str | os.PathLike | None = None,
     ):
         """``load_format="dummy"``: random weights of the checkpoint's config, made on the device
         (benchmarking real shapes without the files, like vLLM's ``--load-format dummy``).
@@ -121,10 +124,13 @@ class LLM:
         the GPUs, the others held in host RAM and computed on the CPU inside the step (default: all
         on the GPUs); ``gpu_experts_policy`` ``"uniform"`` or ``"frequency"`` (the most-routed ones
         of ``expert_stats``, a JSON file of routing counts); ``cpu_threads``: the host experts'
-        kernel threads (default half the cores), see :mod:`jaxdsa.offload`."""
+        kernel threads (default half the cores), see :mod:`jaxdsa.offload`. ``record_expert_stats``:
+        a file the MoE layers' routing counts go to, in ``expert_stats``' format, written at exit
+        and by ``self.expert_stats.write()`` (a profiling mode: :mod:`jaxdsa.offload.stats`)."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r}: choose float32 or bfloat16")
         placement = ExpertPlacement.of(num_gpu_experts, gpu_experts_policy, expert_stats, cpu_threads)
+        self.expert_stats = None if record_expert_stats is None else ExpertStats(record_expert_stats)
         memory.claim(gpu_memory_utilization)  # before the first JAX call starts the backend
         enable_compilation_cache()  # before loading, whose small placement jits are cached too
         self.path = os.fspath(path)
@@ -169,7 +175,10 @@ class LLM:
             quantization=quantization,
             check_weights=check_fits,
             placement=placement,
+            expert_stats=self.expert_stats,
         )
+        if self.expert_stats is not None:
+            atexit.register(self.expert_stats.write)
         self.eos_token_ids = generation_eos_ids(self.path, self.config.eos_token_ids)
         self.reasoning_parser, self.tool_call_parser = text.FAMILY_PARSERS.get(cfg.model_type, (None, None))
         self._engine: Engine | None = None

@@ -24,6 +24,7 @@ from jaxdsa.models import family as families
 from jaxdsa.models.family import ModelFamily
 from jaxdsa.models.registry import family_for, load_config
 from jaxdsa.offload import ExpertPlacement
+from jaxdsa.offload.stats import ExpertStats, attach_recorders
 from jaxdsa.sharding import Parallelism
 
 LOAD_FORMATS = ("safetensors", "dummy")
@@ -43,6 +44,7 @@ def load_model(
     quantization: str = "auto",
     check_weights: Callable[[float], None] | None = None,
     placement: ExpertPlacement | None = None,
+    expert_stats: ExpertStats | None = None,
 ) -> tuple[ModelFamily, Any, nnx.Module]:
     """-> (family, config, model) of the checkpoint at ``path``, placed on ``mesh``.
 
@@ -53,6 +55,7 @@ def load_model(
     experts). ``scan_layers``: see :class:`jaxdsa.LLM`. ``check_weights``: called with the bytes of
     weights one device will hold before any is read or drawn; it raises to stop the load.
     ``placement``: routed experts split between the GPUs and host RAM (:mod:`jaxdsa.offload`).
+    ``expert_stats``: where the MoE layers' routing counts go (:mod:`jaxdsa.offload.stats`).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r}: choose one of {', '.join(LOAD_FORMATS)}")
@@ -90,6 +93,8 @@ def load_model(
             _read(reader, host.specs, host.targets, family.quantization(cfg), seed, progress),
             mesh,
         )
+    if expert_stats is not None:
+        attach_recorders(model, specs, expert_stats)
     return family, cfg, model
 
 

@@ -233,6 +233,13 @@ def on_every_device(fn: Callable[..., Any], args: tuple, axes: tuple[str, ...], 
     return smap(*args)
 
 
+def mesh_axis_names() -> tuple[str, ...]:
+    """The step's mesh axes not manual already (none off a mesh): with :func:`on_every_device`, the
+    first device alone, or where the step is already split by hand over dp groups, each group's."""
+    mesh = _mesh()
+    return () if mesh is None else tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
+
+
 def partial_axes(*names: str) -> tuple[str, ...]:
     """The mesh axes a partial sum over the logical ``names`` spans on the step's mesh (none off a
     mesh): the axes of the :class:`Partial` an op with ``reduce=names`` returns."""

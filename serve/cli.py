@@ -166,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--expert-stats", help="JSON routing counts per MoE layer, for the frequency policy")
     g.add_argument(
+        "--record-expert-stats",
+        metavar="FILE",
+        help="count each MoE layer's routing and write it to FILE at exit, in --expert-stats' format "
+        "(a profiling mode: a host round trip per layer)",
+    )
+    g.add_argument(
         "--cpu-threads", type=int, help="threads of the host experts' CPU kernel (default: half the cores)"
     )
     g.add_argument(
@@ -442,6 +448,7 @@ def build(args: argparse.Namespace) -> Server:
             gpu_experts_policy=args.gpu_experts_policy,
             expert_stats=args.expert_stats,
             cpu_threads=args.cpu_threads,
+            record_expert_stats=args.record_expert_stats,
             **parallel,
         )
         engine = llm.engine

@@ -16,6 +16,7 @@ from jaxdsa.sharding import Partial, partial_axes, reduce_partials
 
 if TYPE_CHECKING:
     from jaxdsa.offload.host_experts import HostExperts
+    from jaxdsa.offload.stats import ExpertRecorder
 
 
 class MLP(nnx.Module):
@@ -102,12 +103,14 @@ class Experts(nnx.Module):
     stacks (:meth:`stack_reads`), which the op's kernels read in place.
 
     Split between the GPUs and host RAM (:mod:`jaxdsa.offload`), the stacks hold the GPU experts,
-    ``host`` the others and ``slots`` the table that maps routing ids to either side.
+    ``host`` the others and ``slots`` the table that maps routing ids to either side. ``recorder``
+    counts the routing ids for ``--record-expert-stats``.
     """
 
     quantizable = True
     host: HostExperts | None = None
     slots: ExpertSlots | None = None
+    recorder: ExpertRecorder | None = None  # --record-expert-stats (jaxdsa.offload.stats)
 
     def __init__(
         self, num: int, hidden: int, inter: int, *, dtype, rngs: nnx.Rngs, swiglu_limit: float | None = None
@@ -140,6 +143,8 @@ class Experts(nnx.Module):
         expert (:mod:`jaxdsa.offload.host_experts`): the barriers keep the callbacks on either side
         of that work. ``valid [T]``: the step's real tokens; the CPU skips padding rows, whose
         experts it would otherwise read."""
+        if self.recorder is not None:
+            self.recorder.record(ids, valid, split_layer(self.down.get_value())[1])
         if self.host is None:
             return [self._run(x, ids, weights), *([shared.unreduced(x)] if shared is not None else [])]
         slots = jnp.take(self.slots[...], ids)

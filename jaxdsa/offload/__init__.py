@@ -2,7 +2,8 @@
 
 :mod:`~jaxdsa.offload.placement` says which experts stay on the GPUs, :mod:`~jaxdsa.offload.split`
 cuts the model and its specs at load, :mod:`~jaxdsa.offload.host_experts` computes the host side
-inside the step.
+inside the step, :mod:`~jaxdsa.offload.stats` records the routing counts the ``frequency``
+placement reads.
 """
 
 from jaxdsa.offload.placement import POLICIES, ExpertPlacement

@@ -31,3 +31,22 @@ def test_split_experts_on_a_mesh_match_one_device(name, mesh):
 def test_device_experts_must_split_over_the_expert_shards():
     with pytest.raises(ValueError, match="num_gpu_experts 3: the mesh splits routed experts over 2 devices"):
         load("glm52", tp=2, ep=2, num_gpu_experts=3)
+
+
+@pytest.mark.parametrize("mesh", [{"tp": 2, "ep": 2}, {"dp": 2}], ids=["tp2-ep2", "dp2"])
+def test_recorded_routing_counts_on_a_mesh_are_one_devices(tmp_path, mesh):
+    """--record-expert-stats on a mesh: one device records each token once (the counts equal the
+    single device's, not a multiple of them), with two sequences to spread over dp groups."""
+    import json
+
+    golden = np.load(FIXTURES / "glm5" / "golden.npz")
+    prompts = [golden["prompt_long"].tolist(), golden["prompt_long"].tolist()[:9]]
+    counts = []
+    for i, kwargs in enumerate(({}, mesh)):
+        out = tmp_path / f"stats{i}.json"
+        llm = jaxdsa.LLM(
+            FIXTURES / "glm5", dtype="float32", page_size=8, progress=False, record_expert_stats=out, **kwargs
+        )
+        llm.generate(prompts, max_new_tokens=3)
+        counts.append(json.loads(llm.expert_stats.write().read_text())["layers"])
+    assert counts[0] and counts[1] == counts[0]
