@@ -251,8 +251,8 @@ def _nibbles(x, fmt, codes, scales, scale_kind, zeros, has_zeros, gk, kpack, spl
     """INT4 / FP4 codes ``[K', N]``: code row ``r`` of chunk ``c`` holds ``per`` rows of the chunk's
     ``kpack``, ``piece`` apart (8 in an int32 word, 2 in a byte), each in its own nibble; each
     piece lies inside one scale group. One token: each code row decoded and multiplied in one loop
-    over the columns; more: decoded once into ``rows``, then multiplied with every token. A chunk's
-    rows go to one compiled function (a call per row cost as much as the row's arithmetic)."""
+    over the columns; more: decoded once into ``rows``, then multiplied with every token; a chunk's
+    rows in one call of a function compiled on its own."""
     per = 8 if kpack == WORD_KPACK else 2
     piece = kpack // per
     width = acc.shape[1]

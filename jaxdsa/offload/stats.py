@@ -23,8 +23,11 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from checkpoints.spec import Stacked
 from jaxdsa import sharding
+from jaxdsa.layers.mlp import Experts
 
 
 class ExpertStats:
@@ -83,11 +86,6 @@ class ExpertRecorder:
 def attach_recorders(model, specs: dict, stats: ExpertStats) -> int:
     """Give every Experts module of ``model`` a recorder into ``stats``, its layers' prefixes read
     from the checkpoint ``specs``; -> how many modules record."""
-    from flax import nnx
-
-    from checkpoints.spec import Stacked
-    from jaxdsa.layers.mlp import Experts
-
     modules = 0
     for path, node in nnx.iter_graph(model):
         if not isinstance(node, Experts):
