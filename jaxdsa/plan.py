@@ -315,13 +315,20 @@ def fewest_gpus(family: ModelFamily, cfg, *, max_model_len: int, **memory_kwargs
 
 
 def gpu_experts_that_fit(
-    family: ModelFamily, cfg, par: Parallelism, *, max_model_len: int, **memory_kwargs
+    family: ModelFamily,
+    cfg,
+    par: Parallelism,
+    *,
+    max_model_len: int,
+    leaves: list[Leaf] | None = None,
+    **memory_kwargs,
 ) -> tuple[int, int] | None:
     """(the most routed experts per MoE layer the GPUs hold with one ``max_model_len`` sequence's
     cache beside them, a multiple of the devices the experts are split over; of how many), or None
-    when the model does not fit even with every routed expert in host RAM. ``memory_kwargs``: the
-    rest of :func:`memory_plan`'s arguments."""
-    leaves = parameter_leaves(family, cfg, par, memory_kwargs["weights"])
+    when the model does not fit even with every routed expert in host RAM. ``leaves``:
+    :func:`parameter_leaves`' answer, if at hand; ``memory_kwargs``: the rest of
+    :func:`memory_plan`'s arguments."""
+    leaves = parameter_leaves(family, cfg, par, memory_kwargs["weights"]) if leaves is None else leaves
     total, pieces = max((leaf.experts for leaf in leaves), default=0), expert_shards(par)
 
     def fit(n: int) -> bool:
@@ -339,11 +346,12 @@ def gpu_experts_that_fit(
 
 def _host_line(family: ModelFamily, cfg, par: Parallelism, *, max_model_len: int, **memory_kwargs) -> str:
     """What fits with routed experts in host RAM, for a model the GPUs do not hold whole."""
-    found = gpu_experts_that_fit(family, cfg, par, max_model_len=max_model_len, **memory_kwargs)
+    leaves = parameter_leaves(family, cfg, par, memory_kwargs["weights"])  # built once for both
+    sizes = dict(memory_kwargs, max_model_len=max_model_len, leaves=leaves)
+    found = gpu_experts_that_fit(family, cfg, par, **sizes)
     if found is None:
         return "with routed experts in host RAM: does not fit even with all of them there"
     n, total = found
-    leaves = parameter_leaves(family, cfg, par, memory_kwargs["weights"])
     host = host_expert_bytes(leaves, n) / GiB
     return (
         f"with routed experts in host RAM: fits with --num-gpu-experts {n} of {total} per MoE layer, "
