@@ -43,9 +43,16 @@ SERIALIZE = "--xla_gpu_command_buffer_scheduling_mode=SERIALIZE"
 SKIP_TEMP = "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
 LOOPS = f"{COMMANDS}+CONDITIONAL,+COLLECTIVES,+WHILE --xla_gpu_command_buffer_unroll_loops=true"
 FULL_UNROLL = "--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL"
-SYNC_COLLECTIVES = (
-    f"{COMMANDS}+CONDITIONAL,+COLLECTIVES --xla_gpu_disable_async_collectives=ALLREDUCE,ALLGATHER "
-    "--xla_gpu_experimental_use_collective_kernels=false"
+SYNC = (
+    "--xla_gpu_disable_async_collectives=ALLREDUCE,ALLGATHER --xla_gpu_experimental_use_collective_kernels="
+)
+SYNC_COLLECTIVES = f"{COMMANDS}+CONDITIONAL,+COLLECTIVES {SYNC}"
+SYNC_LOOPS = f"{COMMANDS}+CONDITIONAL,+COLLECTIVES,+WHILE {SYNC}"
+# NCCL's symmetric-memory kernels (NCCL >= 2.27): buffers registered once in every rank's window,
+# so a small all-reduce is one kernel of loads and stores over NVLink rather than the LL ring.
+NCCL_SYMMETRIC = (
+    "--xla_gpu_experimental_enable_nccl_symmetric_buffers=true "
+    "--xla_enable_nccl_symmetric_buffers_for_collectives=all"
 )
 # name -> XLA flags, each optionally prefixed by NAME=VALUE environment settings
 VARIANTS: dict[str, str] = {
@@ -61,6 +68,10 @@ VARIANTS: dict[str, str] = {
     "full-unroll": FULL_UNROLL,
     "sync-collectives": SYNC_COLLECTIVES,
     "full-unroll-sync-collectives": f"{FULL_UNROLL} {SYNC_COLLECTIVES}",
+    "sync-loops": SYNC_LOOPS,
+    "nccl-symmetric": NCCL_SYMMETRIC,
+    "nccl-symmetric-sync-loops": f"{NCCL_SYMMETRIC} {SYNC_LOOPS}",
+    "one-shot": "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE",
     "no-graphs": COMMANDS,
 }
 
