@@ -30,6 +30,7 @@ import tempfile
 import time
 
 import jax
+from flax import nnx
 
 import jaxdsa
 from benchmarks import anatomy, harness
@@ -92,6 +93,11 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
         default=None,
         help="routed experts per layer on the GPUs, the rest in RAM",
     )
+    p.add_argument(
+        "--disable-shared-experts-fusion",
+        action="store_true",
+        help="each MoE layer's shared expert apart, not one more routed expert (jaxdsa.shared_experts)",
+    )
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
@@ -117,8 +123,13 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
         dp=par.dp,
         dp_attention=par.dp_attention,
         num_gpu_experts=args.num_gpu_experts,
+        fuse_shared_experts=not args.disable_shared_experts_fusion,
     )
     loaded = time.perf_counter() - began
+    joined = sum(
+        getattr(getattr(m, "experts", None), "shared_slot", None) is not None
+        for _, m in nnx.iter_graph(llm.model)
+    )
     engine = llm.engine
     compile_s = engine.warmup(progress=False) if args.warmup else 0.0
     ids = start_decoding(engine, args.streams, args.input_len, max_tokens=args.steps + args.trace_steps + 64)
@@ -149,6 +160,9 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
             "routed experts": "all on the GPUs"
             if args.num_gpu_experts is None
             else f"{args.num_gpu_experts} per layer on the GPUs, the others in host RAM (--num-gpu-experts)",
+            "shared experts": "apart (--disable-shared-experts-fusion)"
+            if args.disable_shared_experts_fusion
+            else f"one more routed expert in {joined} MoE module(s) (jaxdsa.shared_experts)",
             "XLA_FLAGS": os.environ.get("XLA_FLAGS") or "(none)",
             "load / compile": f"{loaded:.0f} s / "
             + (f"{compile_s:.0f} s" if args.warmup else "(no warmup: compiled when first met)"),

@@ -93,7 +93,9 @@ class _Experts:
     per-expert module names (gate, up, down). ``fp4``: the checkpoint may store them as DeepSeek-V4
     FP4 (packed e2m1 bytes plus ue8m0 scales per 32 inputs, docs/models.md §4.6). ``ids``: the
     checkpoint experts the parameter holds, in its order (None: all ``num`` of them); experts split
-    between the GPUs and host RAM (:mod:`jaxdsa.offload`) hold a subset on each side."""
+    between the GPUs and host RAM (:mod:`jaxdsa.offload`) hold a subset on each side. ``shared``:
+    the module names (gate, up, down) of a shared expert held after the routed ones, one more
+    expert of the same shape (:mod:`jaxdsa.shared_experts`)."""
 
     prefix: str
     num: int
@@ -102,15 +104,28 @@ class _Experts:
     names: tuple[str, str, str] = HF_EXPERT_NAMES
     fp4: bool = False
     ids: tuple[int, ...] | None = None
+    shared: tuple[str, str, str] | None = None
     projections: ClassVar[tuple[str, ...]] = ()  # what the parameter holds, of gate / up / down
 
+    @property
+    def positions(self) -> int:
+        """How many experts the parameter holds (its expert axis)."""
+        return (self.num if self.ids is None else len(self.ids)) + (self.shared is not None)
+
+    def is_shared(self, e: int) -> bool:
+        """Whether position ``e`` holds the shared expert."""
+        return self.shared is not None and e == self.positions - 1
+
     def source(self, e: int) -> int:
-        """The checkpoint expert held at position ``e`` of the parameter."""
+        """The checkpoint expert held at position ``e`` of the parameter (a routed one)."""
         return e if self.ids is None else self.ids[e]
 
     def module(self, proj: str, e: int) -> str:
         """The module name of the ``proj`` (gate / up / down) projection held at position ``e``."""
-        return f"{self.prefix}.{self.source(e)}.{self.names[('gate', 'up', 'down').index(proj)]}"
+        which = ("gate", "up", "down").index(proj)
+        if self.is_shared(e):
+            return self.shared[which]
+        return f"{self.prefix}.{self.source(e)}.{self.names[which]}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -276,7 +276,11 @@ class _Source:
     def expert(self, spec: ExpertGateUp | ExpertDown, proj: str, e: int) -> np.ndarray:
         """The HF [out, in] matrix (``proj`` gate / up / down) of the expert held at position ``e``."""
         fused = spec.prefix + (".down_proj" if proj == "down" else ".gate_up_proj")
-        if spec.module(proj, 0) + ".weight" not in self.reader and fused in self.reader:
+        if (
+            not spec.is_shared(e)
+            and spec.module(proj, 0) + ".weight" not in self.reader
+            and fused in self.reader
+        ):
             # transformers 5.x in-memory layout: gate_up [E, 2N, D] (gate rows first), down [E, D, N].
             if proj == "down":
                 return self.plain(fused, (spec.num, spec.hidden, spec.inter))[spec.source(e)]

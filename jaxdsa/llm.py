@@ -107,6 +107,7 @@ class LLM:
         expert_stats: str | os.PathLike | None = None,
         cpu_threads: int | None = None,
         record_expert_stats: str | os.PathLike | None = None,
+        fuse_shared_experts: bool = True,
     ):
         """``load_format="dummy"``: random weights of the checkpoint's config, made on the device
         (benchmarking real shapes without the files, like vLLM's ``--load-format dummy``).
@@ -126,7 +127,10 @@ class LLM:
         of ``expert_stats``, a JSON file of routing counts); ``cpu_threads``: the host experts'
         kernel threads (default half the cores), see :mod:`jaxdsa.offload`. ``record_expert_stats``:
         a file the MoE layers' routing counts go to, in ``expert_stats``' format, written at exit
-        and by ``self.expert_stats.write()`` (a profiling mode: :mod:`jaxdsa.offload.stats`)."""
+        and by ``self.expert_stats.write()`` (a profiling mode: :mod:`jaxdsa.offload.stats`).
+        ``fuse_shared_experts``: each MoE layer's shared expert runs in the routed experts' kernels,
+        as one more expert every token is routed to, where it can (:mod:`jaxdsa.shared_experts`;
+        SGLang's shared-experts fusion; outputs unchanged up to rounding)."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r}: choose float32 or bfloat16")
         placement = ExpertPlacement.of(num_gpu_experts, gpu_experts_policy, expert_stats, cpu_threads)
@@ -176,6 +180,7 @@ class LLM:
             check_weights=check_fits,
             placement=placement,
             expert_stats=self.expert_stats,
+            fuse_shared_experts=fuse_shared_experts,
         )
         if self.expert_stats is not None:
             atexit.register(self.expert_stats.write)

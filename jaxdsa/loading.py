@@ -18,7 +18,7 @@ from flax import nnx
 
 from checkpoints import walker
 from checkpoints.safetensors_io import CheckpointReader
-from jaxdsa import offload
+from jaxdsa import offload, shared_experts
 from jaxdsa import quantization as quant
 from jaxdsa.models import family as families
 from jaxdsa.models.family import ModelFamily
@@ -45,6 +45,7 @@ def load_model(
     check_weights: Callable[[float], None] | None = None,
     placement: ExpertPlacement | None = None,
     expert_stats: ExpertStats | None = None,
+    fuse_shared_experts: bool = True,
 ) -> tuple[ModelFamily, Any, nnx.Module]:
     """-> (family, config, model) of the checkpoint at ``path``, placed on ``mesh``.
 
@@ -56,6 +57,8 @@ def load_model(
     weights one device will hold before any is read or drawn; it raises to stop the load.
     ``placement``: routed experts split between the GPUs and host RAM (:mod:`jaxdsa.offload`).
     ``expert_stats``: where the MoE layers' routing counts go (:mod:`jaxdsa.offload.stats`).
+    ``fuse_shared_experts``: hold each MoE layer's shared expert as one more routed expert where it
+    can join them (:mod:`jaxdsa.shared_experts`; not with experts in host RAM).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r}: choose one of {', '.join(LOAD_FORMATS)}")
@@ -78,6 +81,8 @@ def load_model(
         stored = lambda leaf: walker.stored_format(reader, kept, leaf)  # noqa: E731
     shards = parallelism.shards if parallelism is not None else lambda _: 1
     formats = quant.formats(model, specs, stored)
+    if fuse_shared_experts and placement is None:
+        model, specs, formats = shared_experts.fuse_shared_experts(model, specs, formats, shards)
     host = None
     if placement is not None:
         model, specs, host = offload.plan(model, specs, formats, placement, shards)

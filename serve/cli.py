@@ -175,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpu-threads", type=int, help="threads of the host experts' CPU kernel (default: half the cores)"
     )
     g.add_argument(
+        "--disable-shared-experts-fusion",
+        action="store_true",
+        help="run each MoE layer's shared expert apart, not as one more routed expert in their kernels",
+    )
+    g.add_argument(
         "--no-warmup", action="store_true", help="compile step shapes on first use instead of at startup"
     )
     g.add_argument("--tensor-parallel-size", "-tp", "--tp-size", "--tp", type=int, default=1)
@@ -449,6 +454,7 @@ def build(args: argparse.Namespace) -> Server:
             expert_stats=args.expert_stats,
             cpu_threads=args.cpu_threads,
             record_expert_stats=args.record_expert_stats,
+            fuse_shared_experts=not args.disable_shared_experts_fusion,
             **parallel,
         )
         engine = llm.engine

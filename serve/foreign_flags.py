@@ -57,7 +57,6 @@ FOREIGN: tuple[Foreign, ...] = (
     *_each(("--attention-backend", "--attention-config"), True, False, _ATTENTION),
     Foreign(("--enable-chunked-prefill",), False, False, "prefill is always chunked"),
     Foreign(("--enable-mixed-chunk",), False, False, "prefill chunks always share steps with decodes"),
-    Foreign(("--disable-shared-experts-fusion",), False, False, "the shared expert is a layer of its own"),
     Foreign(
         ("--max-total-tokens",),
         True,

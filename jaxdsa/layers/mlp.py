@@ -104,13 +104,16 @@ class Experts(nnx.Module):
 
     Split between the GPUs and host RAM (:mod:`jaxdsa.offload`), the stacks hold the GPU experts,
     ``host`` the others and ``slots`` the table that maps routing ids to either side. ``recorder``
-    counts the routing ids for ``--record-expert-stats``.
+    counts the routing ids for ``--record-expert-stats``. ``shared_slot``: the stacks' position of
+    the layer's shared expert when it is held as one more expert (:mod:`jaxdsa.shared_experts`);
+    every token is routed to it at weight 1.
     """
 
     quantizable = True
     host: HostExperts | None = None
     slots: ExpertSlots | None = None
     recorder: ExpertRecorder | None = None  # --record-expert-stats (jaxdsa.offload.stats)
+    shared_slot: int | None = None
 
     def __init__(
         self, num: int, hidden: int, inter: int, *, dtype, rngs: nnx.Rngs, swiglu_limit: float | None = None
@@ -145,6 +148,9 @@ class Experts(nnx.Module):
         experts it would otherwise read."""
         if self.recorder is not None:
             self.recorder.record(ids, valid, split_layer(self.down.get_value())[1])
+        if self.shared_slot is not None:
+            ids = jnp.concatenate([ids, jnp.full((ids.shape[0], 1), self.shared_slot, ids.dtype)], axis=1)
+            weights = jnp.concatenate([weights, jnp.ones((weights.shape[0], 1), weights.dtype)], axis=1)
         if self.host is None:
             return [self._run(x, ids, weights), *([shared.unreduced(x)] if shared is not None else [])]
         slots = jnp.take(self.slots[...], ids)
