@@ -23,10 +23,11 @@ N expert width):
 - ``topk_indices(logits [T,S], k) -> [T,k] int32``: indices of the k largest finite values, any
   order, -1 where a row has fewer.
 - ``select_experts(logits [T,E] f32, bias [E] f32, *, top_k, n_group, topk_group, norm_topk_prob,
-  scaling, layer=None) -> (ids [T,top_k] int32, weights [T,top_k] f32)``: the MoE router after its logits
-  (computed by the caller in XLA): sigmoid scores, selection on score + bias limited to the
-  ``topk_group`` best of ``n_group`` groups (each scored by its top-2 sum), weights = the selected
-  scores, normalized if ``norm_topk_prob``, times ``scaling``. Replicated on a mesh.
+  scaling, layer=None, shared_slot=None) -> (ids [T,k] int32, weights [T,k] f32)``: the MoE router after
+  its logits (computed by the caller in XLA): sigmoid scores, selection on score + bias limited to
+  the ``topk_group`` best of ``n_group`` groups (each scored by its top-2 sum), weights = the
+  selected scores, normalized if ``norm_topk_prob``, times ``scaling``; k = top_k, and with
+  ``shared_slot`` one more column routing every token to that expert at weight 1. Replicated on a mesh.
 - ``moe_experts(x [T,D], topk_ids [T,k], topk_weights [T,k], experts, *, swiglu_limit=None, layer=None)
   -> [T,D]`` with ``experts = {'gate_up': [E,D,2N], 'down': [E,N,D]}``
   (:func:`pallas_kernels.moe.ref.pack_experts`; quantized experts: ``pack_experts`` of three
@@ -287,6 +288,7 @@ def select_experts(
     norm_topk_prob: bool,
     scaling: float,
     layer=None,
+    shared_slot: int | None = None,
 ):
     impl, at = _at_layer("select_experts", layer)
     return impl(
@@ -297,6 +299,7 @@ def select_experts(
         topk_group=topk_group,
         norm_topk_prob=norm_topk_prob,
         scaling=scaling,
+        shared_slot=shared_slot,
         **at,
     )
 

@@ -72,8 +72,9 @@ class Router(nnx.Module):
         a copy that splits the step's CUDA graph)."""
         return ("bias",)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """-> expert ids [T, k] int32, weights [T, k] float32 (normalized, times the scaling factor)."""
+    def __call__(self, x: jax.Array, shared_slot: int | None = None) -> tuple[jax.Array, jax.Array]:
+        """-> expert ids [T, k] int32, weights [T, k] float32 (normalized, times the scaling factor);
+        with ``shared_slot`` one more column, every token routed to that expert at weight 1."""
         logits = x.astype(jnp.float32) @ self.weight[...].astype(jnp.float32)  # one XLA dot, exact
         bias, layer = split_layer(self.bias.get_value())
         return ops.select_experts(
@@ -85,6 +86,7 @@ class Router(nnx.Module):
             norm_topk_prob=self.norm_topk_prob,
             scaling=self.scaling,
             layer=layer,
+            shared_slot=shared_slot,
         )
 
 
@@ -138,6 +140,7 @@ class Experts(nnx.Module):
         weights: jax.Array,
         shared: MLP | None = None,
         valid: jax.Array | None = None,
+        routed_shared: bool = False,
     ) -> list[Partial]:
         """The routed experts' output (and the ``shared`` expert's) as partial sums, before their
         all-reduces (float32; :func:`jaxdsa.sharding.reduce_partials` adds them).
@@ -145,10 +148,13 @@ class Experts(nnx.Module):
         With host experts, the CPU computes its slots while the GPU computes its own and the shared
         expert (:mod:`jaxdsa.offload.host_experts`): the barriers keep the callbacks on either side
         of that work. ``valid [T]``: the step's real tokens; the CPU skips padding rows, whose
-        experts it would otherwise read."""
+        experts it would otherwise read. ``routed_shared``: ``ids`` / ``weights`` end with the
+        column of the shared expert held at ``shared_slot`` (the router's, :class:`Router`); without
+        it that column is added here."""
         if self.recorder is not None:
-            self.recorder.record(ids, valid, split_layer(self.down.get_value())[1])
-        if self.shared_slot is not None:
+            routed = ids[:, :-1] if routed_shared else ids
+            self.recorder.record(routed, valid, split_layer(self.down.get_value())[1])
+        if self.shared_slot is not None and not routed_shared:
             ids = jnp.concatenate([ids, jnp.full((ids.shape[0], 1), self.shared_slot, ids.dtype)], axis=1)
             weights = jnp.concatenate([weights, jnp.ones((weights.shape[0], 1), weights.dtype)], axis=1)
         if self.host is None:
@@ -187,4 +193,8 @@ class MoE(nnx.Module):
         """The routed and the shared experts' outputs before their all-reduces: added before one
         (:func:`jaxdsa.sharding.reduce_partials`) where both split over the same devices (TP).
         ``valid``: the step's real tokens (:meth:`Experts.partials`)."""
-        return self.experts.partials(x, *self.router(x), shared=self.shared, valid=valid)
+        slot = self.experts.shared_slot  # the router adds the shared expert's column (one kernel)
+        ids, weights = self.router(x, shared_slot=slot)
+        return self.experts.partials(
+            x, ids, weights, shared=self.shared, valid=valid, routed_shared=slot is not None
+        )

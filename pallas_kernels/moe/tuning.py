@@ -158,11 +158,16 @@ MAX_SPLITS = 4
 
 def k_splits(num_slots: int, num_experts: int, n_out: int | None, block_n: int, sms: int) -> int:
     """gate|up K splits for a batch with fewer slots than experts: doubled while the grid (about one
-    block per slot, times the N tiles) would still fit one wave of programs, up to MAX_SPLITS."""
+    block per slot, times the N tiles) would still fit 1.25 waves of programs, up to MAX_SPLITS.
+
+    The quarter wave over is for a shared expert routed as one more (:mod:`jaxdsa.shared_experts`):
+    one token at top-8 + 1 of GLM-5.2 at TP 4 is 36 programs, which a strict wave would split two
+    ways (72 programs) instead of the routed experts' four (128), and at two programs per SM the
+    few programs past the wave run beside the others (4-bit tiles fit twice in shared memory)."""
     if n_out is None or num_slots >= num_experts:
         return 1
     programs, splits = num_slots * max(n_out // block_n, 1), 1
-    while splits < MAX_SPLITS and 2 * programs * splits <= sms:
+    while splits < MAX_SPLITS and 2 * programs * splits * 4 <= sms * 5:
         splits *= 2
     return splits
 

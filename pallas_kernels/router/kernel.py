@@ -59,6 +59,7 @@ def _router_kernel(
     topk_group: int,
     norm_topk_prob: bool,
     scaling: float,
+    shared_slot: int | None,
 ):
     logits_ref, *bias_refs, ids_ref, weights_ref = refs
     lead, (bias_ref,) = tiles.layer_lead(bias_spec, bias_refs)
@@ -94,7 +95,7 @@ def _router_kernel(
         eligible = (jnp.right_shift(keep, group) & 1) == 1
         key = jnp.where(real & ~eligible, _NEG_INF_KEY, key)
 
-    k_pad = pl.next_power_of_2(top_k)
+    k_pad = pl.next_power_of_2(top_k + (shared_slot is not None))
     slots = jnp.arange(k_pad, dtype=jnp.int32)
     ids = jnp.full((k_pad,), -1, jnp.int32)
     for i in range(top_k):
@@ -105,9 +106,13 @@ def _router_kernel(
     weights = jnp.where(slots < top_k, weights, 0.0)
     if norm_topk_prob:
         weights = weights / (jnp.sum(weights) + 1e-20)
-    out = slots < top_k
+    weights = weights * scaling
+    if shared_slot is not None:  # the shared expert held as one more, at weight 1
+        ids = jnp.where(slots == top_k, shared_slot, ids)
+        weights = jnp.where(slots == top_k, 1.0, weights)
+    out = slots < top_k + (shared_slot is not None)
     pltriton.store(ids_ref.at[row, slots], ids, mask=out)
-    pltriton.store(weights_ref.at[row, slots], weights * scaling, mask=out)
+    pltriton.store(weights_ref.at[row, slots], weights, mask=out)
 
 
 def _check(e: int, top_k: int, n_group: int, topk_group: int) -> None:
@@ -125,7 +130,16 @@ def _check(e: int, top_k: int, n_group: int, topk_group: int) -> None:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("top_k", "n_group", "topk_group", "norm_topk_prob", "scaling", "interpret")
+    jax.jit,
+    static_argnames=(
+        "top_k",
+        "n_group",
+        "topk_group",
+        "norm_topk_prob",
+        "scaling",
+        "shared_slot",
+        "interpret",
+    ),
 )
 def select_experts(
     logits: jax.Array,
@@ -137,12 +151,13 @@ def select_experts(
     norm_topk_prob: bool,
     scaling: float,
     layer: jax.Array | None = None,
+    shared_slot: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """See :func:`jaxdsa.ops.select_experts`.
 
     logits [T,E] f32, bias [E] f32 (or a stack [L, E] read in place at ``layer``, an int32 scalar)
-    -> (ids [T,top_k] int32, weights [T,top_k] f32).
+    -> (ids [T,k] int32, weights [T,k] f32), k = top_k, + 1 with ``shared_slot``.
     """
     t, e = logits.shape
     if bias.shape[-1:] != (e,) or bias.ndim != (1 if layer is None else 2):
@@ -150,8 +165,9 @@ def select_experts(
             f"select_experts: bias {bias.shape} with layer={layer} does not match logits {logits.shape}"
         )
     _check(e, top_k, n_group, topk_group)
+    k = top_k + (shared_slot is not None)
     if t == 0:
-        return jnp.zeros((0, top_k), jnp.int32), jnp.zeros((0, top_k), jnp.float32)
+        return jnp.zeros((0, k), jnp.int32), jnp.zeros((0, k), jnp.float32)
     bias_spec, bias_operands = tiles.operands(bias.astype(jnp.float32), layer=layer)
     kernel = functools.partial(
         _router_kernel,
@@ -162,12 +178,13 @@ def select_experts(
         topk_group=topk_group,
         norm_topk_prob=norm_topk_prob,
         scaling=float(scaling),
+        shared_slot=shared_slot,
     )
     return pl.pallas_call(
         kernel,
         out_shape=(
-            jax.ShapeDtypeStruct((t, top_k), jnp.int32),
-            jax.ShapeDtypeStruct((t, top_k), jnp.float32),
+            jax.ShapeDtypeStruct((t, k), jnp.int32),
+            jax.ShapeDtypeStruct((t, k), jnp.float32),
         ),
         grid=(t,),
         compiler_params=compiler_params(_num_warps(pl.next_power_of_2(e)), 1),

@@ -16,9 +16,11 @@ def select_experts(
     norm_topk_prob: bool,
     scaling: float,
     layer=None,
+    shared_slot: int | None = None,
 ):
-    """logits [T,E] f32, bias [E] f32 (or a stack [L, E] at ``layer``) -> (ids [T,top_k] int32,
-    weights [T,top_k] f32).
+    """logits [T,E] f32, bias [E] f32 (or a stack [L, E] at ``layer``) -> (ids [T,k] int32,
+    weights [T,k] f32); k = top_k, and one more column with ``shared_slot``: that id at weight 1
+    (a shared expert held as one more routed expert, :mod:`jaxdsa.shared_experts`).
 
     ``scores = sigmoid(logits)``; experts are chosen on ``scores + bias`` (the bias only selects).
     With ``n_group > 1`` the E experts form ``n_group`` groups of consecutive ones, each scored by
@@ -40,4 +42,11 @@ def select_experts(
     weights = jnp.take_along_axis(scores, ids, axis=1)
     if norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return ids.astype(jnp.int32), weights * scaling
+    ids, weights = ids.astype(jnp.int32), weights * scaling
+    if shared_slot is None:
+        return ids, weights
+    column = lambda value, like: jnp.full((like.shape[0], 1), value, like.dtype)  # noqa: E731
+    return (
+        jnp.concatenate([ids, column(shared_slot, ids)], axis=1),
+        jnp.concatenate([weights, column(1.0, weights)], axis=1),
+    )

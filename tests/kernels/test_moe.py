@@ -242,6 +242,8 @@ def test_decode_batches_of_quantized_experts_split_gate_up_over_k():
     assert choose(1, 2048).splits == 1 and choose(8, 512).splits == 1 and choose(1, 1024).splits == 2
     assert tuning.choose(8, 256, itemsize=2, cc=90, n_out=512).splits == 1  # bf16 experts
     assert tuning.k_splits(8, 256, 256, 128, sms=132) == 4  # TP 8: 16 programs, at most 4 splits
+    assert tuning.k_splits(9, 257, 512, 128, sms=132) == 4  # and the shared expert: 144 programs
+    assert tuning.k_splits(18, 257, 512, 128, sms=132) == 2  # two tokens: 144 programs again
 
 
 def test_block_m_regimes():

@@ -22,7 +22,7 @@ from pallas_kernels.router import kernel, ref
 
 TARGETS = ("sm_80", "sm_90", "sm_120")
 GROUPS = ((1, 1), (4, 2), (8, 4))  # (n_group, topk_group)
-STATIC = ("top_k", "n_group", "topk_group", "norm_topk_prob", "scaling")
+STATIC = ("top_k", "n_group", "topk_group", "norm_topk_prob", "scaling", "shared_slot")
 # One compilation per case instead of one per op of an eager run (which took as long as the kernel's).
 reference = jax.jit(ref.select_experts, static_argnames=STATIC)
 
@@ -101,11 +101,27 @@ def test_bias_read_from_a_layer_stack(n_group, topk_group):
     _check(ops._impl("select_experts", "reference", True)(logits, stack, layer=jnp.int32(1), **kw), want)
 
 
+@pytest.mark.parametrize("e, top_k, n_group, topk_group", [(16, 4, 4, 2), (256, 8, 1, 1), (12, 3, 3, 2)])
+def test_shared_expert_column(e, top_k, n_group, topk_group):
+    """A shared expert held as expert ``E`` of the stacks (jaxdsa.shared_experts): the routed
+    selection unchanged, then one more column routing every token to it at weight 1 (top_k = 8
+    pads the slots to 16 in registers)."""
+    rng = np.random.default_rng(e + top_k)
+    logits, bias = _inputs(rng, 5, e, n_group, topk_group)
+    kw = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, norm_topk_prob=True, scaling=2.5)
+    ids, weights = reference(logits, bias, shared_slot=e, **kw)
+    _check((ids[:, :top_k], weights[:, :top_k]), reference(logits, bias, **kw))
+    assert (np.asarray(ids[:, top_k]) == e).all() and (np.asarray(weights[:, top_k]) == 1.0).all()
+    _check(ops._impl("select_experts", "interpret")(logits, bias, shared_slot=e, **kw), (ids, weights))
+
+
 def test_no_tokens():
     logits, bias = jnp.zeros((0, 16), jnp.float32), jnp.zeros((16,), jnp.float32)
     kw = dict(top_k=4, n_group=4, topk_group=2, norm_topk_prob=True, scaling=2.5)
     ids, weights = kernel.select_experts(logits, bias, interpret=True, **kw)
     assert ids.shape == weights.shape == (0, 4)
+    ids, weights = kernel.select_experts(logits, bias, interpret=True, shared_slot=16, **kw)
+    assert ids.shape == weights.shape == (0, 5)
 
 
 @pytest.mark.parametrize(
@@ -135,7 +151,7 @@ def test_invalid_shapes_raise(e, top_k, n_group, topk_group, match):
 @pytest.mark.parametrize("stacked", [False, True], ids=["bias", "bias-stack"])
 def test_lowers_for_cuda(target, e, top_k, n_group, topk_group, stacked):
     """DeepSeek-V3.2 (8 groups, 4 kept) and GLM-5 (no groups) routers at T = 4, the bias alone or
-    read in a layer stack: one Triton call."""
+    read in a layer stack (with the shared expert's column, jaxdsa.shared_experts): one Triton call."""
     shapes = [
         jax.ShapeDtypeStruct((4, e), jnp.float32),
         jax.ShapeDtypeStruct((3, e) if stacked else (e,), jnp.float32),
@@ -153,5 +169,6 @@ def test_lowers_for_cuda(target, e, top_k, n_group, topk_group, stacked):
         topk_group=topk_group,
         norm_topk_prob=True,
         scaling=2.5,
+        shared_slot=e if stacked else None,
     )
     assert text.count("__gpu$xla.gpu.triton") == 1

@@ -36,7 +36,9 @@ def expected_shard_shapes(cfg, tp, ep, dp, dp_attention):
     expert_shards = ep
     group_ep = ep // dp if dp_attention else ep
     expert_tp = tp // group_ep if group_ep < tp else 1
-    return {
+    joined = ep == 1  # unsplit experts hold the shared expert as one more (jaxdsa.shared_experts)
+    shared = {} if joined else {("shared", "gate", "weight"): (D, N * cfg.n_shared_experts // tp)}
+    return shared | {
         ("embed", "weight"): (cfg.vocab_size // tp, D),
         ("lm_head", "weight"): (D, cfg.vocab_size // tp),
         ("q_b", "weight"): (cfg.q_lora_rank, H // tp, cfg.qk_head_dim),
@@ -48,9 +50,8 @@ def expected_shard_shapes(cfg, tp, ep, dp, dp_attention):
         ("weights_proj", "weight"): (D, Hi // tp),
         ("mlp", "gate", "weight"): (D, cfg.intermediate_size // tp),
         ("mlp", "down", "weight"): (cfg.intermediate_size // tp, D),
-        ("shared", "gate", "weight"): (D, N * cfg.n_shared_experts // tp),
-        ("experts", "gate_up"): (E // expert_shards, D, 2 * N // expert_tp),
-        ("experts", "down"): (E // expert_shards, N // expert_tp, D),
+        ("experts", "gate_up"): (E // expert_shards + joined, D, 2 * N // expert_tp),
+        ("experts", "down"): (E // expert_shards + joined, N // expert_tp, D),
         ("router", "weight"): (D, E),
     }
 
