@@ -408,11 +408,8 @@ def gate_up(
 
 
 def _k_splits(splits: int, k_steps: int) -> int:
-    """The largest power of two <= ``splits`` that divides the K loop's steps."""
-    s = 1
-    while 2 * s <= splits and k_steps % (2 * s) == 0:
-        s *= 2
-    return s
+    """The largest split count <= ``splits`` that divides the K loop's steps."""
+    return max(s for s in range(1, splits + 1) if k_steps % s == 0)
 
 
 def down(

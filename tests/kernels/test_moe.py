@@ -97,14 +97,19 @@ def test_tail_blocks(block_m, absorb_m):
     _check(x, jnp.asarray(ids, jnp.int32), weights[:, :1], experts, config=cfg)
 
 
-@pytest.mark.parametrize("t,splits,limit", [(1, 2, None), (1, 4, 0.3), (37, 4, None), (300, 2, 0.3)])
-def test_k_splits(t, splits, limit):
+@pytest.mark.parametrize(
+    "t,splits,limit,d",
+    [(1, 2, None, 128), (1, 4, 0.3, 128), (1, 3, None, 96), (37, 4, None, 128), (300, 2, 0.3, 128)],
+)
+def test_k_splits(t, splits, limit, d):
     """gate|up split over K (float32 partial sums, the SwiGLU after their sum): the decode regime of
-    a few experts, and grouped, multi-block and absorbed-tail routings, with and without the clamp."""
-    x, ids, weights, experts = _inputs(70 + t, t, 4, 8, 128, 32, jnp.float32, skew=1.0)
+    a few experts (3 splits of a 3-step K loop too), and grouped, multi-block and absorbed-tail
+    routings, with and without the clamp."""
+    x, ids, weights, experts = _inputs(70 + t, t, 4, 8, d, 32, jnp.float32, skew=1.0)
     cfg = MoeConfig(16, Tile(32, 32, 4, 2), Tile(32, 16, 4, 2), splits=splits)
     _check(x, ids, weights, experts, swiglu_limit=limit, config=cfg)
-    assert kernel._k_splits(8, 12) == 4 and kernel._k_splits(4, 3) == 1  # only splits dividing the loop
+    assert kernel._k_splits(8, 12) == 6 and kernel._k_splits(4, 3) == 3  # only splits dividing the loop
+    assert kernel._k_splits(4, 7) == 1
 
 
 def test_all_ids_out_of_range():
@@ -242,8 +247,8 @@ def test_decode_batches_of_quantized_experts_split_gate_up_over_k():
     assert choose(1, 2048).splits == 1 and choose(8, 512).splits == 1 and choose(1, 1024).splits == 2
     assert tuning.choose(8, 256, itemsize=2, cc=90, n_out=512).splits == 1  # bf16 experts
     assert tuning.k_splits(8, 256, 256, 128, sms=132) == 4  # TP 8: 16 programs, at most 4 splits
-    assert tuning.k_splits(9, 257, 512, 128, sms=132) == 4  # and the shared expert: 144 programs
-    assert tuning.k_splits(18, 257, 512, 128, sms=132) == 2  # two tokens: 144 programs again
+    assert tuning.k_splits(9, 257, 512, 128, sms=132) == 3  # and the shared expert: 108 programs, one wave
+    assert tuning.k_splits(18, 257, 512, 128, sms=132) == 3  # two tokens: 216 in two waves
 
 
 def test_block_m_regimes():
