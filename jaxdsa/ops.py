@@ -28,6 +28,9 @@ N expert width):
   the ``topk_group`` best of ``n_group`` groups (each scored by its top-2 sum), weights = the
   selected scores, normalized if ``norm_topk_prob``, times ``scaling``; k = top_k, and with
   ``shared_slot`` one more column routing every token to that expert at weight 1. Replicated on a mesh.
+- ``mla_latent(x [T,D], (q_a, kv_a[, wk]), q_norm [Q], kv_norm [C], cos, sin [T,P/2], *, eps, layer=None)
+  -> (q_lat [T,Q], row [T,C+P][, wk_x [T,d]])``: MLA's quantized latent projections with the norms
+  and the latent key's interleaved RoPE after them (the projections' K splits added in the row kernel).
 - ``moe_experts(x [T,D], topk_ids [T,k], topk_weights [T,k], experts, *, swiglu_limit=None, layer=None)
   -> [T,D]`` with ``experts = {'gate_up': [E,D,2N], 'down': [E,N,D]}``
   (:func:`pallas_kernels.moe.ref.pack_experts`; quantized experts: ``pack_experts`` of three
@@ -89,6 +92,8 @@ from pallas_kernels.merge_states import kernel as merge_states_kernel
 from pallas_kernels.merge_states import ref as merge_states_ref
 from pallas_kernels.mhc import kernel as mhc_kernel
 from pallas_kernels.mhc import ref as mhc_ref
+from pallas_kernels.mla_latent import kernel as mla_latent_kernel
+from pallas_kernels.mla_latent import ref as mla_latent_ref
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe import ref as moe_ref
 from pallas_kernels.quant_matmul import kernel as quant_matmul_kernel
@@ -194,6 +199,13 @@ OPS: dict[str, Op] = {
             out=(None, None),
             reduce=("index_heads",),
         ),
+    ),
+    # MLA's latent projections are replicated over TP (every device projects its rows whole).
+    "mla_latent": Op(
+        mla_latent_ref.mla_latent,
+        mla_latent_kernel.mla_latent,
+        OpSharding(args=(None,) * 6, out=None),
+        weights=(1, 2, 3),
     ),
     # DeepSeek-V4's residual streams, compressors and their state are replicated over TP: every
     # device runs these on whole operands (declared, so a kernel is never left to the partitioner).
@@ -363,6 +375,11 @@ def _at_layer(name: str, layer) -> tuple[Callable[..., Any], dict[str, jax.Array
 def _index(layer) -> jax.Array:
     """A layer index as the int32 scalar array the ops' shard_maps and kernels take."""
     return jnp.asarray(layer, jnp.int32)
+
+
+def mla_latent(x, ws, q_norm, kv_norm, cos, sin, *, eps: float, layer=None):
+    impl, at = _at_layer("mla_latent", layer)
+    return impl(x, tuple(ws), q_norm, kv_norm, cos, sin, eps=eps, **at)
 
 
 def add_rms_norm(x, weight, *, eps: float, residual=None, layer=None):

@@ -27,8 +27,10 @@ from jaxdsa.cache import LayerPages, slots_for
 from jaxdsa.layers.context import StepContext
 from jaxdsa.layers.indexer import Indexer
 from jaxdsa.layers.linear import Linear, project
-from jaxdsa.layers.norms import RMSNorm
+from jaxdsa.layers.norms import StackedRMSNorm
 from jaxdsa.layers.rope import apply_rope
+from jaxdsa.layers.stacks import split_layer
+from jaxdsa.quantized_weight import QuantizedWeight
 from jaxdsa.sharding import reduce_partials
 
 
@@ -52,12 +54,12 @@ class MLAttention(nnx.Module):
         rngs: nnx.Rngs,
     ):
         self.q_a = Linear((hidden,), (q_lora,), ("embed", "q_lora"), dtype=dtype, rngs=rngs)
-        self.q_a_norm = RMSNorm(q_lora, latent_norm_eps, axis="q_lora", dtype=dtype)
+        self.q_a_norm = StackedRMSNorm(q_lora, latent_norm_eps, axis="q_lora", dtype=dtype)
         self.q_b = Linear(
             (q_lora,), (heads, nope + rope), ("q_lora", "heads", "head_dim"), dtype=dtype, rngs=rngs
         )
         self.kv_a = Linear((hidden,), (kv_lora + rope,), ("embed", "latent"), dtype=dtype, rngs=rngs)
-        self.kv_a_norm = RMSNorm(kv_lora, latent_norm_eps, axis="kv_lora", dtype=dtype)
+        self.kv_a_norm = StackedRMSNorm(kv_lora, latent_norm_eps, axis="kv_lora", dtype=dtype)
         self.w_uk = Linear(
             (kv_lora,), (heads, nope), ("kv_lora", "heads", "head_dim"), dtype=dtype, rngs=rngs
         )
@@ -66,13 +68,33 @@ class MLAttention(nnx.Module):
         self.indexer = indexer
         self.kv_lora, self.nope, self.softmax_scale = kv_lora, nope, softmax_scale
 
-    def queries(self, q_a: jax.Array, cos, sin):
-        """``q_a``: the tokens' ``q_a`` projection -> q_nope [T,H,Dn], q_pe [T,H,Pr] (roped),
-        q_lat [T, q_lora] (also the indexer's input)."""
-        q_lat = self.q_a_norm(q_a)
+    def project_latent(self, x: jax.Array, wk: tuple[Linear, ...], cos, sin) -> list[jax.Array]:
+        """The layer input's latent projections and what follows them: ``q_lat [T, q_lora]`` (normed;
+        also the indexer's input), the tokens' cached rows [T, C+Pr] (:meth:`latent_rows`) and,
+        with the indexer's ``wk``, its product. Quantized alike, one op adds the projections' K
+        splits and applies both norms and the latent key's RoPE (:func:`jaxdsa.ops.mla_latent`: at
+        decode three XLA reductions and a scaling fewer); anything else, XLA's ops."""
+        quantized = lambda m: isinstance(split_layer(m.weight.get_value())[0], QuantizedWeight)  # noqa: E731
+        joined = tuple(w for w in wk if quantized(w))  # a dense wk beside them runs on its own
+        stacks, layers = zip(*(split_layer(m.weight.get_value()) for m in (self.q_a, self.kv_a, *joined)))
+        norms, norm_layers = zip(
+            *(split_layer(n.weight.get_value()) for n in (self.q_a_norm, self.kv_a_norm))
+        )
+        if (
+            all(isinstance(w, QuantizedWeight) for w in stacks)
+            and all(layer is layers[0] for layer in (*layers, *norm_layers))
+            and self.q_a_norm.eps == self.kv_a_norm.eps
+        ):
+            out = ops.mla_latent(x, stacks, *norms, cos, sin, eps=self.q_a_norm.eps, layer=layers[0])
+            return [*out, *(w(x) for w in wk if w not in joined)]
+        q_a, kv, *wk_x = project(x, (self.q_a, self.kv_a, *wk))
+        return [self.q_a_norm(q_a), self.latent_rows(kv, cos, sin), *wk_x]
+
+    def queries(self, q_lat: jax.Array, cos, sin):
+        """``q_lat``: the tokens' normed ``q_a`` projection -> q_nope [T,H,Dn], q_pe [T,H,Pr] (roped)."""
         q = self.q_b(q_lat)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
-        return q_nope, apply_rope(q_pe, cos, sin, interleaved=True), q_lat
+        return q_nope, apply_rope(q_pe, cos, sin, interleaved=True)
 
     def latent_rows(self, kv: jax.Array, cos, sin) -> jax.Array:
         """The cached row of each token from its ``kv_a`` projection: [normed latent (C) | roped
@@ -96,9 +118,9 @@ class MLAttention(nnx.Module):
         slots = slots_for(meta.page_table, meta.seq_ids, ctx.positions, page_size)
         # the projections of the layer input in one kernel launch when they are quantized alike
         wk = (self.indexer.wk,) if self.indexer is not None else ()
-        q_a, kv, *wk_x = project(x, (self.q_a, self.kv_a, *wk))
-        q_nope, q_pe, q_lat = self.queries(q_a, ctx.cos, ctx.sin)
-        latent = latent.write(slots, self.latent_rows(kv, ctx.cos, ctx.sin))
+        q_lat, row, *wk_x = self.project_latent(x, wk, ctx.cos, ctx.sin)
+        q_nope, q_pe = self.queries(q_lat, ctx.cos, ctx.sin)
+        latent = latent.write(slots, row)
         if self.indexer is not None:
             index_keys = index_keys.write(slots, self.indexer.keys(wk_x[0], ctx.cos, ctx.sin))
 

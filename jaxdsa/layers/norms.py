@@ -9,7 +9,7 @@ from flax import nnx
 
 from jaxdsa import ops
 from jaxdsa.layers.params import ones, zeros
-from jaxdsa.layers.stacks import split_layer
+from jaxdsa.layers.stacks import layer_value, split_layer
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -34,6 +34,18 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.weight[...], self.eps)
+
+
+class StackedRMSNorm(RMSNorm):
+    """An RMSNorm whose weight a kernel may read in its layer stack (MLA's latent norms,
+    :func:`jaxdsa.ops.mla_latent`): scanned, the weight reaches the layer whole
+    (:meth:`stack_reads`); XLA's own norm takes the layer's slice."""
+
+    def stack_reads(self) -> tuple[str, ...]:
+        return ("weight",)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, layer_value(self.weight.get_value()), self.eps)
 
 
 def add_residual(h: jax.Array, delta: jax.Array) -> jax.Array:

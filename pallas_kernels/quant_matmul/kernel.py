@@ -197,6 +197,33 @@ def quant_matmul_many(
     )
 
 
+def quant_matmul_partials(
+    x: jax.Array,
+    ws: tuple[QuantizedWeight, ...],
+    *,
+    layer: jax.Array | None = None,
+    interpret: bool = False,
+    decode: str | None = None,
+    int4_decode: str | None = None,
+) -> jax.Array | None:
+    """:func:`quant_matmul_many`'s one launch before the sum over its K splits: ``[S, M, N_1 + N_2 +
+    ...]`` (float32 partial products; the activations' dtype when S = 1), the weights' columns side
+    by side; None where the weights do not group (:func:`groupable`). For a kernel that adds the
+    splits itself and goes on with the rows (``pallas_kernels.mla_latent``), saving the sum's launch."""
+    if not groupable(x.shape[0], x.shape[-1], ws):
+        return None
+    return _quant_matmul(
+        x,
+        tuple(ws),
+        layer,
+        interpret=interpret,
+        decode=fp_decode(decode),
+        config=group_config(x.shape[0], tuple(ws), x.dtype),
+        int4=int4_mode(int4_decode, interpret=interpret),
+        partials=True,
+    )
+
+
 def groupable(m: int, k: int, ws: tuple[QuantizedWeight, ...]) -> bool:
     """Whether ``ws`` can share one :func:`quant_matmul_many` launch for ``m`` rows of width ``k``."""
     first = ws[0]
@@ -238,8 +265,10 @@ def group_config(
     return dataclasses.replace(cfg, block_n=block_n, splits=tuning.splits_for(programs, k // cfg.block_k))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "decode", "config", "int4"))
-def _quant_matmul(x, ws, layer, *, interpret: bool, decode: str, config: tuning.QmmConfig, int4: str):
+@functools.partial(jax.jit, static_argnames=("interpret", "decode", "config", "int4", "partials"))
+def _quant_matmul(
+    x, ws, layer, *, interpret: bool, decode: str, config: tuning.QmmConfig, int4: str, partials: bool = False
+):
     m, k = x.shape
     specs, arrays = [], []
     for w in ws:
@@ -283,6 +312,8 @@ def _quant_matmul(x, ws, layer, *, interpret: bool, decode: str, config: tuning.
         interpret=interpret,
         name="quant_matmul",
     )(x, *(a for operands in arrays for a in operands))
+    if partials:
+        return out[:, :m]
     # one sum over the K splits for all the weights; their columns sliced apart after it
     out = out.sum(axis=0)[:m].astype(x.dtype) if config.splits > 1 else out[0, :m]
     return tuple(out[:, a * block_n : b * block_n] for a, b in zip(tiles_at, tiles_at[1:]))
