@@ -36,10 +36,11 @@ def test_print_index_swap_and_score(capsys):
     doubled = llm.score(prompt)
     assert np.abs(doubled - before).max() > 1e-2
 
-    # The same change made in the weights: routed and shared down projections times two.
+    # The same change made in the weights: routed and shared down projections times two (the shared
+    # expert is the stacks' last expert, jaxdsa.shared_experts, so one stack holds both)
     layer.mlp = moe
+    assert moe.shared is None and moe.experts.shared_slot == llm.config.n_routed_experts
     moe.experts.down.set_value(moe.experts.down.get_value() * 2)
-    moe.shared.down.weight.set_value(moe.shared.down.weight.get_value() * 2)
     np.testing.assert_allclose(llm.score(prompt), doubled, rtol=1e-5, atol=1e-5)
 
 

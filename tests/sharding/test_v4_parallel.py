@@ -25,7 +25,9 @@ def split_dims(cfg, tp, ep, dp, dp_attention):
     """Path suffix -> how many pieces each trailing dim is cut into (everything else: whole)."""
     group_ep = ep // dp if dp_attention else ep
     expert_tp = tp // group_ep if group_ep < tp else 1
-    return {
+    joined = ep == 1  # unsplit experts hold the shared expert as one more (jaxdsa.shared_experts)
+    shared = {(p, "weight"): (1, tp) for p in ("gate", "up")} | {("down", "weight"): (tp, 1)}
+    return {("shared", *k): v for k, v in shared.items() if not joined} | {
         ("embed", "weight"): (tp, 1),
         ("head", "weight"): (1, tp),
         ("attn", "wq_b", "weight"): (1, tp, 1),
@@ -34,9 +36,6 @@ def split_dims(cfg, tp, ep, dp, dp_attention):
         ("attn", "sink"): (tp,),
         ("indexer", "wq_b", "weight"): (1, tp, 1),
         ("indexer", "weights_proj", "weight"): (1, tp),
-        ("shared", "gate", "weight"): (1, tp),
-        ("shared", "up", "weight"): (1, tp),
-        ("shared", "down", "weight"): (tp, 1),
         ("experts", "gate_up"): (ep, 1, expert_tp),
         ("experts", "down"): (ep, expert_tp, 1),
     }
