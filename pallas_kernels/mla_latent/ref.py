@@ -10,13 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.quant_matmul import ref as quant_matmul_ref
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """weight * (x / sqrt(mean(x^2) + eps)), the normalized value cast back before the weight."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * y.astype(x.dtype)
+from pallas_kernels.rms_norm.ref import add_rms_norm
 
 
 def rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -31,8 +25,7 @@ def mla_latent(x, ws, q_norm, kv_norm, cos, sin, *, eps: float, layer=None):
     read at ``layer``); q_norm [Q], kv_norm [C] (stacks [L, .] at ``layer``); cos, sin [T, P / 2]
     float32 -> (q_lat [T, Q], row [T, C + P], and wk's product [T, d] when given), x's dtype."""
     q_a, kv, *wk = quant_matmul_ref.quant_matmul_many(x, tuple(ws), layer=layer)
-    if layer is not None:
-        q_norm, kv_norm = q_norm[layer], kv_norm[layer]
     c = kv_norm.shape[-1]
-    row = jnp.concatenate([rms_norm(kv[:, :c], kv_norm, eps), rope_interleaved(kv[:, c:], cos, sin)], axis=-1)
-    return (rms_norm(q_a, q_norm, eps), row, *wk)
+    normed = lambda v, w: add_rms_norm(v, w, eps=eps, layer=layer)[0]  # noqa: E731
+    row = jnp.concatenate([normed(kv[:, :c], kv_norm), rope_interleaved(kv[:, c:], cos, sin)], axis=-1)
+    return (normed(q_a, q_norm), row, *wk)

@@ -186,15 +186,7 @@ def quant_matmul_many(
     )
     if len(ws) == 1 or not groupable(x.shape[0], k, ws):
         return tuple(alone(x, w) for w in ws)
-    return _quant_matmul(
-        x,
-        tuple(ws),
-        layer,
-        interpret=interpret,
-        decode=fp_decode(decode),
-        config=group_config(x.shape[0], tuple(ws), x.dtype),
-        int4=int4_mode(int4_decode, interpret=interpret),
-    )
+    return _grouped(x, ws, layer, interpret, decode, int4_decode, partials=False)
 
 
 def quant_matmul_partials(
@@ -212,6 +204,12 @@ def quant_matmul_partials(
     splits itself and goes on with the rows (``pallas_kernels.mla_latent``), saving the sum's launch."""
     if not groupable(x.shape[0], x.shape[-1], ws):
         return None
+    return _grouped(x, ws, layer, interpret, decode, int4_decode, partials=True)
+
+
+def _grouped(x, ws, layer, interpret: bool, decode, int4_decode, *, partials: bool):
+    """One launch over the groupable weights ``ws``: their products, or (``partials``) the unsummed
+    K-split products."""
     return _quant_matmul(
         x,
         tuple(ws),
@@ -220,7 +218,7 @@ def quant_matmul_partials(
         decode=fp_decode(decode),
         config=group_config(x.shape[0], tuple(ws), x.dtype),
         int4=int4_mode(int4_decode, interpret=interpret),
-        partials=True,
+        partials=partials,
     )
 
 
