@@ -47,6 +47,18 @@ class MLP(nnx.Module):
         return jax.nn.silu(gate) * up
 
 
+def with_shared_column(ids: jax.Array, weights: jax.Array, slot: int | None) -> tuple[jax.Array, jax.Array]:
+    """``ids`` / ``weights`` ``[T, k]`` and, with a shared expert held at ``slot`` of the expert stacks
+    (:mod:`jaxdsa.shared_experts`), one more column routing every token to it at weight 1."""
+    if slot is None:
+        return ids, weights
+    column = lambda value, like: jnp.full((like.shape[0], 1), value, like.dtype)  # noqa: E731
+    return (
+        jnp.concatenate([ids, column(slot, ids)], axis=1),
+        jnp.concatenate([weights, column(1.0, weights)], axis=1),
+    )
+
+
 class Router(nnx.Module):
     """Sigmoid router with bias-for-selection-only and group-limited top-k, all in float32."""
 
@@ -140,7 +152,6 @@ class Experts(nnx.Module):
         weights: jax.Array,
         shared: MLP | None = None,
         valid: jax.Array | None = None,
-        routed_shared: bool = False,
     ) -> list[Partial]:
         """The routed experts' output (and the ``shared`` expert's) as partial sums, before their
         all-reduces (float32; :func:`jaxdsa.sharding.reduce_partials` adds them).
@@ -148,15 +159,11 @@ class Experts(nnx.Module):
         With host experts, the CPU computes its slots while the GPU computes its own and the shared
         expert (:mod:`jaxdsa.offload.host_experts`): the barriers keep the callbacks on either side
         of that work. ``valid [T]``: the step's real tokens; the CPU skips padding rows, whose
-        experts it would otherwise read. ``routed_shared``: ``ids`` / ``weights`` end with the
-        column of the shared expert held at ``shared_slot`` (the router's, :class:`Router`); without
-        it that column is added here."""
+        experts it would otherwise read. With ``shared_slot``, ``ids`` / ``weights`` end with the
+        shared expert's column (its router's: :class:`Router`, :func:`with_shared_column`)."""
         if self.recorder is not None:
-            routed = ids[:, :-1] if routed_shared else ids
+            routed = ids if self.shared_slot is None else ids[:, :-1]
             self.recorder.record(routed, valid, split_layer(self.down.get_value())[1])
-        if self.shared_slot is not None and not routed_shared:
-            ids = jnp.concatenate([ids, jnp.full((ids.shape[0], 1), self.shared_slot, ids.dtype)], axis=1)
-            weights = jnp.concatenate([weights, jnp.ones((weights.shape[0], 1), weights.dtype)], axis=1)
         if self.host is None:
             return [self._run(x, ids, weights), *([shared.unreduced(x)] if shared is not None else [])]
         slots = jnp.take(self.slots[...], ids)
@@ -193,8 +200,5 @@ class MoE(nnx.Module):
         """The routed and the shared experts' outputs before their all-reduces: added before one
         (:func:`jaxdsa.sharding.reduce_partials`) where both split over the same devices (TP).
         ``valid``: the step's real tokens (:meth:`Experts.partials`)."""
-        slot = self.experts.shared_slot  # the router adds the shared expert's column (one kernel)
-        ids, weights = self.router(x, shared_slot=slot)
-        return self.experts.partials(
-            x, ids, weights, shared=self.shared, valid=valid, routed_shared=slot is not None
-        )
+        ids, weights = self.router(x, shared_slot=self.experts.shared_slot)  # the column in its kernel
+        return self.experts.partials(x, ids, weights, shared=self.shared, valid=valid)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdsa.layers.mlp import MLP, Experts
+from jaxdsa.layers.mlp import MLP, Experts, with_shared_column
 from jaxdsa.layers.params import normal, param, zeros
 from jaxdsa.models.deepseek_v4.config import V4Config
 from jaxdsa.sharding import reduce_partials
@@ -27,8 +27,11 @@ class Router(nnx.Module):
         self.tid2eid = param(table, ("hash_vocab", "experts_per_token")) if hashed else None
         self.top_k, self.scaling = k, cfg.routed_scaling_factor
 
-    def __call__(self, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """-> (expert ids [T, k] int32, weights [T, k] float32)."""
+    def __call__(
+        self, x: jax.Array, tokens: jax.Array, shared_slot: int | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """-> (expert ids [T, k] int32, weights [T, k] float32); with ``shared_slot`` one more column,
+        every token routed to that expert at weight 1 (:func:`jaxdsa.layers.mlp.with_shared_column`)."""
         scores = jnp.sqrt(jax.nn.softplus(x.astype(jnp.float32) @ self.weight[...]))
         if self.tid2eid is not None:
             ids = self.tid2eid[...][tokens]
@@ -36,7 +39,7 @@ class Router(nnx.Module):
             _, ids = jax.lax.top_k(scores + self.bias[...], self.top_k)
         weights = jnp.take_along_axis(scores, ids, axis=1)
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-        return ids.astype(jnp.int32), weights * self.scaling
+        return with_shared_column(ids.astype(jnp.int32), weights * self.scaling, shared_slot)
 
 
 class MoE(nnx.Module):
@@ -50,5 +53,6 @@ class MoE(nnx.Module):
         """The routed and the shared experts' partial sums meet before one all-reduce
         (:func:`jaxdsa.sharding.reduce_partials`), rounded to x's dtype once. ``valid``: the step's
         real tokens (host experts skip padding)."""
-        parts = self.experts.partials(x, *self.router(x, tokens), shared=self.shared, valid=valid)
+        routed = self.router(x, tokens, shared_slot=self.experts.shared_slot)
+        parts = self.experts.partials(x, *routed, shared=self.shared, valid=valid)
         return reduce_partials(parts).astype(x.dtype)
