@@ -35,7 +35,15 @@ from flax import nnx
 import jaxdsa
 from benchmarks import anatomy, harness
 from benchmarks.host_overhead import HostClock, finish, start_decoding
-from benchmarks.serve_gpu import NAMES, PRESETS, WEIGHTS, parallelism, write_model_dir
+from benchmarks.serve_gpu import (
+    NAMES,
+    PRESETS,
+    WEIGHTS,
+    add_parallel_arguments,
+    describe,
+    parallelism,
+    write_model_dir,
+)
 
 
 def trace_steps(engine, n: int, directory: str) -> str:
@@ -98,10 +106,7 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
         action="store_true",
         help="each MoE layer's shared expert apart, not one more routed expert (jaxdsa.shared_experts)",
     )
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-    p.add_argument("--enable-dp-attention", action="store_true")
+    add_parallel_arguments(p)
     args = p.parse_args(argv)
     par = parallelism(args)
 
@@ -151,9 +156,7 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
         f"Decode-step anatomy: {name}",
         {
             "model": f"{name}, random weights (--load-format dummy --quantization {args.quantization})",
-            "parallelism": f"-tp {par.tp} -ep {par.ep} -dp {par.dp}"
-            + " --enable-dp-attention" * par.dp_attention
-            + f" ({par.num_devices} device(s))",
+            "parallelism": describe(par),
             "workload": f"{args.streams} stream(s) decoding after {args.input_len}-token prompts, "
             f"{scheduling} scheduling",
             "layers": "under lax.scan" if args.scan_layers else "each traced on its own (--no-scan-layers)",

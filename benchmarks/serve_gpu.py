@@ -94,7 +94,25 @@ def planned_weight_bytes(raw: dict, weights: str, par: Parallelism | None = None
     return plan.device_weight_bytes(family_for(cfg.model_type), cfg, par or Parallelism(), weights)
 
 
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's (vLLM's) parallelism flags, for the benchmarks that build a mesh."""
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    parser.add_argument("--enable-dp-attention", action="store_true")
+
+
+def describe(par: Parallelism) -> str:
+    """``-tp 4 -ep 1 -dp 1 (4 device(s))``, as a results header states a mesh."""
+    return (
+        f"-tp {par.tp} -ep {par.ep} -dp {par.dp}"
+        + " --enable-dp-attention" * par.dp_attention
+        + (f" ({par.num_devices} device(s))")
+    )
+
+
 def parallelism(args: argparse.Namespace) -> Parallelism:
+    """The mesh of :func:`add_parallel_arguments`' flags."""
     return Parallelism(
         tp=args.tensor_parallel_size,
         ep=args.expert_parallel_size,
@@ -260,10 +278,7 @@ def main(argv=None) -> int:
         help="serve a second time with --no-async-scheduling (the engine loop before async scheduling)",
     )
     # the server's (and vLLM's) parallelism flags, passed on; the planner splits the model the same way
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-    p.add_argument("--enable-dp-attention", action="store_true")
+    add_parallel_arguments(p)
     args = p.parse_args(argv)
     par = parallelism(args)  # checked before anything starts
 

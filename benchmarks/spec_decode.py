@@ -1,14 +1,16 @@
-"""MTP speculative decoding at GLM-5 widths on one GPU: what a verify step costs, and the tokens/s it
-buys as a function of the acceptance rate.
+"""MTP speculative decoding at GLM-5.x widths: what a verify step costs, and the tokens/s it buys as a
+function of the acceptance rate.
 
-The model has GLM-5's layer widths (see :mod:`benchmarks.serve_gpu`) with 3 dense layers, ``--layers
-- 3`` MoE layers and GLM-5's MTP layer (a MoE decoder layer behind ``eh_proj``), random bf16 weights
-made on the device. For each batch ``B`` (sequences decoding together at a ``--context``-token
-prompt) the script times ``Engine.step`` at steady decode: once on an engine without speculation
-(``t0``: one token per sequence) and once per draft count ``N`` on an engine with
-``{"method": "mtp", "num_speculative_tokens": N}`` over the same weights (``tN``: the main model over
-``N + 1`` positions per sequence, the verifier, and ``N`` MTP passes). Both times include the host's
-part of a step (scheduling, packing, the fetch of the sampled ids), as a server's steps do.
+The model has a preset's layer widths (``--preset``, see :mod:`benchmarks.serve_gpu`) with 3 dense
+layers, ``--layers - 3`` MoE layers and the MTP layer (a MoE decoder layer behind ``eh_proj``), random
+weights made on the device, bf16 or kept in ``--quantization``'s format, on one GPU or a mesh (``-tp``
+/ ``-ep`` / ``-dp``: at the released depth, 78 layers of GLM-5.2 INT4 at ``-tp 4``). For each batch
+``B`` (sequences decoding together at a ``--context``-token prompt) the script times ``Engine.step``
+at steady decode: once on an engine without speculation (``t0``: one token per sequence) and once per
+draft count ``N`` on an engine with ``{"method": "mtp", "num_speculative_tokens": N}`` over the same
+weights (``tN``: the main model over ``N + 1`` positions per sequence, the verifier, and ``N`` MTP
+passes). Both times include the host's part of a step (scheduling, packing, the fetch of the sampled
+ids), as a server's steps do.
 
 Random weights accept almost no drafts, so the rate is an input, not a measurement: with each draft
 accepted with probability ``a`` independently of the others (the usual model, e.g. Leviathan et al.
@@ -17,6 +19,7 @@ speculation serves ``B * E / tN`` tokens/s against ``B / t0``. The table gives t
 acceptance a real checkpoint reaches is the engine's ``spec_decode_*`` metrics on real traffic.
 
     python -m benchmarks.spec_decode [--layers 4] [--context 512] [--batches 1,8,32] [--drafts 1,2,3,5]
+    python -m benchmarks.spec_decode --preset glm52 --layers 78 --quantization int4 -tp 4 --batches 1,8
     python -m benchmarks.spec_decode --tiny    # the tiny GLM-5 checkpoint: a CPU smoke run
 
 Writes benchmarks/results/spec_decode-<gpu>.md (and .json).
@@ -106,8 +109,19 @@ def load(args: argparse.Namespace, directory: str) -> jaxdsa.LLM:
     if args.tiny:
         path = make_tiny("glm_moe_dsa", directory, seed=7, preset="glm5")
         return jaxdsa.LLM(path, dtype="float32", page_size=8, progress=False, **engine)
-    serve_gpu.write_model_dir(directory, args.layers, {"num_nextn_predict_layers": 1})
-    return jaxdsa.LLM(directory, load_format="dummy", progress=False, **engine)
+    serve_gpu.write_model_dir(directory, args.layers, {"num_nextn_predict_layers": 1}, args.preset)
+    par = serve_gpu.parallelism(args)
+    return jaxdsa.LLM(
+        directory,
+        load_format="dummy",
+        quantization=args.quantization,
+        progress=False,
+        tp=par.tp,
+        ep=par.ep,
+        dp=par.dp,
+        dp_attention=par.dp_attention,
+        **engine,
+    )
 
 
 def main(argv: list[str] | None = None):
@@ -119,6 +133,10 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds, the variants taking turns in each")
     parser.add_argument("--tiny", action="store_true", help="the tiny GLM-5 checkpoint (CPU smoke run)")
+    parser.add_argument("--preset", choices=["glm5", "glm52"], default="glm5")
+    parser.add_argument("--quantization", choices=sorted(serve_gpu.WEIGHTS), default="dequantize")
+    parser.add_argument("--suffix", default="", help="results file name suffix (default: -<layers>layers)")
+    serve_gpu.add_parallel_arguments(parser)
     args = parser.parse_args(argv)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as directory:
@@ -138,7 +156,13 @@ def main(argv: list[str] | None = None):
             for rate in RATES:
                 row[f"speedup a={rate}"] = tokens_per_step(num_spec, rate) * t0 / t
             rows.append(row)
-    model = "tiny GLM-5 preset (float32)" if args.tiny else f"GLM-5 widths, {args.layers} layers + MTP, bf16"
+    par = serve_gpu.parallelism(args)
+    kept = {"dequantize": "bf16"}.get(args.quantization, args.quantization.upper())
+    model = (
+        "tiny GLM-5 preset (float32)"
+        if args.tiny
+        else f"{args.preset} widths, {args.layers} layers + MTP, {kept}; {serve_gpu.describe(par)}"
+    )
     lines = harness.report_header(
         "MTP speculative decoding: verify-step cost and tokens/s vs acceptance",
         {
@@ -159,7 +183,7 @@ def main(argv: list[str] | None = None):
         harness.markdown_table(rows, columns),
         "",
     ]
-    if not args.tiny:
+    if not args.tiny and args.layers < 78:
         lines += [
             "Depth: the MTP layer is one decoder layer plus the LM head at any depth, while the plain step",
             f"grows with the main model's layers. Here it weighs as much as one of {args.layers} main layers",
@@ -167,7 +191,7 @@ def main(argv: list[str] | None = None):
             "compare runs at two depths for the part that grows with it.",
             "",
         ]
-    suffix = "-tiny" if args.tiny else f"-{args.layers}layers"
+    suffix = args.suffix or ("-tiny" if args.tiny else f"-{args.layers}layers")
     path = harness.write_result("spec_decode", "\n".join(lines), suffix=suffix, rows=rows)
     print(f"wrote {path} ({jax.devices()[0].device_kind})")
     return path
