@@ -139,3 +139,32 @@ def test_bf16_rounding_matches_ml_dtypes():
     want = w.astype(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(rounded(w, cpu_moe.SPLIT_BF16), want)
     np.testing.assert_array_equal(rounded(w, np.float32(0)), w)
+
+
+WORD_DOT_ASM = """
+import re, numpy as np
+from jaxdsa.offload import cpu_moe
+x, codes = np.zeros(256, np.float32), np.zeros((32, 64), np.int32)
+rows, acc = np.zeros((8, 64), np.float32), np.zeros(64, np.float32)
+cpu_moe._word_dot(x, 0, codes, 0, 32, 0, rows, rows, cpu_moe.SPLIT_BF16, acc)
+print(len(re.findall("zmm", next(iter(cpu_moe._word_dot.inspect_asm().values())))))
+"""
+
+
+@pytest.mark.skipif(
+    not __import__("llvmlite.binding").binding.get_host_cpu_features().get("avx512f"), reason="no AVX-512"
+)
+def test_word_kernel_runs_in_512_bit_vectors(tmp_path):
+    """On an AVX-512 host the INT4 word loop is compiled for 512-bit registers (zmm), not the 256-bit
+    ones LLVM's tuning for these cores prefers; a fresh process, so that nothing compiled before
+    the kernel module's import has started Numba's CPU target with the default features."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU_")}
+    env["NUMBA_CACHE_DIR"] = str(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", WORD_DOT_ASM], env=env, capture_output=True, text=True, check=True
+    )
+    assert int(out.stdout.split()[-1]) > 0
