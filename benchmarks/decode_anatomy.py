@@ -32,7 +32,6 @@ import time
 import jax
 from flax import nnx
 
-import jaxdsa
 from benchmarks import anatomy, harness
 from benchmarks.host_overhead import HostClock, finish, start_decoding
 from benchmarks.serve_gpu import (
@@ -41,6 +40,7 @@ from benchmarks.serve_gpu import (
     WEIGHTS,
     add_parallel_arguments,
     describe,
+    dummy_llm,
     parallelism,
     write_model_dir,
 )
@@ -113,20 +113,14 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
     began = time.perf_counter()
     work = tempfile.mkdtemp(prefix=f"{args.preset}-anatomy-")
     raw = write_model_dir(work, args.layers, json.loads(args.overrides), args.preset)
-    llm = jaxdsa.LLM(
+    llm = dummy_llm(
         work,
-        load_format="dummy",
-        quantization=args.quantization,
-        progress=False,
+        args,
         max_num_seqs=args.streams,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         async_scheduling=args.async_scheduling,
         scan_layers=args.scan_layers,
-        tp=par.tp,
-        ep=par.ep,
-        dp=par.dp,
-        dp_attention=par.dp_attention,
         num_gpu_experts=args.num_gpu_experts,
         fuse_shared_experts=not args.disable_shared_experts_fusion,
     )

@@ -34,7 +34,7 @@ import urllib.request
 
 from benchmarks import anatomy, harness
 from checkpoints.tokenizer_assets import write_tokenizer
-from jaxdsa import plan
+from jaxdsa import LLM, plan
 from jaxdsa.models.deepseek_v4.presets import RELEASED
 from jaxdsa.models.dsa.presets import RELEASED as DSA_RELEASED
 from jaxdsa.models.registry import config_from_dict, family_for
@@ -108,6 +108,24 @@ def describe(par: Parallelism) -> str:
         f"-tp {par.tp} -ep {par.ep} -dp {par.dp}"
         + " --enable-dp-attention" * par.dp_attention
         + (f" ({par.num_devices} device(s))")
+    )
+
+
+def dummy_llm(directory: str, args: argparse.Namespace, **options) -> LLM:
+    """``jaxdsa.LLM`` over :func:`write_model_dir`'s config with random weights made on the devices,
+    kept in ``args.quantization``'s format, split as :func:`add_parallel_arguments`' flags say;
+    ``options``: the other ``LLM`` arguments."""
+    par = parallelism(args)
+    return LLM(
+        directory,
+        load_format="dummy",
+        quantization=args.quantization,
+        progress=False,
+        tp=par.tp,
+        ep=par.ep,
+        dp=par.dp,
+        dp_attention=par.dp_attention,
+        **options,
     )
 
 

@@ -28,6 +28,7 @@ Writes benchmarks/results/spec_decode-<gpu>.md (and .json).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -109,19 +110,9 @@ def load(args: argparse.Namespace, directory: str) -> jaxdsa.LLM:
     if args.tiny:
         path = make_tiny("glm_moe_dsa", directory, seed=7, preset="glm5")
         return jaxdsa.LLM(path, dtype="float32", page_size=8, progress=False, **engine)
-    serve_gpu.write_model_dir(directory, args.layers, {"num_nextn_predict_layers": 1}, args.preset)
-    par = serve_gpu.parallelism(args)
-    return jaxdsa.LLM(
-        directory,
-        load_format="dummy",
-        quantization=args.quantization,
-        progress=False,
-        tp=par.tp,
-        ep=par.ep,
-        dp=par.dp,
-        dp_attention=par.dp_attention,
-        **engine,
-    )
+    overrides = {**json.loads(args.overrides), "num_nextn_predict_layers": 1}
+    serve_gpu.write_model_dir(directory, args.layers, overrides, args.preset)
+    return serve_gpu.dummy_llm(directory, args, **engine)
 
 
 def main(argv: list[str] | None = None):
@@ -135,6 +126,7 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--tiny", action="store_true", help="the tiny GLM-5 checkpoint (CPU smoke run)")
     parser.add_argument("--preset", choices=["glm5", "glm52"], default="glm5")
     parser.add_argument("--quantization", choices=sorted(serve_gpu.WEIGHTS), default="dequantize")
+    parser.add_argument("--overrides", default="{}", help="JSON config overrides (CPU runs use small widths)")
     parser.add_argument("--suffix", default="", help="results file name suffix (default: -<layers>layers)")
     serve_gpu.add_parallel_arguments(parser)
     args = parser.parse_args(argv)

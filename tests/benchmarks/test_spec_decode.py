@@ -24,3 +24,36 @@ def test_tokens_per_step_follow_the_acceptance_rate():
     assert spec_decode.tokens_per_step(3, 0.0) == 1
     assert spec_decode.tokens_per_step(3, 1.0) == 4
     assert abs(spec_decode.tokens_per_step(2, 0.5) - 1.75) < 1e-12
+
+
+SMALL_GLM52 = {  # GLM-5.2's layer kinds at widths a CPU runs in seconds (INT4 needs K in 256-row words)
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 256,
+    "kv_lora_rank": 256,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 64,
+    "index_n_heads": 2,
+    "index_head_dim": 64,
+    "index_topk": 64,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "max_position_embeddings": 4096,
+}
+
+
+def test_preset_with_int4_weights_and_the_mtp_layer(tmp_path, monkeypatch):
+    """The path of a real-depth run (a preset's config, random weights kept INT4, the MTP layer), at
+    small widths: both engines step and the results file names the model as run."""
+    monkeypatch.setenv("JAXDSA_RESULTS", str(tmp_path))
+    args = ["--preset", "glm52", "--layers", "4", "--quantization", "int4", "--context", "16"]
+    args += ["--overrides", json.dumps(SMALL_GLM52), "--batches", "1", "--drafts", "1"]
+    path = spec_decode.main([*args, "--steps", "2", "--rounds", "1", "--suffix=-small"])
+    rows = json.loads(path.with_suffix(".json").read_text())["rows"]
+    assert [(r["batch"], r["drafts"]) for r in rows] == [(1, 1)]
+    assert "glm52 widths, 4 layers + MTP, INT4; -tp 1 -ep 1 -dp 1 (1 device(s))" in path.read_text()
