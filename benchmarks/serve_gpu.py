@@ -25,6 +25,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -203,7 +204,9 @@ def serve_and_bench(args, raw: dict, work: str, par: Parallelism, levels: list[i
         "--profile-dir",
         profile_dir,
         "--async-scheduling" if scheduling == "async" else "--no-async-scheduling",
-    ] + ["--enable-dp-attention"] * par.dp_attention
+        *["--enable-dp-attention"] * par.dp_attention,
+        *shlex.split(args.server_args),
+    ]
     start = time.time()
     log_path = os.path.join(work, f"serve-{scheduling}.log")
     log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 (closed after the server ends)
@@ -297,6 +300,12 @@ def main(argv=None) -> int:
     )
     # the server's (and vLLM's) parallelism flags, passed on; the planner splits the model the same way
     add_parallel_arguments(p)
+    p.add_argument(
+        "--server-args",
+        default="",
+        help="more flags for the server, as one word: --server-args='--disable-shared-experts-fusion ...' "
+        "(named in the results header)",
+    )
     args = p.parse_args(argv)
     par = parallelism(args)  # checked before anything starts
 
@@ -385,7 +394,9 @@ def _report(runs: list[dict], raw, args, ceilings: harness.Ceilings) -> None:
                 "server": f"python -m serve --max-num-seqs {max(r['concurrency'] for r in table)} "
                 f"--max-num-batched-tokens {args.max_num_batched_tokens} "
                 f"--max-model-len {args.max_model_len} (buckets compiled at start-up; no environment "
-                "variables, --gpu-memory-utilization at its default)" + _parallel_flags(par),
+                "variables, --gpu-memory-utilization at its default)"
+                + _parallel_flags(par)
+                + (f" {args.server_args}" if args.server_args else ""),
                 **ceilings.rows(),
                 **{
                     f"server start to /health ({run['scheduling']} scheduling)": f"{run['startup']:.0f} s"
