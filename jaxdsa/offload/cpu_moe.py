@@ -17,9 +17,9 @@ into L1 rows; each task prefetches its code strips ahead, since they lie a page 
 (docs/results.md); one core decodes 5.2 G INT4 weights/s from cache.
 
 On AVX-512 hosts the loops run in 512-bit vectors (:func:`_wide_vectors`): LLVM's tuning for Intel's
-server cores prefers 256-bit ones (the ``prefer-256-bit`` feature), which left one core decoding
-7.1 G INT4 weights/s from cache against 9.5 G in 512-bit vectors on an Emerald Rapids core
-(``benchmarks/results/host_experts-cpu-vectors.md``).
+server cores prefers 256-bit ones (the ``prefer-256-bit`` feature), which left one Emerald Rapids
+core at 5.9 G INT4 weights/s from cache (one token, zero points) against 7.4 G in 512-bit vectors,
+and FP8 / FP4 1.37 / 1.40x slower (``benchmarks/results/host_vectors-cpu-vectors.md``).
 
 The arithmetic is the kernels' (:func:`pallas_kernels.quant.layout.dequantize`): INT4 values
 rounded to their scale's dtype, every weight rounded to the activations' dtype (bf16 or float32),
