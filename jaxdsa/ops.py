@@ -316,6 +316,11 @@ def select_experts(
     )
 
 
+# The column a router adds for a shared expert held as one more routed expert (the router kernel
+# writes it itself; routers computed in XLA, DeepSeek-V4's, add it with this).
+with_shared_column = router_ref.with_shared_column
+
+
 def moe_experts(
     x, topk_ids, topk_weights, experts, *, swiglu_limit: float | None = None, layer=None, unreduced=False
 ):

@@ -47,18 +47,6 @@ class MLP(nnx.Module):
         return jax.nn.silu(gate) * up
 
 
-def with_shared_column(ids: jax.Array, weights: jax.Array, slot: int | None) -> tuple[jax.Array, jax.Array]:
-    """``ids`` / ``weights`` ``[T, k]`` and, with a shared expert held at ``slot`` of the expert stacks
-    (:mod:`jaxdsa.shared_experts`), one more column routing every token to it at weight 1."""
-    if slot is None:
-        return ids, weights
-    column = lambda value, like: jnp.full((like.shape[0], 1), value, like.dtype)  # noqa: E731
-    return (
-        jnp.concatenate([ids, column(slot, ids)], axis=1),
-        jnp.concatenate([weights, column(1.0, weights)], axis=1),
-    )
-
-
 class Router(nnx.Module):
     """Sigmoid router with bias-for-selection-only and group-limited top-k, all in float32."""
 
@@ -160,7 +148,7 @@ class Experts(nnx.Module):
         expert (:mod:`jaxdsa.offload.host_experts`): the barriers keep the callbacks on either side
         of that work. ``valid [T]``: the step's real tokens; the CPU skips padding rows, whose
         experts it would otherwise read. With ``shared_slot``, ``ids`` / ``weights`` end with the
-        shared expert's column (its router's: :class:`Router`, :func:`with_shared_column`)."""
+        shared expert's column (its router's: :class:`Router`, :func:`jaxdsa.ops.with_shared_column`)."""
         if self.recorder is not None:
             routed = ids if self.shared_slot is None else ids[:, :-1]
             self.recorder.record(routed, valid, split_layer(self.down.get_value())[1])

@@ -42,11 +42,17 @@ def select_experts(
     weights = jnp.take_along_axis(scores, ids, axis=1)
     if norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    ids, weights = ids.astype(jnp.int32), weights * scaling
-    if shared_slot is None:
+    return with_shared_column(ids.astype(jnp.int32), weights * scaling, shared_slot)
+
+
+def with_shared_column(ids, weights, slot: int | None):
+    """``ids`` / ``weights`` ``[T, k]`` and, with a shared expert held at ``slot`` of the expert stacks
+    (:mod:`jaxdsa.shared_experts`), one more column routing every token to it at weight 1: what
+    every router returns when its shared expert runs as one more routed expert."""
+    if slot is None:
         return ids, weights
     column = lambda value, like: jnp.full((like.shape[0], 1), value, like.dtype)  # noqa: E731
     return (
-        jnp.concatenate([ids, column(shared_slot, ids)], axis=1),
+        jnp.concatenate([ids, column(slot, ids)], axis=1),
         jnp.concatenate([weights, column(1.0, weights)], axis=1),
     )

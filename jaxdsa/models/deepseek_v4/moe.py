@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdsa.layers.mlp import MLP, Experts, with_shared_column
+from jaxdsa import ops
+from jaxdsa.layers.mlp import MLP, Experts
 from jaxdsa.layers.params import normal, param, zeros
 from jaxdsa.models.deepseek_v4.config import V4Config
 from jaxdsa.sharding import reduce_partials
@@ -31,7 +32,7 @@ class Router(nnx.Module):
         self, x: jax.Array, tokens: jax.Array, shared_slot: int | None = None
     ) -> tuple[jax.Array, jax.Array]:
         """-> (expert ids [T, k] int32, weights [T, k] float32); with ``shared_slot`` one more column,
-        every token routed to that expert at weight 1 (:func:`jaxdsa.layers.mlp.with_shared_column`)."""
+        every token routed to that expert at weight 1 (:func:`jaxdsa.ops.with_shared_column`)."""
         scores = jnp.sqrt(jax.nn.softplus(x.astype(jnp.float32) @ self.weight[...]))
         if self.tid2eid is not None:
             ids = self.tid2eid[...][tokens]
@@ -39,7 +40,7 @@ class Router(nnx.Module):
             _, ids = jax.lax.top_k(scores + self.bias[...], self.top_k)
         weights = jnp.take_along_axis(scores, ids, axis=1)
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-        return with_shared_column(ids.astype(jnp.int32), weights * self.scaling, shared_slot)
+        return ops.with_shared_column(ids.astype(jnp.int32), weights * self.scaling, shared_slot)
 
 
 class MoE(nnx.Module):
