@@ -71,11 +71,12 @@ def host_read_gbs(threads: int, nbytes: int = 4 << 30) -> float:
     numba.set_num_threads(threads)
     a = np.ones(nbytes // 8, np.int64)
     _read(a)
-    best = min(_timed(_read, a) for _ in range(5))
+    best = min(timed(_read, a) for _ in range(5))
     return nbytes / best / 1e9
 
 
-def _timed(fn, *args) -> float:
+def timed(fn, *args) -> float:
+    """Seconds of one call of ``fn(*args)``."""
     began = time.perf_counter()
     fn(*args)
     return time.perf_counter() - began
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
             if T == 1:
                 host.threads = threads[-1]
                 got = host.compute(x, slots, weights, 0)
-                xla = min(_timed(host.reference, x, slots, weights, 0) for _ in range(2))
+                xla = min(timed(host.reference, x, slots, weights, 0) for _ in range(2))
                 want = host.reference(x, slots, weights, 0)
                 check = f"{harness.rel_l2(got, want):.1e}"
                 rows.append(_row(fmt, T, "XLA:CPU (reference)", xla, read, ceilings[threads[-1]], ""))
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
                 host.threads, host.block = t, block
                 host.compute(x, slots, weights, 0)  # compiles on the first call
                 call = (x, slots, weights, 0)
-                best = min(_timed(host.compute, *call) for _ in range(args.repeats))
+                best = min(timed(host.compute, *call) for _ in range(args.repeats))
                 path = f"Numba kernel, {t} threads, {block} columns a task"
                 rows.append(_row(fmt, T, path, best, read, ceilings[t], check))
             text = report(args, rows, ceilings, per_expert)

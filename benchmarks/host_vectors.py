@@ -21,7 +21,6 @@ import os
 import platform
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -36,21 +35,16 @@ def measure(fmt: str, tokens: int, d: int, calls: int) -> float:
     """Best seconds of ``calls`` calls of the kernel on one expert, one thread (run in the child)."""
     import numba
 
-    from benchmarks.host_experts import random_weight
+    from benchmarks.host_experts import random_weight, timed
     from jaxdsa.offload import cpu_moe
 
     numba.set_num_threads(1)
     rng = np.random.default_rng(0)
     w = cpu_moe.HostWeight.of(random_weight(rng, fmt, 1, d, COLUMNS), None)
     xs = rng.standard_normal((tokens, d)).astype(np.float32)
-    offsets, experts = np.array([0, tokens], np.int64), np.array([0], np.int64)
-    cpu_moe.expert_matmul(xs, offsets, experts, w, True, COLUMNS)  # compiles
-    best = float("inf")
-    for _ in range(calls):
-        start = time.perf_counter()
-        cpu_moe.expert_matmul(xs, offsets, experts, w, True, COLUMNS)
-        best = min(best, time.perf_counter() - start)
-    return best
+    args = (xs, np.array([0, tokens], np.int64), np.array([0], np.int64), w, True, COLUMNS)
+    cpu_moe.expert_matmul(*args)  # compiles
+    return min(timed(cpu_moe.expert_matmul, *args) for _ in range(calls))
 
 
 def run_width(width: str, cases: list[tuple[str, int]], d: int, calls: int) -> dict:

@@ -103,12 +103,12 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-dp-attention", action="store_true")
 
 
-def describe(par: Parallelism) -> str:
+def describe(par: Parallelism, unit: str = "device(s)") -> str:
     """``-tp 4 -ep 1 -dp 1 (4 device(s))``, as a results header states a mesh."""
     return (
         f"-tp {par.tp} -ep {par.ep} -dp {par.dp}"
         + " --enable-dp-attention" * par.dp_attention
-        + (f" ({par.num_devices} device(s))")
+        + f" ({par.num_devices} {unit})"
     )
 
 
@@ -331,10 +331,7 @@ def moe_tokens(concurrency: int, par: Parallelism) -> int:
 
 def _parallel_flags(par: Parallelism) -> str:
     """The server's parallelism flags as the report names them ('' on one GPU)."""
-    if (par.tp, par.ep, par.dp) == (1, 1, 1):
-        return ""
-    flags = f" -tp {par.tp} -ep {par.ep} -dp {par.dp}"
-    return flags + " --enable-dp-attention" * par.dp_attention + f" ({par.num_devices} GPUs)"
+    return "" if (par.tp, par.ep, par.dp) == (1, 1, 1) else f" {describe(par, 'GPUs')}"
 
 
 def _report(runs: list[dict], raw, args, ceilings: harness.Ceilings) -> None:
