@@ -4,7 +4,10 @@ The CPU suite checks the Pallas kernels in interpret mode; this runs the same pa
 the real lowered kernels (``JAXDSA_KERNELS=pallas`` on a GPU), float32 weights and HIGHEST matmul
 precision: rel-L2 per position against HF's logits, and the 16 greedy tokens. The quantized
 fixtures keep their weights quantized (INT4 / FP8 linears, ``kv_b``, V4's FP4 experts: the
-dequantizing kernels run). Writes ``benchmarks/results/model-check-<gpu>.md``.
+dequantizing kernels run). ``--kv-cache-dtype fp8`` runs the fixtures that have FP8-cache goldens
+(``golden_kv_fp8.npz``: HF with the cache quantized as the released engines define it) with jaxdsa's
+fp8 cache, the sparse-MLA and indexer kernels decoding it in place (``JAXDSA_FP_DECODE=software``
+forces the sm_80 decoders on any GPU). Writes ``benchmarks/results/model-check-<gpu>.md``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 import jaxdsa
 from benchmarks import harness
 from jaxdsa import ops
+from pallas_kernels.quant.decode import fp_decode
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 NAMES = [
@@ -35,13 +39,22 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="golden fixtures through the active kernels")
     p.add_argument("--only", nargs="+", choices=NAMES, default=NAMES, help="these fixtures")
     p.add_argument("--suffix", default="", help="results file name suffix, e.g. -v4")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     args = p.parse_args(argv)
     print(f"kernels: {ops.get_kernels()}")
+    goldens = "golden.npz" if args.kv_cache_dtype == "auto" else "golden_kv_fp8.npz"
     failures, rows = 0, []
-    for name in args.only:
+    for name in [n for n in args.only if (FIXTURES / n / goldens).exists()]:
         start = time.perf_counter()
-        golden = np.load(FIXTURES / name / "golden.npz")
-        llm = jaxdsa.LLM(FIXTURES / name, dtype="float32", page_size=8, progress=False, max_model_len=64)
+        golden = np.load(FIXTURES / name / goldens)
+        llm = jaxdsa.LLM(
+            FIXTURES / name,
+            dtype="float32",
+            page_size=8,
+            progress=False,
+            max_model_len=64,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
         short = rel_l2(llm.score(golden["prompt_short"].tolist()), golden["logits_short"])
         long = rel_l2(llm.score(golden["prompt_long"].tolist()), golden["logits_long"])
         tokens, logits = llm.generate(
@@ -61,7 +74,11 @@ def main(argv=None) -> int:
         )
     lines = harness.report_header(
         "Golden fixtures through the real kernels",
-        {"kernels": ops.get_kernels(), "weights": "float32, HIGHEST matmul precision"},
+        {
+            "kernels": ops.get_kernels(),
+            "weights": "float32, HIGHEST matmul precision",
+            "kv cache": f"{args.kv_cache_dtype} ({goldens}; fp decode {fp_decode()})",
+        },
     )
     lines += [
         "Relative L2 per position against HF transformers 5.23 (max over positions); the 16 greedy "

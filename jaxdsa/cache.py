@@ -34,6 +34,27 @@ RING_AXES: Axes = ("layers", "cache_seqs", "ring", "cache_width")
 
 Cache = dict[str, jax.Array]
 
+# vLLM's --kv-cache-dtype names that jaxdsa serves: the model's dtype, or FP8 in the released engines'
+# layouts (docs/models.md §5.8). fp8_e5m2 and the other vLLM choices are not formats these models ship.
+FP8_NAMES = ("fp8", "fp8_e4m3", "fp8_ds_mla")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", *FP8_NAMES)
+
+
+def kv_cache_format(kv_cache_dtype: str, model_dtype) -> str:
+    """``'model'`` (rows in the model's dtype) or ``'fp8'`` for a ``--kv-cache-dtype`` value; a
+    dtype name that is not the model's is an error (the cache is kept in the model's dtype)."""
+    name = (kv_cache_dtype or "auto").strip().lower()
+    if name in FP8_NAMES:
+        return "fp8"
+    if name == "auto" or name == jnp.dtype(model_dtype).name:
+        return "model"
+    if name in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r}: the cache is kept in the model's dtype "
+            f"({jnp.dtype(model_dtype).name}) or in fp8; use auto or fp8"
+        )
+    raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheEntry:

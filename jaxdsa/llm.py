@@ -88,6 +88,7 @@ class LLM:
         dp: int = 1,
         dp_attention: bool = False,
         page_size: int | None = None,
+        kv_cache_dtype: str = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
@@ -130,7 +131,9 @@ class LLM:
         and by ``self.expert_stats.write()`` (a profiling mode: :mod:`jaxdsa.offload.stats`).
         ``fuse_shared_experts``: each MoE layer's shared expert runs in the routed experts' kernels,
         as one more expert every token is routed to, where it can (:mod:`jaxdsa.shared_experts`;
-        SGLang's shared-experts fusion; outputs unchanged up to rounding)."""
+        SGLang's shared-experts fusion; outputs unchanged up to rounding). ``kv_cache_dtype``:
+        vLLM's; ``"auto"`` keeps the cache in ``dtype``, ``"fp8"`` stores it as the released engines
+        do (GLM-5.x / V3.2: 656-byte ``fp8_ds_mla`` latent rows and e4m3 index keys, docs/models.md §5.8)."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r}: choose float32 or bfloat16")
         placement = ExpertPlacement.of(num_gpu_experts, gpu_experts_policy, expert_stats, cpu_threads)
@@ -149,6 +152,7 @@ class LLM:
             max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
             page_size=self.page_size,
+            kv_cache_dtype=kv_cache_dtype,
             num_pages=num_pages,
             gpu_memory_utilization=gpu_memory_utilization,
             max_logprobs=max_logprobs,

@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from jaxdsa import quantization
+from jaxdsa.cache import kv_cache_format
 from jaxdsa.engine import memory
 from jaxdsa.engine.penalties import BYTES_PER_ENTRY as PENALTY_BYTES
 from jaxdsa.models import family as families
@@ -142,15 +143,15 @@ def device_weight_bytes(
     return sum(shard_elements(leaf, par) * leaf.width * gpu_share(leaf, num_gpu_experts) for leaf in leaves)
 
 
-def cache_bytes_per_token(family: ModelFamily, cfg) -> float:
-    """bf16 cache rows of one token at the family's default page size (per device: the cache is
-    replicated over tp and split over dp by sequence)."""
-    return family.cache_spec(cfg).bytes_per_token(jnp.bfloat16, family.page_size(cfg, None))
+def cache_bytes_per_token(family: ModelFamily, cfg, kv_format: str = "model") -> float:
+    """The cache rows of one token (bf16, or ``kv_format`` ``'fp8'``) at the family's default page
+    size (per device: the cache is replicated over tp and split over dp by sequence)."""
+    return family.cache_spec(cfg, kv_format).bytes_per_token(jnp.bfloat16, family.page_size(cfg, None))
 
 
-def cache_bytes_per_sequence(family: ModelFamily, cfg) -> int:
+def cache_bytes_per_sequence(family: ModelFamily, cfg, kv_format: str = "model") -> int:
     """bf16 / float32 rows a sequence holds whatever its length (DeepSeek-V4's rings; 0 for DSA)."""
-    return family.cache_spec(cfg).sequence_bytes(jnp.bfloat16)
+    return family.cache_spec(cfg, kv_format).sequence_bytes(jnp.bfloat16)
 
 
 def expected_experts(n_experts: int, top_k: int, tokens: int) -> float:
@@ -171,13 +172,14 @@ def decode_step(
     context: int,
     leaves: list[Leaf] | None = None,
     num_gpu_experts: int | None = None,
+    kv_format: str = "model",
 ) -> dict[str, float]:
     """Per-device bytes read and collective bytes of one decode step of ``batch`` sequences per dp
     group: every weight the step touches (routed experts at :func:`expected_experts` of the tokens
-    that meet at them, embedding rows looked up) plus the family's cache traffic; and the host's
-    reads of the touched experts it holds (``num_gpu_experts``). ``leaves``:
-    :func:`parameter_leaves`' answer, if at hand."""
-    traffic = family.decode_traffic(cfg, par, batch, context)
+    that meet at them, embedding rows looked up) plus the family's cache traffic (rows in
+    ``kv_format``); and the host's reads of the touched experts it holds (``num_gpu_experts``).
+    ``leaves``: :func:`parameter_leaves`' answer, if at hand."""
+    traffic = family.decode_traffic(cfg, par, batch, context, kv_format)
     sizes = par.axis_sizes
     k, E = traffic["experts_per_token"], traffic["num_experts"]
     E_local = E / math.prod(sizes[a] for a in EXPERT_AXES)
@@ -214,19 +216,21 @@ def memory_plan(
     gpu_memory_utilization: float = memory.DEFAULT_UTILIZATION,
     leaves: list[Leaf] | None = None,
     num_gpu_experts: int | None = None,
+    kv_format: str = "model",
 ) -> dict[str, float]:
     """Each device's memory as the server counts it (:mod:`jaxdsa.engine.memory`): the budget is
     ``gpu_memory_utilization`` of ``hbm_gib``; the weights, the workspace kept for steps, and
     ``batch`` sequences' rings and penalty rows come out of it; the cache gets the rest. With
-    ``num_gpu_experts`` the routed experts past N per layer count in host RAM instead.
-    ``leaves``: :func:`parameter_leaves`' answer, if at hand."""
+    ``num_gpu_experts`` the routed experts past N per layer count in host RAM instead; the cache
+    holds rows in ``kv_format`` (``'model'``: bf16, or ``'fp8'``). ``leaves``:
+    :func:`parameter_leaves`' answer, if at hand."""
     leaves = parameter_leaves(family, cfg, par, weights) if leaves is None else leaves
     check_gpu_experts(leaves, par, num_gpu_experts)
     weight_bytes = device_weight_bytes(family, cfg, par, weights, leaves, num_gpu_experts)
     budget = memory.check_utilization(gpu_memory_utilization) * hbm_gib * GiB
     workspace = memory.workspace_bytes(budget)
-    per_token = cache_bytes_per_token(family, cfg)
-    per_sequence = cache_bytes_per_sequence(family, cfg) + cfg.vocab_size * PENALTY_BYTES
+    per_token = cache_bytes_per_token(family, cfg, kv_format)
+    per_sequence = cache_bytes_per_sequence(family, cfg, kv_format) + cfg.vocab_size * PENALTY_BYTES
     free = budget - weight_bytes - workspace - batch * per_sequence
     tokens_per_group = max(0, int(free // per_token))
     return {
@@ -258,6 +262,7 @@ def plan(
     gpu_memory_utilization: float = memory.DEFAULT_UTILIZATION,
     num_gpu_experts: int | None = None,
     host_gbs: float = 100.0,
+    kv_format: str = "model",
 ) -> dict[str, float]:
     """The deployment's figures per device: :func:`memory_plan`'s, then one decode step's traffic
     and its roofline at ``hbm_gbs`` and ``link_gbs``, and with host experts their reads at
@@ -266,8 +271,9 @@ def plan(
     result = memory_plan(
         family, cfg, par, hbm_gib=hbm_gib, weights=weights, max_model_len=max_model_len, batch=batch,
         gpu_memory_utilization=gpu_memory_utilization, leaves=leaves, num_gpu_experts=num_gpu_experts,
+        kv_format=kv_format,
     )  # fmt: skip
-    step = decode_step(family, cfg, par, weights, batch, max_model_len, leaves, num_gpu_experts)
+    step = decode_step(family, cfg, par, weights, batch, max_model_len, leaves, num_gpu_experts, kv_format)
     memory_s = step["bytes_read"] / (hbm_gbs * 1e9)
     comm_s = step["collective_bytes"] / (link_gbs * 1e9)
     host_s = step["host_bytes_read"] / (host_gbs * 1e9)
@@ -388,6 +394,11 @@ def main(argv=None) -> int:
     )
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto (bf16 rows) or fp8 (the released engines' FP8 layouts), as the server's flag",
+    )
+    p.add_argument(
         "--batch", type=int, default=32, help="decode sequences per dp group for the step estimate"
     )
     p.add_argument("--hbm-gbs", type=float, default=3000, help="achievable HBM bandwidth (H100 copy: ~3000)")
@@ -425,6 +436,7 @@ def main(argv=None) -> int:
             max_model_len=args.max_model_len,
             batch=args.batch,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_format=kv_cache_format(args.kv_cache_dtype, jnp.bfloat16),
         )
         result = plan(
             family, cfg, par, hbm_gbs=args.hbm_gbs, link_gbs=args.link_gbs, host_gbs=args.host_gbs,
@@ -442,6 +454,7 @@ def main(argv=None) -> int:
     print(
         f"{args.preset or cfg.model_type}: {cfg.num_hidden_layers} layers; "
         f"tp={par.tp} ep={par.ep} dp={par.dp}{dp_attention}, weights {weights}, "
+        f"kv cache {'fp8' if sizes['kv_format'] == 'fp8' else 'bf16'}, "
         f"{args.hbm_gib:g} GiB GPUs at --gpu-memory-utilization {args.gpu_memory_utilization:g}"
     )
     for key, value in result.items():

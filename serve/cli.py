@@ -25,6 +25,7 @@ import uvicorn
 from fastapi import FastAPI
 
 import jaxdsa
+from jaxdsa.cache import kv_cache_format
 from jaxdsa.engine import AsyncEngine, SpeculativeConfig, memory
 from jaxdsa.loading import device_param_bytes
 from jaxdsa.text import generation_defaults
@@ -209,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        help="auto (the model's dtype, the only one supported yet; also accepted by its name)",
+        help="auto (the model's dtype, also accepted by its name) or fp8 (= fp8_e4m3, fp8_ds_mla: "
+        "GLM-5.x / V3.2 latent rows in 656 bytes and e4m3 index keys, as the released engines store them)",
     )
     g.add_argument(
         "--trust-remote-code",
@@ -350,12 +352,12 @@ def _check_flags(args: argparse.Namespace) -> dict[str, int | bool]:
 
 
 def _check_kv_cache_dtype(requested: str, dtype: str) -> None:
-    """The cache is kept in the model's dtype: ``auto``, or that dtype by name."""
-    if requested not in ("auto", dtype):
-        raise StartupError(
-            f"--kv-cache-dtype {requested}: the cache is kept in the model's dtype ({dtype}); "
-            "FP8 and other cache dtypes are not supported yet (use auto)"
-        )
+    """``auto``, the model's dtype by name, or fp8 (:func:`jaxdsa.cache.kv_cache_format`), checked
+    before minutes of loading."""
+    try:
+        kv_cache_format(requested, dtype)
+    except ValueError as e:
+        raise StartupError(f"--kv-cache-dtype: {e}") from None
 
 
 def _chat_template(value: str) -> str:
@@ -437,6 +439,7 @@ def build(args: argparse.Namespace) -> Server:
             model_dir,
             dtype=dtype,
             page_size=args.page_size,
+            kv_cache_dtype=args.kv_cache_dtype,
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -464,7 +467,8 @@ def build(args: argparse.Namespace) -> Server:
     _log(
         f"loaded in {time.perf_counter() - start:.1f}s; weights {weights:.2f} GiB per device; "
         f"max_model_len {engine.max_model_len}, cache {engine.stats()['cache_pages_total']} pages of "
-        f"{llm.page_size}; {'async' if engine.config.async_scheduling else 'synchronous'} scheduling"
+        f"{llm.page_size} ({'fp8' if engine.runner.kv_format == 'fp8' else dtype} rows); "
+        f"{'async' if engine.config.async_scheduling else 'synchronous'} scheduling"
     )
     if not args.no_warmup:
         engine.warmup(progress=True)

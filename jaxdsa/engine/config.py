@@ -14,6 +14,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: min(max_position_embeddings, 8192)
     max_num_batched_tokens: int = 512
     page_size: int | None = None  # default: the family's (64 for GLM-5.x / V3.2)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) or fp8 (jaxdsa.cache.kv_cache_format)
     num_pages: int | None = None  # default: what fits in gpu_memory_utilization, at most full concurrency
     gpu_memory_utilization: float = DEFAULT_UTILIZATION  # share of each device for weights, cache, steps
     seed: int = 0

@@ -46,7 +46,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxdsa import sharding
-from jaxdsa.cache import CacheSpec, init_cache
+from jaxdsa.cache import CacheSpec, init_cache, kv_cache_format
 from jaxdsa.engine import memory, penalties
 from jaxdsa.engine.config import EngineConfig
 from jaxdsa.engine.isolation import Quarantine
@@ -90,6 +90,7 @@ class CacheLayout:
     ``slots`` sequences per dp group with ``lookahead`` spare ring rows for drafts."""
 
     specs: tuple[CacheSpec, ...]
+    kv_format: str  # 'model' or 'fp8'
     dtype: object
     page_size: int
     max_model_len: int
@@ -106,9 +107,13 @@ class CacheLayout:
                 f"max_model_len {max_model_len} > max_position_embeddings {cfg.max_position_embeddings}"
             )
         num_spec = config.speculative.num_speculative_tokens if config.speculative else 0
-        specs = (family.cache_spec(cfg),) + ((family.mtp_cache_spec(cfg),) if num_spec else ())
+        kv_format = kv_cache_format(config.kv_cache_dtype, dtype)
+        specs = (family.cache_spec(cfg, kv_format),)
+        if num_spec:
+            specs += (family.mtp_cache_spec(cfg, kv_format),)
         return cls(
             specs,
+            kv_format,
             dtype,
             family.page_size(cfg, config.page_size),
             max_model_len,
@@ -242,6 +247,7 @@ class Engine:
             precision=precision,
             num_spec=self.num_spec,
             mtp_cache=mtp_cache[0] if mtp_cache else None,
+            kv_format=layout.kv_format,
         )
         self.requests: dict[str, Request] = {}
         self._seeds: dict[str, int] = {}

@@ -84,9 +84,11 @@ class ModelRunner:
         precision=None,
         num_spec: int = 0,
         mtp_cache: Cache | None = None,
+        kv_format: str = "model",
     ):
         """``num_spec`` > 0: speculative decoding with that many drafts per step from the model's
-        next-n layers, whose cache is ``mtp_cache``."""
+        next-n layers, whose cache is ``mtp_cache``; ``kv_format``: the cache's rows, ``'model'`` or
+        ``'fp8'`` (:func:`jaxdsa.cache.kv_cache_format`)."""
         self.family, self.cfg, self.mesh, self.precision = family, cfg, mesh, precision
         self.state = ModelState(model)
         # Without a mesh, the device state the steps carry (cache, penalty rows, slot tokens) is
@@ -110,10 +112,11 @@ class ModelRunner:
         self.buckets = self.packer.buckets
         self.modes = family.modes(cfg, max_model_len)
         self.cache = cache
-        self.cache_axes = family.cache_spec(cfg).axes()
+        self.kv_format = kv_format
+        self.cache_axes = family.cache_spec(cfg, kv_format).axes()
         self.num_spec = num_spec
         self.mtp_cache = mtp_cache if num_spec else {}
-        self.mtp_cache_axes = family.mtp_cache_spec(cfg).axes() if num_spec else {}
+        self.mtp_cache_axes = family.mtp_cache_spec(cfg, kv_format).axes() if num_spec else {}
         # the next-n layer drafting each of the num_spec tokens (the model's layers in turn, as vLLM)
         self.draft_layers = tuple(i % max(len(getattr(model, "mtp", ())), 1) for i in range(num_spec))
         self.reset_step_state()
@@ -266,7 +269,7 @@ class ModelRunner:
         group = lambda first, fill: np.asarray(  # noqa: E731
             list(first) + [fill] * (T - len(ids)) + [fill] * (T * (G - 1)), np.int32
         )
-        spec = self.family.cache_spec(self.cfg)
+        spec = self.family.cache_spec(self.cfg, self.kv_format)
         placed = self.home
         if self.mesh is not None:
             placed = {

@@ -3,20 +3,54 @@
 I(p, t) = sum_h w_h * relu(d^-1/2 * qI_h . kI_t), w = weights_proj(x) * n^-1/2 (docs/models.md §2.7).
 Both positive scales are folded into w, so the score kernels compute sum_h w_h relu(q_h . k).
 RoPE goes on the *first* rope-dim channels, interleaved (GLM) or half-split (DeepSeek-V3.2).
+
+With an FP8 cache the keys are stored as the released engines keep them (docs/models.md §5.8):
+rotated by the normalized Hadamard matrix, then e4m3 with one float32 scale per key
+(:mod:`pallas_kernels.quant.kv_fp8`). The queries get the same rotation and stay in the model's
+dtype, so the scores are the plain formula's up to the keys' rounding.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxdsa import ops
-from jaxdsa.cache import LayerPages
+from jaxdsa.cache import Cache, LayerPages
 from jaxdsa.layers.context import StepContext
 from jaxdsa.layers.linear import Linear
 from jaxdsa.layers.norms import LayerNorm
 from jaxdsa.layers.rope import apply_rope
+from pallas_kernels.quant import kv_fp8
+
+
+@dataclasses.dataclass
+class KeyPages:
+    """One layer's index keys in the cache: the key rows and, for FP8 keys, their scales (one
+    float32 per key, ``[L, P, page, 1]``); None for keys in the model's dtype."""
+
+    keys: LayerPages
+    scales: LayerPages | None = None
+
+    @classmethod
+    def of(cls, cache: Cache, layer) -> KeyPages:
+        scales = LayerPages(cache["index_scales"], layer) if "index_scales" in cache else None
+        return cls(LayerPages(cache["index_keys"], layer), scales)
+
+    def write(self, slots: jax.Array, keys: jax.Array) -> KeyPages:
+        """Store ``keys [T, D]`` at ``slots`` (-1 dropped): as they are, or rotated and quantized."""
+        if self.scales is None:
+            return KeyPages(self.keys.write(slots, keys))
+        values, scales = kv_fp8.quantize_keys(kv_fp8.hadamard_rotate(keys))
+        return KeyPages(self.keys.write(slots, values), self.scales.write(slots, scales[:, None]))
+
+    def entries(self) -> Cache:
+        """The cache entries these pages update."""
+        out = {"index_keys": self.keys.stacked}
+        return out | ({"index_scales": self.scales.stacked} if self.scales is not None else {})
 
 
 class Indexer(nnx.Module):
@@ -69,9 +103,13 @@ class Indexer(nnx.Module):
         """-> index queries [T, n, d] and float32 head weights [T, n] with both scales folded in."""
         return self._rope_front(self.wq_b(q_lat), cos, sin), self.weights_proj(x) * self.score_scale
 
-    def select(self, x: jax.Array, q_lat: jax.Array, ctx: StepContext, keys: LayerPages) -> jax.Array:
+    def select(self, x: jax.Array, q_lat: jax.Array, ctx: StepContext, keys: KeyPages) -> jax.Array:
         """Top-k key positions [T, topk] of each query over its sequence's cached keys (-1 = none)."""
         q, w = self.queries(x, q_lat, ctx.cos, ctx.sin)
-        pages, table = keys.pages(ctx.meta.page_table)
-        logits = ops.indexer_logits_paged(q, w, pages, table, ctx.meta.seq_ids, ctx.positions)
+        pages, table = keys.keys.pages(ctx.meta.page_table)
+        scale = None
+        if keys.scales is not None:
+            q = kv_fp8.hadamard_rotate(q)
+            scale = keys.scales.pages(ctx.meta.page_table)[0][..., 0]
+        logits = ops.indexer_logits_paged(q, w, pages, table, ctx.meta.seq_ids, ctx.positions, k_scale=scale)
         return ops.topk_indices(logits, self.topk)

@@ -25,13 +25,14 @@ from flax import nnx
 from jaxdsa import ops
 from jaxdsa.cache import LayerPages, slots_for
 from jaxdsa.layers.context import StepContext
-from jaxdsa.layers.indexer import Indexer
+from jaxdsa.layers.indexer import Indexer, KeyPages
 from jaxdsa.layers.linear import Linear, project
 from jaxdsa.layers.norms import StackedRMSNorm
 from jaxdsa.layers.rope import apply_rope
 from jaxdsa.layers.stacks import split_layer
 from jaxdsa.quantized_weight import QuantizedWeight
 from jaxdsa.sharding import reduce_partials
+from pallas_kernels.quant import kv_fp8
 
 
 class MLAttention(nnx.Module):
@@ -108,19 +109,22 @@ class MLAttention(nnx.Module):
         x: jax.Array,
         ctx: StepContext,
         latent: LayerPages,
-        index_keys: LayerPages | None,
+        index_keys: KeyPages | None,
         prev_topk: jax.Array | None,
     ):
         """-> (out [T, D] float32, latent, index_keys, topk key positions [T, K] or None). ``out`` is
         the all-reduced sum of the output projection's shards, left in float32 for the next
-        residual add to round (one kernel fewer than a cast of its own)."""
+        residual add to round (one kernel fewer than a cast of its own). A ``uint8`` latent cache
+        holds ``fp8_ds_mla`` records (:mod:`pallas_kernels.quant.kv_fp8`): rows are quantized as
+        they are written and decoded where they are read."""
         meta, page_size = ctx.meta, latent.page_size
+        fp8 = latent.stacked.dtype == jnp.uint8
         slots = slots_for(meta.page_table, meta.seq_ids, ctx.positions, page_size)
         # the projections of the layer input in one kernel launch when they are quantized alike
         wk = (self.indexer.wk,) if self.indexer is not None else ()
         q_lat, row, *wk_x = self.project_latent(x, wk, ctx.cos, ctx.sin)
         q_nope, q_pe = self.queries(q_lat, ctx.cos, ctx.sin)
-        latent = latent.write(slots, row)
+        latent = latent.write(slots, kv_fp8.quantize_latent(row, self.kv_lora) if fp8 else row)
         if self.indexer is not None:
             index_keys = index_keys.write(slots, self.indexer.keys(wk_x[0], ctx.cos, ctx.sin))
 
@@ -159,7 +163,10 @@ class MLAttention(nnx.Module):
                     .set(True, mode="drop")
                 )
                 mask &= selected
-            o = self.naive_attention(q_nope, q_pe, rows[key_slots], mask)
+            keys = rows[key_slots]
+            if fp8:  # this sequence's rows, expanded through w_uk / w_uv next anyway
+                keys = kv_fp8.dequantize_latent(keys, self.kv_lora, q_pe.shape[-1]).astype(x.dtype)
+            o = self.naive_attention(q_nope, q_pe, keys, mask)
         return reduce_partials(self.o.unreduced(o)), latent, index_keys, topk
 
     def naive_attention(self, q_nope, q_pe, keys: jax.Array, mask: jax.Array) -> jax.Array:

@@ -54,10 +54,12 @@ class ModelFamily(Protocol):
     def param_spec(self, cfg, model: nnx.Module) -> dict[Path, Spec]:
         """Checkpoint source of every parameter of ``model`` (keyed by state path)."""
 
-    def cache_spec(self, cfg) -> CacheSpec:
-        """What the cache holds per token (and per sequence); the engine sizes and allocates it."""
+    def cache_spec(self, cfg, kv_format: str = "model") -> CacheSpec:
+        """What the cache holds per token (and per sequence); the engine sizes and allocates it.
+        ``kv_format``: ``'model'`` (rows in the model's dtype) or ``'fp8'``
+        (:func:`jaxdsa.cache.kv_cache_format`); a family without an FP8 layout raises ValueError."""
 
-    def mtp_cache_spec(self, cfg) -> CacheSpec:
+    def mtp_cache_spec(self, cfg, kv_format: str = "model") -> CacheSpec:
         """The same for the next-n layers."""
 
     def hidden(
@@ -103,9 +105,12 @@ class ModelFamily(Protocol):
         also keeps per-sequence state that the pages do not hold)."""
         return True
 
-    def decode_traffic(self, cfg, par: Parallelism, batch: int, context: int) -> dict[str, float]:
-        """For the planner: per-device cache bytes read and collective bytes of one decode step,
-        and the routing fan-out (``experts_per_token``, ``num_experts``) for the expert reads."""
+    def decode_traffic(
+        self, cfg, par: Parallelism, batch: int, context: int, kv_format: str = "model"
+    ) -> dict[str, float]:
+        """For the planner: per-device cache bytes read (rows in ``kv_format``) and collective bytes
+        of one decode step, and the routing fan-out (``experts_per_token``, ``num_experts``) for the
+        expert reads."""
 
 
 def param_axes(model: nnx.Module) -> dict[Path, Axes]:

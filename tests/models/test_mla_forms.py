@@ -11,9 +11,9 @@ from jaxdsa.engine.step import ModelState
 from jaxdsa.models.dsa.family import DsaMode
 
 
-def _run(llm, ids, *, sparse, absorbed, page_size=8):
+def _run(llm, ids, *, sparse, absorbed, page_size=8, kv_format="model"):
     pages = -(-len(ids) // page_size)
-    cache = init_cache(llm.family.cache_spec(llm.config), pages, page_size, llm.dtype)
+    cache = init_cache(llm.family.cache_spec(llm.config, kv_format), pages, page_size, llm.dtype)
     meta = StepMeta(
         seq_ids=jnp.zeros(len(ids), jnp.int32),
         page_table=jnp.arange(pages, dtype=jnp.int32)[None],

@@ -138,10 +138,17 @@ def test_vllms_short_ep_and_single_host_values(glm_dir, capsys):
     assert capsys.readouterr().err == ""  # nothing ignored, nothing to warn about
 
 
-def test_an_fp8_cache_is_refused_by_name(glm_dir, capsys):
-    argv = [glm_dir, *LOCAL, "--no-warmup", *_with(V4_SM120_VLLM, tensor_parallel_size="1", host="127.0.0.1")]
-    message = _refusal(argv, capsys)
-    assert "--kv-cache-dtype fp8: the cache is kept in the model's dtype (float32)" in message
+@pytest.mark.parametrize(
+    "kv_cache_dtype, says",
+    [
+        ("fp8_e5m2", "choose one of auto, bfloat16, float16, float32, fp8, fp8_e4m3, fp8_ds_mla"),
+        ("bfloat16", "the cache is kept in the model's dtype (float32) or in fp8"),
+    ],
+)
+def test_a_cache_dtype_jaxdsa_does_not_store_is_refused_by_name(glm_dir, capsys, kv_cache_dtype, says):
+    command = _with(V4_SM120_VLLM, tensor_parallel_size="1", host="127.0.0.1", kv_cache_dtype=kv_cache_dtype)
+    message = _refusal([glm_dir, *LOCAL, "--no-warmup", *command], capsys)
+    assert f"--kv-cache-dtype: kv_cache_dtype {kv_cache_dtype!r}: " in message and says in message
 
 
 def test_chat_template_and_generation_config(glm_dir, tmp_path, capsys):

@@ -151,11 +151,13 @@ def _readme_rows() -> dict[str, list[str]]:
     return rows
 
 
-def _planned(preset: str, weights: str, par, hbm: float, utilization: float = 0.9) -> dict[str, float]:
+def _planned(
+    preset: str, weights: str, par, hbm: float, utilization: float = 0.9, kv_format: str = "model"
+) -> dict[str, float]:
     cfg = released_config(preset)
     return plan.plan(
         family_for(cfg.model_type), cfg, par, hbm_gib=hbm, weights=weights, max_model_len=32768, batch=32,
-        hbm_gbs=3000, link_gbs=350, gpu_memory_utilization=utilization,
+        hbm_gbs=3000, link_gbs=350, gpu_memory_utilization=utilization, kv_format=kv_format,
     )  # fmt: skip
 
 
@@ -177,15 +179,29 @@ def test_the_readme_what_fits_table_is_the_planners():
                 dp8 = _planned(preset, weights, DP8, hbm, 0.95)
             if plan.fits(dp8, 32768):
                 assert _tokens(dp8["cache_tokens_total"]) in cell, (label, hbm, cell)
+            if not preset.startswith("v4"):  # GLM / V3.2 cells add the fp8 cache's tokens
+                fp8 = [_planned(preset, weights, par, hbm, kv_format="fp8") for par in (TP8, DP8)]
+                want = f"; fp8: {_tokens(fp8[0]['cache_tokens_total'])} ({_tokens(fp8[1]['cache_tokens_total'])})"
+                assert cell.endswith(want), (label, hbm, cell)
 
 
 def test_the_planners_verdict_and_the_fewest_gpus(capsys):
     int4 = ["--preset", "glm52", "--weights", "int4"]
     assert plan.main([*int4, "--tp", "8", "--ep", "8", "--hbm-gib", "79"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("glm52: 78 layers; tp=8 ep=8 dp=1, weights int4, 79 GiB GPUs")
+    assert out[0].startswith("glm52: 78 layers; tp=8 ep=8 dp=1, weights int4, kv cache bf16, 79 GiB GPUs")
     assert out[-2] == "fits: 161,367 cache tokens (4 sequences of 32,768 per dp group)"
     assert out[-1] == "fewest GPUs: 8 of 79 GiB (-tp 8 -ep 8)"
+    # the FP8 cache: 656-byte latent rows in 78 layers, 132-byte index keys in GLM-5.2's 21 full layers
+    assert plan.main([*int4, "--tp", "8", "--ep", "8", "--hbm-gib", "79", "--kv-cache-dtype", "fp8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert ", kv cache fp8, " in out[0]
+    per_token = {line.split()[0]: line.split()[1] for line in out[1:] if line.startswith("  ")}
+    assert per_token["cache_bytes_per_token"] == f"{78 * 656 + 21 * 132:,}.00"
+    assert (
+        out[-2]
+        == f"fits: {161_367 * (78 * 1152 + 21 * 256) // (78 * 656 + 21 * 132):,} cache tokens (8 sequences of 32,768 per dp group)"
+    )
     assert plan.main(["--preset", "glm52", "--tp", "4", "--ep", "4", "--hbm-gib", "79"]) == 1
     out = capsys.readouterr().out.splitlines()
     assert "weights auto (bf16)" in out[0]  # GLM's released config: BF16

@@ -44,8 +44,13 @@ from jaxdsa.sharding import Parallelism
 STEP = "window+compressed"
 
 
-def _cache_spec(cfg: V4Config, layers: list[tuple[str, int]]) -> CacheSpec:
+def _cache_spec(cfg: V4Config, layers: list[tuple[str, int]], kv_format: str) -> CacheSpec:
     """The cache of ``layers`` ((kind, ratio) each): a kind's layers are stacked, so share a ratio."""
+    if kv_format != "model":
+        raise ValueError(
+            "DeepSeek-V4: the FP8 KV cache (its 584-byte MODEL1 layout) is not implemented yet; "
+            "use --kv-cache-dtype auto"
+        )
     d, di, W = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
     ratio = {kind: {m for k, m in layers if k == kind} for kind in (CSA, HCA)}
     for kind, ratios in ratio.items():
@@ -123,11 +128,11 @@ class V4Family(ModelFamily):
     def param_spec(self, cfg: V4Config, model: V4Model):
         return params.param_spec(cfg, model)
 
-    def cache_spec(self, cfg: V4Config) -> CacheSpec:
-        return _cache_spec(cfg, list(zip(cfg.layer_types, cfg.compress_ratios)))
+    def cache_spec(self, cfg: V4Config, kv_format: str = "model") -> CacheSpec:
+        return _cache_spec(cfg, list(zip(cfg.layer_types, cfg.compress_ratios)), kv_format)
 
-    def mtp_cache_spec(self, cfg: V4Config) -> CacheSpec:
-        return _cache_spec(cfg, [(cfg.mtp_layer_type, cfg.mtp_compress_ratio)])
+    def mtp_cache_spec(self, cfg: V4Config, kv_format: str = "model") -> CacheSpec:
+        return _cache_spec(cfg, [(cfg.mtp_layer_type, cfg.mtp_compress_ratio)], kv_format)
 
     def page_size(self, cfg: V4Config, requested: int | None) -> int:
         """A page holds whole compression windows: a multiple of every ratio (default: the least one
@@ -163,7 +168,9 @@ class V4Family(ModelFamily):
     def page_columns(self, cfg: V4Config, mode, page_size: int, columns: int) -> int:
         return columns
 
-    def decode_traffic(self, cfg: V4Config, par: Parallelism, batch: int, context: int) -> dict[str, float]:
+    def decode_traffic(
+        self, cfg: V4Config, par: Parallelism, batch: int, context: int, kv_format: str = "model"
+    ) -> dict[str, float]:
         """Per device, one decode step of ``batch`` sequences per dp group at ``context`` tokens: the
         window rows, the compressed entries each layer attends (CSA: top-k, HCA: all), the index keys
         the indexer scores (one per m tokens) and the state rows every token gathers for pooling (a

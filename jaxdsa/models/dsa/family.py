@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax.numpy as jnp
 from flax import nnx
 
 from checkpoints.quant import QuantConfig
@@ -15,6 +16,7 @@ from jaxdsa.models.dsa.config import MODEL_TYPES, DsaConfig, parse_config
 from jaxdsa.models.dsa.model import DsaModel
 from jaxdsa.models.family import ModelFamily, collective_bytes
 from jaxdsa.sharding import Parallelism
+from pallas_kernels.quant import kv_fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,20 +61,15 @@ class DsaFamily(ModelFamily):
     def param_spec(self, cfg: DsaConfig, model: DsaModel):
         return params.param_spec(cfg, model)
 
-    def cache_spec(self, cfg: DsaConfig) -> CacheSpec:
-        """Per layer a latent row (normed latent | roped key); index keys where an indexer runs."""
-        return CacheSpec(
-            {
-                "latent": CacheEntry(cfg.num_hidden_layers, cfg.latent_dim),
-                "index_keys": CacheEntry(len(cfg.indexer_layers), cfg.index_head_dim),
-            }
-        )
+    def cache_spec(self, cfg: DsaConfig, kv_format: str = "model") -> CacheSpec:
+        """Per layer a latent row (normed latent | roped key); index keys where an indexer runs.
+        FP8: ``fp8_ds_mla`` latent records and e4m3 index keys with a float32 scale each
+        (:mod:`pallas_kernels.quant.kv_fp8`): 656 + 132 bytes a token and layer at the released widths."""
+        return _cache_spec(cfg, cfg.num_hidden_layers, len(cfg.indexer_layers), kv_format)
 
-    def mtp_cache_spec(self, cfg: DsaConfig) -> CacheSpec:
+    def mtp_cache_spec(self, cfg: DsaConfig, kv_format: str = "model") -> CacheSpec:
         n = cfg.num_nextn_predict_layers
-        return CacheSpec(
-            {"latent": CacheEntry(n, cfg.latent_dim), "index_keys": CacheEntry(n, cfg.index_head_dim)}
-        )
+        return _cache_spec(cfg, n, n, kv_format)
 
     def hidden(self, model: DsaModel, tokens, positions, cache: Cache, meta: StepMeta, mode: DsaMode):
         h, cache = model(tokens, positions, cache, meta, sparse=mode.sparse, absorbed=mode.absorbed)
@@ -92,14 +89,22 @@ class DsaFamily(ModelFamily):
     def modes(self, cfg: DsaConfig, max_model_len: int) -> list[DsaMode]:
         return [DsaMode(sparse=False)] + ([DsaMode(sparse=True)] if max_model_len > cfg.index_topk else [])
 
-    def decode_traffic(self, cfg: DsaConfig, par: Parallelism, batch: int, context: int) -> dict[str, float]:
+    def decode_traffic(
+        self, cfg: DsaConfig, par: Parallelism, batch: int, context: int, kv_format: str = "model"
+    ) -> dict[str, float]:
         """Per device, one decode step of ``batch`` sequences per dp group at ``context`` tokens:
-        cache bytes read (bf16 rows of the selected keys, index keys of the whole context once it
-        outgrows index_topk), collective bytes, and the routing fan-out for the weight reads."""
+        cache bytes read (rows of the selected keys, index keys of the whole context once it
+        outgrows index_topk; bf16 or fp8 per ``kv_format``), collective bytes, and the routing
+        fan-out for the weight reads."""
+        spec = _cache_spec(cfg, 1, 1, kv_format).entries
+        row_bytes = lambda e: e.width * e.itemsize(jnp.bfloat16)  # noqa: E731
+        key_bytes = row_bytes(spec["index_keys"]) + (
+            row_bytes(spec["index_scales"]) if "index_scales" in spec else 0
+        )
         kv_rows = min(context, cfg.index_topk)
-        read = batch * cfg.num_hidden_layers * kv_rows * cfg.latent_dim * 2
+        read = batch * cfg.num_hidden_layers * kv_rows * row_bytes(spec["latent"])
         if context > cfg.index_topk:
-            read += batch * len(cfg.indexer_layers) * context * cfg.index_head_dim * 2
+            read += batch * len(cfg.indexer_layers) * context * key_bytes
         collective = collective_bytes(
             par,
             batch=batch,
@@ -119,6 +124,26 @@ class DsaFamily(ModelFamily):
     def page_columns(self, cfg: DsaConfig, mode: DsaMode, page_size: int, columns: int) -> int:
         """Dense steps address only the first index_topk positions (every context fits in them)."""
         return columns if mode.sparse else min(columns, -(-cfg.index_topk // page_size))
+
+
+def _cache_spec(cfg: DsaConfig, layers: int, index_layers: int, kv_format: str) -> CacheSpec:
+    if kv_format == "model":
+        return CacheSpec(
+            {
+                "latent": CacheEntry(layers, cfg.latent_dim),
+                "index_keys": CacheEntry(index_layers, cfg.index_head_dim),
+            }
+        )
+    if kv_format != "fp8":
+        raise ValueError(f"unknown kv cache format {kv_format!r}")
+    record = kv_fp8.record_width(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    return CacheSpec(
+        {
+            "latent": CacheEntry(layers, record, jnp.uint8),
+            "index_keys": CacheEntry(index_layers, cfg.index_head_dim, jnp.float8_e4m3fn),
+            "index_scales": CacheEntry(index_layers, 1, jnp.float32),
+        }
+    )
 
 
 FAMILY = DsaFamily()

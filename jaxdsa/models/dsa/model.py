@@ -25,7 +25,7 @@ from flax import nnx
 from jaxdsa import sharding
 from jaxdsa.cache import Cache, LayerPages, StepMeta
 from jaxdsa.layers.context import StepContext
-from jaxdsa.layers.indexer import Indexer
+from jaxdsa.layers.indexer import Indexer, KeyPages
 from jaxdsa.layers.linear import Embed, Linear
 from jaxdsa.layers.mla import MLAttention
 from jaxdsa.layers.mlp import MLP, Experts, MoE, Router
@@ -103,10 +103,10 @@ class DecoderLayer(nnx.Module):
         (:func:`jaxdsa.sharding.reduce_partials`). ``rows`` = (latent row,
         index-key row) of this layer in the cache."""
         latent = LayerPages(cache["latent"], rows[0])
-        index = LayerPages(cache["index_keys"], rows[1]) if self.attn.indexer is not None else None
+        index = KeyPages.of(cache, rows[1]) if self.attn.indexer is not None else None
         x, h = self.input_norm(*stream)
         a, latent, index, topk = self.attn(x, ctx, latent, index, topk)
-        cache = {**cache, "latent": latent.stacked} | ({"index_keys": index.stacked} if index else {})
+        cache = {**cache, "latent": latent.stacked} | (index.entries() if index else {})
         x, h = self.post_attn_norm(h, a)
         stream = (h, sharding.reduce_partials(_mlp_partials(self.mlp, x, ctx.meta.seq_ids >= 0)))
         return tuple(sharding.constrain(v, ("batch", "embed")) for v in stream), cache, topk

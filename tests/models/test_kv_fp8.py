@@ -1,0 +1,110 @@
+"""The FP8 KV cache (``kv_cache_dtype="fp8"``) against its own definition.
+
+``golden_kv_fp8.npz`` (tests/reference/make_kv_fp8_goldens.py) holds HF's float32 logits with every
+cached latent row and index key passed through the released engines' quantize / dequantize (torch,
+written apart from jaxdsa's writer): jaxdsa's fp8 cache must give the same logits within 1e-4 rel-L2
+and the same greedy tokens, through the pure-JAX ops, the Pallas kernels in the interpreter (the
+sm_80 integer decoders: the interpreter's default), and meshes. The distance to the float cache's
+goldens is reported by the fixture README, not bounded here.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdsa
+from jaxdsa import ops
+from pallas_kernels.quant import kv_fp8
+from tests.conftest import FIXTURES
+from tests.models.test_hf_parity import TOLERANCE, rel_l2
+from tests.models.test_mla_forms import _run
+
+FIXTURE_NAMES = ["glm5", "glm52", "dsv32"]
+
+
+def fp8_llm(name: str, **options) -> jaxdsa.LLM:
+    return jaxdsa.LLM(
+        FIXTURES / name, dtype="float32", page_size=8, kv_cache_dtype="fp8", progress=False, **options
+    )
+
+
+def golden(name: str) -> dict[str, np.ndarray]:
+    return dict(np.load(FIXTURES / name / "golden_kv_fp8.npz"))
+
+
+def assert_matches(llm: jaxdsa.LLM, want: dict[str, np.ndarray], prompts=("short", "long")) -> None:
+    for prompt in prompts:
+        got = llm.score(want[f"prompt_{prompt}"].tolist())
+        assert rel_l2(got, want[f"logits_{prompt}"]).max() <= TOLERANCE, prompt
+    n = len(want["greedy_tokens"])
+    tokens, logits = llm.generate([want["greedy_prompt"].tolist()], max_new_tokens=n, return_logits=True)
+    assert tokens[0] == want["greedy_tokens"].tolist()
+    assert rel_l2(logits[0], want["greedy_logits"]).max() <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "name, backend",
+    [(n, "reference") for n in FIXTURE_NAMES] + [("glm5", "interpret"), ("glm52", "interpret")],
+)
+def test_the_fp8_cache_matches_its_reference(name, backend):
+    previous = ops.get_kernels()
+    ops.set_kernels(backend)
+    try:
+        llm = fp8_llm(name)
+        assert llm.engine.runner.cache["latent"].dtype == jnp.uint8
+        assert_matches(llm, golden(name))
+    finally:
+        ops.set_kernels(previous)
+
+
+@pytest.mark.parametrize("layout", [(2, 2, 1, False), (2, 4, 2, True)], ids=["tp2ep2", "tp2ep4dp2-dpattn"])
+def test_the_fp8_cache_on_a_mesh(layout):
+    tp, ep, dp, dp_attention = layout
+    llm = fp8_llm(
+        "glm52", tp=tp, ep=ep, dp=dp, dp_attention=dp_attention, max_num_seqs=2 * dp, max_model_len=64
+    )
+    for leaf in llm.engine.runner.cache.values():  # pages split over the dp groups, fp8 entries included
+        assert leaf.sharding.shard_shape(leaf.shape)[1] == leaf.shape[1] // dp
+    assert_matches(llm, golden("glm52"), prompts=("long",))
+
+
+def test_the_cache_holds_the_released_layouts(tiny_llms):
+    """656-byte latent records and 128 e4m3 + one float32 per index key at the released widths; the
+    tiny model's records decode to its rows."""
+    from jaxdsa.models.registry import released_config
+
+    llm = tiny_llms["glm5"]
+    for preset, layers, indexers in (("glm5", 78, 78), ("glm52", 78, 21), ("dsv32", 61, 61)):
+        spec = llm.family.cache_spec(released_config(preset), "fp8")
+        assert spec.bytes_per_token(jnp.bfloat16, 64) == layers * 656 + indexers * 132, preset
+    spec = llm.family.cache_spec(llm.config, "fp8")
+    assert spec.entries["latent"].width == kv_fp8.record_width(128, 8) == 148
+    assert spec.entries["index_keys"].dtype == jnp.float8_e4m3fn
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_the_two_mla_forms_read_the_same_fp8_rows(tiny_llms, sparse):
+    llm = tiny_llms["glm5"]
+    ids = np.random.default_rng(3).integers(0, llm.config.vocab_size, 24 if sparse else 8)
+    naive = _run(llm, ids, sparse=sparse, absorbed=False, kv_format="fp8")
+    absorbed = _run(llm, ids, sparse=sparse, absorbed=True, kv_format="fp8")
+    assert rel_l2(absorbed, naive).max() < 1e-5
+    assert rel_l2(naive, _run(llm, ids, sparse=sparse, absorbed=False)).max() > 1e-3  # the rows are fp8
+
+
+def test_chunks_prefix_hits_and_drafts_on_fp8_rows():
+    """Chunked prefill, a prefix-cache hit and MTP drafts (rolled back where rejected) over fp8 rows
+    give the reference's greedy tokens."""
+    want = golden("glm52")
+    prompt, n = want["greedy_prompt"].tolist(), len(want["greedy_tokens"])
+    llm = fp8_llm("glm52", max_num_batched_tokens=5, speculative_config={"num_speculative_tokens": 2})
+    for _ in range(2):  # the second run finds the first's pages in the prefix cache
+        assert llm.generate([prompt], max_new_tokens=n)[0] == want["greedy_tokens"].tolist()
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_hits"] > 0
+    assert llm.engine.runner.mtp_cache["latent"].dtype == jnp.uint8
+
+
+def test_deepseek_v4_refuses_the_fp8_cache_before_loading():
+    with pytest.raises(ValueError, match="DeepSeek-V4: the FP8 KV cache .* is not implemented yet"):
+        jaxdsa.LLM(FIXTURES / "dsv4", dtype="float32", kv_cache_dtype="fp8", progress=False)
