@@ -1607,7 +1607,14 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
                 f"targets {json.dumps(q['targets'])}, ignore {json.dumps(q['ignore'])}."
             )
     lines.append("")
-    (out_root / "README.md").write_text("\n".join(lines))
+    text = "\n".join(lines)
+    # make_kv_fp8_goldens.py's section (FP8 KV-cache goldens) is carried over as it stands
+    old = (out_root / "README.md").read_text() if (out_root / "README.md").exists() else ""
+    begin, end = "<!-- kv-fp8 goldens: begin", "<!-- kv-fp8 goldens: end -->"
+    if begin in old and end in old:
+        start = old.index(begin)
+        text = text.rstrip("\n") + "\n\n" + old[start : old.index(end, start) + len(end)] + "\n"
+    (out_root / "README.md").write_text(text)
 
 
 # ---------------------------------------------------------------------------------------------
