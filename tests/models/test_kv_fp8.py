@@ -4,8 +4,8 @@
 cached latent row and index key passed through the released engines' quantize / dequantize (torch,
 written apart from jaxdsa's writer): jaxdsa's fp8 cache must give the same logits within 1e-4 rel-L2
 and the same greedy tokens, through the pure-JAX ops, the Pallas kernels in the interpreter (the
-sm_80 integer decoders: the interpreter's default), and meshes. The distance to the float cache's
-goldens is reported by the fixture README, not bounded here.
+sm_80 integer decoders: the interpreter's default), and meshes (tests/sharding/test_kv_fp8_mesh.py).
+The distance to the float cache's goldens is reported by the fixture README, not bounded here.
 """
 
 import jax.numpy as jnp
@@ -55,17 +55,6 @@ def test_the_fp8_cache_matches_its_reference(name, backend):
         assert_matches(llm, golden(name))
     finally:
         ops.set_kernels(previous)
-
-
-@pytest.mark.parametrize("layout", [(2, 2, 1, False), (2, 4, 2, True)], ids=["tp2ep2", "tp2ep4dp2-dpattn"])
-def test_the_fp8_cache_on_a_mesh(layout):
-    tp, ep, dp, dp_attention = layout
-    llm = fp8_llm(
-        "glm52", tp=tp, ep=ep, dp=dp, dp_attention=dp_attention, max_num_seqs=2 * dp, max_model_len=64
-    )
-    for leaf in llm.engine.runner.cache.values():  # pages split over the dp groups, fp8 entries included
-        assert leaf.sharding.shard_shape(leaf.shape)[1] == leaf.shape[1] // dp
-    assert_matches(llm, golden("glm52"), prompts=("long",))
 
 
 def test_the_cache_holds_the_released_layouts(tiny_llms):

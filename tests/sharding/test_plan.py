@@ -180,9 +180,11 @@ def test_the_readme_what_fits_table_is_the_planners():
             if plan.fits(dp8, 32768):
                 assert _tokens(dp8["cache_tokens_total"]) in cell, (label, hbm, cell)
             if not preset.startswith("v4"):  # GLM / V3.2 cells add the fp8 cache's tokens
-                fp8 = [_planned(preset, weights, par, hbm, kv_format="fp8") for par in (TP8, DP8)]
-                want = f"; fp8: {_tokens(fp8[0]['cache_tokens_total'])} ({_tokens(fp8[1]['cache_tokens_total'])})"
-                assert cell.endswith(want), (label, hbm, cell)
+                fp8 = [
+                    _tokens(_planned(preset, weights, par, hbm, kv_format="fp8")["cache_tokens_total"])
+                    for par in (TP8, DP8)
+                ]
+                assert cell.endswith(f"; fp8: {fp8[0]} ({fp8[1]})"), (label, hbm, cell)
 
 
 def test_the_planners_verdict_and_the_fewest_gpus(capsys):
@@ -198,10 +200,8 @@ def test_the_planners_verdict_and_the_fewest_gpus(capsys):
     assert ", kv cache fp8, " in out[0]
     per_token = {line.split()[0]: line.split()[1] for line in out[1:] if line.startswith("  ")}
     assert per_token["cache_bytes_per_token"] == f"{78 * 656 + 21 * 132:,}.00"
-    assert (
-        out[-2]
-        == f"fits: {161_367 * (78 * 1152 + 21 * 256) // (78 * 656 + 21 * 132):,} cache tokens (8 sequences of 32,768 per dp group)"
-    )
+    tokens = 161_367 * (78 * 1152 + 21 * 256) // (78 * 656 + 21 * 132)
+    assert out[-2] == f"fits: {tokens:,} cache tokens (8 sequences of 32,768 per dp group)"
     assert plan.main(["--preset", "glm52", "--tp", "4", "--ep", "4", "--hbm-gib", "79"]) == 1
     out = capsys.readouterr().out.splitlines()
     assert "weights auto (bf16)" in out[0]  # GLM's released config: BF16
