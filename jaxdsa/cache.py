@@ -27,6 +27,9 @@ import jax.numpy as jnp
 
 from jaxdsa.sharding import Axes
 
+# The FP8 cache formats' writer and reference decoder, re-exported for the model code.
+from pallas_kernels.quant import kv_fp8 as kv_fp8
+
 # [layers, pages, page, width]: pages split over the data-parallel groups
 CACHE_AXES: Axes = ("layers", "cache_pages", "page", "cache_width")
 # [layers, sequences, ring, width]: a ring entry's sequences split like the pages

@@ -4,7 +4,8 @@ that jaxdsa's layers and loaders use, re-exported so that they import no kernel 
 The format itself (the :class:`QuantizedWeight` pytree, its packers and the layouts of INT4 / FP8 /
 FP4 codes and scales) lives beside the kernels that read it, in :mod:`pallas_kernels.quant`;
 ``checkpoints`` (which jaxdsa imports, never the reverse) builds weights from there. Within jaxdsa
-only :mod:`jaxdsa.ops` and this module import ``pallas_kernels``: layers -> ops -> kernels.
+only :mod:`jaxdsa.ops`, this module and :mod:`jaxdsa.cache` (the FP8 cache formats) import
+``pallas_kernels``: layers -> ops -> kernels.
 """
 
 from pallas_kernels.quant.layout import (

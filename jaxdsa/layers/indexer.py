@@ -19,12 +19,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdsa import ops
-from jaxdsa.cache import Cache, LayerPages
+from jaxdsa.cache import Cache, LayerPages, kv_fp8
 from jaxdsa.layers.context import StepContext
 from jaxdsa.layers.linear import Linear
 from jaxdsa.layers.norms import LayerNorm
 from jaxdsa.layers.rope import apply_rope
-from pallas_kernels.quant import kv_fp8
 
 
 @dataclasses.dataclass

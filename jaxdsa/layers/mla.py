@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdsa import ops
-from jaxdsa.cache import LayerPages, slots_for
+from jaxdsa.cache import LayerPages, kv_fp8, slots_for
 from jaxdsa.layers.context import StepContext
 from jaxdsa.layers.indexer import Indexer, KeyPages
 from jaxdsa.layers.linear import Linear, project
@@ -32,7 +32,6 @@ from jaxdsa.layers.rope import apply_rope
 from jaxdsa.layers.stacks import split_layer
 from jaxdsa.quantized_weight import QuantizedWeight
 from jaxdsa.sharding import reduce_partials
-from pallas_kernels.quant import kv_fp8
 
 
 class MLAttention(nnx.Module):

@@ -10,13 +10,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from checkpoints.quant import QuantConfig
-from jaxdsa.cache import Cache, CacheEntry, CacheSpec, StepMeta
+from jaxdsa.cache import Cache, CacheEntry, CacheSpec, StepMeta, kv_fp8
 from jaxdsa.models.dsa import params
 from jaxdsa.models.dsa.config import MODEL_TYPES, DsaConfig, parse_config
 from jaxdsa.models.dsa.model import DsaModel
 from jaxdsa.models.family import ModelFamily, collective_bytes
 from jaxdsa.sharding import Parallelism
-from pallas_kernels.quant import kv_fp8
 
 
 @dataclasses.dataclass(frozen=True)
