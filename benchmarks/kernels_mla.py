@@ -109,7 +109,7 @@ SHAPES = [Shape("decode", b, h, DECODE_POOL) for h in (16, 64, 128) for b in (1,
 ]
 
 
-def _describe(cfg: MlaConfig) -> str:
+def describe(cfg: MlaConfig) -> str:
     flags = (" prefetch" if cfg.prefetch else "") + (" bf16-partials" if cfg.narrow_partials else "")
     return f"bh{cfg.block_h} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} splits{cfg.splits}{flags}"
 
@@ -187,7 +187,7 @@ def _expected(shape: Shape, q, idx, kv):
     return jax.block_until_ready(fn(q[:n].astype(jnp.float32), kv, idx[:n]))
 
 
-def _compile_and_check(
+def compile_and_check(
     fn: Callable, sets: list, want, n_check: int
 ) -> tuple[dict, Callable[[int], float] | None]:
     """Compile ``fn`` over all sets in one jit, check set 0 against ``want``.
@@ -267,8 +267,8 @@ def run(ceilings: harness.Ceilings | None = None) -> list[dict]:
         sets = _make_sets(shape, kv, shape.sets)
         wants[shape] = _expected(shape, sets[0][0], sets[0][1], kv)
         common = {"shape": shape.label, "MB": shape.nbytes / 1e6, "sets": len(sets)}
-        table = common | {"impl": "pallas:table", "config": _describe(_table_config(shape))}
-        checked, timer = _compile_and_check(_kernel_fn(None), sets, wants[shape], _checked_queries(shape))
+        table = common | {"impl": "pallas:table", "config": describe(_table_config(shape))}
+        checked, timer = compile_and_check(_kernel_fn(None), sets, wants[shape], _checked_queries(shape))
         table |= checked | ({"us": timer(20)} if timer else {})
         rows[shape] = [rates(table, shape)]
         if with_reference:
@@ -287,16 +287,16 @@ def run(ceilings: harness.Ceilings | None = None) -> list[dict]:
         common = {"shape": shape.label, "MB": shape.nbytes / 1e6, "sets": len(sets)}
         best = None  # (us, row, cfg, timer) of the fastest variant
         for name, cfg in _variants(shape, _table_config(shape)).items():
-            row = common | {"impl": f"pallas:{name}", "config": _describe(cfg)}
+            row = common | {"impl": f"pallas:{name}", "config": describe(cfg)}
             if clock() - shape_start >= share:
                 rows[shape].append(row | {"note": harness.SKIPPED})
                 continue
-            checked, timer = _compile_and_check(_kernel_fn(cfg), sets, wants[shape], _checked_queries(shape))
+            checked, timer = compile_and_check(_kernel_fn(cfg), sets, wants[shape], _checked_queries(shape))
             row |= checked | ({"us": timer(5)} if timer else {})
             rows[shape].append(rates(row, shape))
             if timer and (best is None or row["us"] < best[0]):
                 best = (row["us"], row, cfg, timer)
-            print(f"{shape.label} {name} {_describe(cfg)}: {row.get('us', row.get('note'))} [{clock():.0f}s]")
+            print(f"{shape.label} {name} {describe(cfg)}: {row.get('us', row.get('note'))} [{clock():.0f}s]")
         table = rows[shape][0]
         if best and "us" in table and best[0] < table["us"]:
             _, row, cfg, timer = best

@@ -14,7 +14,9 @@ N expert width):
 
 - ``sparse_mla(q [T,H,576], kv [Z,576], indices [T,K] int32, *, sm_scale, sink=None, v_dim=512)
   -> (out [T,H,v_dim], lse [T,H] f32)``: softmax attention of each query over the selected kv rows
-  (-1 = skip, duplicates count twice); the value is the first ``v_dim`` columns of the row.
+  (-1 = skip, duplicates count twice); the value is the first ``v_dim`` columns of the row. A uint8
+  ``kv [Z,656]`` is ``fp8_ds_mla`` records (:mod:`pallas_kernels.quant.kv_fp8`), decoded in the
+  kernel (the reference dequantizes only the gathered rows).
 - ``merge_states(outs [n,T,H,Dv], lses [n,T,H], sink=None) -> (out, lse)``: log-sum-exp merge.
 - ``indexer_logits_paged(q [T,Hi,Di], w [T,Hi], k_pages [P,page,Di], page_table [B,M], seq_ids [T],
   q_pos [T], *, k_scale=None) -> [T, M*page] f32``: ``sum_h w[t,h] * relu(q[t,h] . k[s])`` over the

@@ -7,12 +7,32 @@ rows; online softmax in float32 (base 2, ``log2(e)`` folded into the scale).
 Layout. A row is split into its value part (``v_dim`` columns) and its rope part (the rest);
 each part is padded to a power of two (Triton tiles must be powers of two) with column masks,
 so 576 = 512 + 64 takes the unmasked fast path and e.g. the tiny models' 136 = 128 + 8 works
-with masks. Scores are two dots (value part + rope part); the value tile is reused for P.V.
+with masks. Scores are one dot per value column group plus one for the rope part; the value
+tiles are reused for P.V, one float32 accumulator per group. Float rows are one group.
+
+FP8 cache. ``kv`` of dtype uint8 is ``fp8_ds_mla`` records ``[Z, W]``
+(:mod:`pallas_kernels.quant.kv_fp8`: ``v_dim`` e4m3 bytes, ``v_dim / 128`` float32 scales, the rope
+part in bf16), decoded in-kernel from the gathered bytes (never a dequantized copy of the cache):
+the value part as ``v_dim / 128`` groups of 128 columns, so each group's scale is one per row (a
+``[block_n]`` vector broadcast over the byte tile) and the byte loads stay contiguous. Every value
+is dequantized as :func:`pallas_kernels.quant.kv_fp8.dequantize_latent` does it: e4m3 to float32,
+times its float32 scale in float32, then cast to q's dtype for the dots (float32 queries see the
+reference's rows exactly; bf16 rounds once, as casting the dequantized row would). The e4m3 decode
+is the hardware cast ("native", sm_89+) or integer bit moves into float16 (:func:`_e4m3_software`;
+sm_80/86, the interpreter), chosen by :func:`pallas_kernels.quant.decode.fp_decode` at trace time
+or per call; the two agree on all 254 finite codes, but the software decode reads the NaN codes
+0x7F / 0xFF as +-480 (scaled caches never hold NaN). A scale is its row's 4 bytes shifted into one
+int32 and bitcast to float32; a rope value its byte pair as a bf16 bit pattern. Measured on H200
+(``benchmarks/results/kernels_mla_fp8-h200.md``, decode, top-2048): right with both decoders, but at
+B >= 8 it takes 1.3-2.3x the time of bf16 rows for 57 % of their bytes (4-12 % of the memory
+ceiling against 13-46 %), the software decoder 3-14 % behind the native one. The record path is not
+tuned yet; the first suspect is the rope's stride-2 byte loads, which can be neither vector nor
+asynchronous copies.
 
 Grid ``(head_groups, splits, T)``, head group fastest so the programs sharing one query's rows
 run side by side (the second read of a row hits L2). Each program:
 
-1. loads its ``[block_h, Dv]`` and ``[block_h, Dr]`` query tiles once;
+1. loads its query tiles (one per value group, one rope) once;
 2. walks its chunk of the index list ``block_n`` at a time: loads the indices, masks -1 and
    out-of-range slots, gathers the rows with masked pointer loads (skipped rows cost no
    traffic; duplicates are just two rows), ``S = q.r^T`` (f32 accumulate), online softmax,
@@ -23,7 +43,8 @@ run side by side (the second read of a row hits L2). Each program:
    :func:`pallas_kernels.merge_states.kernel.merge_states` combines (the sink joins there, once).
 
 Split count, head block and tile sizes come from :mod:`.tuning` (per compute capability and
-operand dtype: float32 tiles are sized to fit the same shared memory as bf16 ones).
+operand dtype: float32 tiles are sized to fit the same shared memory as bf16 ones; fp8 records
+count their bytes per stage and the decoded tile as resident).
 """
 
 from __future__ import annotations
@@ -31,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 import warnings
 
 import jax
@@ -39,6 +61,8 @@ from jax import lax
 
 from pallas_kernels._triton import compiler_params, pl, pltriton
 from pallas_kernels.merge_states.kernel import apply_sink, merge_states
+from pallas_kernels.quant import kv_fp8
+from pallas_kernels.quant.decode import fp_decode
 from pallas_kernels.sparse_mla import ref, tuning
 from pallas_kernels.sparse_mla.tuning import MlaConfig
 
@@ -65,28 +89,94 @@ class _Geometry:
     block_h: int
     block_n: int
     prefetch: bool  # load step i+1's indices while step i's rows are gathered
-
-    @property
-    def d_v_pad(self) -> int:
-        return _pad(self.d_v)
+    records: str | None = None  # fp8_ds_mla records, e4m3 decoded "native" / "software"; None: float rows
 
     @property
     def d_r_pad(self) -> int:
         return _pad(self.d_r) if self.d_r else 0
 
+    @property
+    def groups(self) -> tuple[tuple[int, int, int], ...]:
+        """``(first column, width, padded width)`` of each value column group: one scale tile
+        (128 columns) each in a record, the whole value part of a float row."""
+        if self.records:
+            return tuple((c, kv_fp8.TILE, kv_fp8.TILE) for c in range(0, self.d_v, kv_fp8.TILE))
+        return ((0, self.d_v, _pad(self.d_v)),)
 
-def _load_tile(src, rows, row_ok, col0: int, width: int, width_pad: int):
-    """``src[rows, col0:col0+width]`` as a ``[len(rows), width_pad]`` tile, zeros where masked.
+    @property
+    def scale_col(self) -> int:
+        """A record's first scale byte."""
+        return self.d_v
+
+    @property
+    def rope_col(self) -> int:
+        """The first byte (record) or column (float row) of the rope part."""
+        return self.d_v + 4 * (self.d_v // kv_fp8.TILE) if self.records else self.d_v
+
+
+def _load_tile(src, rows, row_ok, col0: int, width: int, width_pad: int, stride: int = 1):
+    """``src[rows, col0 : col0 + stride * width : stride]`` as a ``[len(rows), width_pad]`` tile,
+    zeros where masked.
 
     Fully broadcast array indexers: one pointer tensor on GPU, and the form whose masked load the
     interpreter supports. The column mask only appears when the width is padded, so the real
     576-wide rows keep an all-row mask that Triton can vectorise along columns.
     """
-    cols = col0 + jnp.arange(width_pad, dtype=jnp.int32)
+    j = jnp.arange(width_pad, dtype=jnp.int32)
     mask = row_ok[:, None]
     if width_pad != width:
-        mask = mask & (cols < col0 + width)[None, :]
-    return pltriton.load(src.at[rows[:, None], cols[None, :]], mask=mask, other=0)
+        mask = mask & (j < width)[None, :]
+    return pltriton.load(src.at[rows[:, None], (col0 + stride * j)[None, :]], mask=mask, other=0)
+
+
+def _e4m3_software(u8: jax.Array) -> jax.Array:
+    """e4m3fn bytes -> float32 with integer ops: ``(u + (u & 0x80)) << 7`` moves the sign to bit 15
+    and the 4 exponent + 3 mantissa bits to float16's, the value times 2^-8 (the exponent bias is 8
+    short) for normal and subnormal codes alike; times 256 in float16 is exact (|e4m3| <= 448).
+    The NaN codes 0x7F / 0xFF come out as +-480 (:func:`pallas_kernels.quant.decode.e4m3_to_f32`
+    keeps them NaN at the cost of a select per value)."""
+    u = u8.astype(jnp.int32)
+    half = lax.bitcast_convert_type(((u + (u & 0x80)) << 7).astype(jnp.uint16), jnp.float16)
+    return (half * jnp.float16(256.0)).astype(jnp.float32)
+
+
+def _record_scales(kv_ref, rows, ok, g: _Geometry) -> list[jax.Array]:
+    """The float32 scale of each value group of the gathered records, ``[block_n]`` each: one load of
+    the rows' scale bytes, each group's four shifted into an int32 (disjoint bits: the sum is their
+    OR) and bitcast."""
+    n_bytes = 4 * len(g.groups)
+    raw = _load_tile(kv_ref, rows, ok, g.scale_col, n_bytes, pl.next_power_of_2(n_bytes))
+    j = jnp.arange(raw.shape[1], dtype=jnp.int32)
+    shifted = raw.astype(jnp.int32) << (8 * (j % 4))[None, :]
+    return [
+        lax.bitcast_convert_type(jnp.sum(jnp.where((j // 4 == k)[None, :], shifted, 0), axis=1), jnp.float32)
+        for k in range(len(g.groups))
+    ]
+
+
+def _load_values(kv_ref, rows, ok, g: _Geometry, dtype) -> list[jax.Array]:
+    """The value part of the gathered rows as one ``[block_n, width]`` tile per group, in ``dtype``."""
+    if not g.records:
+        return [_load_tile(kv_ref, rows, ok, c, w, wp).astype(dtype) for c, w, wp in g.groups]
+    tiles = []
+    for (c, w, wp), scale in zip(g.groups, _record_scales(kv_ref, rows, ok, g), strict=True):
+        codes = _load_tile(kv_ref, rows, ok, c, w, wp)
+        if g.records == "native":
+            values = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
+        else:
+            values = _e4m3_software(codes)
+        tiles.append((values * scale[:, None]).astype(dtype))
+    return tiles
+
+
+def _load_rope(kv_ref, rows, ok, g: _Geometry, dtype) -> jax.Array:
+    """The rope part of the gathered rows, ``[block_n, d_r_pad]`` in ``dtype``: a record's bf16 values
+    from their low and high bytes (two strided loads of one span)."""
+    if not g.records:
+        return _load_tile(kv_ref, rows, ok, g.rope_col, g.d_r, g.d_r_pad).astype(dtype)
+    lo, hi = (_load_tile(kv_ref, rows, ok, g.rope_col + b, g.d_r, g.d_r_pad, stride=2) for b in (0, 1))
+    bits = lo.astype(jnp.int32) | (hi.astype(jnp.int32) << 8)
+    return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16).astype(dtype)
 
 
 def _kernel(*refs, g: _Geometry, sm_scale: float, has_sink: bool, precision):
@@ -102,7 +192,7 @@ def _kernel(*refs, g: _Geometry, sm_scale: float, has_sink: bool, precision):
     nt = (((1,), (1,)), ((), ()))  # a @ b.T
     nn = (((1,), (0,)), ((), ()))  # a @ b
 
-    q_v = _load_tile(q_ref, heads, head_ok, 0, g.d_v, g.d_v_pad)
+    q_v = [_load_tile(q_ref, heads, head_ok, c, w, wp) for c, w, wp in g.groups]
     if g.d_r:
         q_r = _load_tile(q_ref, heads, head_ok, g.d_v, g.d_r, g.d_r_pad)
 
@@ -119,38 +209,44 @@ def _kernel(*refs, g: _Geometry, sm_scale: float, has_sink: bool, precision):
             idx = load_indices(i)
         valid = (idx >= 0) & (idx < g.n_slots)
         safe = jnp.where(valid, idx, 0)
-        kv_v = _load_tile(kv_ref, safe, valid, 0, g.d_v, g.d_v_pad).astype(dtype)
-        s = dot(q_v, kv_v, nt)
+        values = _load_values(kv_ref, safe, valid, g, dtype)
+        s = functools.reduce(operator.add, [dot(qg, vg, nt) for qg, vg in zip(q_v, values, strict=True)])
         if g.d_r:
-            s = s + dot(q_r, _load_tile(kv_ref, safe, valid, g.d_v, g.d_r, g.d_r_pad).astype(dtype), nt)
+            s = s + dot(q_r, _load_rope(kv_ref, safe, valid, g, dtype), nt)
         s = jnp.where(valid[None, :], s * (sm_scale * _LOG2E), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no valid key yet: keep exp2 finite
         alpha = jnp.exp2(m - m_ref)
         p = jnp.exp2(s - m_ref[:, None])
-        acc = acc * alpha[:, None] + dot(p.astype(dtype), kv_v, nn)
+        pd = p.astype(dtype)
+        acc = [a * alpha[:, None] + dot(pd, vg, nn) for a, vg in zip(acc, values, strict=True)]
         out = (m_new, row_sum * alpha + jnp.sum(p, axis=1), acc)
         return (*out, nxt) if g.prefetch else out
 
     init = (
         jnp.full((g.block_h,), -jnp.inf, jnp.float32),
         jnp.zeros((g.block_h,), jnp.float32),
-        jnp.zeros((g.block_h, g.d_v_pad), jnp.float32),
+        [jnp.zeros((g.block_h, wp), jnp.float32) for _, _, wp in g.groups],
     )
     if g.prefetch:
         init = (*init, load_indices(0))
     m, row_sum, acc = lax.fori_loop(0, g.chunk // g.block_n, step, init)[:3]
 
     row_sum_safe = jnp.where(row_sum > 0, row_sum, 1.0)
-    out = acc / row_sum_safe[:, None]
     lse = jnp.where(row_sum > 0, m * _LN2 + jnp.log(row_sum_safe), -jnp.inf)
     if has_sink:  # only compiled in with a single split; otherwise the merge applies it
-        out, lse = apply_sink(out, lse, pltriton.load(sink_ref.at[heads], mask=head_ok, other=-jnp.inf))
-    out_mask = head_ok[:, None]
-    cols = jnp.arange(g.d_v_pad, dtype=jnp.int32)
-    if g.d_v_pad != g.d_v:
-        out_mask = out_mask & (cols < g.d_v)[None, :]
-    pltriton.store(out_ref.at[heads[:, None], cols[None, :]], out.astype(out_ref.dtype), mask=out_mask)
+        sink = pltriton.load(sink_ref.at[heads], mask=head_ok, other=-jnp.inf)
+        # the sink's factor on every value group's output: apply_sink of a [block_h, 1] tile of ones
+        sink_factor, lse = apply_sink(jnp.ones((g.block_h, 1), jnp.float32), lse, sink)
+    for (c, w, wp), a in zip(g.groups, acc, strict=True):
+        out = a / row_sum_safe[:, None]
+        if has_sink:
+            out = out * sink_factor
+        cols = c + jnp.arange(wp, dtype=jnp.int32)
+        out_mask = head_ok[:, None]
+        if wp != w:
+            out_mask = out_mask & (cols < c + w)[None, :]
+        pltriton.store(out_ref.at[heads[:, None], cols[None, :]], out.astype(out_ref.dtype), mask=out_mask)
     pltriton.store(lse_ref.at[heads], lse, mask=head_ok)
 
 
@@ -171,18 +267,23 @@ def sparse_mla(
     v_dim: int = 512,
     interpret: bool = False,
     config: MlaConfig | None = None,
+    fp8_decode: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """See :func:`jaxdsa.ops.sparse_mla`.
 
-    q [T, H, D], kv [Z, D], indices [T, K] int32 (-1 or >= Z: skipped), sink [H] f32 or None
-    -> (out [T, H, v_dim] in q.dtype, lse [T, H] f32, natural log, sink included).
-    ``config`` overrides :func:`.tuning.choose` (benchmark sweeps).
+    q [T, H, D], kv [Z, D] float rows or uint8 [Z, W] ``fp8_ds_mla`` records (``W =
+    kv_fp8.record_width(v_dim, D - v_dim)``), indices [T, K] int32 (-1 or >= Z: skipped), sink [H]
+    f32 or None -> (out [T, H, v_dim] in q.dtype, lse [T, H] f32, natural log, sink included).
+    ``config`` overrides :func:`.tuning.choose` (benchmark sweeps); ``fp8_decode`` ("native" /
+    "software") overrides :func:`pallas_kernels.quant.decode.fp_decode` for records.
     """
     t, h, d = q.shape
-    n, d_kv = kv.shape
+    n, width = kv.shape
     k = indices.shape[1]
-    if d_kv != d or indices.shape[0] != t or not 0 < v_dim <= d:
+    if indices.shape[0] != t:
         raise ValueError(f"sparse_mla: q {q.shape}, kv {kv.shape}, indices {indices.shape}, v_dim {v_dim}")
+    ref.check_kv(kv, d, v_dim)
+    records = fp_decode(fp8_decode) if kv.dtype == jnp.uint8 else None
     if t == 0 or h == 0 or k == 0 or n == 0:
         return _empty(t, h, v_dim, q.dtype, sink)
     if _pad(v_dim) + (_pad(d - v_dim) if d > v_dim else 0) > _MAX_ROW_PAD:
@@ -193,18 +294,21 @@ def sparse_mla(
         )
         return ref.sparse_mla(q, kv, indices, sm_scale=sm_scale, sink=sink, v_dim=v_dim)
 
-    itemsize = max(q.dtype.itemsize, kv.dtype.itemsize)  # kv tiles are loaded, then cast to q's dtype
-    cfg = config or tuning.choose(t, h, k, d_v=v_dim, d_r=d - v_dim, itemsize=itemsize)
+    # Dot operands are q's dtype: float rows are cast to it after the load, records decoded into it.
+    itemsize = max(q.dtype.itemsize, kv.dtype.itemsize)
+    cfg = config or tuning.choose(
+        t, h, k, d_v=v_dim, d_r=d - v_dim, itemsize=itemsize, record_width=width if records else None
+    )
     chunk = pl.cdiv(pl.cdiv(k, cfg.splits), cfg.block_n) * cfg.block_n
     splits = pl.cdiv(k, chunk)
-    g = _Geometry(h, k, n, v_dim, d - v_dim, chunk, cfg.block_h, cfg.block_n, cfg.prefetch)
+    g = _Geometry(h, k, n, v_dim, d - v_dim, chunk, cfg.block_h, cfg.block_n, cfg.prefetch, records)
 
     has_sink = sink is not None and splits == 1
     part_dtype = q.dtype if splits == 1 or cfg.narrow_partials else jnp.float32
     in_specs = [
         pl.BlockSpec((None, k), lambda hg, s, i: (i, 0)),
         pl.BlockSpec((None, h, d), lambda hg, s, i: (i, 0, 0)),
-        pl.BlockSpec((n, d), lambda hg, s, i: (0, 0)),
+        pl.BlockSpec((n, width), lambda hg, s, i: (0, 0)),
     ]
     args = [indices.astype(jnp.int32), q, kv]
     if has_sink:

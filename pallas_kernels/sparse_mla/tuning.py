@@ -13,7 +13,8 @@ query's index list; it gathers ``block_n`` rows per loop step. The choice per sh
    into ``splits`` chunks whose partial states are LSE-merged. Splits are chosen as
    ``floor(SMs / programs)`` (:func:`pallas_kernels._triton.sm_count`) so the grid is one full
    wave, and capped so the float32 partials (written, then read by the merge) stay below the
-   gathered bytes (``S*H*Dv*4 <= K*D*itemsize`` per query) or below ``PARTIAL_FLOOR_BYTES`` in all,
+   gathered bytes (``S*H*Dv*4 <= K*D*itemsize`` per query, ``K*W`` for ``W``-byte fp8 records) or
+   below ``PARTIAL_FLOOR_BYTES`` in all,
    an amount every target's L2 holds (small batches, where latency and not bandwidth decides).
 3. If even the maximal split count cannot fill one wave (B = 1 with many heads), the head block
    is halved: more, smaller programs re-read the same rows from L2, which is cheaper than the
@@ -36,6 +37,11 @@ at 32 heads and 32-row steps; the consumer parts (sm_86/89/120/121, 99 KiB) use 
 16-row steps. sm_100 keeps 32-row steps until measured. Eight warps everywhere: at 32 heads that
 is 64 accumulator + 32 q registers per thread, where four warps would spill (four warps measured
 1.1-4.1x slower on H100).
+
+``fp8_ds_mla`` records (bf16 queries) take the same rule and ``TUNED`` entries, measured with bf16
+rows, wherever they fit: the grid-filling argument is the same and the dot operands are the same
+bf16 tiles; their estimate counts the staged record bytes and the decoded tile (:func:`smem_bytes`),
+which at 64 heads and 64 rows per step on sm_90 comes to 231,936 of the 232,448 bytes.
 """
 
 from __future__ import annotations
@@ -109,36 +115,50 @@ TUNED: dict[tuple[int, int, int], MlaConfig] = {
 _KNOBS = (("block_n", 16), ("num_stages", 1), ("block_h", 16))
 
 
-def smem_bytes(cfg: MlaConfig, *, d_v: int, d_r: int, itemsize: int) -> int:
+def smem_bytes(cfg: MlaConfig, *, d_v: int, d_r: int, itemsize: int, record_width: int | None = None) -> int:
     """Shared-memory estimate (:func:`pallas_kernels._triton.shared_memory_bytes`) of one program:
     the q tile ``[block_h, Dv + Dr]`` resident, per stage ``block_n`` gathered rows plus their int32
     indices, the ``[block_h, Dv]`` float32 output tile in the epilogue (widths padded as the kernel
-    pads them)."""
+    pads them). ``fp8_ds_mla`` records (``record_width`` bytes) are staged as bytes and decoded into
+    a ``[block_n, Dv + Dr]`` operand tile that stays resident for both dots, as the quantized
+    matmuls count theirs (:func:`pallas_kernels.quant.tiles.decoded_tile_bytes`)."""
     width = max(16, pl.next_power_of_2(d_v)) + (max(16, pl.next_power_of_2(d_r)) if d_r else 0)
+    row_bytes = width * itemsize if record_width is None else record_width
+    decoded = 0 if record_width is None else cfg.block_n * width * itemsize
     return shared_memory_bytes(
-        resident=cfg.block_h * width * itemsize,
-        stage=cfg.block_n * (width * itemsize + 4),
+        resident=cfg.block_h * width * itemsize + decoded,
+        stage=cfg.block_n * (row_bytes + 4),
         num_stages=cfg.num_stages,
         epilogue=cfg.block_h * max(16, pl.next_power_of_2(d_v)) * 4,
     )
 
 
 def choose(
-    t: int, h: int, k: int, *, d_v: int, d_r: int, itemsize: int, block_h: int | None = None
+    t: int,
+    h: int,
+    k: int,
+    *,
+    d_v: int,
+    d_r: int,
+    itemsize: int,
+    block_h: int | None = None,
+    record_width: int | None = None,
 ) -> MlaConfig:
     """Config for T queries, H heads, K indices per query, rows of ``d_v`` value + ``d_r`` rope
-    columns and dot operands of ``itemsize`` bytes.
+    columns and dot operands of ``itemsize`` bytes; ``record_width``: the rows are ``fp8_ds_mla``
+    records of that many bytes (:func:`smem_bytes`).
 
     ``block_h`` fixes the head block (benchmark sweeps) and leaves the rest to the rule.
     """
     cc = compute_capability()
     budget = shared_memory_budget(cc)
-    nbytes = lambda c: smem_bytes(c, d_v=d_v, d_r=d_r, itemsize=itemsize)  # noqa: E731
+    nbytes = lambda c: smem_bytes(c, d_v=d_v, d_r=d_r, itemsize=itemsize, record_width=record_width)  # noqa: E731
     tuned = TUNED.get((cc, h, t)) if block_h is None and itemsize == 2 else None
     if tuned and nbytes(tuned) <= budget:  # measured at 576-wide rows; wider ones may not fit
         return tuned
     e = TABLE.get(cc, DEFAULT)
-    partial_budget = max(t * k * (d_v + d_r) * itemsize, PARTIAL_FLOOR_BYTES)
+    gathered = record_width if record_width is not None else (d_v + d_r) * itemsize  # bytes per row
+    partial_budget = max(t * k * gathered, PARTIAL_FLOOR_BYTES)
 
     def block_n_for(block_h: int) -> int:
         wide = e.wide_block_n if block_h >= 64 and e.wide_block_n else e.block_n

@@ -2,27 +2,46 @@
 
 Interpret mode runs the real kernel body on the CPU one grid step at a time, so shapes stay
 small; the production shapes are only lowered (Pallas -> Triton IR), which is cheap and catches
-what the interpreter forgives (non-power-of-two tiles, unsupported primitives).
+what the interpreter forgives (non-power-of-two tiles, unsupported primitives). On a GPU,
+``JAX_PLATFORMS=cuda JAXDSA_KERNELS=pallas`` runs the same comparisons on the compiled kernels
+instead (tests/conftest.py otherwise pins JAX to the CPU).
+
+The fp8 tests (``-k fp8``) read ``fp8_ds_mla`` records (:mod:`pallas_kernels.quant.kv_fp8`) with
+both e4m3 decoders: the writer's records, hand-made ones with extreme and non-power-of-two
+scales, and every e4m3 code decoded bit-exactly through the kernel.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels._triton import lower_for_cuda, sm_count
+from pallas_kernels._triton import lower_for_cuda, shared_memory_budget, sm_count
+from pallas_kernels.quant import kv_fp8
 from pallas_kernels.sparse_mla import kernel, ref, tuning
 from pallas_kernels.sparse_mla.tuning import MlaConfig
 
+_INTERPRET = os.environ.get("JAXDSA_KERNELS", "").strip().lower() != "pallas"
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "v_dim", "config"))
-def _kernel(q, kv, indices, sink, *, sm_scale, v_dim, config):
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "v_dim", "config", "fp8_decode"))
+def _kernel(q, kv, indices, sink, *, sm_scale, v_dim, config, fp8_decode=None):
     return kernel.sparse_mla(
-        q, kv, indices, sm_scale=sm_scale, sink=sink, v_dim=v_dim, interpret=True, config=config
+        q,
+        kv,
+        indices,
+        sm_scale=sm_scale,
+        sink=sink,
+        v_dim=v_dim,
+        interpret=_INTERPRET,
+        config=config,
+        fp8_decode=fp8_decode,
     )
 
 
@@ -46,11 +65,10 @@ def _inputs(seed, t, h, n, k, d, dtype, sink):
     return q, kv, jnp.asarray(idx, jnp.int32), s
 
 
-def _check(q, kv, idx, s, *, v_dim, config=None, scale=0.1):
-    out, lse = _kernel(q, kv, idx, s, sm_scale=scale, v_dim=v_dim, config=config)
-    want_out, want_lse = _reference(
-        q.astype(jnp.float32), kv.astype(jnp.float32), idx, sm_scale=scale, sink=s, v_dim=v_dim
-    )
+def _check(q, kv, idx, s, *, v_dim, config=None, scale=0.1, fp8_decode=None):
+    out, lse = _kernel(q, kv, idx, s, sm_scale=scale, v_dim=v_dim, config=config, fp8_decode=fp8_decode)
+    kv_f32 = kv if kv.dtype == jnp.uint8 else kv.astype(jnp.float32)  # records: the reference decodes
+    want_out, want_lse = _reference(q.astype(jnp.float32), kv_f32, idx, sm_scale=scale, sink=s, v_dim=v_dim)
     assert out.shape == want_out.shape and out.dtype == q.dtype and lse.dtype == jnp.float32
     out, lse = np.asarray(out, np.float32), np.asarray(lse)
     want_out, want_lse = np.asarray(want_out), np.asarray(want_lse)
@@ -204,5 +222,219 @@ def test_lowers_float32_prefill_for_sm90(h, monkeypatch):
     assert "__gpu$xla.gpu.triton" in lower_for_cuda(fn, *args, target="sm_90")
 
 
-def _lower_target(q, kv, indices, sink=None, *, sm_scale, v_dim):
-    return kernel.sparse_mla(q, kv, indices, sm_scale=sm_scale, sink=sink, v_dim=v_dim)
+def _lower_target(q, kv, indices, sink=None, *, sm_scale, v_dim, fp8_decode=None):
+    return kernel.sparse_mla(q, kv, indices, sm_scale=sm_scale, sink=sink, v_dim=v_dim, fp8_decode=fp8_decode)
+
+
+# ---- fp8_ds_mla records ------------------------------------------------------------------------------
+
+_NAN_CODES = (0x7F, 0xFF)
+_FINITE_CODES = np.array([c for c in range(256) if c not in _NAN_CODES], np.uint8)
+# Per-tile scales of the hand-made records in the exact test: extreme powers of two, raw amax / 448
+# (vLLM's writer), non-powers of two far from 1 (products stay float32 normals, so no flush-to-zero
+# question). The reference comparisons take moderate ones: an output dominated by a 2^20 tile would
+# hide errors in the others from a relative L2 norm.
+_EXTREME_SCALES = np.array([2.0**-20, 2.0**20, 0.37 / 448, 3.3 / 448, 1e30, 3e-25, 2.0**-3], np.float32)
+_MODERATE_SCALES = np.array([0.37 / 448, 1.3 / 448, 0.9 / 448, 2.0**-8, 2.0**-10], np.float32)
+
+
+def _assemble(codes: np.ndarray, scales: np.ndarray, rope: np.ndarray) -> np.ndarray:
+    """An ``fp8_ds_mla`` record per row from its e4m3 codes, float32 scales and rope values."""
+    parts = [codes, scales.astype("<f4").view(np.uint8), rope.astype(ml_dtypes.bfloat16).view(np.uint8)]
+    return np.concatenate([p.reshape(len(codes), -1) for p in parts], axis=1)
+
+
+def _hand_records(seed: int, n: int, v_dim: int, rope_dim: int, codes=_FINITE_CODES, scales=_MODERATE_SCALES):
+    """Records of random ``codes`` (each of them at least once when there is room) and per-tile
+    ``scales`` drawn at random, with random rope values."""
+    rng = np.random.default_rng(seed)
+    values = rng.choice(codes, (n, v_dim))
+    if values.size >= len(codes):
+        values.reshape(-1)[rng.permutation(values.size)[: len(codes)]] = rng.permutation(codes)
+    tile_scales = rng.choice(scales, (n, v_dim // kv_fp8.TILE))
+    records = _assemble(values, tile_scales, rng.standard_normal((n, rope_dim)))
+    assert records.shape == (n, kv_fp8.record_width(v_dim, rope_dim))
+    return records
+
+
+_quantize = jax.jit(kv_fp8.quantize_latent, static_argnums=1)
+
+
+def _fp8_inputs(seed, t, h, n, k, v_dim, rope_dim, dtype, sink):
+    """q, indices (with -1s, out-of-range slots, duplicates, ragged tails and an empty row, as
+    :func:`_inputs` makes them) and sink, over a pool whose first half is the writer's records of
+    random rows (per-row magnitudes 1/2 or 1: power-of-two scales) and second half hand-made ones
+    (non-power-of-two scales, every finite code). NumPy draws: eager jax.random costs seconds here."""
+    rng = np.random.default_rng(seed)
+    d = v_dim + rope_dim
+    idx = rng.integers(-1, n + 4, (t, k))
+    lengths = rng.integers(0, k + 1, t)
+    lengths[0] = k
+    for row, length in enumerate(lengths):
+        idx[row, length:] = -1
+    idx[0, : k // 2] = idx[0, k // 2 : 2 * (k // 2)]
+    if t > 1:
+        idx[-1] = -1
+    half = n // 2
+    rows = rng.standard_normal((half, d)).astype(np.float32) * rng.choice([0.5, 1.0], (half, 1))
+    pool = np.concatenate(
+        [np.asarray(_quantize(rows, v_dim)), _hand_records(seed, n - half, v_dim, rope_dim)]
+    )
+    q = jnp.asarray(rng.standard_normal((t, h, d)), dtype)
+    s = jnp.asarray(rng.standard_normal(h), jnp.float32) if sink else None
+    return q, jnp.asarray(pool), jnp.asarray(idx, jnp.int32), s
+
+
+# (T, H, N, K, v_dim, rope, dtype, sink, decode, config); config None = the tuning rule.
+FP8_CASES = {
+    # the tiny models' records (148 B; rope 8 padded to 16), K = 40 not a multiple of block_n
+    "tiny_f32_software_sink": (5, 4, 64, 40, 128, 8, jnp.float32, True, "software", None),
+    "tiny_bf16_native": (5, 4, 64, 40, 128, 8, jnp.bfloat16, False, "native", None),
+    # the released records (656 B): three splits merged, sink in the merge
+    "f32_software_split3_sink": (
+        3, 16, 96, 100, 512, 64, jnp.float32, True, "software", MlaConfig(16, 16, 4, 2, 3)
+    ),
+    # 20 heads: two head groups, the second ragged; one split, sink in-kernel
+    "f32_native_h20_sink": (2, 20, 96, 72, 512, 64, jnp.float32, True, "native", MlaConfig(16, 16, 4, 2, 1)),
+    "bf16_software_prefetch_split2": (
+        3, 16, 96, 100, 512, 64, jnp.bfloat16, False, "software", MlaConfig(16, 32, 4, 2, 2, prefetch=True)
+    ),
+    "bf16_native_narrow_partials_sink": (
+        2, 16, 96, 100, 512, 64, jnp.bfloat16, True, "native",
+        MlaConfig(16, 16, 4, 2, 4, narrow_partials=True),
+    ),
+    # no rope part: the record is the 128 values and one scale
+    "value_only_f32_software": (2, 16, 32, 24, 128, 0, jnp.float32, False, "software", None),
+}  # fmt: skip
+# Marked slow: the other three alone run both decoders, dtypes and record widths, splits, prefetch, sinks.
+_SLOW_FP8 = {
+    "tiny_bf16_native",
+    "f32_software_split3_sink",
+    "bf16_native_narrow_partials_sink",
+    "value_only_f32_software",
+}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if n in _SLOW_FP8 else []) for n in FP8_CASES]
+)
+def test_fp8_matches_reference(name):
+    t, h, n, k, v_dim, rope_dim, dtype, sink, decode, config = FP8_CASES[name]
+    q, pool, idx, s = _fp8_inputs(len(name), t, h, n, k, v_dim, rope_dim, dtype, sink)
+    _check(q, pool, idx, s, v_dim=v_dim, config=config, fp8_decode=decode)
+
+
+@pytest.mark.parametrize(
+    "decode,dtype,v_dim,rope_dim",
+    [
+        ("software", jnp.float32, 512, 64),
+        ("native", jnp.bfloat16, 128, 8),
+        pytest.param("native", jnp.float32, 512, 64, marks=pytest.mark.slow),
+        pytest.param("software", jnp.bfloat16, 128, 8, marks=pytest.mark.slow),
+    ],
+)
+def test_fp8_values_decode_exactly(decode, dtype, v_dim, rope_dim):
+    """Every e4m3 code under every scale of ``_EXTREME_SCALES``, read through the kernel bit for bit:
+    q = 0 and one valid index per query make every score 0 and its weight 1, so out is the selected
+    record's value part as :func:`kv_fp8.dequantize_latent` gives it (rounded once to bf16). The
+    software decoder reads the NaN codes as +-480 (the kernel's docstring); they stay out of the
+    native run, where one NaN would spread through the softmax. One more query selects nothing."""
+    n, k = 6, 5
+    codes = np.arange(256, dtype=np.uint8) if decode == "software" else _FINITE_CODES
+    pool = _hand_records(11, n, v_dim, rope_dim, codes, _EXTREME_SCALES)
+    rng = np.random.default_rng(12)
+    idx = rng.choice(np.array([-1, n, n + 7]), (n + 1, k))  # every index invalid ...
+    idx[np.arange(n), rng.integers(0, k, n)] = np.arange(n)  # ... but query t's one pick of record t
+    q = jnp.zeros((n + 1, 4, v_dim + rope_dim), dtype)
+    out, lse = _kernel(
+        q, jnp.asarray(pool), jnp.asarray(idx, jnp.int32), None, sm_scale=0.1, v_dim=v_dim, config=None,
+        fp8_decode=decode,
+    )  # fmt: skip
+    want = np.asarray(kv_fp8.dequantize_latent(jnp.asarray(pool), v_dim, rope_dim))[:, :v_dim]
+    values = pool[:, :v_dim]
+    scales = pool[:, v_dim : v_dim + 4 * (v_dim // kv_fp8.TILE)].copy().view("<f4")
+    nan_as = np.where(values & 0x80, np.float32(-480), np.float32(480)) * np.repeat(
+        scales, kv_fp8.TILE, axis=1
+    )
+    want = np.where(np.isin(values, _NAN_CODES), nan_as, want).astype(dtype)
+    out = np.asarray(out)
+    for head in range(4):
+        np.testing.assert_array_equal(out[:n, head], want)
+    assert (out[n] == 0).all() and np.isneginf(np.asarray(lse)[n]).all()
+    np.testing.assert_array_equal(np.asarray(lse)[:n], 0.0)  # one key of score 0: log(1)
+
+
+def test_fp8_software_decoder_codes():
+    """The integer decoder on all 256 codes: each finite code exactly its e4m3 value, NaN as +-480."""
+    codes = np.arange(256, dtype=np.uint8)
+    got = np.asarray(kernel._e4m3_software(jnp.asarray(codes)))
+    want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    want[list(_NAN_CODES)] = [480.0, -480.0]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_fp8_record_width_is_checked():
+    """uint8 kv must be records of exactly the width the query and value dims imply."""
+    q = jnp.zeros((1, 16, 576), jnp.bfloat16)
+    idx = jnp.zeros((1, 4), jnp.int32)
+    for width in (576, 655, 1152):
+        for fn in (kernel.sparse_mla, ref.sparse_mla):
+            with pytest.raises(ValueError, match="fp8_ds_mla"):
+                fn(q, jnp.zeros((8, width), jnp.uint8), idx, sm_scale=0.1, v_dim=512)
+
+
+def test_fp8_tuning_fits(monkeypatch):
+    """Records get a config whose shared-memory estimate fits every part; at sm_90 the measured bf16
+    winners apply (the 64-head, 64-row tile fits with 512 bytes to spare)."""
+    w = kv_fp8.record_width(512, 64)
+    for cc in (0, 80, 90, 120):
+        monkeypatch.setattr(tuning, "compute_capability", lambda cc=cc: cc)
+        for t, h, itemsize in [
+            (1, 16, 2),
+            (1, 64, 2),
+            (32, 64, 2),
+            (128, 16, 2),
+            (4096, 128, 2),
+            (256, 64, 4),
+        ]:
+            cfg = tuning.choose(t, h, 2048, d_v=512, d_r=64, itemsize=itemsize, record_width=w)
+            nbytes = tuning.smem_bytes(cfg, d_v=512, d_r=64, itemsize=itemsize, record_width=w)
+            assert nbytes <= shared_memory_budget(cc), (cc, t, h, cfg)
+    monkeypatch.setattr(tuning, "compute_capability", lambda: 90)
+    assert (
+        tuning.choose(32, 64, 2048, d_v=512, d_r=64, itemsize=2, record_width=w) == tuning.TUNED[(90, 64, 32)]
+    )
+
+
+# (T, H, N, v_dim, rope, q dtype, sink): decode B = 1 (K split, merge), a one-pass decode batch with
+# the sink in-kernel, float32 prefill (tiles shrunk to fit), the tiny models' 148-byte records.
+_FP8_LOWERING_SHAPES = [
+    (1, 128, 262144, 512, 64, jnp.bfloat16, True),
+    (64, 64, 262144, 512, 64, jnp.bfloat16, True),
+    (256, 64, 65536, 512, 64, jnp.float32, False),
+    (8, 4, 1024, 128, 8, jnp.bfloat16, True),
+]
+
+
+@pytest.mark.parametrize("decode", [None, "software", "native"])
+@pytest.mark.parametrize("target", list(_TARGET_CC))
+def test_fp8_lowers_for_cuda(target, decode, monkeypatch):
+    """Records lower with either decoder on sm_90 / sm_120 and with the software one (also the default
+    there) on sm_80, whose lowering has no e4m3 cast: forcing "native" there fails."""
+    from pallas_kernels.merge_states import tuning as merge_tuning
+
+    monkeypatch.setattr(tuning, "compute_capability", lambda: _TARGET_CC[target])
+    monkeypatch.setattr(merge_tuning, "compute_capability", lambda: _TARGET_CC[target])
+    for t, h, n, v_dim, rope_dim, dtype, with_sink in _FP8_LOWERING_SHAPES:
+        args = [
+            jax.ShapeDtypeStruct((t, h, v_dim + rope_dim), dtype),
+            jax.ShapeDtypeStruct((n, kv_fp8.record_width(v_dim, rope_dim)), jnp.uint8),
+            jax.ShapeDtypeStruct((t, 2048), jnp.int32),
+            *([jax.ShapeDtypeStruct((h,), jnp.float32)] if with_sink else []),
+        ]
+        fn = functools.partial(_lower_target, sm_scale=0.1, v_dim=v_dim, fp8_decode=decode)
+        if target == "sm_80" and decode == "native":
+            with pytest.raises(Exception, match="cannot cast from `float8_e4m3fn`"):
+                lower_for_cuda(fn, *args, target=target)
+        else:
+            assert "__gpu$xla.gpu.triton" in lower_for_cuda(fn, *args, target=target), (t, h, dtype)
