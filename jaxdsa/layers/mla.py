@@ -18,12 +18,14 @@ latent rows (``ops.quant_matmul``), the absorbed form dequantizes them in the st
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxdsa import ops
-from jaxdsa.cache import LayerPages, kv_fp8, slots_for
+from jaxdsa.cache import Cache, LayerPages, kv_fp8, slots_for
 from jaxdsa.layers.context import StepContext
 from jaxdsa.layers.indexer import Indexer, KeyPages
 from jaxdsa.layers.linear import Linear, project
@@ -32,6 +34,44 @@ from jaxdsa.layers.rope import apply_rope
 from jaxdsa.layers.stacks import split_layer
 from jaxdsa.quantized_weight import QuantizedWeight
 from jaxdsa.sharding import reduce_partials
+
+
+@dataclasses.dataclass
+class LatentPages:
+    """One layer's cached latent rows: whole rows in the model's dtype (``rows`` only), or the FP8
+    parts (:mod:`pallas_kernels.quant.kv_fp8`): e4m3 values in ``rows``, their float32 ``scales``
+    (one per 128) and the bf16 ``rope`` part, each an array of its own."""
+
+    rows: LayerPages
+    scales: LayerPages | None = None
+    rope: LayerPages | None = None
+
+    @classmethod
+    def of(cls, cache: Cache, layer) -> LatentPages:
+        if "latent_scales" not in cache:
+            return cls(LayerPages(cache["latent"], layer))
+        parts = (cache[k] for k in ("latent", "latent_scales", "latent_rope"))
+        return cls(*(LayerPages(a, layer) for a in parts))
+
+    @property
+    def parts(self) -> tuple[LayerPages, ...]:
+        return (self.rows,) if self.scales is None else (self.rows, self.scales, self.rope)
+
+    def write(self, slots: jax.Array, rows: jax.Array) -> LatentPages:
+        """Store ``rows [T, C+Pr]`` at ``slots`` (-1 dropped): as they are, or quantized."""
+        if self.scales is None:
+            return LatentPages(self.rows.write(slots, rows))
+        values = kv_fp8.quantize_latent(rows, self.rows.stacked.shape[-1])
+        return LatentPages(*(p.write(slots, v) for p, v in zip(self.parts, values)))
+
+    def flat(self, slots: jax.Array) -> tuple[tuple[jax.Array, ...], jax.Array]:
+        """Every layer's parts seen flat ``[L*P*page, w]`` and ``slots`` moved into this layer."""
+        flats = tuple(p.rows(slots)[0] for p in self.parts)
+        return flats, self.rows.rows(slots)[1]
+
+    def entries(self) -> Cache:
+        names = ("latent", "latent_scales", "latent_rope")
+        return {name: p.stacked for name, p in zip(names, self.parts)}
 
 
 class MLAttention(nnx.Module):
@@ -107,23 +147,21 @@ class MLAttention(nnx.Module):
         self,
         x: jax.Array,
         ctx: StepContext,
-        latent: LayerPages,
+        latent: LatentPages,
         index_keys: KeyPages | None,
         prev_topk: jax.Array | None,
     ):
         """-> (out [T, D] float32, latent, index_keys, topk key positions [T, K] or None). ``out`` is
         the all-reduced sum of the output projection's shards, left in float32 for the next
-        residual add to round (one kernel fewer than a cast of its own). A ``uint8`` latent cache
-        holds ``fp8_ds_mla`` records (:mod:`pallas_kernels.quant.kv_fp8`): rows are quantized as
-        they are written and decoded where they are read."""
-        meta, page_size = ctx.meta, latent.page_size
-        fp8 = latent.stacked.dtype == jnp.uint8
+        residual add to round (one kernel fewer than a cast of its own). An FP8 latent cache
+        (:class:`LatentPages`) is quantized as it is written and decoded where it is read."""
+        meta, page_size = ctx.meta, latent.rows.page_size
         slots = slots_for(meta.page_table, meta.seq_ids, ctx.positions, page_size)
         # the projections of the layer input in one kernel launch when they are quantized alike
         wk = (self.indexer.wk,) if self.indexer is not None else ()
         q_lat, row, *wk_x = self.project_latent(x, wk, ctx.cos, ctx.sin)
         q_nope, q_pe = self.queries(q_lat, ctx.cos, ctx.sin)
-        latent = latent.write(slots, kv_fp8.quantize_latent(row, self.kv_lora) if fp8 else row)
+        latent = latent.write(slots, row)
         if self.indexer is not None:
             index_keys = index_keys.write(slots, self.indexer.keys(wk_x[0], ctx.cos, ctx.sin))
 
@@ -144,14 +182,14 @@ class MLAttention(nnx.Module):
                 positions = jnp.where(
                     key_positions[None, :] <= ctx.positions[:, None], key_positions[None, :], -1
                 )
-            rows, indices = latent.rows(
+            parts, indices = latent.flat(
                 slots_for(meta.page_table, meta.seq_ids[:, None], positions, page_size)
             )
-            o = self.absorbed_attention(q_nope, q_pe, rows, indices)
+            o = self.absorbed_attention(q_nope, q_pe, parts, indices)
         else:
             if meta.page_table.shape[0] != 1:
                 raise ValueError("the naive MLA form runs single-sequence steps (page_table with one row)")
-            rows, key_slots = latent.rows(
+            parts, key_slots = latent.flat(
                 slots_for(meta.page_table, jnp.zeros_like(key_positions), key_positions, page_size)
             )
             mask = (key_positions[None, :] <= ctx.positions[:, None]) & (meta.seq_ids[:, None] >= 0)
@@ -162,9 +200,9 @@ class MLAttention(nnx.Module):
                     .set(True, mode="drop")
                 )
                 mask &= selected
-            keys = rows[key_slots]
-            if fp8:  # this sequence's rows, expanded through w_uk / w_uv next anyway
-                keys = kv_fp8.dequantize_latent(keys, self.kv_lora, q_pe.shape[-1]).astype(x.dtype)
+            keys = [p[key_slots] for p in parts]
+            # FP8: this sequence's rows, dequantized as they are expanded through w_uk / w_uv anyway
+            keys = keys[0] if len(keys) == 1 else kv_fp8.dequantize_latent(*keys).astype(x.dtype)
             o = self.naive_attention(q_nope, q_pe, keys, mask)
         return reduce_partials(self.o.unreduced(o)), latent, index_keys, topk
 
@@ -184,11 +222,13 @@ class MLAttention(nnx.Module):
         )
         return o[0, ..., : v.shape[-1]]
 
-    def absorbed_attention(self, q_nope, q_pe, kv_rows: jax.Array, indices: jax.Array) -> jax.Array:
+    def absorbed_attention(self, q_nope, q_pe, kv: tuple[jax.Array, ...], indices: jax.Array) -> jax.Array:
         """Latent-space attention over cache slots.
 
-        kv_rows [Z, C+Dr], indices [T, K] (-1 skip) -> o [T,H,Dv]."""
+        kv: rows [Z, C+Dr], or the FP8 parts (values [Z, C], scales [Z, C/128], rope [Z, Dr]);
+        indices [T, K] (-1 skip) -> o [T,H,Dv]."""
         q_abs = jnp.einsum("thn,chn->thc", q_nope, self.w_uk.dense(q_nope.dtype))
         q = jnp.concatenate([q_abs, q_pe.astype(q_abs.dtype)], axis=-1)
-        out, _ = ops.sparse_mla(q, kv_rows, indices, sm_scale=self.softmax_scale, v_dim=self.kv_lora)
+        fp8 = dict(zip(("kv_scale", "kv_rope"), kv[1:]))
+        out, _ = ops.sparse_mla(q, kv[0], indices, sm_scale=self.softmax_scale, v_dim=self.kv_lora, **fp8)
         return jnp.einsum("thc,chv->thv", out, self.w_uv.dense(out.dtype))

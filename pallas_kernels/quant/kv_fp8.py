@@ -1,16 +1,20 @@
 """The FP8 KV-cache formats of GLM-5.x / DeepSeek-V3.2, as the released engines store them
-(docs/models.md §5.2, §5.4), and their exact quantizers.
+(docs/models.md §5.2, §5.4, §5.8), and their exact quantizers.
 
-**Latent rows, ``fp8_ds_mla``** (FlashMLA's name; 656 bytes a token at the released widths). One
-cached MLA row ``[c (C values) | k_pe (Pr values)]`` becomes one byte record::
+**Latent rows** (FlashMLA's ``fp8_ds_mla`` fields; 656 bytes a token at the released widths). One
+cached MLA row ``[c (C values) | k_pe (Pr values)]`` is kept as three parts::
 
-    bytes [0, C)               c / s_k as e4m3, tile k = c[128k : 128k + 128]
-    bytes [C, C + 4 C/128)     the C/128 scales s_k, float32 little-endian
-    bytes [.., + 2 Pr)         k_pe in bfloat16 (not quantized)
+    values  C e4m3 = c / s_k, tile k = c[128k : 128k + 128]      (512 B)
+    scales  C/128 float32 s_k                                    (16 B)
+    rope    k_pe in bfloat16 (not quantized)                     (128 B)
 
-C = 512, Pr = 64 gives 512 + 16 + 128 = 656 bytes against 1,152 in bf16. Dequantized,
-``c[j] = f32(e4m3[j]) * s_{j // 128}`` and ``k_pe`` is the bf16 value: attention reads
-``K = [c | k_pe]`` and ``V = c``.
+against 1,152 bytes in bf16. Dequantized, ``c[j] = f32(e4m3[j]) * s_{j // 128}`` and ``k_pe`` is the
+bf16 value: attention reads ``K = [c | k_pe]`` and ``V = c``. FlashMLA interleaves the three in one
+656-byte record per token; jaxdsa keeps each in an array of its own (same bytes, same values), so
+that a kernel loads every part with vector loads of its own type: read byte by byte from one
+record, the rope and scales held the H200's sparse-MLA decode to ~500 GB/s
+(``benchmarks/results/kernels_mla_fp8-h200.md``). A record is the concatenation of the parts' bytes
+(float32 little-endian), so either form converts to the other without rounding.
 
 **Index keys.** One key of D values (D = 128 released) becomes D e4m3 values and one float32
 scale: 132 bytes against 256. The key is rotated by the normalized Hadamard matrix before it is
@@ -24,9 +28,8 @@ nearest even; ``|x / s| <= 448`` by construction). A power-of-two scale makes ``
 only rounding is e4m3's. Readers accept any positive float32 scale (vLLM's writer stores the raw
 ``amax / 448``).
 
-The records are ``uint8`` arrays and the keys ``float8_e4m3fn``: the cache keeps them as such, the
-kernels decode them in place (:mod:`pallas_kernels.quant.decode`), and the functions here are the
-reference and the writer.
+The kernels decode the parts in place (:mod:`pallas_kernels.quant.decode`); the functions here are
+the writer and the reference decoder.
 """
 
 from __future__ import annotations
@@ -43,22 +46,11 @@ E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
 
 
-def record_width(v_dim: int, rope_dim: int) -> int:
-    """Bytes of one ``fp8_ds_mla`` record of ``v_dim`` latent and ``rope_dim`` rope values."""
+def latent_bytes(v_dim: int, rope_dim: int) -> int:
+    """Bytes one token's latent row takes in FP8 (656 at the released 512 + 64)."""
     if v_dim % TILE:
-        raise ValueError(f"fp8_ds_mla: the latent width {v_dim} is not a multiple of {TILE}")
+        raise ValueError(f"FP8 latent: the latent width {v_dim} is not a multiple of {TILE}")
     return v_dim + 4 * (v_dim // TILE) + 2 * rope_dim
-
-
-def split_record(width: int, q_dim: int) -> tuple[int, int]:
-    """``(v_dim, rope_dim)`` of records ``width`` bytes wide that serve ``q_dim``-wide queries
-    (``q_dim = v_dim + rope_dim``); raises when no split fits."""
-    # width = v + v/32 + 2 (q - v)  =>  v (1 + 1/32 - 2) = width - 2 q
-    v_dim = round((2 * q_dim - width) * 32 / 31)
-    rope_dim = q_dim - v_dim
-    if v_dim <= 0 or rope_dim < 0 or v_dim % TILE or record_width(v_dim, rope_dim) != width:
-        raise ValueError(f"fp8_ds_mla: {width}-byte records do not hold {q_dim}-wide rows")
-    return v_dim, rope_dim
 
 
 def pow2_scale(amax: jax.Array) -> jax.Array:
@@ -76,37 +68,21 @@ def _quantize_tiles(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
-def _bytes(x: jax.Array) -> jax.Array:
-    """The little-endian bytes of ``x [T, n]`` as ``uint8 [T, n * itemsize]``."""
-    u8 = lax.bitcast_convert_type(x, jnp.uint8)
-    return u8.reshape(*x.shape[:-1], -1)
-
-
-def quantize_latent(rows: jax.Array, v_dim: int) -> jax.Array:
-    """Cached MLA rows ``[T, v_dim + Pr]`` (any float dtype) -> ``fp8_ds_mla`` records ``uint8 [T, W]``."""
+def quantize_latent(rows: jax.Array, v_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Cached MLA rows ``[T, v_dim + Pr]`` (any float dtype) -> (values e4m3 ``[T, v_dim]``, scales
+    float32 ``[T, v_dim / 128]``, rope bf16 ``[T, Pr]``)."""
     rows = rows.astype(jnp.float32)
     T = rows.shape[0]
     q, scale = _quantize_tiles(rows[:, :v_dim].reshape(T, v_dim // TILE, TILE))
-    parts = (
-        lax.bitcast_convert_type(q.reshape(T, v_dim), jnp.uint8),
-        _bytes(scale),
-        _bytes(rows[:, v_dim:].astype(jnp.bfloat16)),
-    )
-    return jnp.concatenate(parts, axis=-1)
+    return q.reshape(T, v_dim), scale, rows[:, v_dim:].astype(jnp.bfloat16)
 
 
-def dequantize_latent(records: jax.Array, v_dim: int, rope_dim: int) -> jax.Array:
-    """``fp8_ds_mla`` records ``uint8 [..., W]`` -> the rows they hold, float32
-    ``[..., v_dim + rope_dim]``."""
-    lead = records.shape[:-1]
-    tiles = v_dim // TILE
-    values = lax.bitcast_convert_type(records[..., :v_dim], jnp.float8_e4m3fn).astype(jnp.float32)
-    scale_bytes = records[..., v_dim : v_dim + 4 * tiles].reshape(*lead, tiles, 4)
-    scale = lax.bitcast_convert_type(scale_bytes, jnp.float32)
-    rope_bytes = records[..., v_dim + 4 * tiles :].reshape(*lead, rope_dim, 2)
-    rope = lax.bitcast_convert_type(rope_bytes, jnp.bfloat16).astype(jnp.float32)
-    latent = (values.reshape(*lead, tiles, TILE) * scale[..., None]).reshape(*lead, v_dim)
-    return jnp.concatenate([latent, rope], axis=-1)
+def dequantize_latent(values: jax.Array, scales: jax.Array, rope: jax.Array) -> jax.Array:
+    """The rows that FP8 latent parts ``[..., C]``, ``[..., C/128]``, ``[..., Pr]`` hold, float32
+    ``[..., C + Pr]``."""
+    lead, v_dim = values.shape[:-1], values.shape[-1]
+    tiles = values.astype(jnp.float32).reshape(*lead, v_dim // TILE, TILE) * scales[..., None]
+    return jnp.concatenate([tiles.reshape(*lead, v_dim), rope.astype(jnp.float32)], axis=-1)
 
 
 def quantize_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -51,24 +51,30 @@ def test_the_fp8_cache_matches_its_reference(name, backend):
     ops.set_kernels(backend)
     try:
         llm = fp8_llm(name)
-        assert llm.engine.runner.cache["latent"].dtype == jnp.uint8
+        assert llm.engine.runner.cache["latent"].dtype == jnp.float8_e4m3fn
         assert_matches(llm, golden(name))
     finally:
         ops.set_kernels(previous)
 
 
 def test_the_cache_holds_the_released_layouts(tiny_llms):
-    """656-byte latent records and 128 e4m3 + one float32 per index key at the released widths; the
-    tiny model's records decode to its rows."""
+    """656 bytes a latent row and 128 e4m3 + one float32 per index key at the released widths."""
     from jaxdsa.models.registry import released_config
 
     llm = tiny_llms["glm5"]
     for preset, layers, indexers in (("glm5", 78, 78), ("glm52", 78, 21), ("dsv32", 61, 61)):
         spec = llm.family.cache_spec(released_config(preset), "fp8")
         assert spec.bytes_per_token(jnp.bfloat16, 64) == layers * 656 + indexers * 132, preset
-    spec = llm.family.cache_spec(llm.config, "fp8")
-    assert spec.entries["latent"].width == kv_fp8.record_width(128, 8) == 148
-    assert spec.entries["index_keys"].dtype == jnp.float8_e4m3fn
+    entries = llm.family.cache_spec(llm.config, "fp8").entries
+    parts = {name: (e.width, jnp.dtype(e.dtype).name) for name, e in entries.items()}
+    assert parts == {
+        "latent": (128, "float8_e4m3fn"),
+        "latent_scales": (1, "float32"),
+        "latent_rope": (8, "bfloat16"),
+        "index_keys": (32, "float8_e4m3fn"),
+        "index_scales": (1, "float32"),
+    }
+    assert kv_fp8.latent_bytes(128, 8) == 128 + 4 + 16
 
 
 @pytest.mark.parametrize("sparse", [False, True])
@@ -91,7 +97,7 @@ def test_chunks_prefix_hits_and_drafts_on_fp8_rows():
         assert llm.generate([prompt], max_new_tokens=n)[0] == want["greedy_tokens"].tolist()
     stats = llm.engine.stats()
     assert stats["prefix_cache_hits"] > 0
-    assert llm.engine.runner.mtp_cache["latent"].dtype == jnp.uint8
+    assert llm.engine.runner.mtp_cache["latent_rope"].dtype == jnp.bfloat16
 
 
 def test_deepseek_v4_refuses_the_fp8_cache_before_loading():

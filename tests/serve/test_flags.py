@@ -151,6 +151,15 @@ def test_a_cache_dtype_jaxdsa_does_not_store_is_refused_by_name(glm_dir, capsys,
     assert f"--kv-cache-dtype: kv_cache_dtype {kv_cache_dtype!r}: " in message and says in message
 
 
+def test_the_server_keeps_an_fp8_cache(glm_dir, capsys):
+    command = _with(V4_SM120_VLLM, tensor_parallel_size="1", host="127.0.0.1", port="0", max_model_len="256")
+    server, log = _start([glm_dir, "--no-warmup", *command], capsys)
+    try:
+        assert "(fp8 rows)" in log
+    finally:
+        server.engine.shutdown()
+
+
 def test_chat_template_and_generation_config(glm_dir, tmp_path, capsys):
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")

@@ -62,8 +62,9 @@ class DsaFamily(ModelFamily):
 
     def cache_spec(self, cfg: DsaConfig, kv_format: str = "model") -> CacheSpec:
         """Per layer a latent row (normed latent | roped key); index keys where an indexer runs.
-        FP8: ``fp8_ds_mla`` latent records and e4m3 index keys with a float32 scale each
-        (:mod:`pallas_kernels.quant.kv_fp8`): 656 + 132 bytes a token and layer at the released widths."""
+        FP8: the ``fp8_ds_mla`` latent parts (e4m3 values, a float32 scale per 128, bf16 rope) and e4m3
+        index keys with a float32 scale each (:mod:`pallas_kernels.quant.kv_fp8`): 656 + 132 bytes
+        a token and layer at the released widths."""
         return _cache_spec(cfg, cfg.num_hidden_layers, len(cfg.indexer_layers), kv_format)
 
     def mtp_cache_spec(self, cfg: DsaConfig, kv_format: str = "model") -> CacheSpec:
@@ -135,10 +136,13 @@ def _cache_spec(cfg: DsaConfig, layers: int, index_layers: int, kv_format: str) 
         )
     if kv_format != "fp8":
         raise ValueError(f"unknown kv cache format {kv_format!r}")
-    record = kv_fp8.record_width(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    C, tiles = cfg.kv_lora_rank, cfg.kv_lora_rank // kv_fp8.TILE
+    kv_fp8.latent_bytes(C, cfg.qk_rope_head_dim)  # raises for a latent width that is not whole tiles
     return CacheSpec(
         {
-            "latent": CacheEntry(layers, record, jnp.uint8),
+            "latent": CacheEntry(layers, C, jnp.float8_e4m3fn),
+            "latent_scales": CacheEntry(layers, tiles, jnp.float32),
+            "latent_rope": CacheEntry(layers, cfg.qk_rope_head_dim, jnp.bfloat16),
             "index_keys": CacheEntry(index_layers, cfg.index_head_dim, jnp.float8_e4m3fn),
             "index_scales": CacheEntry(index_layers, 1, jnp.float32),
         }

@@ -23,11 +23,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdsa import sharding
-from jaxdsa.cache import Cache, LayerPages, StepMeta
+from jaxdsa.cache import Cache, StepMeta
 from jaxdsa.layers.context import StepContext
 from jaxdsa.layers.indexer import Indexer, KeyPages
 from jaxdsa.layers.linear import Embed, Linear
-from jaxdsa.layers.mla import MLAttention
+from jaxdsa.layers.mla import LatentPages, MLAttention
 from jaxdsa.layers.mlp import MLP, Experts, MoE, Router
 from jaxdsa.layers.norms import ResidualRMSNorm, RMSNorm, add_residual
 from jaxdsa.layers.rope import cos_sin
@@ -102,11 +102,11 @@ class DecoderLayer(nnx.Module):
         delta. The MLP's partial sums (the routed and shared experts') meet in one all-reduce
         (:func:`jaxdsa.sharding.reduce_partials`). ``rows`` = (latent row,
         index-key row) of this layer in the cache."""
-        latent = LayerPages(cache["latent"], rows[0])
+        latent = LatentPages.of(cache, rows[0])
         index = KeyPages.of(cache, rows[1]) if self.attn.indexer is not None else None
         x, h = self.input_norm(*stream)
         a, latent, index, topk = self.attn(x, ctx, latent, index, topk)
-        cache = {**cache, "latent": latent.stacked} | (index.entries() if index else {})
+        cache = cache | latent.entries() | (index.entries() if index else {})
         x, h = self.post_attn_norm(h, a)
         stream = (h, sharding.reduce_partials(_mlp_partials(self.mlp, x, ctx.meta.seq_ids >= 0)))
         return tuple(sharding.constrain(v, ("batch", "embed")) for v in stream), cache, topk
