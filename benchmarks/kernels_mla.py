@@ -194,11 +194,14 @@ def compile_and_check(
 
     Returns the check's row fields and, when it passed, ``timer(replays) -> us per call`` that
     reuses the compiled executable (so a sweep winner is re-timed without a second compile).
+    ``fn`` is jitted on its own, so its R calls share one trace and one lowering (the kernel is
+    lowered once, not R times: 2.5 s vs 0.08 s for 48 sets on the CPU); the executable is the same.
     """
+    one = jax.jit(fn)
 
     @jax.jit
     def run_all(sets):
-        return [fn(*s) for s in sets]
+        return [one(*s) for s in sets]
 
     try:
         out, lse = jax.block_until_ready(run_all(sets))[0]

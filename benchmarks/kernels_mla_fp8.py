@@ -1,46 +1,63 @@
-"""GPU benchmark: decode sparse MLA over bf16 rows vs ``fp8_ds_mla`` records (native and software e4m3).
+"""GPU benchmark: decode sparse MLA over bf16 rows vs FP8 latent rows (native and software e4m3).
 
 Run ``python -m benchmarks.kernels_mla_fp8`` on a GPU. Decode shapes, one query per sequence:
 B in {1, 8, 32, 64, 128} x H in {16, 64} x context in {8k, 64k} tokens per sequence, top-k 2048,
 576-wide rows (512 latent + 64 rope), bf16 queries, no sink. Each context gets one pool of
 ``128 * context`` slots (sequence b owns slots ``[b * context, (b + 1) * context)``; 9.7 GB bf16 +
-5.5 GB fp8 at 64k), the bf16 rows random normal and the fp8 records their
-:func:`pallas_kernels.quant.kv_fp8.quantize_latent`, so both kinds hold the same rows. A query's
-indices are 2048 distinct random positions of its own sequence (``top_k`` of random logits).
+5.5 GB fp8 at 64k), the bf16 rows random normal and the FP8 rows their
+:func:`pallas_kernels.quant.kv_fp8.quantize_latent` (three arrays: e4m3 values, float32 scales,
+bf16 rope), so both kinds hold the same rows. A query's indices are 2048 distinct random positions
+of its own sequence (``top_k`` of random logits).
 
 Per shape three rows, each the kernel with the tuning table's config (``kernel.sparse_mla``'s own
 choice): ``bf16`` rows, ``fp8 native`` (the e4m3 cast) and ``fp8 software`` (the integer decode
 sm_80 runs, forced with ``fp8_decode="software"``). Each is checked on the first input set against
 the float32 reference over the same cache (rel L2 <= 1e-2 on out; the fp8 reference dequantizes
-the gathered records), then timed as :mod:`benchmarks.kernels_mla` times (its
+the gathered rows), then timed as :mod:`benchmarks.kernels_mla` times (its
 :func:`~benchmarks.kernels_mla.compile_and_check`: R input sets back to back in one jit, median of
 20 replays). Input set r takes the sequences from ``r * B`` on (modulo 128), so at small B the sets
 read different sequences and a replay touches >= 2.5x the 50 MiB L2 (R capped at ``MAX_SETS``:
 at B = 1 the fp8 sets then hold 1.3x the L2, the bf16 ones 2.2x; B = 1 times are noisy).
+``records (70830ee) us`` is the fp8 native time of the same shape with the previous layout (one
+656-byte ``fp8_ds_mla`` record per token, read byte-wise;
+``benchmarks/results/kernels_mla_fp8-<gpu>-records.json``), not measured in this run.
 
-bytes = gathered rows (B * 2048 * 1152 for bf16, * 656 for records) + q + out (bf16) + indices;
+bytes = gathered rows (B * 2048 * 1152 for bf16, * 656 for FP8) + q + out (bf16) + indices;
 ``% stream`` is of the memory ceiling measured in the same process (:class:`benchmarks.harness.Ceilings`).
 ``KERNELS_MLA_FP8_ONLY`` (comma-separated ``ctx=8k H=16 B=1`` labels) limits the shapes;
 ``KERNELS_MLA_FP8_BUDGET_S`` (default 330) stops starting new shapes after that many seconds (the
 rest are listed as skipped). The results file is rewritten after every shape, so a run cut short
-keeps what it measured. Writes ``benchmarks/results/kernels_mla_fp8-<gpu>.md`` (and ``.json``).
+keeps what it measured.
+
+Profile (``KERNELS_MLA_FP8_PROFILE``: ``auto``, the default, runs it when fp8 native is not faster
+than bf16 at some B >= 32; ``1`` always; ``0`` never), on the last context's pools until
+``KERNELS_MLA_FP8_PROFILE_S`` seconds into the run: per :data:`PROFILE_SHAPES`, fp8 variants timed
+with 10 replays and no correctness check (some compute wrong values on purpose): the value loader
+with the e4m3 decode replaced by an integer-to-float cast (``cast``), without the scale load and
+multiply (``no scale``), or both (``bytes only``: the codes converted straight to bf16); then the
+native kernel at other configs (gather step, warps, stages, head block). Differences to the
+``native`` row place the time: the decode, the scales, the tiling.
+Writes ``benchmarks/results/kernels_mla_fp8-<gpu>.md`` (and ``.json``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from benchmarks import harness
 from benchmarks.kernels_mla import DV, L2_BYTES, SCALE, TOPK, D, compile_and_check, describe
-from pallas_kernels._triton import compute_capability
+from pallas_kernels._triton import compute_capability, pltriton
 from pallas_kernels.quant import kv_fp8
 from pallas_kernels.sparse_mla import kernel, ref, tuning
 from pallas_kernels.sparse_mla.tuning import MlaConfig
@@ -49,11 +66,13 @@ SEQS = 128  # sequences per pool: the largest B
 CONTEXTS = (8192, 65536)
 BATCHES = (1, 8, 32, 64, 128)
 HEADS = (16, 64)
-MAX_SETS = 48  # each set is one more kernel call to lower (about 0.1 s each)
-W = kv_fp8.record_width(DV, D - DV)
+MAX_SETS = 48  # each set is one more kernel call in the timed jit
+W = kv_fp8.latent_bytes(DV, D - DV)  # FP8 bytes per row (656)
 IMPLS = {"bf16": None, "fp8 native": "native", "fp8 software": "software"}  # name -> fp8_decode
 BUDGET_S = float(os.environ.get("KERNELS_MLA_FP8_BUDGET_S", "330"))
 ONLY = [s.strip() for s in os.environ.get("KERNELS_MLA_FP8_ONLY", "").split(",") if s.strip()]
+PROFILE = os.environ.get("KERNELS_MLA_FP8_PROFILE", "auto").strip().lower()
+PROFILE_S = float(os.environ.get("KERNELS_MLA_FP8_PROFILE_S", "420"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,18 +94,24 @@ class Shape:
 
 
 SHAPES = [Shape(c, h, b) for c in CONTEXTS for h in HEADS for b in BATCHES]
+# Profile shapes (the last context's pools): one pass of 64-head programs, 16 heads over two
+# splits, and a K-split batch of 64-head programs.
+PROFILE_SHAPES = [Shape(CONTEXTS[-1], 64, 128), Shape(CONTEXTS[-1], 16, 128), Shape(CONTEXTS[-1], 64, 32)]
 
 
-def _pools(context: int) -> tuple[jax.Array, jax.Array]:
-    """bf16 rows ``[SEQS * context, D]`` and their records ``[SEQS * context, W]`` (quantized in chunks,
-    so the float32 temporaries stay small)."""
+def _pools(context: int) -> tuple[tuple[jax.Array], tuple[jax.Array, jax.Array, jax.Array]]:
+    """bf16 rows ``[SEQS * context, D]`` and their FP8 parts (quantized in chunks, so the float32
+    temporaries stay small)."""
     n = SEQS * context
     rows = jax.jit(lambda k: jax.random.normal(k, (n, D), jnp.bfloat16))(jax.random.key(context))
     chunk = math.gcd(n, 1 << 16)
-    quantize = jax.jit(
-        lambda r: jax.lax.map(lambda c: kv_fp8.quantize_latent(c, DV), r.reshape(-1, chunk, D)).reshape(-1, W)
-    )
-    return jax.block_until_ready((rows, quantize(rows)))
+
+    @jax.jit
+    def quantize(r):
+        parts = lax.map(lambda c: kv_fp8.quantize_latent(c, DV), r.reshape(-1, chunk, D))
+        return tuple(p.reshape(n, -1) for p in parts)
+
+    return jax.block_until_ready(((rows,), quantize(rows)))
 
 
 @functools.partial(jax.jit, static_argnames=("b", "h", "context"))
@@ -99,19 +124,42 @@ def _make_set(key, first, *, b: int, h: int, context: int):
     return q, seqs[:, None] * context + pos.astype(jnp.int32)
 
 
-_reference = jax.jit(functools.partial(ref.sparse_mla, sm_scale=SCALE, v_dim=DV))
+@jax.jit
+def _reference(q, idx, kv, kv_scale=None, kv_rope=None):
+    return ref.sparse_mla(q, kv, idx, sm_scale=SCALE, v_dim=DV, kv_scale=kv_scale, kv_rope=kv_rope)
 
 
 def _kernel_fn(fp8_decode: str | None, config: MlaConfig | None = None) -> Callable:
-    return lambda q, idx, kv: kernel.sparse_mla(
-        q, kv, idx, sm_scale=SCALE, v_dim=DV, fp8_decode=fp8_decode, config=config
-    )
+    def fn(q, idx, kv, kv_scale=None, kv_rope=None):
+        return kernel.sparse_mla(
+            q,
+            kv,
+            idx,
+            sm_scale=SCALE,
+            v_dim=DV,
+            kv_scale=kv_scale,
+            kv_rope=kv_rope,
+            fp8_decode=fp8_decode,
+            config=config,
+        )
+
+    return fn
 
 
-def _config(shape: Shape, records: bool) -> MlaConfig:
-    return tuning.choose(
-        shape.b, shape.h, TOPK, d_v=DV, d_r=D - DV, itemsize=2, record_width=W if records else None
-    )
+def _config(shape: Shape, fp8: bool) -> MlaConfig:
+    return tuning.choose(shape.b, shape.h, TOPK, d_v=DV, d_r=D - DV, itemsize=2, fp8=fp8)
+
+
+def _shape_sets(shape: Shape) -> list[tuple]:
+    keys = jax.random.split(jax.random.key(1000 * shape.h + shape.b), shape.sets)
+    return [
+        _make_set(k, r * shape.b, b=shape.b, h=shape.h, context=shape.context) for r, k in enumerate(keys)
+    ]
+
+
+def _time_row(shape: Shape, us: float, row_bytes: int, ceilings: harness.Ceilings) -> dict:
+    gbs = shape.nbytes(row_bytes) / (us * 1e-6) / 1e9
+    return {"us": us, "GB/s": gbs, "% stream": 100 * gbs / ceilings.stream_gbs}
 
 
 def run(ceilings: harness.Ceilings | None = None) -> list[dict]:
@@ -123,11 +171,14 @@ def run(ceilings: harness.Ceilings | None = None) -> list[dict]:
     )
     shapes = [s for s in SHAPES if not ONLY or s.label in ONLY]
     rows: list[dict] = []
+    profile: list[dict] = []
+    pools: dict[str, tuple] = {}
     for context in CONTEXTS:
         todo = [s for s in shapes if s.context == context]
         if not todo:
             continue
-        pools = dict(zip(("bf16", "fp8"), _pools(context), strict=True))
+        pools.clear()  # the last context's pools go before the next ones are made
+        pools.update(zip(("bf16", "fp8"), _pools(context), strict=True))
         print(f"kernels_mla_fp8: pools for {context} tokens ready [{clock():.0f}s]")
         for shape in todo:
             if clock() > BUDGET_S:
@@ -135,20 +186,17 @@ def run(ceilings: harness.Ceilings | None = None) -> list[dict]:
                     {"shape": shape.label, "impl": name, "note": "not run: time budget"} for name in IMPLS
                 ]
                 continue
-            keys = jax.random.split(jax.random.key(1000 * shape.h + shape.b), shape.sets)
-            sets = [
-                _make_set(k, r * shape.b, b=shape.b, h=shape.h, context=context) for r, k in enumerate(keys)
-            ]
+            sets = _shape_sets(shape)
             q0, idx0 = sets[0]
-            wants = {kind: _reference(q0.astype(jnp.float32), kv, idx0) for kind, kv in pools.items()}
+            wants = {kind: _reference(q0.astype(jnp.float32), idx0, *kv) for kind, kv in pools.items()}
             for name, mode in IMPLS.items():
                 kind = "bf16" if mode is None else "fp8"
                 kv, want = pools[kind], wants[kind]
                 row_bytes = W if mode else D * 2
-                cfg = _config(shape, records=mode is not None)
+                cfg = _config(shape, fp8=mode is not None)
                 row = {"shape": shape.label, "impl": name, "config": describe(cfg), "sets": len(sets)}
                 row["MB"] = shape.nbytes(row_bytes) / 1e6
-                fn_sets = [(*s, kv) for s in sets]
+                fn_sets = [(*s, *kv) for s in sets]
                 checked, timer = compile_and_check(_kernel_fn(mode), fn_sets, want, shape.b)
                 if timer is None and cfg.block_n > 16 and not checked.get("note", "").startswith("FAILED"):
                     # the table's config did not build (shared memory?): keep its error, time half the step
@@ -158,21 +206,140 @@ def run(ceilings: harness.Ceilings | None = None) -> list[dict]:
                     checked, timer = compile_and_check(_kernel_fn(mode, cfg), fn_sets, want, shape.b)
                 row |= checked
                 if timer:
-                    us = timer(20)
-                    gbs = shape.nbytes(row_bytes) / (us * 1e-6) / 1e9
-                    row |= {"us": us, "GB/s": gbs, "% stream": 100 * gbs / ceilings.stream_gbs}
+                    row |= _time_row(shape, timer(20), row_bytes, ceilings)
                 rows.append(row)
                 print(f"{shape.label} {name}: {row.get('us', row.get('note'))} [{clock():.0f}s]")
-            _write_report(rows, ceilings, clock())
-    _write_report(rows, ceilings, clock())
+            _write_report(rows, profile, ceilings, clock())
+    if PROFILE == "1" or (PROFILE == "auto" and _fp8_not_faster(rows)):
+        _profile(pools, profile, ceilings, clock, lambda: _write_report(rows, profile, ceilings, clock()))
+    _write_report(rows, profile, ceilings, clock())
     return rows
 
 
+def _fp8_not_faster(rows: list[dict]) -> bool:
+    """Whether fp8 native is not faster than bf16 at some measured shape with B >= 32."""
+    return any(
+        line.get("bf16/native", 2.0) <= 1.0
+        for line in _summary(rows)
+        if int(line["shape"].split("B=")[1]) >= 32
+    )
+
+
+# ---- profile: where the fp8 time goes --------------------------------------------------------------
+
+
+def _variant_values(decode: str, scaled: bool) -> Callable:
+    """A stand-in for :func:`pallas_kernels.sparse_mla.kernel._load_values` on FP8 rows: ``decode``
+    "native" (the e4m3 cast), "cast" (an integer-to-float cast of the codes: wrong values, no decode
+    work) or "bytes" (the codes straight to the operand dtype; no float32 step, never scaled);
+    ``scaled``: load and apply the per-row scales."""
+
+    def load_values(kv_ref, scale_ref, rows, ok, g, dtype):
+        tiles = []
+        for group, (c, w, wp) in enumerate(g.groups):
+            codes = kernel._load_tile(kv_ref, rows, ok, c, w, wp)
+            if decode == "bytes":
+                tiles.append(codes.astype(dtype))
+                continue
+            if decode == "native":
+                values = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
+            else:
+                values = codes.astype(jnp.float32)
+            if scaled:
+                scale = pltriton.load(scale_ref.at[rows * len(g.groups) + group], mask=ok, other=0.0)
+                values = values * scale[:, None]
+            tiles.append(values.astype(dtype))
+        return tiles
+
+    return load_values
+
+
+@contextlib.contextmanager
+def _loader(load_values: Callable | None) -> Iterator[None]:
+    """Trace the kernel with ``load_values`` in place of its value loader (None: the kernel's own)."""
+    own = kernel._load_values
+    kernel._load_values = load_values or own
+    try:
+        yield
+    finally:
+        kernel._load_values = own
+
+
+_DECODE_VARIANTS = {
+    "native": None,
+    "cast": _variant_values("cast", scaled=True),
+    "no scale": _variant_values("native", scaled=False),
+    "bytes only": _variant_values("bytes", scaled=False),
+}
+
+
+def _config_variants(base: MlaConfig) -> dict[str, MlaConfig]:
+    r = functools.partial(dataclasses.replace, base)
+    half = max(16, base.block_n // 2)
+    cands = {  # most telling first: the profile's budget may stop the list
+        "stages3": r(num_stages=3),
+        "bn/2": r(block_n=half),
+        "bn/2 stages3": r(block_n=half, num_stages=3),
+        "warps16": r(num_warps=16),
+        "warps4": r(num_warps=4),
+        "stages1": r(num_stages=1),
+        "bh/2": r(block_h=max(16, base.block_h // 2)),
+        "bn*2": r(block_n=base.block_n * 2),
+    }
+    return {name: cfg for name, cfg in cands.items() if cfg != base}
+
+
+def _time_only(fn: Callable, sets: list, replays: int = 10) -> float:
+    """us per call of ``fn`` over ``sets`` (one jit, as :func:`compile_and_check` times), no check."""
+    one = jax.jit(fn)
+    run_all = jax.jit(lambda sets: [one(*s) for s in sets])
+    jax.block_until_ready(run_all(sets))
+    return harness.median_seconds(lambda: run_all(sets), len(sets), replays) * 1e6
+
+
+def _profile(pools, profile: list[dict], ceilings, clock, write) -> None:
+    print(f"kernels_mla_fp8: profile [{clock():.0f}s]")
+    shapes = [s for s in PROFILE_SHAPES if s.context == CONTEXTS[-1]]
+    jobs = [(s, name, loader, None) for s in shapes for name, loader in _DECODE_VARIANTS.items()]
+    for s in shapes:
+        jobs += [(s, name, None, cfg) for name, cfg in _config_variants(_config(s, fp8=True)).items()]
+    sets_of: dict[Shape, list] = {}
+    for shape, name, loader, cfg in jobs:
+        if clock() > PROFILE_S:
+            profile.append({"shape": shape.label, "variant": name, "note": "not run: time budget"})
+            continue
+        if shape not in sets_of:
+            sets_of[shape] = [(*s, *pools["fp8"]) for s in _shape_sets(shape)]
+        row = {"shape": shape.label, "variant": name, "config": describe(cfg or _config(shape, fp8=True))}
+        try:
+            with _loader(loader):
+                us = _time_only(_kernel_fn("native", cfg), sets_of[shape])
+            row |= _time_row(shape, us, W, ceilings)
+        except Exception as exc:  # noqa: BLE001 - a config that does not build is a row, not the end
+            row["note"] = harness.error_note(exc)
+        profile.append(row)
+        print(f"profile {shape.label} {name}: {row.get('us', row.get('note'))} [{clock():.0f}s]")
+        write()
+
+
+# ---- report ----------------------------------------------------------------------------------------
+
 COLUMNS = ("shape", "impl", "config", "sets", "MB", "us", "GB/s", "% stream", "rel_err", "lse_err", "note")
+PROFILE_COLUMNS = ("shape", "variant", "config", "us", "GB/s", "% stream", "note")
+
+
+def _records_us() -> dict[str, float]:
+    """fp8 native us per shape with the records layout (70830ee), where that file is here."""
+    records = harness.RESULTS / f"kernels_mla_fp8-{harness.gpu_slug()}-records.json"
+    if not records.exists():
+        return {}
+    rows = json.loads(records.read_text())["rows"]
+    return {r["shape"]: r["us"] for r in rows if r.get("impl") == "fp8 native" and "us" in r}
 
 
 def _summary(rows: list[dict]) -> list[dict]:
     """One line per shape: each impl's us and % of the memory ceiling, and fp8's speed-up over bf16."""
+    records = _records_us()
     by_shape: dict[str, dict] = {}
     for r in rows:
         line = by_shape.setdefault(r["shape"], {"shape": r["shape"]})
@@ -184,6 +351,8 @@ def _summary(rows: list[dict]) -> list[dict]:
         for name in ("fp8 native", "fp8 software"):
             if "bf16 us" in line and f"{name} us" in line:
                 line[f"bf16/{name.split()[1]}"] = line["bf16 us"] / line[f"{name} us"]
+        if line["shape"] in records:
+            line["records (70830ee) us"] = records[line["shape"]]
     return list(by_shape.values())
 
 
@@ -197,31 +366,36 @@ SUMMARY_COLUMNS = (
     "fp8 software %",
     "bf16/native",
     "bf16/software",
+    "records (70830ee) us",
 )
 
 
-def _write_report(rows: list[dict], ceilings: harness.Ceilings, elapsed: float) -> None:
-    text = "\n".join(
-        [
-            *harness.report_header(
-                f"Sparse MLA decode, bf16 rows vs fp8_ds_mla records (576/512, top-{TOPK}, bf16 q) on "
-                f"{harness.device_header()['device']}",
-                harness.ceiling_rows(ceilings, elapsed),
-            ),
-            "Method: see the docstring of `benchmarks/kernels_mla_fp8.py`. `%` is of the memory ceiling;",
-            "`bf16/native` is the bf16 time over the fp8 one (above 1: fp8 faster).",
+def _write_report(rows: list[dict], profile: list[dict], ceilings: harness.Ceilings, elapsed: float) -> None:
+    text = [
+        *harness.report_header(
+            f"Sparse MLA decode, bf16 rows vs FP8 latent rows (576/512, top-{TOPK}, bf16 q) on "
+            f"{harness.device_header()['device']}",
+            harness.ceiling_rows(ceilings, elapsed),
+        ),
+        "Method: see the docstring of `benchmarks/kernels_mla_fp8.py`. `%` is of the memory ceiling;",
+        "`bf16/native` is the bf16 time over the fp8 one (above 1: fp8 faster). FP8 rows are three",
+        "arrays (e4m3 values, f32 scales, bf16 rope); `records (70830ee) us` is fp8 native with the",
+        "previous one-record-per-token layout, from `kernels_mla_fp8-h200-records.md` (not this run).",
+        "",
+        "## Summary",
+        "",
+        harness.markdown_table(_summary(rows), SUMMARY_COLUMNS),
+        "",
+    ]
+    if profile:
+        text += [
+            "## Profile: fp8 variants (timing only, some values wrong on purpose)",
             "",
-            "## Summary",
-            "",
-            harness.markdown_table(_summary(rows), SUMMARY_COLUMNS),
-            "",
-            "## Every measurement",
-            "",
-            harness.markdown_table(rows, COLUMNS),
+            harness.markdown_table(profile, PROFILE_COLUMNS),
             "",
         ]
-    )
-    out = harness.write_result("kernels_mla_fp8", text, rows=rows)
+    text += ["## Every measurement", "", harness.markdown_table(rows, COLUMNS), ""]
+    out = harness.write_result("kernels_mla_fp8", "\n".join(text), rows=rows + profile)
     print(f"kernels_mla_fp8: wrote {out}")
 
 

@@ -12,11 +12,12 @@ Shapes (legend in docs/architecture.md: T query tokens, H heads, Hi index heads,
 S key positions, Z cache slots, P pages, B sequences, M page-table columns, E experts, D model width,
 N expert width):
 
-- ``sparse_mla(q [T,H,576], kv [Z,576], indices [T,K] int32, *, sm_scale, sink=None, v_dim=512)
-  -> (out [T,H,v_dim], lse [T,H] f32)``: softmax attention of each query over the selected kv rows
-  (-1 = skip, duplicates count twice); the value is the first ``v_dim`` columns of the row. A uint8
-  ``kv [Z,656]`` is ``fp8_ds_mla`` records (:mod:`pallas_kernels.quant.kv_fp8`), decoded in the
-  kernel (the reference dequantizes only the gathered rows).
+- ``sparse_mla(q [T,H,576], kv [Z,576], indices [T,K] int32, *, sm_scale, sink=None, v_dim=512,
+  kv_scale=None, kv_rope=None) -> (out [T,H,v_dim], lse [T,H] f32)``: softmax attention of each
+  query over the selected kv rows (-1 = skip, duplicates count twice); the value is the first
+  ``v_dim`` columns of the row. With ``kv_scale [Z,v_dim/128] f32`` the rows are FP8 latent parts
+  (:mod:`pallas_kernels.quant.kv_fp8`): ``kv [Z,v_dim]`` float8_e4m3fn values and ``kv_rope
+  [Z,576-v_dim]`` bf16, decoded in the kernel (the reference dequantizes only the gathered rows).
 - ``merge_states(outs [n,T,H,Dv], lses [n,T,H], sink=None) -> (out, lse)``: log-sum-exp merge.
 - ``indexer_logits_paged(q [T,Hi,Di], w [T,Hi], k_pages [P,page,Di], page_table [B,M], seq_ids [T],
   q_pos [T], *, k_scale=None) -> [T, M*page] f32``: ``sum_h w[t,h] * relu(q[t,h] . k[s])`` over the
@@ -130,7 +131,7 @@ OPS: dict[str, Op] = {
         sparse_mla_kernel.sparse_mla,
         OpSharding(
             args=((None, "heads", None), None, None),
-            kwargs={"sink": ("heads",)},
+            kwargs={"sink": ("heads",), "kv_scale": None, "kv_rope": None},
             out=((None, "heads", None), (None, "heads")),
         ),
     ),
@@ -274,8 +275,10 @@ def _impl(name: str, backend: str, stacked: bool = False) -> Callable[..., Any]:
     return _wrapped(name, backend, op.sharding, stacked)
 
 
-def sparse_mla(q, kv, indices, *, sm_scale: float, sink=None, v_dim: int = 512):
-    return _impl("sparse_mla", get_kernels())(q, kv, indices, sm_scale=sm_scale, sink=sink, v_dim=v_dim)
+def sparse_mla(q, kv, indices, *, sm_scale: float, sink=None, v_dim: int = 512, kv_scale=None, kv_rope=None):
+    return _impl("sparse_mla", get_kernels())(
+        q, kv, indices, sm_scale=sm_scale, sink=sink, v_dim=v_dim, kv_scale=kv_scale, kv_rope=kv_rope
+    )
 
 
 def merge_states(outs, lses, sink=None):

@@ -10,24 +10,30 @@ so 576 = 512 + 64 takes the unmasked fast path and e.g. the tiny models' 136 = 1
 with masks. Scores are one dot per value column group plus one for the rope part; the value
 tiles are reused for P.V, one float32 accumulator per group. Float rows are one group.
 
-FP8 cache. ``kv`` of dtype uint8 is ``fp8_ds_mla`` records ``[Z, W]``
-(:mod:`pallas_kernels.quant.kv_fp8`: ``v_dim`` e4m3 bytes, ``v_dim / 128`` float32 scales, the rope
-part in bf16), decoded in-kernel from the gathered bytes (never a dequantized copy of the cache):
-the value part as ``v_dim / 128`` groups of 128 columns, so each group's scale is one per row (a
-``[block_n]`` vector broadcast over the byte tile) and the byte loads stay contiguous. Every value
-is dequantized as :func:`pallas_kernels.quant.kv_fp8.dequantize_latent` does it: e4m3 to float32,
-times its float32 scale in float32, then cast to q's dtype for the dots (float32 queries see the
-reference's rows exactly; bf16 rounds once, as casting the dequantized row would). The e4m3 decode
-is the hardware cast ("native", sm_89+) or integer bit moves into float16 (:func:`_e4m3_software`;
-sm_80/86, the interpreter), chosen by :func:`pallas_kernels.quant.decode.fp_decode` at trace time
-or per call; the two agree on all 254 finite codes, but the software decode reads the NaN codes
-0x7F / 0xFF as +-480 (scaled caches never hold NaN). A scale is its row's 4 bytes shifted into one
-int32 and bitcast to float32; a rope value its byte pair as a bf16 bit pattern. Measured on H200
-(``benchmarks/results/kernels_mla_fp8-h200.md``, decode, top-2048): right with both decoders, but at
-B >= 8 it takes 1.3-2.3x the time of bf16 rows for 57 % of their bytes (4-12 % of the memory
-ceiling against 13-46 %), the software decoder 3-14 % behind the native one. The record path is not
-tuned yet; the first suspect is the rope's stride-2 byte loads, which can be neither vector nor
-asynchronous copies.
+FP8 cache. With ``kv_scale`` the rows are :mod:`pallas_kernels.quant.kv_fp8`'s three latent
+arrays: ``kv`` the e4m3 values ``[Z, v_dim]``, ``kv_scale`` float32 ``[Z, v_dim / 128]``, ``kv_rope``
+the bf16 rope part ``[Z, D - v_dim]``. They are decoded in-kernel from the gathered rows (never a
+dequantized copy of the cache): the value part as ``v_dim / 128`` groups of 128 columns, each a
+contiguous ``[block_n, 128]`` byte tile (the e4m3 array is bitcast to uint8 in XLA, a free
+same-size bitcast: a masked load needs an ``other`` fill, and there is no e4m3 constant) whose
+scale is one float32 per row, a ``[block_n]`` gathered load from the flattened scales broadcast
+over the tile; the rope is a ``[block_n, Pr]`` bf16 tile, loaded as the float rows' rope tile is.
+Every value is dequantized as :func:`pallas_kernels.quant.kv_fp8.dequantize_latent` does it: e4m3
+to float32, times its float32 scale in float32, then cast to q's dtype for the dots (float32
+queries see the reference's rows exactly; bf16 rounds once, as casting the dequantized row would).
+The e4m3 decode is the hardware cast ("native", sm_89+) or integer bit moves into float16
+(:func:`_e4m3_software`; sm_80/86, the interpreter), chosen by
+:func:`pallas_kernels.quant.decode.fp_decode` at trace time or per call; the two agree on all 254
+finite codes, but the software decode reads the NaN codes 0x7F / 0xFF as +-480 (scaled caches
+never hold NaN). Measured on H200 (``benchmarks/results/kernels_mla_fp8-h200.md``, decode,
+top-2048, 8k context): right with both decoders, but still 1.3-2.2x the time of bf16 rows at
+B >= 8 (5-15 % of the memory ceiling against 14-45 %), little better than the one-record layout
+it replaced (H = 16 B = 128: 296 vs 379 us; H = 64 B = 64: 219 vs 228 us). The decode does not bound
+it: at H = 16 B = 128 an integer-to-float cast in place of the e4m3 decode, no scales, or the codes
+converted straight to bf16 take 321 / 371 / 398 us against 306. Triton's pipeliner does not
+multi-buffer the tiles that pass through the decode (a third stage adds 768 bytes of shared
+memory, not a stage of tiles), so each step waits for its own gathers; the tile config moves it
+most (4 warps: 204 us there, not in the tuning table yet).
 
 Grid ``(head_groups, splits, T)``, head group fastest so the programs sharing one query's rows
 run side by side (the second read of a row hits L2). Each program:
@@ -43,8 +49,8 @@ run side by side (the second read of a row hits L2). Each program:
    :func:`pallas_kernels.merge_states.kernel.merge_states` combines (the sink joins there, once).
 
 Split count, head block and tile sizes come from :mod:`.tuning` (per compute capability and
-operand dtype: float32 tiles are sized to fit the same shared memory as bf16 ones; fp8 records
-count their bytes per stage and the decoded tile as resident).
+operand dtype: float32 tiles are sized to fit the same shared memory as bf16 ones; fp8 rows count
+their three parts' bytes per stage and the decoded value tile as resident).
 """
 
 from __future__ import annotations
@@ -89,7 +95,7 @@ class _Geometry:
     block_h: int
     block_n: int
     prefetch: bool  # load step i+1's indices while step i's rows are gathered
-    records: str | None = None  # fp8_ds_mla records, e4m3 decoded "native" / "software"; None: float rows
+    fp8: str | None = None  # FP8 latent parts, e4m3 decoded "native" / "software"; None: float rows
 
     @property
     def d_r_pad(self) -> int:
@@ -98,25 +104,20 @@ class _Geometry:
     @property
     def groups(self) -> tuple[tuple[int, int, int], ...]:
         """``(first column, width, padded width)`` of each value column group: one scale tile
-        (128 columns) each in a record, the whole value part of a float row."""
-        if self.records:
+        (128 columns) each for FP8 values, the whole value part of a float row."""
+        if self.fp8:
             return tuple((c, kv_fp8.TILE, kv_fp8.TILE) for c in range(0, self.d_v, kv_fp8.TILE))
         return ((0, self.d_v, _pad(self.d_v)),)
 
     @property
-    def scale_col(self) -> int:
-        """A record's first scale byte."""
-        return self.d_v
-
-    @property
     def rope_col(self) -> int:
-        """The first byte (record) or column (float row) of the rope part."""
-        return self.d_v + 4 * (self.d_v // kv_fp8.TILE) if self.records else self.d_v
+        """The rope part's first column in the array that holds it: its own array for FP8, after the
+        value columns of a float row."""
+        return 0 if self.fp8 else self.d_v
 
 
-def _load_tile(src, rows, row_ok, col0: int, width: int, width_pad: int, stride: int = 1):
-    """``src[rows, col0 : col0 + stride * width : stride]`` as a ``[len(rows), width_pad]`` tile,
-    zeros where masked.
+def _load_tile(src, rows, row_ok, col0: int, width: int, width_pad: int):
+    """``src[rows, col0 : col0 + width]`` as a ``[len(rows), width_pad]`` tile, zeros where masked.
 
     Fully broadcast array indexers: one pointer tensor on GPU, and the form whose masked load the
     interpreter supports. The column mask only appears when the width is padded, so the real
@@ -126,7 +127,7 @@ def _load_tile(src, rows, row_ok, col0: int, width: int, width_pad: int, stride:
     mask = row_ok[:, None]
     if width_pad != width:
         mask = mask & (j < width)[None, :]
-    return pltriton.load(src.at[rows[:, None], (col0 + stride * j)[None, :]], mask=mask, other=0)
+    return pltriton.load(src.at[rows[:, None], (col0 + j)[None, :]], mask=mask, other=0)
 
 
 def _e4m3_software(u8: jax.Array) -> jax.Array:
@@ -140,28 +141,17 @@ def _e4m3_software(u8: jax.Array) -> jax.Array:
     return (half * jnp.float16(256.0)).astype(jnp.float32)
 
 
-def _record_scales(kv_ref, rows, ok, g: _Geometry) -> list[jax.Array]:
-    """The float32 scale of each value group of the gathered records, ``[block_n]`` each: one load of
-    the rows' scale bytes, each group's four shifted into an int32 (disjoint bits: the sum is their
-    OR) and bitcast."""
-    n_bytes = 4 * len(g.groups)
-    raw = _load_tile(kv_ref, rows, ok, g.scale_col, n_bytes, pl.next_power_of_2(n_bytes))
-    j = jnp.arange(raw.shape[1], dtype=jnp.int32)
-    shifted = raw.astype(jnp.int32) << (8 * (j % 4))[None, :]
-    return [
-        lax.bitcast_convert_type(jnp.sum(jnp.where((j // 4 == k)[None, :], shifted, 0), axis=1), jnp.float32)
-        for k in range(len(g.groups))
-    ]
-
-
-def _load_values(kv_ref, rows, ok, g: _Geometry, dtype) -> list[jax.Array]:
-    """The value part of the gathered rows as one ``[block_n, width]`` tile per group, in ``dtype``."""
-    if not g.records:
+def _load_values(kv_ref, scale_ref, rows, ok, g: _Geometry, dtype) -> list[jax.Array]:
+    """The value part of the gathered rows as one ``[block_n, width]`` tile per group, in ``dtype``:
+    float rows cast; FP8 codes decoded, each group times its row's scale (``scale_ref``: the
+    ``[Z * groups]`` flattened scales) in float32."""
+    if not g.fp8:
         return [_load_tile(kv_ref, rows, ok, c, w, wp).astype(dtype) for c, w, wp in g.groups]
     tiles = []
-    for (c, w, wp), scale in zip(g.groups, _record_scales(kv_ref, rows, ok, g), strict=True):
+    for group, (c, w, wp) in enumerate(g.groups):
+        scale = pltriton.load(scale_ref.at[rows * len(g.groups) + group], mask=ok, other=0.0)
         codes = _load_tile(kv_ref, rows, ok, c, w, wp)
-        if g.records == "native":
+        if g.fp8 == "native":
             values = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
         else:
             values = _e4m3_software(codes)
@@ -169,21 +159,16 @@ def _load_values(kv_ref, rows, ok, g: _Geometry, dtype) -> list[jax.Array]:
     return tiles
 
 
-def _load_rope(kv_ref, rows, ok, g: _Geometry, dtype) -> jax.Array:
-    """The rope part of the gathered rows, ``[block_n, d_r_pad]`` in ``dtype``: a record's bf16 values
-    from their low and high bytes (two strided loads of one span)."""
-    if not g.records:
-        return _load_tile(kv_ref, rows, ok, g.rope_col, g.d_r, g.d_r_pad).astype(dtype)
-    lo, hi = (_load_tile(kv_ref, rows, ok, g.rope_col + b, g.d_r, g.d_r_pad, stride=2) for b in (0, 1))
-    bits = lo.astype(jnp.int32) | (hi.astype(jnp.int32) << 8)
-    return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16).astype(dtype)
-
-
 def _kernel(*refs, g: _Geometry, sm_scale: float, has_sink: bool, precision):
+    idx_ref, q_ref, kv_ref, *rest, out_ref, lse_ref = refs
+    scale_ref = sink_ref = None
+    rope_ref = kv_ref  # float rows: the rope columns follow the value columns
+    if g.fp8:
+        scale_ref, *rest = rest
+        if g.d_r:
+            rope_ref, *rest = rest
     if has_sink:
-        idx_ref, q_ref, kv_ref, sink_ref, out_ref, lse_ref = refs
-    else:
-        idx_ref, q_ref, kv_ref, out_ref, lse_ref = refs
+        (sink_ref,) = rest
     dtype = q_ref.dtype
     heads = pl.program_id(0) * g.block_h + jnp.arange(g.block_h, dtype=jnp.int32)
     head_ok = heads < g.n_heads
@@ -209,10 +194,11 @@ def _kernel(*refs, g: _Geometry, sm_scale: float, has_sink: bool, precision):
             idx = load_indices(i)
         valid = (idx >= 0) & (idx < g.n_slots)
         safe = jnp.where(valid, idx, 0)
-        values = _load_values(kv_ref, safe, valid, g, dtype)
+        values = _load_values(kv_ref, scale_ref, safe, valid, g, dtype)
         s = functools.reduce(operator.add, [dot(qg, vg, nt) for qg, vg in zip(q_v, values, strict=True)])
         if g.d_r:
-            s = s + dot(q_r, _load_rope(kv_ref, safe, valid, g, dtype), nt)
+            rope = _load_tile(rope_ref, safe, valid, g.rope_col, g.d_r, g.d_r_pad).astype(dtype)
+            s = s + dot(q_r, rope, nt)
         s = jnp.where(valid[None, :], s * (sm_scale * _LOG2E), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no valid key yet: keep exp2 finite
@@ -257,6 +243,11 @@ def _empty(t: int, h: int, v_dim: int, dtype, sink):
     return jnp.zeros((t, h, v_dim), dtype), lse
 
 
+def _whole(shape: tuple[int, ...]) -> pl.BlockSpec:
+    """The whole array in every program (rows are gathered by pointer)."""
+    return pl.BlockSpec(shape, lambda hg, s, i: (0,) * len(shape))
+
+
 def sparse_mla(
     q: jax.Array,
     kv: jax.Array,
@@ -265,25 +256,29 @@ def sparse_mla(
     sm_scale: float,
     sink: jax.Array | None = None,
     v_dim: int = 512,
+    kv_scale: jax.Array | None = None,
+    kv_rope: jax.Array | None = None,
     interpret: bool = False,
     config: MlaConfig | None = None,
     fp8_decode: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """See :func:`jaxdsa.ops.sparse_mla`.
 
-    q [T, H, D], kv [Z, D] float rows or uint8 [Z, W] ``fp8_ds_mla`` records (``W =
-    kv_fp8.record_width(v_dim, D - v_dim)``), indices [T, K] int32 (-1 or >= Z: skipped), sink [H]
-    f32 or None -> (out [T, H, v_dim] in q.dtype, lse [T, H] f32, natural log, sink included).
-    ``config`` overrides :func:`.tuning.choose` (benchmark sweeps); ``fp8_decode`` ("native" /
-    "software") overrides :func:`pallas_kernels.quant.decode.fp_decode` for records.
+    q [T, H, D], kv [Z, D] float rows, indices [T, K] int32 (-1 or >= Z: skipped), sink [H] f32 or
+    None -> (out [T, H, v_dim] in q.dtype, lse [T, H] f32, natural log, sink included). With
+    ``kv_scale`` the rows are FP8 latent parts (:mod:`pallas_kernels.quant.kv_fp8`): kv
+    float8_e4m3fn [Z, v_dim], kv_scale f32 [Z, v_dim / 128], kv_rope bf16 [Z, D - v_dim] (None when
+    D == v_dim); :func:`.ref.check_kv` checks them. ``config`` overrides :func:`.tuning.choose`
+    (benchmark sweeps); ``fp8_decode`` ("native" / "software") overrides
+    :func:`pallas_kernels.quant.decode.fp_decode` for FP8 rows.
     """
     t, h, d = q.shape
-    n, width = kv.shape
-    k = indices.shape[1]
-    if indices.shape[0] != t:
+    n = kv.shape[0]
+    if indices.ndim != 2 or indices.shape[0] != t:
         raise ValueError(f"sparse_mla: q {q.shape}, kv {kv.shape}, indices {indices.shape}, v_dim {v_dim}")
-    ref.check_kv(kv, d, v_dim)
-    records = fp_decode(fp8_decode) if kv.dtype == jnp.uint8 else None
+    k = indices.shape[1]
+    ref.check_kv(kv, d, v_dim, kv_scale, kv_rope)
+    fp8 = fp_decode(fp8_decode) if kv_scale is not None else None
     if t == 0 or h == 0 or k == 0 or n == 0:
         return _empty(t, h, v_dim, q.dtype, sink)
     if _pad(v_dim) + (_pad(d - v_dim) if d > v_dim else 0) > _MAX_ROW_PAD:
@@ -292,25 +287,29 @@ def sparse_mla(
             "more than one program's registers hold; running the pure-JAX reference instead",
             stacklevel=2,
         )
-        return ref.sparse_mla(q, kv, indices, sm_scale=sm_scale, sink=sink, v_dim=v_dim)
+        return ref.sparse_mla(
+            q, kv, indices, sm_scale=sm_scale, sink=sink, v_dim=v_dim, kv_scale=kv_scale, kv_rope=kv_rope
+        )
 
-    # Dot operands are q's dtype: float rows are cast to it after the load, records decoded into it.
+    # Dot operands are q's dtype: float rows are cast to it after the load, FP8 values decoded into it.
     itemsize = max(q.dtype.itemsize, kv.dtype.itemsize)
-    cfg = config or tuning.choose(
-        t, h, k, d_v=v_dim, d_r=d - v_dim, itemsize=itemsize, record_width=width if records else None
-    )
+    cfg = config or tuning.choose(t, h, k, d_v=v_dim, d_r=d - v_dim, itemsize=itemsize, fp8=fp8 is not None)
     chunk = pl.cdiv(pl.cdiv(k, cfg.splits), cfg.block_n) * cfg.block_n
     splits = pl.cdiv(k, chunk)
-    g = _Geometry(h, k, n, v_dim, d - v_dim, chunk, cfg.block_h, cfg.block_n, cfg.prefetch, records)
+    g = _Geometry(h, k, n, v_dim, d - v_dim, chunk, cfg.block_h, cfg.block_n, cfg.prefetch, fp8)
 
     has_sink = sink is not None and splits == 1
     part_dtype = q.dtype if splits == 1 or cfg.narrow_partials else jnp.float32
+    if fp8:  # bitcast and flatten: free in XLA
+        rows = [lax.bitcast_convert_type(kv, jnp.uint8), kv_scale.reshape(-1), *([kv_rope] if g.d_r else [])]
+    else:
+        rows = [kv]
+    args = [indices.astype(jnp.int32), q, *rows]
     in_specs = [
         pl.BlockSpec((None, k), lambda hg, s, i: (i, 0)),
         pl.BlockSpec((None, h, d), lambda hg, s, i: (i, 0, 0)),
-        pl.BlockSpec((n, width), lambda hg, s, i: (0, 0)),
+        *(_whole(a.shape) for a in rows),
     ]
-    args = [indices.astype(jnp.int32), q, kv]
     if has_sink:
         in_specs.append(pl.BlockSpec((h,), lambda hg, s, i: (0,)))
         args.append(sink.astype(jnp.float32))

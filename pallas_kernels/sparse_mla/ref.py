@@ -1,8 +1,9 @@
 """Pure-JAX oracle for sparse MLA (float32 math, chunked over queries to bound memory).
 
-The cache is float rows ``[Z, D]`` or ``fp8_ds_mla`` records ``uint8 [Z, W]``
-(:mod:`pallas_kernels.quant.kv_fp8`); records are dequantized after the gather, so only the
-selected rows are ever decoded, never the pool.
+The cache is float rows ``[Z, D]``, or FP8 latent parts (:mod:`pallas_kernels.quant.kv_fp8`): e4m3
+values ``[Z, v_dim]``, float32 scales ``[Z, v_dim / 128]`` and bf16 rope ``[Z, D - v_dim]``. The
+parts are gathered at the selected indices and dequantized there, so only the selected rows are
+ever decoded, never the pool.
 """
 
 from __future__ import annotations
@@ -15,28 +16,60 @@ from pallas_kernels.quant import kv_fp8
 _QUERY_CHUNK = 64
 
 
-def check_kv(kv: jax.Array, q_dim: int, v_dim: int) -> None:
-    """Raise ValueError unless ``kv`` holds rows for ``q_dim``-wide queries: float ``[Z, q_dim]``, or
-    ``uint8 [Z, W]`` records with ``W = kv_fp8.record_width(v_dim, q_dim - v_dim)``."""
+def _describe(a: jax.Array | None) -> str:
+    return "None" if a is None else f"{a.dtype} {tuple(a.shape)}"
+
+
+def check_kv(
+    kv: jax.Array, q_dim: int, v_dim: int, kv_scale: jax.Array | None = None, kv_rope: jax.Array | None = None
+) -> None:
+    """Raise ValueError unless the cache holds rows for ``q_dim``-wide queries whose first ``v_dim``
+    columns are the value: float rows ``kv [Z, q_dim]`` (no ``kv_scale`` / ``kv_rope``), or with
+    ``kv_scale`` the FP8 latent parts ``kv`` float8_e4m3fn ``[Z, v_dim]`` (``v_dim`` a multiple of
+    128), ``kv_scale`` float32 ``[Z, v_dim / 128]``, ``kv_rope`` bfloat16 ``[Z, q_dim - v_dim]`` (None
+    when ``q_dim == v_dim``)."""
+    where = (
+        f"sparse_mla: kv {_describe(kv)}, kv_scale {_describe(kv_scale)}, kv_rope {_describe(kv_rope)} "
+        f"for {q_dim}-wide queries, v_dim {v_dim}"
+    )
     if kv.ndim != 2 or not 0 < v_dim <= q_dim:
-        raise ValueError(f"sparse_mla: kv {kv.shape} for {q_dim}-wide queries, v_dim {v_dim}")
-    if kv.dtype == jnp.uint8:
-        width = kv_fp8.record_width(v_dim, q_dim - v_dim)
-        if kv.shape[1] != width:
+        raise ValueError(where)
+    if kv_scale is None:
+        if kv_rope is not None:
+            raise ValueError(f"{where}: kv_rope is the rope part of FP8 rows, which come with kv_scale")
+        if not jnp.issubdtype(kv.dtype, jnp.floating) or kv.dtype.itemsize < 2:
             raise ValueError(
-                f"sparse_mla: uint8 kv is fp8_ds_mla records, {width} bytes for {v_dim} latent + "
-                f"{q_dim - v_dim} rope values; got {kv.shape[1]}"
+                f"{where}: without kv_scale, kv is float rows (bf16 / f16 / f32); FP8 rows are kv "
+                "float8_e4m3fn values with kv_scale and kv_rope"
             )
-    elif kv.shape[1] != q_dim:
-        raise ValueError(f"sparse_mla: kv rows are {kv.shape[1]} wide, queries {q_dim}")
+        if kv.shape[1] != q_dim:
+            raise ValueError(f"{where}: the rows are {kv.shape[1]} wide, the queries {q_dim}")
+        return
+    z, rope_dim, tile = kv.shape[0], q_dim - v_dim, kv_fp8.TILE
+    if kv.dtype != jnp.float8_e4m3fn or kv.shape[1] != v_dim or v_dim % tile:
+        raise ValueError(
+            f"{where}: with kv_scale, kv is the float8_e4m3fn latent values [Z, v_dim], "
+            f"v_dim a multiple of {tile}"
+        )
+    if kv_scale.dtype != jnp.float32 or kv_scale.shape != (z, v_dim // tile):
+        raise ValueError(
+            f"{where}: kv_scale must be float32 [{z}, {v_dim // tile}] (one scale per {tile} values)"
+        )
+    if rope_dim == 0:
+        if kv_rope is not None:
+            raise ValueError(f"{where}: the row is all value, so kv_rope must be None")
+    elif kv_rope is None or kv_rope.dtype != jnp.bfloat16 or kv_rope.shape != (z, rope_dim):
+        raise ValueError(f"{where}: kv_rope must be bfloat16 [{z}, {rope_dim}]")
 
 
-def _attend(q, kv, indices, sm_scale, sink, v_dim):
-    """q [T,H,Dk], kv [Z,Dk] or records [Z,W], indices [T,K] -> out [T,H,v_dim] f32, lse [T,H] f32."""
+def _attend(q, kv, kv_scale, kv_rope, indices, sm_scale, sink, v_dim):
+    """q [T,H,Dk], kv [Z,Dk] (or FP8 parts), indices [T,K] -> out [T,H,v_dim] f32, lse [T,H] f32."""
     valid = (indices >= 0) & (indices < kv.shape[0])
-    rows = jnp.take(kv, jnp.where(valid, indices, 0), axis=0)  # [T,K,Dk] or [T,K,W]
-    if kv.dtype == jnp.uint8:
-        rows = kv_fp8.dequantize_latent(rows, v_dim, q.shape[-1] - v_dim)
+    gather = lambda a: jnp.take(a, jnp.where(valid, indices, 0), axis=0)  # noqa: E731  [T,K,...]
+    rows = gather(kv)
+    if kv_scale is not None:
+        rope = gather(kv_rope) if kv_rope is not None else jnp.zeros((*indices.shape, 0), jnp.bfloat16)
+        rows = kv_fp8.dequantize_latent(rows, gather(kv_scale), rope)
     rows = rows.astype(jnp.float32)
     s = jnp.einsum("thd,tkd->thk", q.astype(jnp.float32), rows, precision="highest") * sm_scale
     s = jnp.where(valid[:, None, :], s, -jnp.inf)
@@ -54,18 +87,16 @@ def _attend(q, kv, indices, sm_scale, sink, v_dim):
     return out, lse
 
 
-def sparse_mla(q, kv, indices, *, sm_scale: float, sink=None, v_dim: int = 512):
+def sparse_mla(q, kv, indices, *, sm_scale: float, sink=None, v_dim: int = 512, kv_scale=None, kv_rope=None):
     """See :func:`jaxdsa.ops.sparse_mla`. out has q's dtype, lse is float32 (natural log)."""
-    check_kv(kv, q.shape[-1], v_dim)
+    check_kv(kv, q.shape[-1], v_dim, kv_scale, kv_rope)
     sink = None if sink is None else sink.astype(jnp.float32)
-    T = q.shape[0]
-    if T <= _QUERY_CHUNK:
-        out, lse = _attend(q, kv, indices, sm_scale, sink, v_dim)
+    attend = lambda q, indices: _attend(q, kv, kv_scale, kv_rope, indices, sm_scale, sink, v_dim)  # noqa: E731
+    if q.shape[0] <= _QUERY_CHUNK:
+        out, lse = attend(q, indices)
     else:
         out, lse = jax.lax.map(
-            lambda a: _attend(a[0][None], kv, a[1][None], sm_scale, sink, v_dim),
-            (q, indices),
-            batch_size=_QUERY_CHUNK,
+            lambda a: attend(a[0][None], a[1][None]), (q, indices), batch_size=_QUERY_CHUNK
         )
         out, lse = out[:, 0], lse[:, 0]
     return out.astype(q.dtype), lse

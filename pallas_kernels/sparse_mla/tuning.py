@@ -13,9 +13,9 @@ query's index list; it gathers ``block_n`` rows per loop step. The choice per sh
    into ``splits`` chunks whose partial states are LSE-merged. Splits are chosen as
    ``floor(SMs / programs)`` (:func:`pallas_kernels._triton.sm_count`) so the grid is one full
    wave, and capped so the float32 partials (written, then read by the merge) stay below the
-   gathered bytes (``S*H*Dv*4 <= K*D*itemsize`` per query, ``K*W`` for ``W``-byte fp8 records) or
-   below ``PARTIAL_FLOOR_BYTES`` in all,
-   an amount every target's L2 holds (small batches, where latency and not bandwidth decides).
+   gathered bytes (``S*H*Dv*4 <= K*D*itemsize`` per query, ``K*656`` for FP8 latent rows) or
+   below ``PARTIAL_FLOOR_BYTES`` in all, an amount every target's L2 holds (small batches, where
+   latency and not bandwidth decides).
 3. If even the maximal split count cannot fill one wave (B = 1 with many heads), the head block
    is halved: more, smaller programs re-read the same rows from L2, which is cheaper than the
    latency of a few programs walking long index lists.
@@ -38,10 +38,15 @@ at 32 heads and 32-row steps; the consumer parts (sm_86/89/120/121, 99 KiB) use 
 is 64 accumulator + 32 q registers per thread, where four warps would spill (four warps measured
 1.1-4.1x slower on H100).
 
-``fp8_ds_mla`` records (bf16 queries) take the same rule and ``TUNED`` entries, measured with bf16
-rows, wherever they fit: the grid-filling argument is the same and the dot operands are the same
-bf16 tiles; their estimate counts the staged record bytes and the decoded tile (:func:`smem_bytes`),
-which at 64 heads and 64 rows per step on sm_90 comes to 231,936 of the 232,448 bytes.
+FP8 latent rows (bf16 queries) take the same rule and ``TUNED`` entries, measured with bf16 rows,
+wherever they fit: the grid-filling argument is the same and the dot operands are the same bf16
+tiles. Their estimate (:func:`smem_bytes`) counts the staged bytes of the three parts, the decoded
+value tile and one more 128-column group of it, calibrated on H200: 64 heads x 64 rows x 2 stages
+requested 239,872 bytes (estimate 240,128; budget 232,448) and failed, 1 stage built. When they do
+not fit, FP8 rows drop stages before the gather step (``_FP8_KNOBS``): the tiles that pass through
+the decode are not multi-buffered (3 stages requested only 768 bytes more than 2), and at 64 heads
+64 rows x 1 stage beat 32 rows x 2 / 3 stages (H200, 64k context: 363 vs 422 / 409 us at B = 128,
+112 vs 124 / 114 us at B = 32; ``benchmarks/results/kernels_mla_fp8-h200.md``, profile).
 """
 
 from __future__ import annotations
@@ -113,18 +118,30 @@ TUNED: dict[tuple[int, int, int], MlaConfig] = {
 
 # Shrink order when a tile does not fit: gather step, stages, head block.
 _KNOBS = (("block_n", 16), ("num_stages", 1), ("block_h", 16))
+# FP8 rows: stages first (module docstring).
+_FP8_KNOBS = (("num_stages", 1), ("block_n", 16), ("block_h", 16))
 
 
-def smem_bytes(cfg: MlaConfig, *, d_v: int, d_r: int, itemsize: int, record_width: int | None = None) -> int:
+def fp8_row_bytes(d_v: int, d_r: int) -> int:
+    """Bytes one gathered FP8 latent row stages: ``d_v`` e4m3 values, a float32 scale per 128 of
+    them, the bf16 rope part padded as the kernel pads it (656 at the released 512 + 64)."""
+    return d_v + 4 * (d_v // 128) + (2 * max(16, pl.next_power_of_2(d_r)) if d_r else 0)
+
+
+def smem_bytes(cfg: MlaConfig, *, d_v: int, d_r: int, itemsize: int, fp8: bool = False) -> int:
     """Shared-memory estimate (:func:`pallas_kernels._triton.shared_memory_bytes`) of one program:
     the q tile ``[block_h, Dv + Dr]`` resident, per stage ``block_n`` gathered rows plus their int32
     indices, the ``[block_h, Dv]`` float32 output tile in the epilogue (widths padded as the kernel
-    pads them). ``fp8_ds_mla`` records (``record_width`` bytes) are staged as bytes and decoded into
-    a ``[block_n, Dv + Dr]`` operand tile that stays resident for both dots, as the quantized
-    matmuls count theirs (:func:`pallas_kernels.quant.tiles.decoded_tile_bytes`)."""
-    width = max(16, pl.next_power_of_2(d_v)) + (max(16, pl.next_power_of_2(d_r)) if d_r else 0)
-    row_bytes = width * itemsize if record_width is None else record_width
-    decoded = 0 if record_width is None else cfg.block_n * width * itemsize
+    pads them). FP8 latent rows stage :func:`fp8_row_bytes` each and are decoded into a
+    ``[block_n, Dv + Dr]`` operand tile (the value part; the rope part too unless it is already the
+    operand dtype, bf16) that stays resident for both dots, as the quantized matmuls count theirs
+    (:func:`pallas_kernels.quant.tiles.decoded_tile_bytes`), plus one more 128-column group of it
+    (layout-conversion scratch; calibrated on H200, module docstring)."""
+    v_pad = max(16, pl.next_power_of_2(d_v))
+    r_pad = max(16, pl.next_power_of_2(d_r)) if d_r else 0
+    width = v_pad + r_pad
+    row_bytes = fp8_row_bytes(d_v, d_r) if fp8 else width * itemsize
+    decoded = cfg.block_n * (v_pad + 128 + (r_pad if itemsize != 2 else 0)) * itemsize if fp8 else 0
     return shared_memory_bytes(
         resident=cfg.block_h * width * itemsize + decoded,
         stage=cfg.block_n * (row_bytes + 4),
@@ -142,22 +159,22 @@ def choose(
     d_r: int,
     itemsize: int,
     block_h: int | None = None,
-    record_width: int | None = None,
+    fp8: bool = False,
 ) -> MlaConfig:
     """Config for T queries, H heads, K indices per query, rows of ``d_v`` value + ``d_r`` rope
-    columns and dot operands of ``itemsize`` bytes; ``record_width``: the rows are ``fp8_ds_mla``
-    records of that many bytes (:func:`smem_bytes`).
+    columns and dot operands of ``itemsize`` bytes; ``fp8``: the rows are FP8 latent parts
+    (:func:`smem_bytes`).
 
     ``block_h`` fixes the head block (benchmark sweeps) and leaves the rest to the rule.
     """
     cc = compute_capability()
     budget = shared_memory_budget(cc)
-    nbytes = lambda c: smem_bytes(c, d_v=d_v, d_r=d_r, itemsize=itemsize, record_width=record_width)  # noqa: E731
+    nbytes = lambda c: smem_bytes(c, d_v=d_v, d_r=d_r, itemsize=itemsize, fp8=fp8)  # noqa: E731
     tuned = TUNED.get((cc, h, t)) if block_h is None and itemsize == 2 else None
     if tuned and nbytes(tuned) <= budget:  # measured at 576-wide rows; wider ones may not fit
         return tuned
     e = TABLE.get(cc, DEFAULT)
-    gathered = record_width if record_width is not None else (d_v + d_r) * itemsize  # bytes per row
+    gathered = fp8_row_bytes(d_v, d_r) if fp8 else (d_v + d_r) * itemsize  # bytes per row
     partial_budget = max(t * k * gathered, PARTIAL_FLOOR_BYTES)
 
     def block_n_for(block_h: int) -> int:
@@ -173,6 +190,6 @@ def choose(
         while block_h > 16 and t * -(-h // block_h) * max_splits(block_n_for(block_h)) < sms:
             block_h //= 2
     cfg = MlaConfig(block_h, block_n_for(block_h), e.num_warps, e.num_stages, splits=1)
-    cfg = shrink_to_fit(cfg, nbytes, budget, _KNOBS)
+    cfg = shrink_to_fit(cfg, nbytes, budget, _FP8_KNOBS if fp8 else _KNOBS)
     programs = t * -(-h // cfg.block_h)
     return dataclasses.replace(cfg, splits=max(1, min(max_splits(cfg.block_n), sms // programs)))

@@ -6,13 +6,15 @@ what the interpreter forgives (non-power-of-two tiles, unsupported primitives). 
 ``JAX_PLATFORMS=cuda JAXDSA_KERNELS=pallas`` runs the same comparisons on the compiled kernels
 instead (tests/conftest.py otherwise pins JAX to the CPU).
 
-The fp8 tests (``-k fp8``) read ``fp8_ds_mla`` records (:mod:`pallas_kernels.quant.kv_fp8`) with
-both e4m3 decoders: the writer's records, hand-made ones with extreme and non-power-of-two
-scales, and every e4m3 code decoded bit-exactly through the kernel.
+The fp8 tests (``-k fp8``) read FP8 latent rows (:mod:`pallas_kernels.quant.kv_fp8`: e4m3 values,
+float32 scales per 128, bf16 rope, three arrays) with both e4m3 decoders: the writer's rows,
+hand-made ones with extreme and non-power-of-two scales, and every e4m3 code decoded bit-exactly
+through the kernel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -31,7 +33,7 @@ _INTERPRET = os.environ.get("JAXDSA_KERNELS", "").strip().lower() != "pallas"
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "v_dim", "config", "fp8_decode"))
-def _kernel(q, kv, indices, sink, *, sm_scale, v_dim, config, fp8_decode=None):
+def _kernel(q, kv, indices, sink, kv_scale=None, kv_rope=None, *, sm_scale, v_dim, config, fp8_decode=None):
     return kernel.sparse_mla(
         q,
         kv,
@@ -39,6 +41,8 @@ def _kernel(q, kv, indices, sink, *, sm_scale, v_dim, config, fp8_decode=None):
         sm_scale=sm_scale,
         sink=sink,
         v_dim=v_dim,
+        kv_scale=kv_scale,
+        kv_rope=kv_rope,
         interpret=_INTERPRET,
         config=config,
         fp8_decode=fp8_decode,
@@ -66,9 +70,14 @@ def _inputs(seed, t, h, n, k, d, dtype, sink):
 
 
 def _check(q, kv, idx, s, *, v_dim, config=None, scale=0.1, fp8_decode=None):
-    out, lse = _kernel(q, kv, idx, s, sm_scale=scale, v_dim=v_dim, config=config, fp8_decode=fp8_decode)
-    kv_f32 = kv if kv.dtype == jnp.uint8 else kv.astype(jnp.float32)  # records: the reference decodes
-    want_out, want_lse = _reference(q.astype(jnp.float32), kv_f32, idx, sm_scale=scale, sink=s, v_dim=v_dim)
+    """``kv``: float rows, or the FP8 parts ``(values, scales, rope)`` (the reference decodes them)."""
+    kv, *fp8 = kv if isinstance(kv, tuple) else (kv,)
+    out, lse = _kernel(q, kv, idx, s, *fp8, sm_scale=scale, v_dim=v_dim, config=config, fp8_decode=fp8_decode)
+    parts = dict(zip(("kv_scale", "kv_rope"), fp8, strict=False))
+    ref_kv = kv if fp8 else kv.astype(jnp.float32)
+    want_out, want_lse = _reference(
+        q.astype(jnp.float32), ref_kv, idx, sm_scale=scale, sink=s, v_dim=v_dim, **parts
+    )
     assert out.shape == want_out.shape and out.dtype == q.dtype and lse.dtype == jnp.float32
     out, lse = np.asarray(out, np.float32), np.asarray(lse)
     want_out, want_lse = np.asarray(want_out), np.asarray(want_lse)
@@ -226,11 +235,11 @@ def _lower_target(q, kv, indices, sink=None, *, sm_scale, v_dim, fp8_decode=None
     return kernel.sparse_mla(q, kv, indices, sm_scale=sm_scale, sink=sink, v_dim=v_dim, fp8_decode=fp8_decode)
 
 
-# ---- fp8_ds_mla records ------------------------------------------------------------------------------
+# ---- FP8 latent rows ---------------------------------------------------------------------------------
 
 _NAN_CODES = (0x7F, 0xFF)
 _FINITE_CODES = np.array([c for c in range(256) if c not in _NAN_CODES], np.uint8)
-# Per-tile scales of the hand-made records in the exact test: extreme powers of two, raw amax / 448
+# Per-tile scales of the hand-made rows in the exact test: extreme powers of two, raw amax / 448
 # (vLLM's writer), non-powers of two far from 1 (products stay float32 normals, so no flush-to-zero
 # question). The reference comparisons take moderate ones: an output dominated by a 2^20 tile would
 # hide errors in the others from a relative L2 norm.
@@ -238,31 +247,31 @@ _EXTREME_SCALES = np.array([2.0**-20, 2.0**20, 0.37 / 448, 3.3 / 448, 1e30, 3e-2
 _MODERATE_SCALES = np.array([0.37 / 448, 1.3 / 448, 0.9 / 448, 2.0**-8, 2.0**-10], np.float32)
 
 
-def _assemble(codes: np.ndarray, scales: np.ndarray, rope: np.ndarray) -> np.ndarray:
-    """An ``fp8_ds_mla`` record per row from its e4m3 codes, float32 scales and rope values."""
-    parts = [codes, scales.astype("<f4").view(np.uint8), rope.astype(ml_dtypes.bfloat16).view(np.uint8)]
-    return np.concatenate([p.reshape(len(codes), -1) for p in parts], axis=1)
-
-
-def _hand_records(seed: int, n: int, v_dim: int, rope_dim: int, codes=_FINITE_CODES, scales=_MODERATE_SCALES):
-    """Records of random ``codes`` (each of them at least once when there is room) and per-tile
-    ``scales`` drawn at random, with random rope values."""
+def _hand_latent(seed: int, n: int, v_dim: int, rope_dim: int, codes=_FINITE_CODES, scales=_MODERATE_SCALES):
+    """FP8 latent parts ``(values e4m3 [n, v_dim], scales f32 [n, v_dim / 128], rope bf16 [n, rope_dim])``
+    (NumPy) of random ``codes`` (each of them at least once when there is room), per-tile ``scales``
+    drawn at random and random rope values."""
     rng = np.random.default_rng(seed)
     values = rng.choice(codes, (n, v_dim))
     if values.size >= len(codes):
         values.reshape(-1)[rng.permutation(values.size)[: len(codes)]] = rng.permutation(codes)
-    tile_scales = rng.choice(scales, (n, v_dim // kv_fp8.TILE))
-    records = _assemble(values, tile_scales, rng.standard_normal((n, rope_dim)))
-    assert records.shape == (n, kv_fp8.record_width(v_dim, rope_dim))
-    return records
+    tile_scales = rng.choice(scales, (n, v_dim // kv_fp8.TILE)).astype(np.float32)
+    rope = rng.standard_normal((n, rope_dim)).astype(ml_dtypes.bfloat16)
+    return values.view(ml_dtypes.float8_e4m3fn), tile_scales, rope
 
 
 _quantize = jax.jit(kv_fp8.quantize_latent, static_argnums=1)
 
 
+def _fp8_parts(parts) -> tuple:
+    """``(values, scales, rope)`` as jax arrays; no rope array when the row is all value."""
+    values, scales, rope = (jnp.asarray(p) for p in parts)
+    return (values, scales, rope) if rope.shape[1] else (values, scales)
+
+
 def _fp8_inputs(seed, t, h, n, k, v_dim, rope_dim, dtype, sink):
-    """q, indices (with -1s, out-of-range slots, duplicates, ragged tails and an empty row, as
-    :func:`_inputs` makes them) and sink, over a pool whose first half is the writer's records of
+    """q, FP8 parts, indices (with -1s, out-of-range slots, duplicates, ragged tails and an empty row,
+    as :func:`_inputs` makes them) and sink, over a pool whose first half is the writer's parts of
     random rows (per-row magnitudes 1/2 or 1: power-of-two scales) and second half hand-made ones
     (non-power-of-two scales, every finite code). NumPy draws: eager jax.random costs seconds here."""
     rng = np.random.default_rng(seed)
@@ -277,20 +286,20 @@ def _fp8_inputs(seed, t, h, n, k, v_dim, rope_dim, dtype, sink):
         idx[-1] = -1
     half = n // 2
     rows = rng.standard_normal((half, d)).astype(np.float32) * rng.choice([0.5, 1.0], (half, 1))
-    pool = np.concatenate(
-        [np.asarray(_quantize(rows, v_dim)), _hand_records(seed, n - half, v_dim, rope_dim)]
-    )
+    written = [np.asarray(p) for p in _quantize(rows, v_dim)]
+    hand = _hand_latent(seed, n - half, v_dim, rope_dim)
+    parts = _fp8_parts(np.concatenate(pair) for pair in zip(written, hand, strict=True))
     q = jnp.asarray(rng.standard_normal((t, h, d)), dtype)
     s = jnp.asarray(rng.standard_normal(h), jnp.float32) if sink else None
-    return q, jnp.asarray(pool), jnp.asarray(idx, jnp.int32), s
+    return q, parts, jnp.asarray(idx, jnp.int32), s
 
 
 # (T, H, N, K, v_dim, rope, dtype, sink, decode, config); config None = the tuning rule.
 FP8_CASES = {
-    # the tiny models' records (148 B; rope 8 padded to 16), K = 40 not a multiple of block_n
+    # the tiny models' rows (rope 8 padded to 16), K = 40 not a multiple of block_n
     "tiny_f32_software_sink": (5, 4, 64, 40, 128, 8, jnp.float32, True, "software", None),
     "tiny_bf16_native": (5, 4, 64, 40, 128, 8, jnp.bfloat16, False, "native", None),
-    # the released records (656 B): three splits merged, sink in the merge
+    # the released rows (512 + 64): three splits merged, sink in the merge
     "f32_software_split3_sink": (
         3, 16, 96, 100, 512, 64, jnp.float32, True, "software", MlaConfig(16, 16, 4, 2, 3)
     ),
@@ -303,10 +312,10 @@ FP8_CASES = {
         2, 16, 96, 100, 512, 64, jnp.bfloat16, True, "native",
         MlaConfig(16, 16, 4, 2, 4, narrow_partials=True),
     ),
-    # no rope part: the record is the 128 values and one scale
+    # no rope part: 128 values and one scale per row, no kv_rope
     "value_only_f32_software": (2, 16, 32, 24, 128, 0, jnp.float32, False, "software", None),
 }  # fmt: skip
-# Marked slow: the other three alone run both decoders, dtypes and record widths, splits, prefetch, sinks.
+# Marked slow: the other three alone run both decoders, dtypes and row widths, splits, prefetch, sinks.
 _SLOW_FP8 = {
     "tiny_bf16_native",
     "f32_software_split3_sink",
@@ -320,8 +329,8 @@ _SLOW_FP8 = {
 )
 def test_fp8_matches_reference(name):
     t, h, n, k, v_dim, rope_dim, dtype, sink, decode, config = FP8_CASES[name]
-    q, pool, idx, s = _fp8_inputs(len(name), t, h, n, k, v_dim, rope_dim, dtype, sink)
-    _check(q, pool, idx, s, v_dim=v_dim, config=config, fp8_decode=decode)
+    q, parts, idx, s = _fp8_inputs(len(name), t, h, n, k, v_dim, rope_dim, dtype, sink)
+    _check(q, parts, idx, s, v_dim=v_dim, config=config, fp8_decode=decode)
 
 
 @pytest.mark.parametrize(
@@ -336,27 +345,32 @@ def test_fp8_matches_reference(name):
 def test_fp8_values_decode_exactly(decode, dtype, v_dim, rope_dim):
     """Every e4m3 code under every scale of ``_EXTREME_SCALES``, read through the kernel bit for bit:
     q = 0 and one valid index per query make every score 0 and its weight 1, so out is the selected
-    record's value part as :func:`kv_fp8.dequantize_latent` gives it (rounded once to bf16). The
+    row's value part as :func:`kv_fp8.dequantize_latent` gives it (rounded once to bf16). The
     software decoder reads the NaN codes as +-480 (the kernel's docstring); they stay out of the
     native run, where one NaN would spread through the softmax. One more query selects nothing."""
     n, k = 6, 5
     codes = np.arange(256, dtype=np.uint8) if decode == "software" else _FINITE_CODES
-    pool = _hand_records(11, n, v_dim, rope_dim, codes, _EXTREME_SCALES)
+    values, scales, rope = _hand_latent(11, n, v_dim, rope_dim, codes, _EXTREME_SCALES)
     rng = np.random.default_rng(12)
     idx = rng.choice(np.array([-1, n, n + 7]), (n + 1, k))  # every index invalid ...
-    idx[np.arange(n), rng.integers(0, k, n)] = np.arange(n)  # ... but query t's one pick of record t
+    idx[np.arange(n), rng.integers(0, k, n)] = np.arange(n)  # ... but query t's one pick of row t
     q = jnp.zeros((n + 1, 4, v_dim + rope_dim), dtype)
+    kv, *fp8 = _fp8_parts((values, scales, rope))
     out, lse = _kernel(
-        q, jnp.asarray(pool), jnp.asarray(idx, jnp.int32), None, sm_scale=0.1, v_dim=v_dim, config=None,
+        q,
+        kv,
+        jnp.asarray(idx, jnp.int32),
+        None,
+        *fp8,
+        sm_scale=0.1,
+        v_dim=v_dim,
+        config=None,
         fp8_decode=decode,
-    )  # fmt: skip
-    want = np.asarray(kv_fp8.dequantize_latent(jnp.asarray(pool), v_dim, rope_dim))[:, :v_dim]
-    values = pool[:, :v_dim]
-    scales = pool[:, v_dim : v_dim + 4 * (v_dim // kv_fp8.TILE)].copy().view("<f4")
-    nan_as = np.where(values & 0x80, np.float32(-480), np.float32(480)) * np.repeat(
-        scales, kv_fp8.TILE, axis=1
     )
-    want = np.where(np.isin(values, _NAN_CODES), nan_as, want).astype(dtype)
+    want = np.asarray(kv_fp8.dequantize_latent(values, scales, rope))[:, :v_dim]
+    bits = values.view(np.uint8)
+    nan_as = np.where(bits & 0x80, np.float32(-480), np.float32(480)) * np.repeat(scales, kv_fp8.TILE, axis=1)
+    want = np.where(np.isin(bits, _NAN_CODES), nan_as, want).astype(dtype)
     out = np.asarray(out)
     for head in range(4):
         np.testing.assert_array_equal(out[:n, head], want)
@@ -373,20 +387,52 @@ def test_fp8_software_decoder_codes():
     np.testing.assert_array_equal(got, want)
 
 
-def test_fp8_record_width_is_checked():
-    """uint8 kv must be records of exactly the width the query and value dims imply."""
-    q = jnp.zeros((1, 16, 576), jnp.bfloat16)
+def test_fp8_parts_are_checked():
+    """The kernel and the reference refuse, with the same ValueError, every cache that is not float
+    rows of the query width or FP8 parts of exactly the shapes and dtypes the dims imply."""
+    z, f8, f32, bf16 = 8, jnp.float8_e4m3fn, jnp.float32, jnp.bfloat16
+    a = lambda shape, dtype: jnp.zeros(shape, dtype)  # noqa: E731
+    good = (a((z, 512), f8), a((z, 4), f32), a((z, 64), bf16))
+    bad = {
+        "records": (a((z, 656), jnp.uint8), None, None),
+        "fp8 rows without scales": (a((z, 576), f8), None, None),
+        "rope without scales": (a((z, 576), bf16), None, a((z, 64), bf16)),
+        "float values": (a((z, 512), bf16), *good[1:]),
+        "values too wide": (a((z, 576), f8), *good[1:]),
+        "values short": (a((z, 384), f8), a((z, 3), f32), good[2]),
+        "scale width": (good[0], a((z, 5), f32), good[2]),
+        "scale rows": (good[0], a((z + 1, 4), f32), good[2]),
+        "scale dtype": (good[0], a((z, 4), bf16), good[2]),
+        "no rope": (*good[:2], None),
+        "rope width": (*good[:2], a((z, 32), bf16)),
+        "rope rows": (*good[:2], a((z - 1, 64), bf16)),
+        "rope dtype": (*good[:2], a((z, 64), f32)),
+    }
     idx = jnp.zeros((1, 4), jnp.int32)
-    for width in (576, 655, 1152):
-        for fn in (kernel.sparse_mla, ref.sparse_mla):
-            with pytest.raises(ValueError, match="fp8_ds_mla"):
-                fn(q, jnp.zeros((8, width), jnp.uint8), idx, sm_scale=0.1, v_dim=512)
+    for impl in (kernel.sparse_mla, ref.sparse_mla):
+        # traced only (eval_shape): the checks run at trace time
+        def run(d, kv, v_dim, impl=impl, **fp8):
+            fn = functools.partial(impl, sm_scale=0.1, v_dim=v_dim, **fp8)
+            return jax.eval_shape(fn, jnp.zeros((1, 16, d), bf16), kv, idx)
+
+        run(576, good[0], 512, kv_scale=good[1], kv_rope=good[2])  # accepted
+        for what, (kv, kv_scale, kv_rope) in bad.items():
+            with pytest.raises(ValueError, match="sparse_mla: kv "):
+                run(576, kv, 512, kv_scale=kv_scale, kv_rope=kv_rope)
+                pytest.fail(f"{impl.__module__}: {what} accepted")
+        # no rope part: v_dim a multiple of 128, no rope array
+        run(128, a((z, 128), f8), 128, kv_scale=a((z, 1), f32))
+        with pytest.raises(ValueError, match="kv_rope must be None"):
+            run(128, a((z, 128), f8), 128, kv_scale=a((z, 1), f32), kv_rope=a((z, 0), bf16))
+        with pytest.raises(ValueError, match="multiple of 128"):
+            run(96, a((z, 96), f8), 96, kv_scale=a((z, 1), f32))
 
 
 def test_fp8_tuning_fits(monkeypatch):
-    """Records get a config whose shared-memory estimate fits every part; at sm_90 the measured bf16
-    winners apply (the 64-head, 64-row tile fits with 512 bytes to spare)."""
-    w = kv_fp8.record_width(512, 64)
+    """FP8 rows get a config whose shared-memory estimate fits every part. At sm_90 the estimate is
+    over the budget where H200 refused the tile (64 heads x 64 rows x 2 stages requested 239,872 of
+    232,448 bytes) and under it where the tile built (1 stage; 32 rows x 2 stages): the measured bf16
+    winner at H = 64, B = 32 keeps its tile at one stage, the others keep theirs."""
     for cc in (0, 80, 90, 120):
         monkeypatch.setattr(tuning, "compute_capability", lambda cc=cc: cc)
         for t, h, itemsize in [
@@ -397,17 +443,30 @@ def test_fp8_tuning_fits(monkeypatch):
             (4096, 128, 2),
             (256, 64, 4),
         ]:
-            cfg = tuning.choose(t, h, 2048, d_v=512, d_r=64, itemsize=itemsize, record_width=w)
-            nbytes = tuning.smem_bytes(cfg, d_v=512, d_r=64, itemsize=itemsize, record_width=w)
+            cfg = tuning.choose(t, h, 2048, d_v=512, d_r=64, itemsize=itemsize, fp8=True)
+            nbytes = tuning.smem_bytes(cfg, d_v=512, d_r=64, itemsize=itemsize, fp8=True)
             assert nbytes <= shared_memory_budget(cc), (cc, t, h, cfg)
     monkeypatch.setattr(tuning, "compute_capability", lambda: 90)
-    assert (
-        tuning.choose(32, 64, 2048, d_v=512, d_r=64, itemsize=2, record_width=w) == tuning.TUNED[(90, 64, 32)]
-    )
+    nbytes = functools.partial(tuning.smem_bytes, d_v=512, d_r=64, itemsize=2, fp8=True)
+    budget = shared_memory_budget(90)
+    assert nbytes(MlaConfig(64, 64, 8, 2, 1)) >= 239872 > budget
+    assert nbytes(MlaConfig(64, 64, 8, 1, 1)) <= budget and nbytes(MlaConfig(64, 32, 8, 3, 1)) <= budget
+    choose = functools.partial(tuning.choose, k=2048, d_v=512, d_r=64, itemsize=2, fp8=True)
+    assert choose(32, 64) == dataclasses.replace(tuning.TUNED[(90, 64, 32)], num_stages=1)
+    assert choose(128, 64) == MlaConfig(64, 64, 8, 1, 1)
+    for h, t in [(64, 1), (16, 32), (16, 128)]:
+        assert choose(t, h) == tuning.choose(t, h, 2048, d_v=512, d_r=64, itemsize=2), (h, t)
+
+
+def _lower_fp8(q, kv, kv_scale, kv_rope, indices, sink=None, *, sm_scale, v_dim, fp8_decode=None):
+    return kernel.sparse_mla(
+        q, kv, indices, sm_scale=sm_scale, sink=sink, v_dim=v_dim, kv_scale=kv_scale, kv_rope=kv_rope,
+        fp8_decode=fp8_decode,
+    )  # fmt: skip
 
 
 # (T, H, N, v_dim, rope, q dtype, sink): decode B = 1 (K split, merge), a one-pass decode batch with
-# the sink in-kernel, float32 prefill (tiles shrunk to fit), the tiny models' 148-byte records.
+# the sink in-kernel, float32 prefill (tiles shrunk to fit), the tiny models' rows.
 _FP8_LOWERING_SHAPES = [
     (1, 128, 262144, 512, 64, jnp.bfloat16, True),
     (64, 64, 262144, 512, 64, jnp.bfloat16, True),
@@ -419,8 +478,8 @@ _FP8_LOWERING_SHAPES = [
 @pytest.mark.parametrize("decode", [None, "software", "native"])
 @pytest.mark.parametrize("target", list(_TARGET_CC))
 def test_fp8_lowers_for_cuda(target, decode, monkeypatch):
-    """Records lower with either decoder on sm_90 / sm_120 and with the software one (also the default
-    there) on sm_80, whose lowering has no e4m3 cast: forcing "native" there fails."""
+    """FP8 rows lower with either decoder on sm_90 / sm_120 and with the software one (also the
+    default there) on sm_80, whose lowering has no e4m3 cast: forcing "native" there fails."""
     from pallas_kernels.merge_states import tuning as merge_tuning
 
     monkeypatch.setattr(tuning, "compute_capability", lambda: _TARGET_CC[target])
@@ -428,11 +487,13 @@ def test_fp8_lowers_for_cuda(target, decode, monkeypatch):
     for t, h, n, v_dim, rope_dim, dtype, with_sink in _FP8_LOWERING_SHAPES:
         args = [
             jax.ShapeDtypeStruct((t, h, v_dim + rope_dim), dtype),
-            jax.ShapeDtypeStruct((n, kv_fp8.record_width(v_dim, rope_dim)), jnp.uint8),
+            jax.ShapeDtypeStruct((n, v_dim), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((n, v_dim // kv_fp8.TILE), jnp.float32),
+            jax.ShapeDtypeStruct((n, rope_dim), jnp.bfloat16),
             jax.ShapeDtypeStruct((t, 2048), jnp.int32),
             *([jax.ShapeDtypeStruct((h,), jnp.float32)] if with_sink else []),
         ]
-        fn = functools.partial(_lower_target, sm_scale=0.1, v_dim=v_dim, fp8_decode=decode)
+        fn = functools.partial(_lower_fp8, sm_scale=0.1, v_dim=v_dim, fp8_decode=decode)
         if target == "sm_80" and decode == "native":
             with pytest.raises(Exception, match="cannot cast from `float8_e4m3fn`"):
                 lower_for_cuda(fn, *args, target=target)
