@@ -26,8 +26,17 @@ bytes = gathered rows (B * 2048 * 1152 for bf16, * 656 for FP8) + q + out (bf16)
 ``% stream`` is of the memory ceiling measured in the same process (:class:`benchmarks.harness.Ceilings`).
 ``KERNELS_MLA_FP8_ONLY`` (comma-separated ``ctx=8k H=16 B=1`` labels) limits the shapes;
 ``KERNELS_MLA_FP8_BUDGET_S`` (default 330) stops starting new shapes after that many seconds (the
-rest are listed as skipped). The results file is rewritten after every shape, so a run cut short
-keeps what it measured.
+rest are listed as skipped), ``KERNELS_MLA_FP8_FIRST_BUDGET_S`` likewise for the contexts before the
+last; ``KERNELS_MLA_FP8_SOFTWARE_CTX`` (default ``8k,64k``) the contexts that time fp8 software. A
+config that does not build is kept as its error and followed by ``(bn/2)`` (half the gather step),
+then ``(no prefetch)``. The results file is rewritten after every shape, so a run cut short keeps
+what it measured. ``b12e627 native us`` is fp8 native before the prefetching FP8 loop
+(``kernels_mla_fp8-<gpu>-b12e627.json``), not measured in this run.
+
+Sweep (``KERNELS_MLA_FP8_SWEEP_S`` > 0: until that many seconds into the run), on the last
+context's pools before its main rows: fp8 native at each of :data:`SWEEP_SHAPES` over
+:data:`SWEEP_KNOBS` (warps, gather step, stages, prefetch) crossed around the table's config,
+nearest first, round-robin over the shapes, each checked and timed (10 replays).
 
 Profile (``KERNELS_MLA_FP8_PROFILE``: ``auto``, the default, runs it when fp8 native is not faster
 than bf16 at some B >= 32; ``1`` always; ``0`` never), on the last context's pools until
@@ -70,6 +79,13 @@ MAX_SETS = 48  # each set is one more kernel call in the timed jit
 W = kv_fp8.latent_bytes(DV, D - DV)  # FP8 bytes per row (656)
 IMPLS = {"bf16": None, "fp8 native": "native", "fp8 software": "software"}  # name -> fp8_decode
 BUDGET_S = float(os.environ.get("KERNELS_MLA_FP8_BUDGET_S", "330"))
+FIRST_BUDGET_S = float(os.environ.get("KERNELS_MLA_FP8_FIRST_BUDGET_S", str(BUDGET_S)))
+SOFTWARE_CTX = [
+    int(c.strip().removesuffix("k")) * 1024
+    for c in os.environ.get("KERNELS_MLA_FP8_SOFTWARE_CTX", "8k,64k").split(",")
+    if c.strip()
+]
+SWEEP_S = float(os.environ.get("KERNELS_MLA_FP8_SWEEP_S", "0"))
 ONLY = [s.strip() for s in os.environ.get("KERNELS_MLA_FP8_ONLY", "").split(",") if s.strip()]
 PROFILE = os.environ.get("KERNELS_MLA_FP8_PROFILE", "auto").strip().lower()
 PROFILE_S = float(os.environ.get("KERNELS_MLA_FP8_PROFILE_S", "420"))
@@ -97,6 +113,9 @@ SHAPES = [Shape(c, h, b) for c in CONTEXTS for h in HEADS for b in BATCHES]
 # Profile shapes (the last context's pools): one pass of 64-head programs, 16 heads over two
 # splits, and a K-split batch of 64-head programs.
 PROFILE_SHAPES = [Shape(CONTEXTS[-1], 64, 128), Shape(CONTEXTS[-1], 16, 128), Shape(CONTEXTS[-1], 64, 32)]
+# Config sweep shapes (the last context's pools), and the knobs it crosses.
+SWEEP_SHAPES = [Shape(CONTEXTS[-1], h, b) for b in (128, 32) for h in (16, 64)]
+SWEEP_KNOBS = {"num_warps": (4, 8), "block_n": (32, 64), "num_stages": (1, 2, 3), "prefetch": (False, True)}
 
 
 def _pools(context: int) -> tuple[tuple[jax.Array], tuple[jax.Array, jax.Array, jax.Array]]:
@@ -172,6 +191,11 @@ def run(ceilings: harness.Ceilings | None = None) -> list[dict]:
     shapes = [s for s in SHAPES if not ONLY or s.label in ONLY]
     rows: list[dict] = []
     profile: list[dict] = []
+    sweep: list[dict] = []
+
+    def write() -> None:
+        _write_report(rows, profile, ceilings, clock(), sweep)
+
     pools: dict[str, tuple] = {}
     for context in CONTEXTS:
         todo = [s for s in shapes if s.context == context]
@@ -180,8 +204,12 @@ def run(ceilings: harness.Ceilings | None = None) -> list[dict]:
         pools.clear()  # the last context's pools go before the next ones are made
         pools.update(zip(("bf16", "fp8"), _pools(context), strict=True))
         print(f"kernels_mla_fp8: pools for {context} tokens ready [{clock():.0f}s]")
+        last = context == CONTEXTS[-1]
+        if last and SWEEP_S > 0:
+            _sweep(pools, sweep, ceilings, clock, write)
+        budget = BUDGET_S if last else FIRST_BUDGET_S
         for shape in todo:
-            if clock() > BUDGET_S:
+            if clock() > budget:
                 rows += [
                     {"shape": shape.label, "impl": name, "note": "not run: time budget"} for name in IMPLS
                 ]
@@ -190,6 +218,11 @@ def run(ceilings: harness.Ceilings | None = None) -> list[dict]:
             q0, idx0 = sets[0]
             wants = {kind: _reference(q0.astype(jnp.float32), idx0, *kv) for kind, kv in pools.items()}
             for name, mode in IMPLS.items():
+                if mode == "software" and context not in SOFTWARE_CTX:
+                    rows.append(
+                        {"shape": shape.label, "impl": name, "note": "not run (KERNELS_MLA_FP8_SOFTWARE_CTX)"}
+                    )
+                    continue
                 kind = "bf16" if mode is None else "fp8"
                 kv, want = pools[kind], wants[kind]
                 row_bytes = W if mode else D * 2
@@ -198,21 +231,27 @@ def run(ceilings: harness.Ceilings | None = None) -> list[dict]:
                 row["MB"] = shape.nbytes(row_bytes) / 1e6
                 fn_sets = [(*s, *kv) for s in sets]
                 checked, timer = compile_and_check(_kernel_fn(mode), fn_sets, want, shape.b)
-                if timer is None and cfg.block_n > 16 and not checked.get("note", "").startswith("FAILED"):
-                    # the table's config did not build (shared memory?): keep its error, time half the step
+                fallbacks = [("bn/2", {"block_n": cfg.block_n // 2})] if cfg.block_n > 16 else []
+                fallbacks += [("no prefetch", {"prefetch": False})] if cfg.prefetch else []
+                for tag, change in fallbacks:
+                    if timer is not None or checked.get("note", "").startswith("FAILED"):
+                        break
+                    # the table's config did not build (shared memory?): keep its error, time a fallback
                     rows.append(row | checked)
-                    cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2)
-                    row |= {"impl": f"{name} (bn/2)", "config": describe(cfg)}
+                    cfg = dataclasses.replace(cfg, **change)
+                    row |= {"impl": f"{name} ({tag})", "config": describe(cfg)}
                     checked, timer = compile_and_check(_kernel_fn(mode, cfg), fn_sets, want, shape.b)
                 row |= checked
                 if timer:
                     row |= _time_row(shape, timer(20), row_bytes, ceilings)
                 rows.append(row)
                 print(f"{shape.label} {name}: {row.get('us', row.get('note'))} [{clock():.0f}s]")
-            _write_report(rows, profile, ceilings, clock())
+            _write_report(rows, profile, ceilings, clock(), sweep)
     if PROFILE == "1" or (PROFILE == "auto" and _fp8_not_faster(rows)):
-        _profile(pools, profile, ceilings, clock, lambda: _write_report(rows, profile, ceilings, clock()))
-    _write_report(rows, profile, ceilings, clock())
+        _profile(
+            pools, profile, ceilings, clock, lambda: _write_report(rows, profile, ceilings, clock(), sweep)
+        )
+    _write_report(rows, profile, ceilings, clock(), sweep)
     return rows
 
 
@@ -300,7 +339,12 @@ def _time_only(fn: Callable, sets: list, replays: int = 10) -> float:
 def _profile(pools, profile: list[dict], ceilings, clock, write) -> None:
     print(f"kernels_mla_fp8: profile [{clock():.0f}s]")
     shapes = [s for s in PROFILE_SHAPES if s.context == CONTEXTS[-1]]
-    jobs = [(s, name, loader, None) for s in shapes for name, loader in _DECODE_VARIANTS.items()]
+    # the value-loader stand-ins replace the loop that loads and decodes in one step (no prefetch)
+    jobs = [
+        (s, name, loader, dataclasses.replace(_config(s, fp8=True), prefetch=False))
+        for s in shapes
+        for name, loader in _DECODE_VARIANTS.items()
+    ]
     for s in shapes:
         jobs += [(s, name, None, cfg) for name, cfg in _config_variants(_config(s, fp8=True)).items()]
     sets_of: dict[Shape, list] = {}
@@ -322,10 +366,74 @@ def _profile(pools, profile: list[dict], ceilings, clock, write) -> None:
         write()
 
 
+# ---- config sweep ----------------------------------------------------------------------------------
+
+
+def _sweep_candidates(base: MlaConfig) -> list[MlaConfig]:
+    """:data:`SWEEP_KNOBS` crossed around ``base`` (its head block and splits), nearest first (the
+    number of knobs that differ), so a sweep cut short by its budget has the one-knob moves."""
+    names = list(SWEEP_KNOBS)
+    cands = [
+        dataclasses.replace(base, **dict(zip(names, vals, strict=True))) for vals in _product(SWEEP_KNOBS)
+    ]
+    order = ("prefetch", "num_warps", "block_n", "num_stages")  # among equals, the prefetch move first
+
+    def key(c: MlaConfig) -> tuple:
+        moved = [getattr(c, n) != getattr(base, n) for n in order]
+        return sum(moved), [not m for m in moved]
+
+    return sorted({c: None for c in [base, *cands]}, key=key)
+
+
+def _product(knobs: dict) -> list[tuple]:
+    out = [()]
+    for vals in knobs.values():
+        out = [(*o, v) for o in out for v in vals]
+    return out
+
+
+def _sweep(pools, sweep: list[dict], ceilings, clock, write) -> None:
+    """fp8 native at :func:`_sweep_candidates` of the table's config per :data:`SWEEP_SHAPES`,
+    round-robin over the shapes (nearest candidates first) until ``KERNELS_MLA_FP8_SWEEP_S``; each
+    checked against the reference like the main rows, timed with 10 replays."""
+    print(f"kernels_mla_fp8: sweep [{clock():.0f}s]")
+    shapes = [s for s in SWEEP_SHAPES if s.context == CONTEXTS[-1]]
+    queues = {s: _sweep_candidates(_config(s, fp8=True)) for s in shapes}
+    budget = tuning.shared_memory_budget(compute_capability())
+    state: dict[Shape, tuple] = {}
+    while any(queues.values()):
+        for shape in shapes:
+            if not queues[shape]:
+                continue
+            cfg = queues[shape].pop(0)
+            row = {"shape": shape.label, "config": describe(cfg)}
+            row["default"] = "yes" if cfg == _config(shape, fp8=True) else ""
+            if clock() > SWEEP_S:
+                sweep.append(row | {"note": "not run: time budget"})
+                continue
+            if tuning.smem_bytes(cfg, d_v=DV, d_r=D - DV, itemsize=2, fp8=True) > budget:
+                sweep.append(row | {"note": "not run: over the shared-memory estimate"})
+                continue
+            if shape not in state:
+                sets = _shape_sets(shape)
+                q0, idx0 = sets[0]
+                want = _reference(q0.astype(jnp.float32), idx0, *pools["fp8"])
+                state[shape] = ([(*s, *pools["fp8"]) for s in sets], want)
+            fn_sets, want = state[shape]
+            checked, timer = compile_and_check(_kernel_fn("native", cfg), fn_sets, want, shape.b)
+            row |= checked
+            if timer:
+                row |= _time_row(shape, timer(10), W, ceilings)
+            sweep.append(row)
+            print(f"sweep {shape.label} {row['config']}: {row.get('us', row.get('note'))} [{clock():.0f}s]")
+            write()
+
+
 # ---- report ----------------------------------------------------------------------------------------
 
 COLUMNS = ("shape", "impl", "config", "sets", "MB", "us", "GB/s", "% stream", "rel_err", "lse_err", "note")
 PROFILE_COLUMNS = ("shape", "variant", "config", "us", "GB/s", "% stream", "note")
+SWEEP_COLUMNS = ("shape", "config", "default", "us", "GB/s", "% stream", "rel_err", "note")
 
 
 def _records_us() -> dict[str, float]:
@@ -337,14 +445,34 @@ def _records_us() -> dict[str, float]:
     return {r["shape"]: r["us"] for r in rows if r.get("impl") == "fp8 native" and "us" in r}
 
 
+def _b12e627_us() -> dict[str, tuple[float, str]]:
+    """fp8 native (us, config) per shape at b12e627 (``kernels_mla_fp8-<gpu>-b12e627.json``): its
+    main rows (the ``(bn/2)`` fallback where the table's tile did not build), else its profile's
+    ``native`` row, else its profile row at the config b12e627's table chose there (bh64 bn64 s1)."""
+    path = harness.RESULTS / f"kernels_mla_fp8-{harness.gpu_slug()}-b12e627.json"
+    if not path.exists():
+        return {}
+    out: dict[str, tuple[float, str]] = {}
+    rows = json.loads(path.read_text())["rows"]
+    for r in rows:
+        if r.get("impl", "").split(" (")[0] == "fp8 native" and "us" in r:
+            out[r["shape"]] = (r["us"], r["config"])
+    for variant in ("native", "stages1"):
+        for r in rows:
+            if r.get("variant") == variant and "us" in r:
+                out.setdefault(r["shape"], (r["us"], f"{r['config']} (profile)"))
+    return out
+
+
 def _summary(rows: list[dict]) -> list[dict]:
     """One line per shape: each impl's us and % of the memory ceiling, and fp8's speed-up over bf16."""
     records = _records_us()
+    previous = _b12e627_us()
     by_shape: dict[str, dict] = {}
     for r in rows:
         line = by_shape.setdefault(r["shape"], {"shape": r["shape"]})
         if "us" in r:
-            impl = r["impl"].removesuffix(" (bn/2)")
+            impl = r["impl"].split(" (")[0]
             line[f"{impl} us"] = r["us"]
             line[f"{impl} %"] = r["% stream"]
     for line in by_shape.values():
@@ -353,6 +481,8 @@ def _summary(rows: list[dict]) -> list[dict]:
                 line[f"bf16/{name.split()[1]}"] = line["bf16 us"] / line[f"{name} us"]
         if line["shape"] in records:
             line["records (70830ee) us"] = records[line["shape"]]
+        if line["shape"] in previous:
+            line["b12e627 native us"], line["b12e627 config"] = previous[line["shape"]]
     return list(by_shape.values())
 
 
@@ -366,11 +496,15 @@ SUMMARY_COLUMNS = (
     "fp8 software %",
     "bf16/native",
     "bf16/software",
+    "b12e627 native us",
+    "b12e627 config",
     "records (70830ee) us",
 )
 
 
-def _write_report(rows: list[dict], profile: list[dict], ceilings: harness.Ceilings, elapsed: float) -> None:
+def _write_report(
+    rows: list[dict], profile: list[dict], ceilings: harness.Ceilings, elapsed: float, sweep: list[dict] = ()
+) -> None:
     text = [
         *harness.report_header(
             f"Sparse MLA decode, bf16 rows vs FP8 latent rows (576/512, top-{TOPK}, bf16 q) on "
@@ -380,13 +514,23 @@ def _write_report(rows: list[dict], profile: list[dict], ceilings: harness.Ceili
         "Method: see the docstring of `benchmarks/kernels_mla_fp8.py`. `%` is of the memory ceiling;",
         "`bf16/native` is the bf16 time over the fp8 one (above 1: fp8 faster). FP8 rows are three",
         "arrays (e4m3 values, f32 scales, bf16 rope); `records (70830ee) us` is fp8 native with the",
-        "previous one-record-per-token layout, from `kernels_mla_fp8-h200-records.md` (not this run).",
+        "previous one-record-per-token layout, from `kernels_mla_fp8-h200-records.md` (not this run);",
+        "`b12e627 native us` is fp8 native before the prefetching loop, from",
+        "`kernels_mla_fp8-h200-b12e627.md` (not this run; `b12e627 config` its config, `(profile)`: a row",
+        "of that run's profile).",
         "",
         "## Summary",
         "",
         harness.markdown_table(_summary(rows), SUMMARY_COLUMNS),
         "",
     ]
+    if sweep:
+        text += [
+            "## Sweep: fp8 native configs (`default`: this table's choice)",
+            "",
+            harness.markdown_table(list(sweep), SWEEP_COLUMNS),
+            "",
+        ]
     if profile:
         text += [
             "## Profile: fp8 variants (timing only, some values wrong on purpose)",
@@ -395,7 +539,7 @@ def _write_report(rows: list[dict], profile: list[dict], ceilings: harness.Ceili
             "",
         ]
     text += ["## Every measurement", "", harness.markdown_table(rows, COLUMNS), ""]
-    out = harness.write_result("kernels_mla_fp8", "\n".join(text), rows=rows + profile)
+    out = harness.write_result("kernels_mla_fp8", "\n".join(text), rows=rows + profile + list(sweep))
     print(f"kernels_mla_fp8: wrote {out}")
 
 

@@ -33,7 +33,17 @@ it: at H = 16 B = 128 an integer-to-float cast in place of the e4m3 decode, no s
 converted straight to bf16 take 321 / 371 / 398 us against 306. Triton's pipeliner does not
 multi-buffer the tiles that pass through the decode (a third stage adds 768 bytes of shared
 memory, not a stage of tiles), so each step waits for its own gathers; the tile config moves it
-most (4 warps: 204 us there, not in the tuning table yet).
+most (4 warps: 204 us there). Hence, with ``prefetch``, FP8 rows are software-pipelined by hand: the
+loop carry holds the next step's raw gathered parts (code tiles, scales, rope tile and their row
+mask) and the indices of the step after, so step i issues step i + 1's gathers before it decodes
+and multiplies step i's rows (:func:`_gather_fp8` / :func:`_decode_fp8`); the carried bytes live in
+registers (``block_n * 656`` bytes per program). Float rows keep the loop as it was (``prefetch``
+carries their next indices only; their row loads feed the dots and Triton's pipeliner stages them).
+It pays only where a program must hide its own gathers and has the registers (H200, 64k context):
+16 heads in one wave (H = 16 B = 32: 62 us, bf16 rows 60, without it 83) and 32-head blocks; not
+64-head blocks (a 128 KiB accumulator: 667 vs 360 us at B = 128), nor two waves of 16-head programs,
+where 4 warps without it let two programs per SM cover each other (H = 16 B = 128: 187 us against
+254 with it, 306 at b12e627, bf16 rows 161). :func:`.tuning.fp8_adjust` chooses accordingly.
 
 Grid ``(head_groups, splits, T)``, head group fastest so the programs sharing one query's rows
 run side by side (the second read of a row hits L2). Each program:
@@ -141,22 +151,39 @@ def _e4m3_software(u8: jax.Array) -> jax.Array:
     return (half * jnp.float16(256.0)).astype(jnp.float32)
 
 
+def _gather_fp8(kv_ref, scale_ref, rope_ref, rows, ok, g: _Geometry) -> tuple:
+    """The raw FP8 parts of the gathered rows, undecoded: one ``[block_n, 128]`` code tile (uint8)
+    and one ``[block_n]`` float32 scale per value group, and the ``[block_n, Pr]`` rope tile (None
+    without rope). With ``prefetch`` these travel through the loop carry, loaded a step ahead."""
+    codes, scales = [], []
+    for group, (c, w, wp) in enumerate(g.groups):
+        scales.append(pltriton.load(scale_ref.at[rows * len(g.groups) + group], mask=ok, other=0.0))
+        codes.append(_load_tile(kv_ref, rows, ok, c, w, wp))
+    rope = _load_tile(rope_ref, rows, ok, g.rope_col, g.d_r, g.d_r_pad) if g.d_r else None
+    return codes, scales, rope
+
+
+def _decode_fp8(codes, scales, g: _Geometry, dtype) -> list[jax.Array]:
+    """:func:`_gather_fp8`'s code tiles as operand tiles in ``dtype``: e4m3 to float32, times the
+    row's scale in float32."""
+    tiles = []
+    for code, scale in zip(codes, scales, strict=True):
+        if g.fp8 == "native":
+            values = lax.bitcast_convert_type(code, jnp.float8_e4m3fn).astype(jnp.float32)
+        else:
+            values = _e4m3_software(code)
+        tiles.append((values * scale[:, None]).astype(dtype))
+    return tiles
+
+
 def _load_values(kv_ref, scale_ref, rows, ok, g: _Geometry, dtype) -> list[jax.Array]:
     """The value part of the gathered rows as one ``[block_n, width]`` tile per group, in ``dtype``:
     float rows cast; FP8 codes decoded, each group times its row's scale (``scale_ref``: the
     ``[Z * groups]`` flattened scales) in float32."""
     if not g.fp8:
         return [_load_tile(kv_ref, rows, ok, c, w, wp).astype(dtype) for c, w, wp in g.groups]
-    tiles = []
-    for group, (c, w, wp) in enumerate(g.groups):
-        scale = pltriton.load(scale_ref.at[rows * len(g.groups) + group], mask=ok, other=0.0)
-        codes = _load_tile(kv_ref, rows, ok, c, w, wp)
-        if g.fp8 == "native":
-            values = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
-        else:
-            values = _e4m3_software(codes)
-        tiles.append((values * scale[:, None]).astype(dtype))
-    return tiles
+    codes, scales, _ = _gather_fp8(kv_ref, scale_ref, None, rows, ok, dataclasses.replace(g, d_r=0))
+    return _decode_fp8(codes, scales, g, dtype)
 
 
 def _kernel(*refs, g: _Geometry, sm_scale: float, has_sink: bool, precision):
@@ -185,20 +212,12 @@ def _kernel(*refs, g: _Geometry, sm_scale: float, has_sink: bool, precision):
         pos = start + i * g.block_n + jnp.arange(g.block_n, dtype=jnp.int32)
         return pltriton.load(idx_ref.at[pos], mask=pos < g.n_keys, other=-1)
 
-    def step(i, carry):
-        if g.prefetch:  # this step's indices came with the carry; fetch the next step's now
-            m, row_sum, acc, idx = carry
-            nxt = load_indices(i + 1)
-        else:
-            m, row_sum, acc = carry
-            idx = load_indices(i)
-        valid = (idx >= 0) & (idx < g.n_slots)
-        safe = jnp.where(valid, idx, 0)
-        values = _load_values(kv_ref, scale_ref, safe, valid, g, dtype)
+    def update(m, row_sum, acc, valid, values, rope):
+        """One step of the online softmax over gathered rows: scores, rescale, ``acc += P.V``
+        (``rope``: a callable giving the rope tile, traced after the value dots)."""
         s = functools.reduce(operator.add, [dot(qg, vg, nt) for qg, vg in zip(q_v, values, strict=True)])
         if g.d_r:
-            rope = _load_tile(rope_ref, safe, valid, g.rope_col, g.d_r, g.d_r_pad).astype(dtype)
-            s = s + dot(q_r, rope, nt)
+            s = s + dot(q_r, rope(), nt)
         s = jnp.where(valid[None, :], s * (sm_scale * _LOG2E), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no valid key yet: keep exp2 finite
@@ -206,17 +225,58 @@ def _kernel(*refs, g: _Geometry, sm_scale: float, has_sink: bool, precision):
         p = jnp.exp2(s - m_ref[:, None])
         pd = p.astype(dtype)
         acc = [a * alpha[:, None] + dot(pd, vg, nn) for a, vg in zip(acc, values, strict=True)]
-        out = (m_new, row_sum * alpha + jnp.sum(p, axis=1), acc)
+        return m_new, row_sum * alpha + jnp.sum(p, axis=1), acc
+
+    def rows_of(idx):
+        valid = (idx >= 0) & (idx < g.n_slots)
+        return jnp.where(valid, idx, 0), valid
+
+    def step(i, carry):
+        if g.prefetch:  # this step's indices came with the carry; fetch the next step's now
+            m, row_sum, acc, idx = carry
+            nxt = load_indices(i + 1)
+        else:
+            m, row_sum, acc = carry
+            idx = load_indices(i)
+        safe, valid = rows_of(idx)
+        values = _load_values(kv_ref, scale_ref, safe, valid, g, dtype)
+        rope = lambda: _load_tile(rope_ref, safe, valid, g.rope_col, g.d_r, g.d_r_pad).astype(dtype)  # noqa: E731
+        out = update(m, row_sum, acc, valid, values, rope)
         return (*out, nxt) if g.prefetch else out
+
+    n_steps = g.chunk // g.block_n
+
+    def fp8_step(i, carry):
+        """FP8 rows with ``prefetch``: the carry holds this step's raw gathered parts (loaded by the
+        previous step) and the next step's indices; step i + 1's gathers (and step i + 2's indices)
+        are issued before step i's decode and dots, so their latency hides behind this step's work
+        (Triton multi-buffers only loads that feed a dot directly, not these)."""
+        m, row_sum, acc, valid, raw, nxt_idx = carry
+        nxt_safe, nxt_valid = rows_of(nxt_idx)
+        nxt_valid = nxt_valid & (i + 1 < n_steps)  # past the chunk: no traffic
+        nxt_raw = _gather_fp8(kv_ref, scale_ref, rope_ref, nxt_safe, nxt_valid, g)
+        after = load_indices(i + 2)
+        codes, scales, rope = raw
+        values = _decode_fp8(codes, scales, g, dtype)
+        out = update(m, row_sum, acc, valid, values, lambda: rope.astype(dtype))
+        return (*out, nxt_valid, nxt_raw, after)
 
     init = (
         jnp.full((g.block_h,), -jnp.inf, jnp.float32),
         jnp.zeros((g.block_h,), jnp.float32),
         [jnp.zeros((g.block_h, wp), jnp.float32) for _, _, wp in g.groups],
     )
-    if g.prefetch:
+    if g.fp8 and g.prefetch:
+        safe, valid = rows_of(load_indices(0))
+        raw = _gather_fp8(kv_ref, scale_ref, rope_ref, safe, valid, g)
+        init = (*init, valid, raw, load_indices(1))
+        body = fp8_step
+    elif g.prefetch:
         init = (*init, load_indices(0))
-    m, row_sum, acc = lax.fori_loop(0, g.chunk // g.block_n, step, init)[:3]
+        body = step
+    else:
+        body = step
+    m, row_sum, acc = lax.fori_loop(0, n_steps, body, init)[:3]
 
     row_sum_safe = jnp.where(row_sum > 0, row_sum, 1.0)
     lse = jnp.where(row_sum > 0, m * _LN2 + jnp.log(row_sum_safe), -jnp.inf)

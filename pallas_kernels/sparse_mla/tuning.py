@@ -46,7 +46,9 @@ requested 239,872 bytes (estimate 240,128; budget 232,448) and failed, 1 stage b
 not fit, FP8 rows drop stages before the gather step (``_FP8_KNOBS``): the tiles that pass through
 the decode are not multi-buffered (3 stages requested only 768 bytes more than 2), and at 64 heads
 64 rows x 1 stage beat 32 rows x 2 / 3 stages (H200, 64k context: 363 vs 422 / 409 us at B = 128,
-112 vs 124 / 114 us at B = 32; ``benchmarks/results/kernels_mla_fp8-h200.md``, profile).
+112 vs 124 / 114 us at B = 32; ``benchmarks/results/kernels_mla_fp8-h200-b12e627.md``, profile).
+Then :func:`fp8_adjust` sets warps and the hand-pipelined FP8 loop (``prefetch``) from the head
+block and the grid (``FP8_TUNED``'s comment; H200 sweep in ``kernels_mla_fp8-h200.md``).
 """
 
 from __future__ import annotations
@@ -70,9 +72,9 @@ class MlaConfig:
     num_warps: int
     num_stages: int
     splits: int  # K splits per query (1 = no merge)
-    prefetch: bool = (
-        False  # carry the next step's indices through the loop (A/B in benchmarks/kernels_mla.py)
-    )
+    # carry the next step's indices through the loop (A/B in benchmarks/kernels_mla.py); FP8 rows
+    # also carry the next step's raw gathered parts (codes, scales, rope), loaded a step ahead
+    prefetch: bool = False
     narrow_partials: bool = False  # K-split partial outputs in the query dtype, not float32 (A/B as above)
 
 
@@ -115,6 +117,37 @@ TUNED: dict[tuple[int, int, int], MlaConfig] = {
     # at H = 128, B = 32 (110.4 vs 116.5 us), but that tile is over the shared-memory estimate.
     (90, 16, 32): MlaConfig(block_h=16, block_n=32, num_warps=8, num_stages=3, splits=4),
 }
+
+# FP8 latent rows (bf16 operands), on top of the rule / TUNED (H200 sweep, 64k context, K = 2048,
+# kernels_mla_fp8-h200.md): the hand-pipelined loop (``prefetch``: the next step's raw rows in the
+# loop carry) pays where one program per SM has to hide its own gathers and its registers allow it:
+# head blocks up to 32 and a grid of at most one wave (H = 16 B = 32: 62 vs 83 us without; H = 64
+# B = 8, 32 heads: 44 vs 54 us). 64-head blocks never prefetch (their 128 KiB float32 accumulator
+# leaves no registers for the carry: 667 vs 360 us at B = 128, 171 vs 108 us at B = 32) and keep 8
+# warps (4 warps: 545 / 152 us). 16-head grids of more than one wave (H = 16 B = 128: 256 programs)
+# run 4 warps and no prefetch: two programs per SM hide each other's gathers (187 us; 4 warps with
+# prefetch 254, 8 warps 285, 8 warps with prefetch 232, b12e627's 8 warps 306).
+FP8_PREFETCH_MAX_BLOCK_H = 32
+FP8_CROWDED_WARPS = 4  # warps of a <= 32-head FP8 program when the grid is over one wave
+# (compute capability, H, T) -> measured best FP8 config (the sweep's winners); the adjusted rule
+# gives the same configs, kept as measured pins.
+FP8_TUNED: dict[tuple[int, int, int], MlaConfig] = {
+    (90, 16, 128): MlaConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, splits=2),  # 187 us
+    (90, 16, 32): MlaConfig(16, 32, 8, 3, 4, prefetch=True),  # 62.4 us (bf16 rows: 59.6)
+    (90, 64, 128): MlaConfig(block_h=64, block_n=64, num_warps=8, num_stages=1, splits=1),  # 360 us
+    (90, 64, 32): MlaConfig(block_h=64, block_n=64, num_warps=8, num_stages=1, splits=4),  # 108 us
+}
+
+
+def fp8_adjust(cfg: MlaConfig, t: int, h: int, sms: int) -> MlaConfig:
+    """The FP8 changes to a config of the rule / ``TUNED`` (above): prefetch for <= 32-head blocks
+    in a one-wave grid, 4 warps and no prefetch for them in a larger grid, 64-head blocks as they are."""
+    if cfg.block_h > FP8_PREFETCH_MAX_BLOCK_H:
+        return dataclasses.replace(cfg, prefetch=False)
+    if t * -(-h // cfg.block_h) * cfg.splits > sms:
+        return dataclasses.replace(cfg, num_warps=FP8_CROWDED_WARPS, prefetch=False)
+    return dataclasses.replace(cfg, prefetch=True)
+
 
 # Shrink order when a tile does not fit: gather step, stages, head block.
 _KNOBS = (("block_n", 16), ("num_stages", 1), ("block_h", 16))
@@ -170,6 +203,19 @@ def choose(
     cc = compute_capability()
     budget = shared_memory_budget(cc)
     nbytes = lambda c: smem_bytes(c, d_v=d_v, d_r=d_r, itemsize=itemsize, fp8=fp8)  # noqa: E731
+    if fp8:
+        tuned = FP8_TUNED.get((cc, h, t)) if block_h is None and itemsize == 2 else None
+        if tuned and nbytes(tuned) <= budget:
+            return tuned
+        cfg = _choose(
+            cc, budget, nbytes, t, h, k, d_v=d_v, d_r=d_r, itemsize=itemsize, block_h=block_h, fp8=True
+        )
+        return fp8_adjust(cfg, t, h, sm_count(cc))
+    return _choose(cc, budget, nbytes, t, h, k, d_v=d_v, d_r=d_r, itemsize=itemsize, block_h=block_h)
+
+
+def _choose(cc, budget, nbytes, t, h, k, *, d_v, d_r, itemsize, block_h, fp8=False) -> MlaConfig:
+    """:func:`choose` before the FP8 adjustments: ``TUNED`` (2-byte operands), else the rule."""
     tuned = TUNED.get((cc, h, t)) if block_h is None and itemsize == 2 else None
     if tuned and nbytes(tuned) <= budget:  # measured at 576-wide rows; wider ones may not fit
         return tuned

@@ -432,7 +432,8 @@ def test_fp8_tuning_fits(monkeypatch):
     """FP8 rows get a config whose shared-memory estimate fits every part. At sm_90 the estimate is
     over the budget where H200 refused the tile (64 heads x 64 rows x 2 stages requested 239,872 of
     232,448 bytes) and under it where the tile built (1 stage; 32 rows x 2 stages): the measured bf16
-    winner at H = 64, B = 32 keeps its tile at one stage, the others keep theirs."""
+    winner at H = 64, B = 32 keeps its tile at one stage, the others keep theirs; the FP8 warps and
+    prefetch follow :func:`tuning.fp8_adjust`."""
     for cc in (0, 80, 90, 120):
         monkeypatch.setattr(tuning, "compute_capability", lambda cc=cc: cc)
         for t, h, itemsize in [
@@ -452,10 +453,23 @@ def test_fp8_tuning_fits(monkeypatch):
     assert nbytes(MlaConfig(64, 64, 8, 2, 1)) >= 239872 > budget
     assert nbytes(MlaConfig(64, 64, 8, 1, 1)) <= budget and nbytes(MlaConfig(64, 32, 8, 3, 1)) <= budget
     choose = functools.partial(tuning.choose, k=2048, d_v=512, d_r=64, itemsize=2, fp8=True)
-    assert choose(32, 64) == dataclasses.replace(tuning.TUNED[(90, 64, 32)], num_stages=1)
-    assert choose(128, 64) == MlaConfig(64, 64, 8, 1, 1)
-    for h, t in [(64, 1), (16, 32), (16, 128)]:
-        assert choose(t, h) == tuning.choose(t, h, 2048, d_v=512, d_r=64, itemsize=2), (h, t)
+
+    # the H200 sweep's winners (kernels_mla_fp8-h200.md), pinned in FP8_TUNED; the rule gives them too
+    want = {
+        (16, 128): MlaConfig(16, 32, 4, 2, 2),  # 2 waves of 16-head programs: 4 warps, no prefetch
+        (16, 32): MlaConfig(16, 32, 8, 3, 4, prefetch=True),  # one wave: prefetch (bf16's TUNED tile)
+        (64, 128): MlaConfig(64, 64, 8, 1, 1),  # 64 heads: no prefetch, one stage (shared memory)
+        (64, 32): dataclasses.replace(tuning.TUNED[(90, 64, 32)], num_stages=1),
+    }
+    assert {(h, t): cfg for (_, h, t), cfg in tuning.FP8_TUNED.items()} == want
+    for fp8_tuned in (tuning.FP8_TUNED, {}):
+        monkeypatch.setattr(tuning, "FP8_TUNED", fp8_tuned)
+        for (h, t), cfg in want.items():
+            assert choose(t, h) == cfg, (h, t, fp8_tuned)
+    # one-wave grids of <= 32-head programs prefetch at the table's 8 warps
+    for h, t in [(64, 1), (64, 8), (16, 1), (16, 8), (16, 64)]:
+        cfg = choose(t, h)
+        assert cfg.block_h <= 32 and cfg.prefetch and cfg.num_warps == 8, (h, t, cfg)
 
 
 def _lower_fp8(q, kv, kv_scale, kv_rope, indices, sink=None, *, sm_scale, v_dim, fp8_decode=None):
