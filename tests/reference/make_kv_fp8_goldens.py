@@ -62,6 +62,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import transformers
+
+# same folder: HF runs and FP8 weight blocks as the plain goldens do them
+from make_goldens import NEW, fp8_dequantize, full_logits
+from make_goldens import greedy as hf_greedy
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
@@ -616,13 +620,6 @@ def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """W[i, j] = f32(q[i, j]) * s[i // b0, j // b1] (ceil blocks)."""
-    i = torch.arange(q.shape[0]) // block[0]
-    j = torch.arange(q.shape[1]) // block[1]
-    return q.to(torch.float32) * scale[i[:, None], j[None, :]]
-
-
 def float_checkpoint(src: Path, dst: Path) -> str:
     """A float32 copy of a quantized fixture: FP8 weights dequantized here, INT4 ones by
     compressed-tensors."""
@@ -686,32 +683,11 @@ def load_fixture(name: str, tmp: Path):
 # Running HF
 
 
-def full_logits(model, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor(tokens[None], dtype=torch.long), use_cache=False)
-    return out.logits[0].float().numpy()
-
-
 def greedy(model, prompt: np.ndarray, new: int) -> tuple[np.ndarray, np.ndarray]:
-    ids = torch.tensor(prompt[None], dtype=torch.long)
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new,
-            do_sample=False,
-            use_cache=True,
-            output_logits=True,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(prompt) :].numpy().astype(np.int32)
-    logits = torch.cat(out.logits, 0).float().numpy()
-    if len(tokens) != new or not np.array_equal(logits, torch.cat(out.scores, 0).float().numpy()):
-        raise AssertionError("generate stopped early or a logits processor is active")
-    if not np.array_equal(tokens, logits.argmax(-1)):
-        raise AssertionError("greedy tokens are not the argmax of the logits")
-    return tokens, logits
+    """make_goldens.py's greedy generation (its checks included), for goldens of ``new`` tokens."""
+    if new != NEW:
+        raise AssertionError(f"golden.npz holds {new} greedy tokens, make_goldens.py makes {NEW}")
+    return hf_greedy(model, prompt)
 
 
 def rel_l2_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
