@@ -519,26 +519,16 @@ def _write_report(
         "`kernels_mla_fp8-h200-b12e627.md` (not this run; `b12e627 config` its config, `(profile)`: a row",
         "of that run's profile).",
         "",
-        "## Summary",
-        "",
-        harness.markdown_table(_summary(rows), SUMMARY_COLUMNS),
-        "",
     ]
-    if sweep:
-        text += [
-            "## Sweep: fp8 native configs (`default`: this table's choice)",
-            "",
-            harness.markdown_table(list(sweep), SWEEP_COLUMNS),
-            "",
-        ]
-    if profile:
-        text += [
-            "## Profile: fp8 variants (timing only, some values wrong on purpose)",
-            "",
-            harness.markdown_table(profile, PROFILE_COLUMNS),
-            "",
-        ]
-    text += ["## Every measurement", "", harness.markdown_table(rows, COLUMNS), ""]
+    sections = (
+        ("Summary", _summary(rows), SUMMARY_COLUMNS),
+        ("Sweep: fp8 native configs (`default`: this table's choice)", list(sweep), SWEEP_COLUMNS),
+        ("Profile: fp8 variants (timing only, some values wrong on purpose)", profile, PROFILE_COLUMNS),
+        ("Every measurement", rows, COLUMNS),
+    )
+    for title, table, columns in sections:
+        if table:
+            text += [f"## {title}", "", harness.markdown_table(table, columns), ""]
     out = harness.write_result("kernels_mla_fp8", "\n".join(text), rows=rows + profile + list(sweep))
     print(f"kernels_mla_fp8: wrote {out}")
 

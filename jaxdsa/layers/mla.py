@@ -66,8 +66,8 @@ class LatentPages:
 
     def flat(self, slots: jax.Array) -> tuple[tuple[jax.Array, ...], jax.Array]:
         """Every layer's parts seen flat ``[L*P*page, w]`` and ``slots`` moved into this layer."""
-        flats = tuple(p.rows(slots)[0] for p in self.parts)
-        return flats, self.rows.rows(slots)[1]
+        seen = [p.rows(slots) for p in self.parts]  # every part moves the slots alike
+        return tuple(flat for flat, _ in seen), seen[0][1]
 
     def entries(self) -> Cache:
         names = ("latent", "latent_scales", "latent_rope")

@@ -63,6 +63,7 @@ from pallas_kernels._triton import (
     shrink_to_fit,
     sm_count,
 )
+from pallas_kernels.quant import kv_fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +159,7 @@ _FP8_KNOBS = (("num_stages", 1), ("block_n", 16), ("block_h", 16))
 def fp8_row_bytes(d_v: int, d_r: int) -> int:
     """Bytes one gathered FP8 latent row stages: ``d_v`` e4m3 values, a float32 scale per 128 of
     them, the bf16 rope part padded as the kernel pads it (656 at the released 512 + 64)."""
-    return d_v + 4 * (d_v // 128) + (2 * max(16, pl.next_power_of_2(d_r)) if d_r else 0)
+    return kv_fp8.latent_bytes(d_v, max(16, pl.next_power_of_2(d_r)) if d_r else 0)
 
 
 def smem_bytes(cfg: MlaConfig, *, d_v: int, d_r: int, itemsize: int, fp8: bool = False) -> int:

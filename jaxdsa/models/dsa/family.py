@@ -96,15 +96,14 @@ class DsaFamily(ModelFamily):
         cache bytes read (rows of the selected keys, index keys of the whole context once it
         outgrows index_topk; bf16 or fp8 per ``kv_format``), collective bytes, and the routing
         fan-out for the weight reads."""
-        spec = _cache_spec(cfg, 1, 1, kv_format).entries
-        row_bytes = lambda e: e.width * e.itemsize(jnp.bfloat16)  # noqa: E731
-        key_bytes = row_bytes(spec["index_keys"]) + (
-            row_bytes(spec["index_scales"]) if "index_scales" in spec else 0
-        )
+        # bytes a token takes in one attention layer (latent) and in one indexer layer (key)
+        row_bytes = lambda layers, index_layers: _cache_spec(  # noqa: E731
+            cfg, layers, index_layers, kv_format
+        ).bytes_per_token(jnp.bfloat16, 1)
         kv_rows = min(context, cfg.index_topk)
-        read = batch * cfg.num_hidden_layers * kv_rows * row_bytes(spec["latent"])
+        read = batch * cfg.num_hidden_layers * kv_rows * row_bytes(1, 0)
         if context > cfg.index_topk:
-            read += batch * len(cfg.indexer_layers) * context * key_bytes
+            read += batch * len(cfg.indexer_layers) * context * row_bytes(0, 1)
         collective = collective_bytes(
             par,
             batch=batch,
