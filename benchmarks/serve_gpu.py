@@ -36,6 +36,7 @@ import urllib.request
 from benchmarks import anatomy, harness
 from checkpoints.tokenizer_assets import write_tokenizer
 from jaxdsa import LLM, plan
+from jaxdsa.cache import KV_CACHE_DTYPES, kv_cache_format
 from jaxdsa.models.deepseek_v4.presets import RELEASED
 from jaxdsa.models.dsa.presets import RELEASED as DSA_RELEASED
 from jaxdsa.models.registry import config_from_dict, family_for
@@ -81,11 +82,20 @@ def write_model_dir(directory: str, layers: int, overrides: dict | None = None, 
     return raw
 
 
-def step_bytes(raw: dict, weights: str, context: int, batch: int, par: Parallelism | None = None) -> float:
+def step_bytes(
+    raw: dict,
+    weights: str,
+    context: int,
+    batch: int,
+    par: Parallelism | None = None,
+    kv_format: str = "model",
+) -> float:
     """Bytes one decode step of ``batch`` sequences (per dp group) at ``context`` tokens reads on one
-    GPU (the planner's), with the model split as ``par`` says (default: one GPU)."""
+    GPU (the planner's), with the model split as ``par`` says (default: one GPU) and the cache rows
+    in ``kv_format`` (``'model'``: bf16, or ``'fp8'``)."""
     cfg = config_from_dict(raw)
-    step = plan.decode_step(family_for(cfg.model_type), cfg, par or Parallelism(), weights, batch, context)
+    family = family_for(cfg.model_type)
+    step = plan.decode_step(family, cfg, par or Parallelism(), weights, batch, context, kv_format=kv_format)
     return step["bytes_read"]
 
 
@@ -205,6 +215,8 @@ def serve_and_bench(args, raw: dict, work: str, par: Parallelism, levels: list[i
         profile_dir,
         "--async-scheduling" if scheduling == "async" else "--no-async-scheduling",
         *["--enable-dp-attention"] * par.dp_attention,
+        "--kv-cache-dtype",
+        args.kv_cache_dtype,
         *shlex.split(args.server_args),
     ]
     start = time.time()
@@ -287,6 +299,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--torch-ceilings", action="store_true", help="measure torch's streams too")
     p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="the server's; the roofline counts it",
+    )
+    p.add_argument(
         "--profile-steps",
         type=int,
         default=0,
@@ -355,7 +373,8 @@ def _report(runs: list[dict], raw, args, ceilings: harness.Ceilings) -> None:
             "failed": r["failed"],
         }
         batch = -(-r["concurrency"] // par.dp)  # sequences per dp group
-        nbytes = step_bytes(raw, WEIGHTS[args.quantization], int(context), batch, par)
+        kv_format = kv_cache_format(args.kv_cache_dtype, "bfloat16")
+        nbytes = step_bytes(raw, WEIGHTS[args.quantization], int(context), batch, par, kv_format)
         row["routed experts/layer"] = plan.expected_experts(
             raw["n_routed_experts"], raw["num_experts_per_tok"], moe_tokens(r["concurrency"], par)
         )
@@ -390,7 +409,8 @@ def _report(runs: list[dict], raw, args, ceilings: harness.Ceilings) -> None:
                 + f", {args.input_len} tokens in, {args.output_len} out, ignore_eos, streaming",
                 "server": f"python -m serve --max-num-seqs {max(r['concurrency'] for r in table)} "
                 f"--max-num-batched-tokens {args.max_num_batched_tokens} "
-                f"--max-model-len {args.max_model_len} (buckets compiled at start-up; no environment "
+                f"--max-model-len {args.max_model_len} --kv-cache-dtype {args.kv_cache_dtype} "
+                "(buckets compiled at start-up; no environment "
                 "variables, --gpu-memory-utilization at its default)"
                 + _parallel_flags(par)
                 + (f" {args.server_args}" if args.server_args else ""),
