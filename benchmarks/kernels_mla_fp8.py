@@ -33,6 +33,17 @@ then ``(no prefetch)``. The results file is rewritten after every shape, so a ru
 what it measured. ``b12e627 native us`` is fp8 native before the prefetching FP8 loop
 (``kernels_mla_fp8-<gpu>-b12e627.json``), not measured in this run.
 
+V4-Flash (after the profile; ``KERNELS_MLA_FP8_V4_BUDGET_S``, default 540, as the budget above;
+labels ``V4-Flash 16k entries H=64 B=1`` for ``KERNELS_MLA_FP8_ONLY``): DeepSeek-V4-Flash's decode
+over its compressed entries, B in {1, 8, 32, 64, 128} x its 64 attention heads (TP = 1), 512-wide
+rows (448 nope + 64 rope) of which the whole row is the value (``v_dim`` 512), softmax scale
+512^-0.5, 512 distinct indices per query (the indexer's top-512; the 128-token window is a second
+call of its own in the model) among 16k entries per sequence (64k tokens at one entry per 4). The
+pool is bf16 rows ``[128 * 16k, 512]`` (2.1 GB) and their ``kv_fp8.MODEL1`` parts (e4m3 ``[., 448]``,
+ue8m0 bytes ``[., 7]``, bf16 rope ``[., 64]``: 583 bytes a row, 1.2 GB). The same three rows per
+shape, checked and timed as above; bytes = B * 512 * (1024 or 583) + q + out + indices. Its own
+summary section; its rows join ``Every measurement``.
+
 Sweep (``KERNELS_MLA_FP8_SWEEP_S`` > 0: until that many seconds into the run), on the last
 context's pools before its main rows: fp8 native at each of :data:`SWEEP_SHAPES` over
 :data:`SWEEP_KNOBS` (warps, gather step, stages, prefetch) crossed around the table's config,
@@ -76,7 +87,6 @@ CONTEXTS = (8192, 65536)
 BATCHES = (1, 8, 32, 64, 128)
 HEADS = (16, 64)
 MAX_SETS = 48  # each set is one more kernel call in the timed jit
-W = kv_fp8.latent_bytes(DV, D - DV)  # FP8 bytes per row (656)
 IMPLS = {"bf16": None, "fp8 native": "native", "fp8 software": "software"}  # name -> fp8_decode
 BUDGET_S = float(os.environ.get("KERNELS_MLA_FP8_BUDGET_S", "330"))
 FIRST_BUDGET_S = float(os.environ.get("KERNELS_MLA_FP8_FIRST_BUDGET_S", str(BUDGET_S)))
@@ -89,27 +99,67 @@ SWEEP_S = float(os.environ.get("KERNELS_MLA_FP8_SWEEP_S", "0"))
 ONLY = [s.strip() for s in os.environ.get("KERNELS_MLA_FP8_ONLY", "").split(",") if s.strip()]
 PROFILE = os.environ.get("KERNELS_MLA_FP8_PROFILE", "auto").strip().lower()
 PROFILE_S = float(os.environ.get("KERNELS_MLA_FP8_PROFILE_S", "420"))
+V4_BUDGET_S = float(os.environ.get("KERNELS_MLA_FP8_V4_BUDGET_S", "540"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """A model's cached rows: ``d`` columns (the queries' width), the first ``nope`` of them e4m3 in
+    the FP8 form ``fmt`` (the rest bf16 rope), the first ``dv`` the value; ``topk`` indices per query,
+    softmax scale ``scale``."""
+
+    name: str
+    d: int
+    nope: int
+    dv: int
+    fmt: kv_fp8.LatentFormat
+    topk: int
+    scale: float
+
+    @property
+    def fp8_bytes(self) -> int:
+        """Bytes of one FP8 row's three parts (656 for GLM, 583 for V4-Flash)."""
+        return self.fmt.row_bytes(self.nope, self.d - self.nope)
+
+    @property
+    def fp8_rows(self) -> tuning.Fp8Rows:
+        """The FP8 rows as :func:`pallas_kernels.sparse_mla.tuning.choose` takes them."""
+        tile = self.fmt.tile_width(self.nope)
+        return tuning.Fp8Rows(self.nope, tile, jnp.dtype(self.fmt.scale_dtype).itemsize)
+
+
+GLM = Rows("GLM-5", D, DV, DV, kv_fp8.DS_MLA, TOPK, SCALE)
+# DeepSeek-V4-Flash's compressed entries: K = V = the 448 + 64 row, the indexer's top-512 per query
+V4_FLASH = Rows("V4-Flash", 512, 448, 512, kv_fp8.MODEL1, 512, 512**-0.5)
 
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    context: int
+    context: int  # pool rows per sequence
     h: int
     b: int
+    rows: Rows = GLM
 
     @property
     def label(self) -> str:
-        return f"ctx={self.context // 1024}k H={self.h} B={self.b}"
+        if self.rows is GLM:
+            return f"ctx={self.context // 1024}k H={self.h} B={self.b}"
+        return f"{self.rows.name} {self.context // 1024}k entries H={self.h} B={self.b}"
 
     def nbytes(self, row_bytes: int) -> int:
-        return self.b * TOPK * row_bytes + self.b * self.h * (D + DV) * 2 + self.b * TOPK * 4
+        r = self.rows
+        return self.b * r.topk * row_bytes + self.b * self.h * (r.d + r.dv) * 2 + self.b * r.topk * 4
 
     @property
     def sets(self) -> int:
-        return max(1, min(MAX_SETS, math.ceil(2.5 * L2_BYTES / self.nbytes(W))))
+        return max(1, min(MAX_SETS, math.ceil(2.5 * L2_BYTES / self.nbytes(self.rows.fp8_bytes))))
 
 
 SHAPES = [Shape(c, h, b) for c in CONTEXTS for h in HEADS for b in BATCHES]
+# V4-Flash decode (its 64 heads at TP = 1): 16k compressed entries per sequence (64k tokens, one
+# entry per 4 on its CSA layers), 2.1 GB of bf16 rows in all.
+V4_CONTEXT = 16384
+V4_SHAPES = [Shape(V4_CONTEXT, 64, b, V4_FLASH) for b in BATCHES]
 # Profile shapes (the last context's pools): one pass of 64-head programs, 16 heads over two
 # splits, and a K-split batch of 64-head programs.
 PROFILE_SHAPES = [Shape(CONTEXTS[-1], 64, 128), Shape(CONTEXTS[-1], 16, 128), Shape(CONTEXTS[-1], 64, 32)]
@@ -118,44 +168,44 @@ SWEEP_SHAPES = [Shape(CONTEXTS[-1], h, b) for b in (128, 32) for h in (16, 64)]
 SWEEP_KNOBS = {"num_warps": (4, 8), "block_n": (32, 64), "num_stages": (1, 2, 3), "prefetch": (False, True)}
 
 
-def _pools(context: int) -> tuple[tuple[jax.Array], tuple[jax.Array, jax.Array, jax.Array]]:
-    """bf16 rows ``[SEQS * context, D]`` and their FP8 parts (quantized in chunks, so the float32
-    temporaries stay small)."""
+def _pools(context: int, rows: Rows = GLM) -> tuple[tuple[jax.Array], tuple[jax.Array, ...]]:
+    """bf16 rows ``[SEQS * context, d]`` and their FP8 parts in ``rows.fmt`` (quantized in chunks, so
+    the float32 temporaries stay small)."""
     n = SEQS * context
-    rows = jax.jit(lambda k: jax.random.normal(k, (n, D), jnp.bfloat16))(jax.random.key(context))
+    pool = jax.jit(lambda k: jax.random.normal(k, (n, rows.d), jnp.bfloat16))(jax.random.key(context))
     chunk = math.gcd(n, 1 << 16)
 
     @jax.jit
     def quantize(r):
-        parts = lax.map(lambda c: kv_fp8.quantize_latent(c, DV), r.reshape(-1, chunk, D))
+        parts = lax.map(lambda c: rows.fmt.quantize(c, rows.nope), r.reshape(-1, chunk, rows.d))
         return tuple(p.reshape(n, -1) for p in parts)
 
-    return jax.block_until_ready(((rows,), quantize(rows)))
+    return jax.block_until_ready(((pool,), quantize(pool)))
 
 
-@functools.partial(jax.jit, static_argnames=("b", "h", "context"))
-def _make_set(key, first, *, b: int, h: int, context: int):
-    """q [b, h, D] bf16 and indices [b, TOPK]: 2048 distinct positions of sequences first .. first+b-1."""
+@functools.partial(jax.jit, static_argnames=("b", "h", "context", "rows"))
+def _make_set(key, first, *, b: int, h: int, context: int, rows: Rows = GLM):
+    """q [b, h, d] bf16 and indices [b, topk]: distinct positions of sequences first .. first+b-1."""
     kq, ki = jax.random.split(key)
-    q = jax.random.normal(kq, (b, h, D), jnp.bfloat16)
-    _, pos = jax.lax.top_k(jax.random.uniform(ki, (b, context)), TOPK)
+    q = jax.random.normal(kq, (b, h, rows.d), jnp.bfloat16)
+    _, pos = jax.lax.top_k(jax.random.uniform(ki, (b, context)), rows.topk)
     seqs = (first + jnp.arange(b, dtype=jnp.int32)) % SEQS
     return q, seqs[:, None] * context + pos.astype(jnp.int32)
 
 
-@jax.jit
-def _reference(q, idx, kv, kv_scale=None, kv_rope=None):
-    return ref.sparse_mla(q, kv, idx, sm_scale=SCALE, v_dim=DV, kv_scale=kv_scale, kv_rope=kv_rope)
+@functools.partial(jax.jit, static_argnames=("rows",))
+def _reference(q, idx, kv, kv_scale=None, kv_rope=None, *, rows: Rows = GLM):
+    return ref.sparse_mla(q, kv, idx, sm_scale=rows.scale, v_dim=rows.dv, kv_scale=kv_scale, kv_rope=kv_rope)
 
 
-def _kernel_fn(fp8_decode: str | None, config: MlaConfig | None = None) -> Callable:
+def _kernel_fn(fp8_decode: str | None, config: MlaConfig | None = None, rows: Rows = GLM) -> Callable:
     def fn(q, idx, kv, kv_scale=None, kv_rope=None):
         return kernel.sparse_mla(
             q,
             kv,
             idx,
-            sm_scale=SCALE,
-            v_dim=DV,
+            sm_scale=rows.scale,
+            v_dim=rows.dv,
             kv_scale=kv_scale,
             kv_rope=kv_rope,
             fp8_decode=fp8_decode,
@@ -166,13 +216,18 @@ def _kernel_fn(fp8_decode: str | None, config: MlaConfig | None = None) -> Calla
 
 
 def _config(shape: Shape, fp8: bool) -> MlaConfig:
-    return tuning.choose(shape.b, shape.h, TOPK, d_v=DV, d_r=D - DV, itemsize=2, fp8=fp8)
+    """The config ``kernel.sparse_mla`` chooses for the shape's bf16 (or FP8) rows."""
+    r = shape.rows
+    if fp8:
+        return tuning.choose(shape.b, shape.h, r.topk, d_v=r.dv, d_r=r.d - r.nope, itemsize=2, fp8=r.fp8_rows)
+    return tuning.choose(shape.b, shape.h, r.topk, d_v=r.dv, d_r=r.d - r.dv, itemsize=2)
 
 
 def _shape_sets(shape: Shape) -> list[tuple]:
     keys = jax.random.split(jax.random.key(1000 * shape.h + shape.b), shape.sets)
     return [
-        _make_set(k, r * shape.b, b=shape.b, h=shape.h, context=shape.context) for r, k in enumerate(keys)
+        _make_set(k, r * shape.b, b=shape.b, h=shape.h, context=shape.context, rows=shape.rows)
+        for r, k in enumerate(keys)
     ]
 
 
@@ -192,9 +247,10 @@ def run(ceilings: harness.Ceilings | None = None) -> list[dict]:
     rows: list[dict] = []
     profile: list[dict] = []
     sweep: list[dict] = []
+    v4: list[dict] = []
 
     def write() -> None:
-        _write_report(rows, profile, ceilings, clock(), sweep)
+        _write_report(rows, profile, ceilings, clock(), sweep, v4)
 
     pools: dict[str, tuple] = {}
     for context in CONTEXTS:
@@ -209,50 +265,63 @@ def run(ceilings: harness.Ceilings | None = None) -> list[dict]:
             _sweep(pools, sweep, ceilings, clock, write)
         budget = BUDGET_S if last else FIRST_BUDGET_S
         for shape in todo:
-            if clock() > budget:
-                rows += [
-                    {"shape": shape.label, "impl": name, "note": "not run: time budget"} for name in IMPLS
-                ]
-                continue
-            sets = _shape_sets(shape)
-            q0, idx0 = sets[0]
-            wants = {kind: _reference(q0.astype(jnp.float32), idx0, *kv) for kind, kv in pools.items()}
-            for name, mode in IMPLS.items():
-                if mode == "software" and context not in SOFTWARE_CTX:
-                    rows.append(
-                        {"shape": shape.label, "impl": name, "note": "not run (KERNELS_MLA_FP8_SOFTWARE_CTX)"}
-                    )
-                    continue
-                kind = "bf16" if mode is None else "fp8"
-                kv, want = pools[kind], wants[kind]
-                row_bytes = W if mode else D * 2
-                cfg = _config(shape, fp8=mode is not None)
-                row = {"shape": shape.label, "impl": name, "config": describe(cfg), "sets": len(sets)}
-                row["MB"] = shape.nbytes(row_bytes) / 1e6
-                fn_sets = [(*s, *kv) for s in sets]
-                checked, timer = compile_and_check(_kernel_fn(mode), fn_sets, want, shape.b)
-                fallbacks = [("bn/2", {"block_n": cfg.block_n // 2})] if cfg.block_n > 16 else []
-                fallbacks += [("no prefetch", {"prefetch": False})] if cfg.prefetch else []
-                for tag, change in fallbacks:
-                    if timer is not None or checked.get("note", "").startswith("FAILED"):
-                        break
-                    # the table's config did not build (shared memory?): keep its error, time a fallback
-                    rows.append(row | checked)
-                    cfg = dataclasses.replace(cfg, **change)
-                    row |= {"impl": f"{name} ({tag})", "config": describe(cfg)}
-                    checked, timer = compile_and_check(_kernel_fn(mode, cfg), fn_sets, want, shape.b)
-                row |= checked
-                if timer:
-                    row |= _time_row(shape, timer(20), row_bytes, ceilings)
-                rows.append(row)
-                print(f"{shape.label} {name}: {row.get('us', row.get('note'))} [{clock():.0f}s]")
-            _write_report(rows, profile, ceilings, clock(), sweep)
+            _measure(shape, pools, rows, ceilings, clock, budget)
+            write()
     if PROFILE == "1" or (PROFILE == "auto" and _fp8_not_faster(rows)):
-        _profile(
-            pools, profile, ceilings, clock, lambda: _write_report(rows, profile, ceilings, clock(), sweep)
-        )
-    _write_report(rows, profile, ceilings, clock(), sweep)
-    return rows
+        _profile(pools, profile, ceilings, clock, write)
+    v4_shapes = [s for s in V4_SHAPES if not ONLY or s.label in ONLY]
+    if v4_shapes:
+        pools.clear()
+        pools.update(zip(("bf16", "fp8"), _pools(V4_CONTEXT, V4_FLASH), strict=True))
+        print(f"kernels_mla_fp8: {V4_FLASH.name} pools ready [{clock():.0f}s]")
+        for shape in v4_shapes:
+            _measure(shape, pools, v4, ceilings, clock, V4_BUDGET_S)
+            write()
+    write()
+    return rows + v4
+
+
+def _measure(shape: Shape, pools: dict[str, tuple], rows: list[dict], ceilings, clock, budget: float) -> None:
+    """Rows of :data:`IMPLS` at ``shape`` over ``pools`` (its model's bf16 rows and FP8 parts), each
+    with the table's config (and fallbacks where it does not build), checked against the reference
+    and timed; listed as not run once ``clock()`` is past ``budget``."""
+    if clock() > budget:
+        rows += [{"shape": shape.label, "impl": name, "note": "not run: time budget"} for name in IMPLS]
+        return
+    sets = _shape_sets(shape)
+    q0, idx0 = sets[0]
+    wants = {
+        kind: _reference(q0.astype(jnp.float32), idx0, *kv, rows=shape.rows) for kind, kv in pools.items()
+    }
+    for name, mode in IMPLS.items():
+        if mode == "software" and shape.rows is GLM and shape.context not in SOFTWARE_CTX:
+            rows.append(
+                {"shape": shape.label, "impl": name, "note": "not run (KERNELS_MLA_FP8_SOFTWARE_CTX)"}
+            )
+            continue
+        kind = "bf16" if mode is None else "fp8"
+        kv, want = pools[kind], wants[kind]
+        row_bytes = shape.rows.fp8_bytes if mode else shape.rows.d * 2
+        cfg = _config(shape, fp8=mode is not None)
+        row = {"shape": shape.label, "impl": name, "config": describe(cfg), "sets": len(sets)}
+        row["MB"] = shape.nbytes(row_bytes) / 1e6
+        fn_sets = [(*s, *kv) for s in sets]
+        checked, timer = compile_and_check(_kernel_fn(mode, rows=shape.rows), fn_sets, want, shape.b)
+        fallbacks = [("bn/2", {"block_n": cfg.block_n // 2})] if cfg.block_n > 16 else []
+        fallbacks += [("no prefetch", {"prefetch": False})] if cfg.prefetch else []
+        for tag, change in fallbacks:
+            if timer is not None or checked.get("note", "").startswith("FAILED"):
+                break
+            # the table's config did not build (shared memory?): keep its error, time a fallback
+            rows.append(row | checked)
+            cfg = dataclasses.replace(cfg, **change)
+            row |= {"impl": f"{name} ({tag})", "config": describe(cfg)}
+            checked, timer = compile_and_check(_kernel_fn(mode, cfg, shape.rows), fn_sets, want, shape.b)
+        row |= checked
+        if timer:
+            row |= _time_row(shape, timer(20), row_bytes, ceilings)
+        rows.append(row)
+        print(f"{shape.label} {name}: {row.get('us', row.get('note'))} [{clock():.0f}s]")
 
 
 def _fp8_not_faster(rows: list[dict]) -> bool:
@@ -358,7 +427,7 @@ def _profile(pools, profile: list[dict], ceilings, clock, write) -> None:
         try:
             with _loader(loader):
                 us = _time_only(_kernel_fn("native", cfg), sets_of[shape])
-            row |= _time_row(shape, us, W, ceilings)
+            row |= _time_row(shape, us, shape.rows.fp8_bytes, ceilings)
         except Exception as exc:  # noqa: BLE001 - a config that does not build is a row, not the end
             row["note"] = harness.error_note(exc)
         profile.append(row)
@@ -423,7 +492,7 @@ def _sweep(pools, sweep: list[dict], ceilings, clock, write) -> None:
             checked, timer = compile_and_check(_kernel_fn("native", cfg), fn_sets, want, shape.b)
             row |= checked
             if timer:
-                row |= _time_row(shape, timer(10), W, ceilings)
+                row |= _time_row(shape, timer(10), shape.rows.fp8_bytes, ceilings)
             sweep.append(row)
             print(f"sweep {shape.label} {row['config']}: {row.get('us', row.get('note'))} [{clock():.0f}s]")
             write()
@@ -500,10 +569,16 @@ SUMMARY_COLUMNS = (
     "b12e627 config",
     "records (70830ee) us",
 )
+V4_SUMMARY_COLUMNS = SUMMARY_COLUMNS[:9]  # no earlier layouts or commits to compare with
 
 
 def _write_report(
-    rows: list[dict], profile: list[dict], ceilings: harness.Ceilings, elapsed: float, sweep: list[dict] = ()
+    rows: list[dict],
+    profile: list[dict],
+    ceilings: harness.Ceilings,
+    elapsed: float,
+    sweep: list[dict] = (),
+    v4: list[dict] = (),
 ) -> None:
     text = [
         *harness.report_header(
@@ -517,19 +592,28 @@ def _write_report(
         "previous one-record-per-token layout, from `kernels_mla_fp8-h200-records.md` (not this run);",
         "`b12e627 native us` is fp8 native before the prefetching loop, from",
         "`kernels_mla_fp8-h200-b12e627.md` (not this run; `b12e627 config` its config, `(profile)`: a row",
-        "of that run's profile).",
+        "of that run's profile). The V4-Flash section reads DeepSeek-V4's rows (512 = 448 + 64, K = V = the",
+        "whole row) as bf16 rows or MODEL1 parts (e4m3 values, ue8m0 scale bytes per 64, bf16 rope; 583",
+        f"bytes a row against 1,024), {V4_FLASH.topk} indices per query.",
         "",
     ]
     sections = (
         ("Summary", _summary(rows), SUMMARY_COLUMNS),
+        (
+            f"{V4_FLASH.name} decode: bf16 rows vs MODEL1 FP8 rows (512 = 448 + 64, top-{V4_FLASH.topk})",
+            _summary(list(v4)),
+            V4_SUMMARY_COLUMNS,
+        ),
         ("Sweep: fp8 native configs (`default`: this table's choice)", list(sweep), SWEEP_COLUMNS),
         ("Profile: fp8 variants (timing only, some values wrong on purpose)", profile, PROFILE_COLUMNS),
-        ("Every measurement", rows, COLUMNS),
+        ("Every measurement", rows + list(v4), COLUMNS),
     )
     for title, table, columns in sections:
         if table:
             text += [f"## {title}", "", harness.markdown_table(table, columns), ""]
-    out = harness.write_result("kernels_mla_fp8", "\n".join(text), rows=rows + profile + list(sweep))
+    out = harness.write_result(
+        "kernels_mla_fp8", "\n".join(text), rows=rows + profile + list(sweep) + list(v4)
+    )
     print(f"kernels_mla_fp8: wrote {out}")
 
 

@@ -39,12 +39,27 @@ class KeyPages:
         scales = LayerPages(cache["index_scales"], layer) if "index_scales" in cache else None
         return cls(LayerPages(cache["index_keys"], layer), scales)
 
+    @property
+    def page_size(self) -> int:
+        return self.keys.page_size
+
     def write(self, slots: jax.Array, keys: jax.Array) -> KeyPages:
         """Store ``keys [T, D]`` at ``slots`` (-1 dropped): as they are, or rotated and quantized."""
         if self.scales is None:
             return KeyPages(self.keys.write(slots, keys))
         values, scales = kv_fp8.quantize_keys(kv_fp8.hadamard_rotate(keys))
         return KeyPages(self.keys.write(slots, values), self.scales.write(slots, scales[:, None]))
+
+    def scored(
+        self, q: jax.Array, page_table: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+        """What :func:`jaxdsa.ops.indexer_logits_paged` reads for queries ``q [T, n, D]``: (queries,
+        rotated like the keys when FP8; every layer's key pages; ``page_table`` moved into this
+        layer; the keys' float32 scales ``[L*P, page]`` or None)."""
+        pages, table = self.keys.pages(page_table)
+        if self.scales is None:
+            return q, pages, table, None
+        return kv_fp8.hadamard_rotate(q), pages, table, self.scales.pages(page_table)[0][..., 0]
 
     def entries(self) -> Cache:
         """The cache entries these pages update."""
@@ -105,10 +120,6 @@ class Indexer(nnx.Module):
     def select(self, x: jax.Array, q_lat: jax.Array, ctx: StepContext, keys: KeyPages) -> jax.Array:
         """Top-k key positions [T, topk] of each query over its sequence's cached keys (-1 = none)."""
         q, w = self.queries(x, q_lat, ctx.cos, ctx.sin)
-        pages, table = keys.keys.pages(ctx.meta.page_table)
-        scale = None
-        if keys.scales is not None:
-            q = kv_fp8.hadamard_rotate(q)
-            scale = keys.scales.pages(ctx.meta.page_table)[0][..., 0]
+        q, pages, table, scale = keys.scored(q, ctx.meta.page_table)
         logits = ops.indexer_logits_paged(q, w, pages, table, ctx.meta.seq_ids, ctx.positions, k_scale=scale)
         return ops.topk_indices(logits, self.topk)

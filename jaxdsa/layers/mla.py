@@ -38,31 +38,49 @@ from jaxdsa.sharding import reduce_partials
 
 @dataclasses.dataclass
 class LatentPages:
-    """One layer's cached latent rows: whole rows in the model's dtype (``rows`` only), or the FP8
-    parts (:mod:`pallas_kernels.quant.kv_fp8`): e4m3 values in ``rows``, their float32 ``scales``
-    (one per 128) and the bf16 ``rope`` part, each an array of its own."""
+    """One layer's cached latent rows under the cache entry ``name``: whole rows in the model's
+    dtype (``rows`` only), or the FP8 parts (:mod:`pallas_kernels.quant.kv_fp8`): e4m3 values in
+    ``rows``, their ``scales`` (``{name}_scales``; float32 per 128 for GLM / V3.2's DS_MLA, ue8m0
+    bytes per 64 for V4's MODEL1: the scales' dtype says which) and the bf16 ``rope`` part
+    (``{name}_rope``), each an array of its own."""
 
     rows: LayerPages
     scales: LayerPages | None = None
     rope: LayerPages | None = None
+    name: str = "latent"
 
     @classmethod
-    def of(cls, cache: Cache, layer) -> LatentPages:
-        if "latent_scales" not in cache:
-            return cls(LayerPages(cache["latent"], layer))
-        parts = (cache[k] for k in ("latent", "latent_scales", "latent_rope"))
-        return cls(*(LayerPages(a, layer) for a in parts))
+    def of(cls, cache: Cache, layer, name: str = "latent") -> LatentPages:
+        if f"{name}_scales" not in cache:
+            return cls(LayerPages(cache[name], layer), name=name)
+        parts = (cache[k] for k in (name, f"{name}_scales", f"{name}_rope"))
+        return cls(*(LayerPages(a, layer) for a in parts), name=name)
 
     @property
     def parts(self) -> tuple[LayerPages, ...]:
         return (self.rows,) if self.scales is None else (self.rows, self.scales, self.rope)
 
+    @property
+    def page_size(self) -> int:
+        return self.rows.page_size
+
+    def _quantize(self, rows: jax.Array) -> tuple[jax.Array, ...]:
+        fmt = kv_fp8.latent_format(self.scales.stacked.dtype)
+        return fmt.quantize(rows, self.rows.stacked.shape[-1])
+
     def write(self, slots: jax.Array, rows: jax.Array) -> LatentPages:
         """Store ``rows [T, C+Pr]`` at ``slots`` (-1 dropped): as they are, or quantized."""
         if self.scales is None:
-            return LatentPages(self.rows.write(slots, rows))
-        values = kv_fp8.quantize_latent(rows, self.rows.stacked.shape[-1])
-        return LatentPages(*(p.write(slots, v) for p, v in zip(self.parts, values)))
+            return dataclasses.replace(self, rows=self.rows.write(slots, rows))
+        written = (p.write(slots, v) for p, v in zip(self.parts, self._quantize(rows)))
+        return LatentPages(*written, name=self.name)
+
+    def read_back(self, rows: jax.Array) -> jax.Array:
+        """``rows`` as a reader of these pages sees them once written: themselves, or FP8 rows
+        dequantized into ``rows``' dtype (exact: an e4m3 value times a power of two is a bf16)."""
+        if self.scales is None:
+            return rows
+        return kv_fp8.dequantize_latent(*self._quantize(rows)).astype(rows.dtype)
 
     def flat(self, slots: jax.Array) -> tuple[tuple[jax.Array, ...], jax.Array]:
         """Every layer's parts seen flat ``[L*P*page, w]`` and ``slots`` moved into this layer."""
@@ -70,8 +88,14 @@ class LatentPages:
         return tuple(flat for flat, _ in seen), seen[0][1]
 
     def entries(self) -> Cache:
-        names = ("latent", "latent_scales", "latent_rope")
+        names = (self.name, f"{self.name}_scales", f"{self.name}_rope")
         return {name: p.stacked for name, p in zip(names, self.parts)}
+
+
+def fp8_parts(parts: tuple[jax.Array, ...]) -> dict[str, jax.Array]:
+    """:func:`jaxdsa.ops.sparse_mla`'s keyword arguments for :meth:`LatentPages.flat`'s parts after
+    the first (none for rows in the model's dtype)."""
+    return dict(zip(("kv_scale", "kv_rope"), parts[1:]))
 
 
 class MLAttention(nnx.Module):
@@ -229,6 +253,7 @@ class MLAttention(nnx.Module):
         indices [T, K] (-1 skip) -> o [T,H,Dv]."""
         q_abs = jnp.einsum("thn,chn->thc", q_nope, self.w_uk.dense(q_nope.dtype))
         q = jnp.concatenate([q_abs, q_pe.astype(q_abs.dtype)], axis=-1)
-        fp8 = dict(zip(("kv_scale", "kv_rope"), kv[1:]))
-        out, _ = ops.sparse_mla(q, kv[0], indices, sm_scale=self.softmax_scale, v_dim=self.kv_lora, **fp8)
+        out, _ = ops.sparse_mla(
+            q, kv[0], indices, sm_scale=self.softmax_scale, v_dim=self.kv_lora, **fp8_parts(kv)
+        )
         return jnp.einsum("thc,chv->thv", out, self.w_uv.dense(out.dtype))

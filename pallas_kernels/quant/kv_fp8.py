@@ -1,20 +1,23 @@
-"""The FP8 KV-cache formats of GLM-5.x / DeepSeek-V3.2, as the released engines store them
-(docs/models.md §5.2, §5.4, §5.8), and their exact quantizers.
+"""The FP8 KV-cache formats of GLM-5.x / DeepSeek-V3.2 and DeepSeek-V4, as the released engines store
+them (docs/models.md §5.2-§5.4, §5.8), and their exact quantizers.
 
-**Latent rows** (FlashMLA's ``fp8_ds_mla`` fields; 656 bytes a token at the released widths). One
-cached MLA row ``[c (C values) | k_pe (Pr values)]`` is kept as three parts::
+**Latent rows.** A cached row ``[c (C values) | rope (Pr values)]`` is kept as three parts: the C
+"nope" values in e4m3, one scale per tile of them, and the rope part in bfloat16 (not quantized).
+Two formats (:class:`LatentFormat`):
 
-    values  C e4m3 = c / s_k, tile k = c[128k : 128k + 128]      (512 B)
-    scales  C/128 float32 s_k                                    (16 B)
-    rope    k_pe in bfloat16 (not quantized)                     (128 B)
+* ``DS_MLA`` (FlashMLA's ``fp8_ds_mla``, GLM-5.x / V3.2): tiles of 128, float32 scales; 512 + 16 +
+  128 = 656 bytes a token at the released 512 + 64, against 1,152 in bf16. Attention reads
+  ``K = [c | k_pe]`` and ``V = c``.
+* ``MODEL1`` (DeepSeek-V4's FlashMLA layout): tiles of 64, scales as ue8m0 exponent bytes (``s = 2^(e -
+  127)``); 448 + 7 + 128 = 583 bytes of data a token at the released 448 + 64 (FlashMLA's record
+  adds one pad byte: 584), against 1,024 in bf16. K = V = the whole row.
 
-against 1,152 bytes in bf16. Dequantized, ``c[j] = f32(e4m3[j]) * s_{j // 128}`` and ``k_pe`` is the
-bf16 value: attention reads ``K = [c | k_pe]`` and ``V = c``. FlashMLA interleaves the three in one
-656-byte record per token; jaxdsa keeps each in an array of its own (same bytes, same values), so
-that a kernel loads every part with vector loads of its own type: read byte by byte from one
-record, the rope and scales held the H200's sparse-MLA decode to ~500 GB/s
-(``benchmarks/results/kernels_mla_fp8-h200.md``). A record is the concatenation of the parts' bytes
-(float32 little-endian), so either form converts to the other without rounding.
+Dequantized, ``c[j] = f32(e4m3[j]) * s_{j // tile}`` and the rope part is the bf16 value. FlashMLA
+interleaves the parts in one record per token; jaxdsa keeps each in an array of its own (same
+bytes, same values), so that a kernel loads every part with vector loads of its own type: read
+byte by byte from one record, the rope and scales held the H200's sparse-MLA decode to ~500 GB/s
+(``benchmarks/results/kernels_mla_fp8-h200.md``). A nope part narrower than one tile (the tiny test
+models) is one tile of its own width.
 
 **Index keys.** One key of D values (D = 128 released) becomes D e4m3 values and one float32
 scale: 132 bytes against 256. The key is rotated by the normalized Hadamard matrix before it is
@@ -25,8 +28,8 @@ rounding).
 Scales follow DeepSeek's ``act_quant`` rule with ``scale_fmt = ue8m0``: ``amax = max(|x|, 1e-4)``
 over the tile, ``s = amax / 448`` rounded *up* to a power of two, ``q = e4m3(x / s)`` (round to
 nearest even; ``|x / s| <= 448`` by construction). A power-of-two scale makes ``x / s`` exact, so the
-only rounding is e4m3's. Readers accept any positive float32 scale (vLLM's writer stores the raw
-``amax / 448``).
+only rounding is e4m3's. Readers of float32 scales accept any positive value (vLLM's writer stores
+the raw ``amax / 448``).
 
 The kernels decode the parts in place (:mod:`pallas_kernels.quant.decode`); the functions here are
 the writer and the reference decoder.
@@ -34,23 +37,68 @@ the writer and the reference decoder.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-TILE = 128  # latent values per scale
+TILE = 128  # values per scale in DS_MLA
 E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
+E8M0_BIAS = 127
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentFormat:
+    """How a latent row's nope values are scaled: ``tile`` values per scale, scales stored as
+    float32 values or as ue8m0 exponent bytes (``scale_dtype`` uint8)."""
+
+    name: str
+    tile: int
+    scale_dtype: Any
+
+    def tile_width(self, nope: int) -> int:
+        """Values per scale for a ``nope``-wide part: ``tile``, or the whole part when narrower."""
+        if nope < self.tile:
+            return nope
+        if nope % self.tile:
+            raise ValueError(f"FP8 latent ({self.name}): the width {nope} is not a multiple of {self.tile}")
+        return self.tile
+
+    def row_bytes(self, nope: int, rope: int) -> int:
+        """Bytes one token's row takes (656 for DS_MLA at 512 + 64, 583 for MODEL1 at 448 + 64)."""
+        scales = nope // self.tile_width(nope)
+        return nope + scales * jnp.dtype(self.scale_dtype).itemsize + 2 * rope
+
+    def quantize(self, rows: jax.Array, nope: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Rows ``[T, nope + Pr]`` (any float dtype) -> (values e4m3 ``[T, nope]``, scales
+        ``[T, nope / tile]`` in ``scale_dtype``, rope bf16 ``[T, Pr]``)."""
+        rows = rows.astype(jnp.float32)
+        T, w = rows.shape[0], self.tile_width(nope)
+        q, scale = _quantize_tiles(rows[:, :nope].reshape(T, nope // w, w))
+        if jnp.dtype(self.scale_dtype) == jnp.uint8:
+            scale = encode_e8m0(scale)
+        return q.reshape(T, nope), scale, rows[:, nope:].astype(jnp.bfloat16)
+
+
+DS_MLA = LatentFormat("fp8_ds_mla", TILE, jnp.float32)
+MODEL1 = LatentFormat("model1", 64, jnp.uint8)
+
+
+def latent_format(scale_dtype) -> LatentFormat:
+    """The format whose scales are stored in ``scale_dtype`` (float32: DS_MLA, uint8: MODEL1)."""
+    return MODEL1 if jnp.dtype(scale_dtype) == jnp.uint8 else DS_MLA
 
 
 def latent_bytes(v_dim: int, rope_dim: int) -> int:
-    """Bytes one token's latent row takes in FP8 (656 at the released 512 + 64)."""
+    """Bytes one token's DS_MLA latent row takes (656 at the released 512 + 64)."""
     if v_dim % TILE:
         raise ValueError(f"FP8 latent: the latent width {v_dim} is not a multiple of {TILE}")
-    return v_dim + 4 * (v_dim // TILE) + 2 * rope_dim
+    return DS_MLA.row_bytes(v_dim, rope_dim)
 
 
 def pow2_scale(amax: jax.Array) -> jax.Array:
@@ -61,6 +109,18 @@ def pow2_scale(amax: jax.Array) -> jax.Array:
     return jnp.ldexp(jnp.float32(1.0), jnp.where(mantissa == 0.5, exponent - 1, exponent))
 
 
+def encode_e8m0(scale: jax.Array) -> jax.Array:
+    """Power-of-two float32 scales -> ue8m0 bytes ``log2(s) + 127`` (the float's exponent field)."""
+    return (lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint32) >> 23).astype(jnp.uint8)
+
+
+def decode_scales(scales: jax.Array) -> jax.Array:
+    """Stored scales as float32: float32 as they are, ue8m0 bytes ``e`` as ``2^(e - 127)``."""
+    if scales.dtype == jnp.uint8:
+        return lax.bitcast_convert_type(scales.astype(jnp.uint32) << 23, jnp.float32)
+    return scales.astype(jnp.float32)
+
+
 def _quantize_tiles(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [..., n, w] float32 -> (e4m3 [..., n, w], scales [..., n] float32), one scale per tile."""
     scale = pow2_scale(jnp.max(jnp.abs(x), axis=-1))
@@ -69,19 +129,15 @@ def _quantize_tiles(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def quantize_latent(rows: jax.Array, v_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Cached MLA rows ``[T, v_dim + Pr]`` (any float dtype) -> (values e4m3 ``[T, v_dim]``, scales
-    float32 ``[T, v_dim / 128]``, rope bf16 ``[T, Pr]``)."""
-    rows = rows.astype(jnp.float32)
-    T = rows.shape[0]
-    q, scale = _quantize_tiles(rows[:, :v_dim].reshape(T, v_dim // TILE, TILE))
-    return q.reshape(T, v_dim), scale, rows[:, v_dim:].astype(jnp.bfloat16)
+    """DS_MLA parts of cached MLA rows ``[T, v_dim + Pr]``: :meth:`LatentFormat.quantize`."""
+    return DS_MLA.quantize(rows, v_dim)
 
 
 def dequantize_latent(values: jax.Array, scales: jax.Array, rope: jax.Array) -> jax.Array:
-    """The rows that FP8 latent parts ``[..., C]``, ``[..., C/128]``, ``[..., Pr]`` hold, float32
-    ``[..., C + Pr]``."""
-    lead, v_dim = values.shape[:-1], values.shape[-1]
-    tiles = values.astype(jnp.float32).reshape(*lead, v_dim // TILE, TILE) * scales[..., None]
+    """The rows that FP8 latent parts ``[..., C]``, ``[..., C / tile]`` (float32 or ue8m0 bytes),
+    ``[..., Pr]`` hold, float32 ``[..., C + Pr]``; the tile is ``C`` over the scales' count."""
+    lead, v_dim, n = values.shape[:-1], values.shape[-1], scales.shape[-1]
+    tiles = values.astype(jnp.float32).reshape(*lead, n, v_dim // n) * decode_scales(scales)[..., None]
     return jnp.concatenate([tiles.reshape(*lead, v_dim), rope.astype(jnp.float32)], axis=-1)
 
 

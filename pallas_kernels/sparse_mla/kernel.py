@@ -4,28 +4,35 @@ Math (per query t, head h, over the selected rows r = kv[indices[t, j]]): scores
 ``sm_scale * q[t,h] . r`` over the full row; values are the first ``v_dim`` columns of the same
 rows; online softmax in float32 (base 2, ``log2(e)`` folded into the scale).
 
-Layout. A row is split into its value part (``v_dim`` columns) and its rope part (the rest);
-each part is padded to a power of two (Triton tiles must be powers of two) with column masks,
-so 576 = 512 + 64 takes the unmasked fast path and e.g. the tiny models' 136 = 128 + 8 works
+Layout. A float row is split into its value part (``v_dim`` columns) and its rope part (the
+rest); each part is padded to a power of two (Triton tiles must be powers of two) with column
+masks, so 576 = 512 + 64 takes the unmasked fast path and e.g. the tiny models' 136 = 128 + 8 works
 with masks. Scores are one dot per value column group plus one for the rope part; the value
-tiles are reused for P.V, one float32 accumulator per group. Float rows are one group.
+tiles are reused for P.V, one float32 accumulator per group. Float rows are one group, FP8 rows
+one per scale tile (below).
 
 FP8 cache. With ``kv_scale`` the rows are :mod:`pallas_kernels.quant.kv_fp8`'s three latent
-arrays: ``kv`` the e4m3 values ``[Z, v_dim]``, ``kv_scale`` float32 ``[Z, v_dim / 128]``, ``kv_rope``
-the bf16 rope part ``[Z, D - v_dim]``. They are decoded in-kernel from the gathered rows (never a
-dequantized copy of the cache): the value part as ``v_dim / 128`` groups of 128 columns, each a
-contiguous ``[block_n, 128]`` byte tile (the e4m3 array is bitcast to uint8 in XLA, a free
-same-size bitcast: a masked load needs an ``other`` fill, and there is no e4m3 constant) whose
-scale is one float32 per row, a ``[block_n]`` gathered load from the flattened scales broadcast
-over the tile; the rope is a ``[block_n, Pr]`` bf16 tile, loaded as the float rows' rope tile is.
-Every value is dequantized as :func:`pallas_kernels.quant.kv_fp8.dequantize_latent` does it: e4m3
-to float32, times its float32 scale in float32, then cast to q's dtype for the dots (float32
-queries see the reference's rows exactly; bf16 rounds once, as casting the dequantized row would).
+arrays: ``kv`` the e4m3 values ``[Z, C]``, ``kv_scale`` ``[Z, S]`` (one scale per ``tile = C / S``
+values: float32, or ue8m0 exponent bytes as uint8), ``kv_rope`` the bf16 rope part ``[Z, D - C]``.
+Two formats use them: GLM's ``DS_MLA`` (C = 512, tiles of 128, float32 scales, ``V`` = the e4m3
+part: ``v_dim = C``) and DeepSeek-V4's ``MODEL1`` (C = 448, tiles of 64, ue8m0 scales; the tiny
+test models' C = 24 is one tile of 24; ``K = V`` = the whole row: ``v_dim = D``, so the rope tile
+is a value group too, with its own float32 accumulator and output columns C..D). They are decoded
+in-kernel from the gathered rows (never a dequantized copy of the cache): the e4m3 part as ``S``
+groups of ``tile`` columns, each a contiguous ``[block_n, tile]`` byte tile (padded to a power of
+two with column masks, as 24 -> 32; the e4m3 array is bitcast to uint8 in XLA, a free same-size
+bitcast: a masked load needs an ``other`` fill, and there is no e4m3 constant) whose scale is one
+per row, a ``[block_n]`` gathered load from the flattened scales broadcast over the tile (ue8m0
+bytes become float32 by moving the byte into the exponent field, :func:`_e8m0_scale`); the rope
+is a ``[block_n, Pr]`` bf16 tile, loaded as the float rows' rope tile is. Every value is
+dequantized as :func:`pallas_kernels.quant.kv_fp8.dequantize_latent` does it: e4m3 to float32,
+times its float32 scale in float32, then cast to q's dtype for the dots (float32 queries see the
+reference's rows exactly; bf16 rounds once, as casting the dequantized row would).
 The e4m3 decode is the hardware cast ("native", sm_89+) or integer bit moves into float16
 (:func:`_e4m3_software`; sm_80/86, the interpreter), chosen by
 :func:`pallas_kernels.quant.decode.fp_decode` at trace time or per call; the two agree on all 254
 finite codes, but the software decode reads the NaN codes 0x7F / 0xFF as +-480 (scaled caches
-never hold NaN). Measured on H200 (``benchmarks/results/kernels_mla_fp8-h200.md``, decode,
+never hold NaN). Measured on H200 with GLM's rows (``benchmarks/results/kernels_mla_fp8-h200.md``, decode,
 top-2048, 8k context): right with both decoders, but still 1.3-2.2x the time of bf16 rows at
 B >= 8 (5-15 % of the memory ceiling against 14-45 %), little better than the one-record layout
 it replaced (H = 16 B = 128: 296 vs 379 us; H = 64 B = 64: 219 vs 228 us). The decode does not bound
@@ -37,7 +44,8 @@ most (4 warps: 204 us there). Hence, with ``prefetch``, FP8 rows are software-pi
 loop carry holds the next step's raw gathered parts (code tiles, scales, rope tile and their row
 mask) and the indices of the step after, so step i issues step i + 1's gathers before it decodes
 and multiplies step i's rows (:func:`_gather_fp8` / :func:`_decode_fp8`); the carried bytes live in
-registers (``block_n * 656`` bytes per program). Float rows keep the loop as it was (``prefetch``
+registers (``block_n`` rows of 656 bytes per program for GLM, 583 for DeepSeek-V4, whose scales
+travel as their ue8m0 bytes). Float rows keep the loop as it was (``prefetch``
 carries their next indices only; their row loads feed the dots and Triton's pipeliner stages them).
 It pays only where a program must hide its own gathers and has the registers (H200, 64k context):
 16 heads in one wave (H = 16 B = 32: 62 us, bf16 rows 60, without it 83) and 32-head blocks; not
@@ -60,7 +68,8 @@ run side by side (the second read of a row hits L2). Each program:
 
 Split count, head block and tile sizes come from :mod:`.tuning` (per compute capability and
 operand dtype: float32 tiles are sized to fit the same shared memory as bf16 ones; fp8 rows count
-their three parts' bytes per stage and the decoded value tile as resident).
+their three parts' bytes per stage and the decoded value tile as resident; DeepSeek-V4's rows take
+the rules measured on GLM's).
 """
 
 from __future__ import annotations
@@ -77,7 +86,6 @@ from jax import lax
 
 from pallas_kernels._triton import compiler_params, pl, pltriton
 from pallas_kernels.merge_states.kernel import apply_sink, merge_states
-from pallas_kernels.quant import kv_fp8
 from pallas_kernels.quant.decode import fp_decode
 from pallas_kernels.sparse_mla import ref, tuning
 from pallas_kernels.sparse_mla.tuning import MlaConfig
@@ -99,13 +107,15 @@ class _Geometry:
     n_heads: int
     n_keys: int
     n_slots: int
-    d_v: int  # value columns (the first d_v of a row)
-    d_r: int  # rope columns (the rest of the row); 0 when the whole row is the value
+    d_c: int  # the row's first part: a float row's value columns, an FP8 row's e4m3 columns
+    d_r: int  # rope columns (the rest of the row); 0 when the first part is the whole row
     chunk: int  # indices per split (a multiple of block_n)
     block_h: int
     block_n: int
     prefetch: bool  # load step i+1's indices while step i's rows are gathered
     fp8: str | None = None  # FP8 latent parts, e4m3 decoded "native" / "software"; None: float rows
+    tile: int = 0  # FP8 e4m3 values per scale
+    rope_value: bool = False  # the rope part is a value group too (FP8 rows with V = K: DeepSeek-V4)
 
     @property
     def d_r_pad(self) -> int:
@@ -113,17 +123,27 @@ class _Geometry:
 
     @property
     def groups(self) -> tuple[tuple[int, int, int], ...]:
-        """``(first column, width, padded width)`` of each value column group: one scale tile
-        (128 columns) each for FP8 values, the whole value part of a float row."""
-        if self.fp8:
-            return tuple((c, kv_fp8.TILE, kv_fp8.TILE) for c in range(0, self.d_v, kv_fp8.TILE))
-        return ((0, self.d_v, _pad(self.d_v)),)
+        """``(first column, width, padded width)`` of each group of the first part: one scale tile
+        each for FP8 values, the whole value part of a float row."""
+        return _groups(self.d_c, self.tile if self.fp8 else self.d_c)
+
+    @property
+    def out_groups(self) -> tuple[tuple[int, int, int], ...]:
+        """The value column groups, one float32 accumulator each: :attr:`groups`, then the rope part
+        where it is a value (its output columns follow the e4m3 ones)."""
+        rope = ((self.d_c, self.d_r, self.d_r_pad),) if self.rope_value else ()
+        return self.groups + rope
 
     @property
     def rope_col(self) -> int:
         """The rope part's first column in the array that holds it: its own array for FP8, after the
         value columns of a float row."""
-        return 0 if self.fp8 else self.d_v
+        return 0 if self.fp8 else self.d_c
+
+
+def _groups(width: int, tile: int) -> tuple[tuple[int, int, int], ...]:
+    """``(first column, tile, padded tile)`` of the ``width / tile`` groups of ``tile`` columns."""
+    return tuple((c, tile, _pad(tile)) for c in range(0, width, tile))
 
 
 def _load_tile(src, rows, row_ok, col0: int, width: int, width_pad: int):
@@ -151,13 +171,21 @@ def _e4m3_software(u8: jax.Array) -> jax.Array:
     return (half * jnp.float16(256.0)).astype(jnp.float32)
 
 
+def _e8m0_scale(e: jax.Array) -> jax.Array:
+    """ue8m0 bytes -> float32 ``2^(e - 127)``: the byte moved into float32's exponent field, as
+    :func:`pallas_kernels.quant.kv_fp8.decode_scales` reads them (e = 0 gives 0, e = 255 inf; the
+    writer stores neither)."""
+    return lax.bitcast_convert_type(e.astype(jnp.int32) << 23, jnp.float32)
+
+
 def _gather_fp8(kv_ref, scale_ref, rope_ref, rows, ok, g: _Geometry) -> tuple:
-    """The raw FP8 parts of the gathered rows, undecoded: one ``[block_n, 128]`` code tile (uint8)
-    and one ``[block_n]`` float32 scale per value group, and the ``[block_n, Pr]`` rope tile (None
-    without rope). With ``prefetch`` these travel through the loop carry, loaded a step ahead."""
-    codes, scales = [], []
+    """The raw FP8 parts of the gathered rows, undecoded: one ``[block_n, tile]`` code tile (uint8)
+    and one ``[block_n]`` scale (float32, or ue8m0 bytes: a quarter of the carried registers) per
+    scale group, and the ``[block_n, Pr]`` rope tile (None without rope). With ``prefetch`` these
+    travel through the loop carry, loaded a step ahead."""
+    codes, scales, zero = [], [], 0.0 if scale_ref.dtype == jnp.float32 else 0
     for group, (c, w, wp) in enumerate(g.groups):
-        scales.append(pltriton.load(scale_ref.at[rows * len(g.groups) + group], mask=ok, other=0.0))
+        scales.append(pltriton.load(scale_ref.at[rows * len(g.groups) + group], mask=ok, other=zero))
         codes.append(_load_tile(kv_ref, rows, ok, c, w, wp))
     rope = _load_tile(rope_ref, rows, ok, g.rope_col, g.d_r, g.d_r_pad) if g.d_r else None
     return codes, scales, rope
@@ -168,6 +196,8 @@ def _decode_fp8(codes, scales, g: _Geometry, dtype) -> list[jax.Array]:
     row's scale in float32."""
     tiles = []
     for code, scale in zip(codes, scales, strict=True):
+        if scale.dtype == jnp.uint8:
+            scale = _e8m0_scale(scale)
         if g.fp8 == "native":
             values = lax.bitcast_convert_type(code, jnp.float8_e4m3fn).astype(jnp.float32)
         else:
@@ -206,7 +236,7 @@ def _kernel(*refs, g: _Geometry, sm_scale: float, has_sink: bool, precision):
 
     q_v = [_load_tile(q_ref, heads, head_ok, c, w, wp) for c, w, wp in g.groups]
     if g.d_r:
-        q_r = _load_tile(q_ref, heads, head_ok, g.d_v, g.d_r, g.d_r_pad)
+        q_r = _load_tile(q_ref, heads, head_ok, g.d_c, g.d_r, g.d_r_pad)
 
     def load_indices(i):
         pos = start + i * g.block_n + jnp.arange(g.block_n, dtype=jnp.int32)
@@ -214,10 +244,14 @@ def _kernel(*refs, g: _Geometry, sm_scale: float, has_sink: bool, precision):
 
     def update(m, row_sum, acc, valid, values, rope):
         """One step of the online softmax over gathered rows: scores, rescale, ``acc += P.V``
-        (``rope``: a callable giving the rope tile, traced after the value dots)."""
+        (``rope``: a callable giving the rope tile, traced after the value dots; with
+        ``rope_value`` it is the last value group too)."""
         s = functools.reduce(operator.add, [dot(qg, vg, nt) for qg, vg in zip(q_v, values, strict=True)])
         if g.d_r:
-            s = s + dot(q_r, rope(), nt)
+            rope_tile = rope()
+            s = s + dot(q_r, rope_tile, nt)
+            if g.rope_value:
+                values = [*values, rope_tile]
         s = jnp.where(valid[None, :], s * (sm_scale * _LOG2E), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no valid key yet: keep exp2 finite
@@ -264,7 +298,7 @@ def _kernel(*refs, g: _Geometry, sm_scale: float, has_sink: bool, precision):
     init = (
         jnp.full((g.block_h,), -jnp.inf, jnp.float32),
         jnp.zeros((g.block_h,), jnp.float32),
-        [jnp.zeros((g.block_h, wp), jnp.float32) for _, _, wp in g.groups],
+        [jnp.zeros((g.block_h, wp), jnp.float32) for _, _, wp in g.out_groups],
     )
     if g.fp8 and g.prefetch:
         safe, valid = rows_of(load_indices(0))
@@ -284,7 +318,7 @@ def _kernel(*refs, g: _Geometry, sm_scale: float, has_sink: bool, precision):
         sink = pltriton.load(sink_ref.at[heads], mask=head_ok, other=-jnp.inf)
         # the sink's factor on every value group's output: apply_sink of a [block_h, 1] tile of ones
         sink_factor, lse = apply_sink(jnp.ones((g.block_h, 1), jnp.float32), lse, sink)
-    for (c, w, wp), a in zip(g.groups, acc, strict=True):
+    for (c, w, wp), a in zip(g.out_groups, acc, strict=True):
         out = a / row_sum_safe[:, None]
         if has_sink:
             out = out * sink_factor
@@ -327,8 +361,9 @@ def sparse_mla(
     q [T, H, D], kv [Z, D] float rows, indices [T, K] int32 (-1 or >= Z: skipped), sink [H] f32 or
     None -> (out [T, H, v_dim] in q.dtype, lse [T, H] f32, natural log, sink included). With
     ``kv_scale`` the rows are FP8 latent parts (:mod:`pallas_kernels.quant.kv_fp8`): kv
-    float8_e4m3fn [Z, v_dim], kv_scale f32 [Z, v_dim / 128], kv_rope bf16 [Z, D - v_dim] (None when
-    D == v_dim); :func:`.ref.check_kv` checks them. ``config`` overrides :func:`.tuning.choose`
+    float8_e4m3fn [Z, C], kv_scale f32 or uint8 ue8m0 [Z, S] (one scale per C / S values), kv_rope
+    bf16 [Z, D - C] (None when D == C), v_dim C (GLM) or D (DeepSeek-V4: the rope part is a value
+    too); :func:`.ref.check_kv` checks them. ``config`` overrides :func:`.tuning.choose`
     (benchmark sweeps); ``fp8_decode`` ("native" / "software") overrides
     :func:`pallas_kernels.quant.decode.fp_decode` for FP8 rows.
     """
@@ -341,10 +376,14 @@ def sparse_mla(
     fp8 = fp_decode(fp8_decode) if kv_scale is not None else None
     if t == 0 or h == 0 or k == 0 or n == 0:
         return _empty(t, h, v_dim, q.dtype, sink)
-    if _pad(v_dim) + (_pad(d - v_dim) if d > v_dim else 0) > _MAX_ROW_PAD:
+    d_c = kv.shape[1] if fp8 else v_dim  # the row's first part: e4m3 columns, or a float row's values
+    d_r = d - d_c
+    tile = d_c // kv_scale.shape[1] if fp8 else d_c
+    if sum(wp for *_, wp in _groups(d_c, tile)) + (_pad(d_r) if d_r else 0) > _MAX_ROW_PAD:
         warnings.warn(
-            f"sparse_mla: a {d}-wide row ({v_dim} value columns) pads past {_MAX_ROW_PAD} columns per head, "
-            "more than one program's registers hold; running the pure-JAX reference instead",
+            f"sparse_mla: a {d}-wide row ({v_dim} value columns, groups of {tile}) pads past "
+            f"{_MAX_ROW_PAD} columns per head, more than one program's registers hold; running the "
+            "pure-JAX reference instead",
             stacklevel=2,
         )
         return ref.sparse_mla(
@@ -353,10 +392,13 @@ def sparse_mla(
 
     # Dot operands are q's dtype: float rows are cast to it after the load, FP8 values decoded into it.
     itemsize = max(q.dtype.itemsize, kv.dtype.itemsize)
-    cfg = config or tuning.choose(t, h, k, d_v=v_dim, d_r=d - v_dim, itemsize=itemsize, fp8=fp8 is not None)
+    fp8_rows = tuning.Fp8Rows(d_c, tile, kv_scale.dtype.itemsize) if fp8 else False
+    cfg = config or tuning.choose(t, h, k, d_v=v_dim, d_r=d_r, itemsize=itemsize, fp8=fp8_rows)
     chunk = pl.cdiv(pl.cdiv(k, cfg.splits), cfg.block_n) * cfg.block_n
     splits = pl.cdiv(k, chunk)
-    g = _Geometry(h, k, n, v_dim, d - v_dim, chunk, cfg.block_h, cfg.block_n, cfg.prefetch, fp8)
+    g = _Geometry(
+        h, k, n, d_c, d_r, chunk, cfg.block_h, cfg.block_n, cfg.prefetch, fp8, tile, rope_value=v_dim > d_c
+    )
 
     has_sink = sink is not None and splits == 1
     part_dtype = q.dtype if splits == 1 or cfg.narrow_partials else jnp.float32

@@ -1,9 +1,11 @@
 """Pure-JAX oracle for sparse MLA (float32 math, chunked over queries to bound memory).
 
 The cache is float rows ``[Z, D]``, or FP8 latent parts (:mod:`pallas_kernels.quant.kv_fp8`): e4m3
-values ``[Z, v_dim]``, float32 scales ``[Z, v_dim / 128]`` and bf16 rope ``[Z, D - v_dim]``. The
-parts are gathered at the selected indices and dequantized there, so only the selected rows are
-ever decoded, never the pool.
+values ``[Z, C]``, scales ``[Z, S]`` (float32, or ue8m0 bytes as uint8; one per ``C / S`` values) and
+bf16 rope ``[Z, D - C]``. The parts are gathered at the selected indices and dequantized there
+(:func:`pallas_kernels.quant.kv_fp8.dequantize_latent`), so only the selected rows are ever decoded,
+never the pool; the values are the dequantized row's first ``v_dim`` columns (``C``: GLM's ``V = c``;
+``D``: DeepSeek-V4's ``V = K``, rope included).
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ def check_kv(
 ) -> None:
     """Raise ValueError unless the cache holds rows for ``q_dim``-wide queries whose first ``v_dim``
     columns are the value: float rows ``kv [Z, q_dim]`` (no ``kv_scale`` / ``kv_rope``), or with
-    ``kv_scale`` the FP8 latent parts ``kv`` float8_e4m3fn ``[Z, v_dim]`` (``v_dim`` a multiple of
-    128), ``kv_scale`` float32 ``[Z, v_dim / 128]``, ``kv_rope`` bfloat16 ``[Z, q_dim - v_dim]`` (None
-    when ``q_dim == v_dim``)."""
+    ``kv_scale`` the FP8 latent parts ``kv`` float8_e4m3fn ``[Z, C]``, ``kv_scale`` float32 or uint8
+    (ue8m0) ``[Z, S]`` with S dividing C (one scale per ``C / S`` values), ``kv_rope`` bfloat16
+    ``[Z, q_dim - C]`` (None when ``C == q_dim``), and ``v_dim`` either ``C`` (the value is the e4m3
+    part: GLM, DS_MLA) or ``q_dim`` (the whole row: DeepSeek-V4, MODEL1)."""
     where = (
         f"sparse_mla: kv {_describe(kv)}, kv_scale {_describe(kv_scale)}, kv_rope {_describe(kv_rope)} "
         f"for {q_dim}-wide queries, v_dim {v_dim}"
@@ -45,25 +48,38 @@ def check_kv(
         if kv.shape[1] != q_dim:
             raise ValueError(f"{where}: the rows are {kv.shape[1]} wide, the queries {q_dim}")
         return
-    z, rope_dim, tile = kv.shape[0], q_dim - v_dim, kv_fp8.TILE
-    if kv.dtype != jnp.float8_e4m3fn or kv.shape[1] != v_dim or v_dim % tile:
+    z, c = kv.shape
+    if kv.dtype != jnp.float8_e4m3fn or not 0 < c <= q_dim:
         raise ValueError(
-            f"{where}: with kv_scale, kv is the float8_e4m3fn latent values [Z, v_dim], "
-            f"v_dim a multiple of {tile}"
+            f"{where}: with kv_scale, kv is the float8_e4m3fn latent values [Z, C], C at most the query width"
         )
-    if kv_scale.dtype != jnp.float32 or kv_scale.shape != (z, v_dim // tile):
+    if v_dim not in (c, q_dim):
         raise ValueError(
-            f"{where}: kv_scale must be float32 [{z}, {v_dim // tile}] (one scale per {tile} values)"
+            f"{where}: v_dim must be the {c} e4m3 columns (V = the nope part) or the query width {q_dim} "
+            "(V = the whole row, rope included)"
         )
+    if (
+        kv_scale.dtype not in (jnp.float32, jnp.uint8)
+        or kv_scale.ndim != 2
+        or kv_scale.shape[0] != z
+        or not 0 < kv_scale.shape[1] <= c
+        or c % kv_scale.shape[1]
+    ):
+        raise ValueError(
+            f"{where}: kv_scale must be float32 or uint8 (ue8m0 exponents) [{z}, S], one scale per C / S "
+            f"values (S dividing {c})"
+        )
+    rope_dim = q_dim - c
     if rope_dim == 0:
         if kv_rope is not None:
-            raise ValueError(f"{where}: the row is all value, so kv_rope must be None")
+            raise ValueError(f"{where}: the row is all e4m3 values, so kv_rope must be None")
     elif kv_rope is None or kv_rope.dtype != jnp.bfloat16 or kv_rope.shape != (z, rope_dim):
         raise ValueError(f"{where}: kv_rope must be bfloat16 [{z}, {rope_dim}]")
 
 
 def _attend(q, kv, kv_scale, kv_rope, indices, sm_scale, sink, v_dim):
-    """q [T,H,Dk], kv [Z,Dk] (or FP8 parts), indices [T,K] -> out [T,H,v_dim] f32, lse [T,H] f32."""
+    """q [T,H,Dk], kv [Z,Dk] (or FP8 parts), indices [T,K] -> out [T,H,v_dim] f32, lse [T,H] f32: the
+    values are the first v_dim columns of the (dequantized) rows."""
     valid = (indices >= 0) & (indices < kv.shape[0])
     gather = lambda a: jnp.take(a, jnp.where(valid, indices, 0), axis=0)  # noqa: E731  [T,K,...]
     rows = gather(kv)

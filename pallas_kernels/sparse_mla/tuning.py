@@ -13,7 +13,8 @@ query's index list; it gathers ``block_n`` rows per loop step. The choice per sh
    into ``splits`` chunks whose partial states are LSE-merged. Splits are chosen as
    ``floor(SMs / programs)`` (:func:`pallas_kernels._triton.sm_count`) so the grid is one full
    wave, and capped so the float32 partials (written, then read by the merge) stay below the
-   gathered bytes (``S*H*Dv*4 <= K*D*itemsize`` per query, ``K*656`` for FP8 latent rows) or
+   gathered bytes (``S*H*Dv*4 <= K*D*itemsize`` per query, ``K *`` :meth:`Fp8Rows.row_bytes` for
+   FP8 latent rows: 656 for GLM's 512 + 64, 583 for DeepSeek-V4's 448 + 64) or
    below ``PARTIAL_FLOOR_BYTES`` in all, an amount every target's L2 holds (small batches, where
    latency and not bandwidth decides).
 3. If even the maximal split count cannot fill one wave (B = 1 with many heads), the head block
@@ -41,10 +42,12 @@ is 64 accumulator + 32 q registers per thread, where four warps would spill (fou
 FP8 latent rows (bf16 queries) take the same rule and ``TUNED`` entries, measured with bf16 rows,
 wherever they fit: the grid-filling argument is the same and the dot operands are the same bf16
 tiles. Their estimate (:func:`smem_bytes`) counts the staged bytes of the three parts, the decoded
-value tile and one more 128-column group of it, calibrated on H200: 64 heads x 64 rows x 2 stages
-requested 239,872 bytes (estimate 240,128; budget 232,448) and failed, 1 stage built. When they do
-not fit, FP8 rows drop stages before the gather step (``_FP8_KNOBS``): the tiles that pass through
-the decode are not multi-buffered (3 stages requested only 768 bytes more than 2), and at 64 heads
+value tile and one more scale group of it, calibrated on H200 with GLM's rows (DeepSeek-V4's, groups
+of 64 and the rope part a value too, are estimated alike; their 64 heads x 64 rows x 2 stages built
+there, ``kernels_mla_fp8-h200-v4flash.md``): GLM's 64 heads x 64 rows x 2 stages requested 239,872
+bytes (estimate 240,128; budget 232,448) and failed, 1 stage built. When they do not fit, FP8 rows
+drop stages before the gather step (``_FP8_KNOBS``): the tiles that pass through the decode are not
+multi-buffered (3 stages requested only 768 bytes more than 2), and at 64 heads
 64 rows x 1 stage beat 32 rows x 2 / 3 stages (H200, 64k context: 363 vs 422 / 409 us at B = 128,
 112 vs 124 / 114 us at B = 32; ``benchmarks/results/kernels_mla_fp8-h200-b12e627.md``, profile).
 Then :func:`fp8_adjust` sets warps and the hand-pipelined FP8 loop (``prefetch``) from the head
@@ -77,6 +80,37 @@ class MlaConfig:
     # also carry the next step's raw gathered parts (codes, scales, rope), loaded a step ahead
     prefetch: bool = False
     narrow_partials: bool = False  # K-split partial outputs in the query dtype, not float32 (A/B as above)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Rows:
+    """FP8 latent rows as the kernel reads them (:func:`pallas_kernels.sparse_mla.ref.check_kv`):
+    ``nope`` e4m3 columns, one scale of ``scale_bytes`` bytes per ``tile`` of them (float32: 4,
+    ue8m0: 1), then the bf16 rope part."""
+
+    nope: int
+    tile: int
+    scale_bytes: int
+
+    @classmethod
+    def ds_mla(cls, nope: int) -> Fp8Rows:
+        """GLM's rows (``kv_fp8.DS_MLA``): float32 scales per 128 values."""
+        return cls(nope, kv_fp8.TILE, 4)
+
+    @property
+    def nope_pad(self) -> int:
+        """Columns the e4m3 part takes in the kernel: each scale group padded to a power of two."""
+        return self.nope // self.tile * _pad(self.tile)
+
+    def row_bytes(self, d_r: int) -> int:
+        """Bytes one gathered row stages with a ``d_r``-wide rope part, padded as the kernel pads it
+        (656 at GLM's 512 + 64, 583 at DeepSeek-V4's 448 + 64)."""
+        return self.nope + self.nope // self.tile * self.scale_bytes + 2 * (_pad(d_r) if d_r else 0)
+
+
+def _pad(x: int) -> int:
+    """A tile width as the kernel pads it: a power of two, at least 16 (the MMA minimum)."""
+    return max(16, pl.next_power_of_2(x))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,31 +190,40 @@ _KNOBS = (("block_n", 16), ("num_stages", 1), ("block_h", 16))
 _FP8_KNOBS = (("num_stages", 1), ("block_n", 16), ("block_h", 16))
 
 
-def fp8_row_bytes(d_v: int, d_r: int) -> int:
-    """Bytes one gathered FP8 latent row stages: ``d_v`` e4m3 values, a float32 scale per 128 of
-    them, the bf16 rope part padded as the kernel pads it (656 at the released 512 + 64)."""
-    return kv_fp8.latent_bytes(d_v, max(16, pl.next_power_of_2(d_r)) if d_r else 0)
+def _fp8_rows(fp8: bool | Fp8Rows, d_v: int) -> Fp8Rows | None:
+    """``fp8`` as :class:`Fp8Rows` (True: GLM's DS_MLA rows of ``d_v`` e4m3 columns), None for float rows."""
+    if fp8 is True:
+        return Fp8Rows.ds_mla(d_v)
+    return fp8 or None
 
 
-def smem_bytes(cfg: MlaConfig, *, d_v: int, d_r: int, itemsize: int, fp8: bool = False) -> int:
+def smem_bytes(cfg: MlaConfig, *, d_v: int, d_r: int, itemsize: int, fp8: bool | Fp8Rows = False) -> int:
     """Shared-memory estimate (:func:`pallas_kernels._triton.shared_memory_bytes`) of one program:
     the q tile ``[block_h, Dv + Dr]`` resident, per stage ``block_n`` gathered rows plus their int32
     indices, the ``[block_h, Dv]`` float32 output tile in the epilogue (widths padded as the kernel
-    pads them). FP8 latent rows stage :func:`fp8_row_bytes` each and are decoded into a
-    ``[block_n, Dv + Dr]`` operand tile (the value part; the rope part too unless it is already the
+    pads them). ``d_v`` is the value (output) columns, ``d_r`` the rope part's; float rows are
+    ``d_v + d_r`` wide. FP8 latent rows (``fp8``: :class:`Fp8Rows`, True for GLM's) are
+    ``fp8.nope + d_r`` wide, with ``d_v`` either ``nope`` or the whole row (DeepSeek-V4: the rope part is
+    a value group too); they stage :meth:`Fp8Rows.row_bytes` each and are decoded into a
+    ``[block_n, nope + Dr]`` operand tile (the e4m3 part; the rope part too unless it is already the
     operand dtype, bf16) that stays resident for both dots, as the quantized matmuls count theirs
-    (:func:`pallas_kernels.quant.tiles.decoded_tile_bytes`), plus one more 128-column group of it
+    (:func:`pallas_kernels.quant.tiles.decoded_tile_bytes`), plus one more scale group of it
     (layout-conversion scratch; calibrated on H200, module docstring)."""
-    v_pad = max(16, pl.next_power_of_2(d_v))
-    r_pad = max(16, pl.next_power_of_2(d_r)) if d_r else 0
-    width = v_pad + r_pad
-    row_bytes = fp8_row_bytes(d_v, d_r) if fp8 else width * itemsize
-    decoded = cfg.block_n * (v_pad + 128 + (r_pad if itemsize != 2 else 0)) * itemsize if fp8 else 0
+    rows = _fp8_rows(fp8, d_v)
+    r_pad = _pad(d_r) if d_r else 0
+    if rows is None:
+        v_pad = out_pad = _pad(d_v)
+        row_bytes, decoded = (v_pad + r_pad) * itemsize, 0
+    else:
+        v_pad = rows.nope_pad
+        out_pad = v_pad + (r_pad if d_v > rows.nope else 0)
+        row_bytes = rows.row_bytes(d_r)
+        decoded = cfg.block_n * (v_pad + _pad(rows.tile) + (r_pad if itemsize != 2 else 0)) * itemsize
     return shared_memory_bytes(
-        resident=cfg.block_h * width * itemsize + decoded,
+        resident=cfg.block_h * (v_pad + r_pad) * itemsize + decoded,
         stage=cfg.block_n * (row_bytes + 4),
         num_stages=cfg.num_stages,
-        epilogue=cfg.block_h * max(16, pl.next_power_of_2(d_v)) * 4,
+        epilogue=cfg.block_h * out_pad * 4,
     )
 
 
@@ -193,11 +236,11 @@ def choose(
     d_r: int,
     itemsize: int,
     block_h: int | None = None,
-    fp8: bool = False,
+    fp8: bool | Fp8Rows = False,
 ) -> MlaConfig:
-    """Config for T queries, H heads, K indices per query, rows of ``d_v`` value + ``d_r`` rope
-    columns and dot operands of ``itemsize`` bytes; ``fp8``: the rows are FP8 latent parts
-    (:func:`smem_bytes`).
+    """Config for T queries, H heads, K indices per query, ``d_v`` value columns and a ``d_r``-wide
+    rope part (:func:`smem_bytes`: float rows ``d_v + d_r`` wide) and dot operands of ``itemsize``
+    bytes; ``fp8``: the rows are FP8 latent parts (:class:`Fp8Rows`; True: GLM's).
 
     ``block_h`` fixes the head block (benchmark sweeps) and leaves the rest to the rule.
     """
@@ -205,23 +248,27 @@ def choose(
     budget = shared_memory_budget(cc)
     nbytes = lambda c: smem_bytes(c, d_v=d_v, d_r=d_r, itemsize=itemsize, fp8=fp8)  # noqa: E731
     if fp8:
-        tuned = FP8_TUNED.get((cc, h, t)) if block_h is None and itemsize == 2 else None
+        fp8 = _fp8_rows(fp8, d_v)
+        # measured on GLM's rows only
+        glm = fp8 == Fp8Rows.ds_mla(d_v) and block_h is None and itemsize == 2
+        tuned = FP8_TUNED.get((cc, h, t)) if glm else None
         if tuned and nbytes(tuned) <= budget:
             return tuned
         cfg = _choose(
-            cc, budget, nbytes, t, h, k, d_v=d_v, d_r=d_r, itemsize=itemsize, block_h=block_h, fp8=True
+            cc, budget, nbytes, t, h, k, d_v=d_v, d_r=d_r, itemsize=itemsize, block_h=block_h, fp8=fp8
         )
         return fp8_adjust(cfg, t, h, sm_count(cc))
     return _choose(cc, budget, nbytes, t, h, k, d_v=d_v, d_r=d_r, itemsize=itemsize, block_h=block_h)
 
 
-def _choose(cc, budget, nbytes, t, h, k, *, d_v, d_r, itemsize, block_h, fp8=False) -> MlaConfig:
-    """:func:`choose` before the FP8 adjustments: ``TUNED`` (2-byte operands), else the rule."""
+def _choose(cc, budget, nbytes, t, h, k, *, d_v, d_r, itemsize, block_h, fp8=None) -> MlaConfig:
+    """:func:`choose` before the FP8 adjustments (``fp8``: :class:`Fp8Rows` or None): ``TUNED``
+    (2-byte operands), else the rule."""
     tuned = TUNED.get((cc, h, t)) if block_h is None and itemsize == 2 else None
     if tuned and nbytes(tuned) <= budget:  # measured at 576-wide rows; wider ones may not fit
         return tuned
     e = TABLE.get(cc, DEFAULT)
-    gathered = fp8_row_bytes(d_v, d_r) if fp8 else (d_v + d_r) * itemsize  # bytes per row
+    gathered = fp8.row_bytes(d_r) if fp8 else (d_v + d_r) * itemsize  # bytes per row
     partial_budget = max(t * k * gathered, PARTIAL_FLOOR_BYTES)
 
     def block_n_for(block_h: int) -> int:

@@ -175,16 +175,16 @@ def test_the_readme_what_fits_table_is_the_planners():
                 assert cell == "does not fit", (label, hbm, cell)
                 continue
             assert cell.startswith(f"fits: {_tokens(tp8['cache_tokens_total'])}"), (label, hbm, cell)
-            if "at `--gpu-memory-utilization 0.95`" in cell:
-                dp8 = _planned(preset, weights, DP8, hbm, 0.95)
+            dp_utilization = 0.95 if "at `--gpu-memory-utilization 0.95`" in cell else 0.9
+            dp8 = _planned(preset, weights, DP8, hbm, dp_utilization)
             if plan.fits(dp8, 32768):
                 assert _tokens(dp8["cache_tokens_total"]) in cell, (label, hbm, cell)
-            if not preset.startswith("v4"):  # GLM / V3.2 cells add the fp8 cache's tokens
-                fp8 = [
-                    _tokens(_planned(preset, weights, par, hbm, kv_format="fp8")["cache_tokens_total"])
-                    for par in (TP8, DP8)
-                ]
-                assert cell.endswith(f"; fp8: {fp8[0]} ({fp8[1]})"), (label, hbm, cell)
+            # every cell adds the fp8 cache's tokens
+            fp8 = [
+                _tokens(_planned(preset, weights, par, hbm, u, kv_format="fp8")["cache_tokens_total"])
+                for par, u in ((TP8, 0.9), (DP8, dp_utilization))
+            ]
+            assert cell.endswith(f"; fp8: {fp8[0]} ({fp8[1]})"), (label, hbm, cell)
 
 
 def test_the_planners_verdict_and_the_fewest_gpus(capsys):

@@ -18,7 +18,9 @@ Cache (:mod:`.family` lists it): ``window`` is a per-sequence ring of the last W
 K = V rows; the compressor's ``*_state`` rings and ``*_entries`` pages (one row per m tokens) and,
 on CSA layers, the indexer's ``index_state`` / ``index_keys`` (see :mod:`.compressor`). The window's
 positions before the step come from the ring, the step's own from its rows (:mod:`.context`): two
-parts of the one merge.
+parts of the one merge. With an FP8 cache the window and entry rows are MODEL1 parts
+(:class:`~jaxdsa.layers.mla.LatentPages`) and the step's own rows are read back as the ring will
+hold them, so every key a query sees is the stored one, whichever step wrote it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from flax import nnx
 
 from jaxdsa import ops
 from jaxdsa.cache import Cache, LayerPages
+from jaxdsa.layers.indexer import KeyPages
 from jaxdsa.layers.linear import Linear
+from jaxdsa.layers.mla import LatentPages, fp8_parts
 from jaxdsa.layers.norms import RMSNorm
 from jaxdsa.layers.params import normal, zeros
 from jaxdsa.models.deepseek_v4.compressor import Compressor
@@ -100,35 +104,31 @@ class Attention(nnx.Module):
         q = (q32 * jax.lax.rsqrt(jnp.mean(q32 * q32, axis=-1, keepdims=True) + self.eps)).astype(q.dtype)
         q = rotate_tail(q, cos, sin)
         kv = rotate_tail(self.kv_norm(self.wkv(x)), cos, sin)
-        attend = lambda kv_rows, at: ops.sparse_mla(  # noqa: E731
-            q, kv_rows, at, sm_scale=self.softmax_scale, v_dim=q.shape[-1]
+        attend = lambda rows, at: ops.sparse_mla(  # noqa: E731
+            q, rows[0], at, sm_scale=self.softmax_scale, v_dim=q.shape[-1], **fp8_parts(rows)
         )
-        window = LayerPages(cache["window"], rows[0])
+        window = LatentPages.of(cache, rows[0], "window")
         keys = window_positions(ctx.positions, self.window)
         parts = [
-            attend(*window.rows(ctx.ring_slots(keys, window.page_size))),  # before the step: the ring
-            attend(kv, ctx.step_rows(keys)),  # the step's own rows
+            attend(*window.flat(ctx.ring_slots(keys, window.page_size))),  # before the step: the ring
+            attend((window.read_back(kv),), ctx.step_rows(keys)),  # the step's own rows
         ]
-        cache = {**cache, "window": window.write(ctx.ring_writes(window.page_size), kv).stacked}
+        cache = {**cache, **window.write(ctx.ring_writes(window.page_size), kv).entries()}
         if self.compressor is not None:
             state_name, entries_name = COMPRESSED_ENTRIES[self.kind]
             state, entries = self.compressor(
-                x, ctx, LayerPages(cache[state_name], rows[1]), LayerPages(cache[entries_name], rows[1])
+                x, ctx, LayerPages(cache[state_name], rows[1]), LatentPages.of(cache, rows[1], entries_name)
             )
-            cache |= {state_name: state.stacked, entries_name: entries.stacked}
+            cache |= {state_name: state.stacked, **entries.entries()}
             if self.indexer is not None:
                 picked, index_state, index_keys = self.indexer(
-                    x,
-                    q_lat,
-                    ctx,
-                    LayerPages(cache["index_state"], rows[1]),
-                    LayerPages(cache["index_keys"], rows[1]),
+                    x, q_lat, ctx, LayerPages(cache["index_state"], rows[1]), KeyPages.of(cache, rows[1])
                 )
-                cache |= {"index_state": index_state.stacked, "index_keys": index_keys.stacked}
+                cache |= {"index_state": index_state.stacked, **index_keys.entries()}
             else:
                 columns = ctx.meta.page_table.shape[1] * entries.page_size
                 picked = complete_entries(ctx.positions, columns, self.ratio)
-            parts.append(attend(*entries.rows(ctx.slots(picked, entries.page_size))))
+            parts.append(attend(*entries.flat(ctx.slots(picked, entries.page_size))))
         outs, lses = zip(*parts)
         o, _ = ops.merge_states(jnp.stack(outs), jnp.stack(lses), sink=self.sink[...])
         return self.output(o, cos, sin), cache

@@ -12,10 +12,14 @@ row j of the ``entries`` pages (one row per m tokens). The token completing a wi
 ``(j + 1) m - 1``) pools its window's rows: those of earlier steps from the ring, those of this step
 from the step's own rows (:mod:`.context`). This is the reference's carried state (the last
 ``T mod m`` rows, CSA's previous window) kept per position: a chunk may end anywhere inside a window,
-and a speculative step's rejected rows are rewritten before they are read.
+and a speculative step's rejected rows are rewritten before they are read. ``entries`` are any pages
+with ``write`` and ``page_size``: the attention's (:class:`~jaxdsa.layers.mla.LatentPages`, FP8
+parts quantized as written) or the indexer's keys (:class:`~jaxdsa.layers.indexer.KeyPages`).
 """
 
 from __future__ import annotations
+
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +34,8 @@ from jaxdsa.layers.params import zeros
 from jaxdsa.layers.rope import cos_sin
 from jaxdsa.models.deepseek_v4.context import V4Context
 from jaxdsa.models.deepseek_v4.rotary import rotate_tail
+
+Pages = TypeVar("Pages")  # the entries' pages: LatentPages or KeyPages
 
 
 class Compressor(nnx.Module):
@@ -58,8 +64,8 @@ class Compressor(nnx.Module):
         self.ratio, self.overlap, self.rope, self.rope_dims, self.eps = ratio, overlap, rope, rope_dims, eps
 
     def __call__(
-        self, x: jax.Array, ctx: V4Context, state: LayerPages, entries: LayerPages
-    ) -> tuple[LayerPages, LayerPages]:
+        self, x: jax.Array, ctx: V4Context, state: LayerPages, entries: Pages
+    ) -> tuple[LayerPages, Pages]:
         """Write the entry of every window a token of the step completes, and the step's source rows."""
         m, positions = self.ratio, ctx.positions
         kv = self.wkv(x)

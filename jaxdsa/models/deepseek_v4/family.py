@@ -17,7 +17,10 @@ entry              layers       width                rows
 ``hca_entries``    HCA          head_dim             paged, 1 per m tokens
 =================  ===========  ===================  ===========================================
 
-For V4-Flash that is 6.9 KB per token (bf16) and 17 MiB per sequence. A ring holds only what its
+For V4-Flash that is 6.9 KB per token (bf16) and 17 MiB per sequence. ``--kv-cache-dtype fp8`` keeps
+the window and entry rows as MODEL1's parts (``{name}``: e4m3 nope values, ``{name}_scales``: a
+ue8m0 byte per 64, ``{name}_rope``: bf16; 583 bytes a row against 1,024) and the index keys in e4m3
+with ``index_scales`` (132 bytes against 256). A ring holds only what its
 sequence computed, so a cached prefix cannot be resumed from its pages alone: prefix caching is off
 for V4 (:meth:`V4Family.prefix_caching`). The page size must be a multiple of every compression
 ratio (a page holds whole windows), 128 for the released models, like vLLM's V4 block size.
@@ -25,6 +28,7 @@ ratio (a page holds whole windows), 128 for the released models, like vLLM's V4 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -33,7 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from checkpoints.quant import QuantConfig
-from jaxdsa.cache import Cache, CacheEntry, CacheSpec, StepMeta
+from jaxdsa.cache import Cache, CacheEntry, CacheSpec, StepMeta, kv_fp8
 from jaxdsa.models.deepseek_v4 import params
 from jaxdsa.models.deepseek_v4.config import CSA, HCA, MODEL_TYPE, V4Config, v4_config_from_dict
 from jaxdsa.models.deepseek_v4.model import V4Model
@@ -45,12 +49,12 @@ STEP = "window+compressed"
 
 
 def _cache_spec(cfg: V4Config, layers: list[tuple[str, int]], kv_format: str) -> CacheSpec:
-    """The cache of ``layers`` ((kind, ratio) each): a kind's layers are stacked, so share a ratio."""
-    if kv_format != "model":
-        raise ValueError(
-            "DeepSeek-V4: the FP8 KV cache (its 584-byte MODEL1 layout) is not implemented yet; "
-            "use --kv-cache-dtype auto"
-        )
+    """The cache of ``layers`` ((kind, ratio) each): a kind's layers are stacked, so share a ratio.
+    FP8 (``kv_format`` "fp8"): the window and compressed-entry rows in MODEL1 parts (e4m3 nope values,
+    a ue8m0 byte per 64, bf16 rope; :mod:`pallas_kernels.quant.kv_fp8`), index keys in e4m3 with a
+    float32 scale each; the compressors' state stays float32."""
+    if kv_format not in ("model", "fp8"):
+        raise ValueError(f"unknown kv cache format {kv_format!r}")
     d, di, W = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
     ratio = {kind: {m for k, m in layers if k == kind} for kind in (CSA, HCA)}
     for kind, ratios in ratio.items():
@@ -61,17 +65,39 @@ def _cache_spec(cfg: V4Config, layers: list[tuple[str, int]], kv_format: str) ->
     csa, hca = [sum(k == kind for k, _ in layers) for kind in (CSA, HCA)]
     m_csa, m_hca = min(ratio[CSA] or {1}), min(ratio[HCA] or {1})
     f32 = jnp.float32
+    rows = functools.partial(_rows, cfg, fp8=kv_format == "fp8")
+    keys = {"index_keys": CacheEntry(csa, di, ratio=m_csa)}
+    if kv_format == "fp8":
+        keys = {
+            "index_keys": CacheEntry(csa, di, jnp.float8_e4m3fn, ratio=m_csa),
+            "index_scales": CacheEntry(csa, 1, f32, ratio=m_csa),
+        }
     return CacheSpec(
         {
-            "window": CacheEntry(len(layers), d, ring=W),
+            **rows("window", len(layers), ring=W),
             "csa_state": CacheEntry(csa, 4 * d, f32, ring=2 * m_csa),
-            "csa_entries": CacheEntry(csa, d, ratio=m_csa),
+            **rows("csa_entries", csa, ratio=m_csa),
             "index_state": CacheEntry(csa, 4 * di, f32, ring=2 * m_csa),
-            "index_keys": CacheEntry(csa, di, ratio=m_csa),
+            **keys,
             "hca_state": CacheEntry(hca, 2 * d, f32, ring=m_hca),
-            "hca_entries": CacheEntry(hca, d, ratio=m_hca),
+            **rows("hca_entries", hca, ratio=m_hca),
         }
     )
+
+
+def _rows(cfg: V4Config, name: str, layers: int, *, fp8: bool, **where) -> dict[str, CacheEntry]:
+    """The cache entries of K = V rows called ``name``: one ``head_dim`` row in the model's dtype, or
+    MODEL1's three parts (:class:`~jaxdsa.layers.mla.LatentPages` reads them)."""
+    d, r = cfg.head_dim, cfg.qk_rope_head_dim
+    if not fp8:
+        return {name: CacheEntry(layers, d, **where)}
+    nope = d - r
+    tiles = nope // kv_fp8.MODEL1.tile_width(nope)  # raises for a width that is not whole tiles
+    return {
+        name: CacheEntry(layers, nope, jnp.float8_e4m3fn, **where),
+        f"{name}_scales": CacheEntry(layers, tiles, jnp.uint8, **where),
+        f"{name}_rope": CacheEntry(layers, r, jnp.bfloat16, **where),
+    }
 
 
 def _ratios(cfg: V4Config) -> set[int]:
@@ -175,17 +201,23 @@ class V4Family(ModelFamily):
         window rows, the compressed entries each layer attends (CSA: top-k, HCA: all), the index keys
         the indexer scores (one per m tokens) and the state rows every token gathers for pooling (a
         decode step pools for every row, since whether a row completes a window is data), the cache
-        being whole on every TP device (one K = V head); collectives as
-        :func:`~jaxdsa.models.family.collective_bytes`."""
-        item = 2  # bf16 rows; the state is float32
+        being whole on every TP device (one K = V head), bf16 or FP8 rows per ``kv_format``;
+        collectives as :func:`~jaxdsa.models.family.collective_bytes`."""
+        spec = self.cache_spec(cfg, kv_format).entries
+        row_bytes = lambda name: sum(  # noqa: E731  one row of an entry with its FP8 parts, if any
+            spec[n].itemsize(jnp.bfloat16) * spec[n].width
+            for n in (name, f"{name}_scales", f"{name}_rope")
+            if n in spec
+        )
+        row, key = row_bytes("window"), row_bytes("index_keys") + row_bytes("index_scales")
         d, di, rows = cfg.head_dim, cfg.index_head_dim, 0.0
         for kind, m in zip(cfg.layer_types, cfg.compress_ratios):
-            rows += min(context, cfg.sliding_window) * d * item
+            rows += min(context, cfg.sliding_window) * row
             if kind == CSA:
-                rows += min(cfg.index_topk, context // m) * d * item + context // m * di * item
-                rows += 2 * m * 4 * (d + di) * 4
+                rows += min(cfg.index_topk, context // m) * row + context // m * key
+                rows += 2 * m * 4 * (d + di) * 4  # the state rows are float32
             elif kind == HCA:
-                rows += context // m * d * item + m * 2 * d * 4
+                rows += context // m * row + m * 2 * d * 4
         return {
             "cache_bytes_read": float(batch * rows),
             "collective_bytes": collective_bytes(

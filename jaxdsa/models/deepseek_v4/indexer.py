@@ -7,7 +7,9 @@ position p, and keeps the top ``index_topk``; -1 marks empty picks.
 
 Key j is row j of the sequence's key pages (one row per m tokens, :mod:`.compressor`), so the
 paged indexer op scores the keys ``j <= (p + 1) // m - 1`` (the complete ones) and the selection is
-returned as entry indices, which address the compressed entries the same way.
+returned as entry indices, which address the compressed entries the same way. With an FP8 cache the
+keys are kept as the engines' FP8 variant (132 bytes a key at the released 128: Hadamard-rotated
+e4m3 and a float32 scale, :class:`~jaxdsa.layers.indexer.KeyPages`), not DeepSeek's MXFP4 one.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from flax import nnx
 
 from jaxdsa import ops
 from jaxdsa.cache import LayerPages
+from jaxdsa.layers.indexer import KeyPages
 from jaxdsa.layers.linear import Linear
 from jaxdsa.models.deepseek_v4.compressor import Compressor
 from jaxdsa.models.deepseek_v4.config import V4Config
@@ -55,14 +58,15 @@ class Indexer(nnx.Module):
         self.ratio, self.topk = ratio, cfg.index_topk
 
     def __call__(
-        self, x: jax.Array, q_lat: jax.Array, ctx: V4Context, state: LayerPages, keys: LayerPages
-    ) -> tuple[jax.Array, LayerPages, LayerPages]:
-        """-> (selected entries [T, K] int32, -1 = none; the indexer's state ring and key pages)."""
+        self, x: jax.Array, q_lat: jax.Array, ctx: V4Context, state: LayerPages, keys: KeyPages
+    ) -> tuple[jax.Array, LayerPages, KeyPages]:
+        """-> (selected entries [T, K] int32, -1 = none; the indexer's state ring and key pages;
+        FP8 keys are rotated and quantized as written, the queries rotated alike)."""
         state, keys = self.compressor(x, ctx, state, keys)
         q = rotate_tail(self.wq_b(q_lat), *ctx.compress)
         w = self.weights_proj(x) * self.scale
-        k_pages, table = keys.pages(ctx.meta.page_table)
+        q, k_pages, table, k_scale = keys.scored(q, ctx.meta.page_table)
         last = (ctx.positions + 1) // self.ratio - 1  # the last complete key
-        logits = ops.indexer_logits_paged(q, w, k_pages, table, ctx.meta.seq_ids, last)
+        logits = ops.indexer_logits_paged(q, w, k_pages, table, ctx.meta.seq_ids, last, k_scale=k_scale)
         k = max(1, min(self.topk, logits.shape[1]))
         return ops.topk_indices(logits, k), state, keys
