@@ -46,6 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels.quant import decode
+
 TILE = 128  # values per scale in DS_MLA
 E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
@@ -137,8 +139,16 @@ def dequantize_latent(values: jax.Array, scales: jax.Array, rope: jax.Array) -> 
     """The rows that FP8 latent parts ``[..., C]``, ``[..., C / tile]`` (float32 or ue8m0 bytes),
     ``[..., Pr]`` hold, float32 ``[..., C + Pr]``; the tile is ``C`` over the scales' count."""
     lead, v_dim, n = values.shape[:-1], values.shape[-1], scales.shape[-1]
-    tiles = values.astype(jnp.float32).reshape(*lead, n, v_dim // n) * decode_scales(scales)[..., None]
-    return jnp.concatenate([tiles.reshape(*lead, v_dim), rope.astype(jnp.float32)], axis=-1)
+    # Both parts are decoded from their bits, not converted (``values.astype(float32)``): XLA:GPU
+    # folds a float convert chain such as f32 -> e4m3 -> f32 or f32 -> bf16 -> f32 back to its input
+    # (excess precision), which read a row quantized in the same step back unquantized (DeepSeek-V4's
+    # step rows on the H200); bit moves are not folded.
+    codes = lax.bitcast_convert_type(values, jnp.uint8)
+    tiles = decode.e4m3_to_f32(codes, "software").reshape(*lead, n, v_dim // n)
+    tiles = tiles * decode_scales(scales)[..., None]
+    rope_bits = lax.bitcast_convert_type(rope.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32) << 16
+    rope32 = lax.bitcast_convert_type(rope_bits, jnp.float32)
+    return jnp.concatenate([tiles.reshape(*lead, v_dim), rope32], axis=-1)
 
 
 def quantize_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -142,3 +142,22 @@ def test_v4_chunks_and_drafts_on_fp8_rows():
     llm = fp8_llm("dsv4", max_num_batched_tokens=3, speculative_config={"num_speculative_tokens": 2})
     assert llm.generate([prompt], max_new_tokens=n)[0] == want["greedy_tokens"].tolist()
     assert llm.engine.runner.mtp_cache["window_scales"].dtype == jnp.uint8
+
+
+def test_fp8_rows_are_read_back_from_their_bytes():
+    """Dequantizing decodes the e4m3 and bf16 bits rather than converting them to float32: XLA:GPU
+    folds a convert chain such as f32 -> e4m3 -> f32 back to its input, so a row quantized and read
+    back in one step (V4's step rows) came back unquantized on the H200 while the CPU kept it."""
+    import re
+
+    import jax
+
+    read_back = jax.jit(lambda x: kv_fp8.dequantize_latent(*kv_fp8.MODEL1.quantize(x, 24)))
+    x = np.random.default_rng(0).normal(size=(3, 32)).astype(np.float32)
+    hlo = read_back.lower(x).as_text()
+    assert not re.search(r"stablehlo\.convert %\S+ : \(tensor<[^>]*(f8E4M3FN|bf16)>\)", hlo)
+    values, scales, rope = kv_fp8.MODEL1.quantize(x, 24)
+    want = np.asarray(values, np.float32) * 2.0 ** (np.asarray(scales, np.float32) - 127)
+    got = np.asarray(read_back(x))
+    np.testing.assert_array_equal(got[:, :24], want)
+    np.testing.assert_array_equal(got[:, 24:], np.asarray(rope, np.float32))
