@@ -1034,10 +1034,12 @@ def write_readme_section(section: str, readme: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def start_run(fixture_names: list[str]) -> argparse.Namespace:
+    """The command line (``--only``, ``--out``) of a goldens script, and torch / transformers set up
+    for a deterministic single-threaded CPU run (a warning if the versions are not the pinned ones)."""
+    ap = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__.splitlines()[0])
     ap.add_argument(
-        "--only", nargs="*", help="fixture names (default: all of " + ", ".join(FIXTURE_NAMES) + ")"
+        "--only", nargs="*", help="fixture names (default: all of " + ", ".join(fixture_names) + ")"
     )
     ap.add_argument(
         "--out", type=Path, default=FIXTURES, help="where golden_kv_fp8.npz go (README only if default)"
@@ -1052,6 +1054,11 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
+    return args
+
+
+def main() -> None:
+    args = start_run(FIXTURE_NAMES)
     log = lambda s: print(s, flush=True)  # noqa: E731
 
     global REC

@@ -50,7 +50,6 @@ Informational: how far the FP8 cache moves the logits from golden.npz, and each 
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import math
@@ -100,6 +99,7 @@ from make_kv_fp8_goldens import (
     safe_div,
     save_npz,
     self_test,
+    start_run,
 )
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
@@ -934,21 +934,7 @@ def write_readme_section(section: str, readme: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="*", help="fixture names (default: " + ", ".join(FIXTURE_NAMES) + ")")
-    ap.add_argument(
-        "--out", type=Path, default=FIXTURES, help="where golden_kv_fp8.npz go (README only if default)"
-    )
-    args = ap.parse_args()
-    if transformers.__version__ != "5.23.0" or not torch.__version__.startswith("2.13.0"):
-        print(
-            "WARNING: expected transformers 5.23.0 / torch 2.13.0, got "
-            f"{transformers.__version__} / {torch.__version__}"
-        )
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
+    args = start_run(FIXTURE_NAMES)
     log = lambda s: print(s, flush=True)  # noqa: E731
 
     global REC
