@@ -356,6 +356,7 @@ def _report(runs: list[dict], raw, args, ceilings: harness.Ceilings) -> None:
     context = args.input_len + args.output_len / 2
     header = harness.device_header()
     par = parallelism(args)
+    kv_format = kv_cache_format(args.kv_cache_dtype, "bfloat16")  # the roofline's cache rows
     table = []
     for r in (row for run in runs for row in run["rows"]):
         itl = r["itl_ms"]["mean"]
@@ -373,7 +374,6 @@ def _report(runs: list[dict], raw, args, ceilings: harness.Ceilings) -> None:
             "failed": r["failed"],
         }
         batch = -(-r["concurrency"] // par.dp)  # sequences per dp group
-        kv_format = kv_cache_format(args.kv_cache_dtype, "bfloat16")
         nbytes = step_bytes(raw, WEIGHTS[args.quantization], int(context), batch, par, kv_format)
         row["routed experts/layer"] = plan.expected_experts(
             raw["n_routed_experts"], raw["num_experts_per_tok"], moe_tokens(r["concurrency"], par)

@@ -748,6 +748,19 @@ def _release_name_of_saved(name: str) -> str:
     return name[len("model.") :] if name.startswith("model.") else name
 
 
+def load_hf(directory: Path, what: str, **kwargs):
+    """HF's float32 eager model from ``directory``; AssertionError naming ``what`` if any tensor is
+    missing or mismatched, or is unexpected beyond the MTP block (HF has no MTP)."""
+    m, loading = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager", output_loading_info=True, **kwargs
+    )
+    bad = {k: v for k, v in loading.items() if v and k != "unexpected_keys"}
+    unexpected = [k for k in loading.get("unexpected_keys", []) if not re.match(r"(^|.*\.)mtp\.", k)]
+    if bad or unexpected:
+        raise AssertionError(f"{what}: {bad} unexpected {unexpected}")
+    return m
+
+
 def reload_check(directory: Path, spec, r) -> dict[str, Any]:
     """HF loads the written checkpoint (release names through its own conversion mapping) and gives
     bit-identical logits; quantized files are decoded independently instead (HF cannot run them on CPU)."""
@@ -764,13 +777,7 @@ def reload_check(directory: Path, spec, r) -> dict[str, Any]:
         info["fp4_tensors"] = sum(v.dtype == torch.int8 for v in files.values())
         return info
     kwargs = {} if spec["layout"] == "hf" else {"config": r["cfg"]}
-    m, loading = AutoModelForCausalLM.from_pretrained(
-        directory, dtype=torch.float32, attn_implementation="eager", output_loading_info=True, **kwargs
-    )
-    bad = {k: v for k, v in loading.items() if v and k != "unexpected_keys"}
-    unexpected = [k for k in loading.get("unexpected_keys", []) if not re.match(r"(^|.*\.)mtp\.", k)]
-    if bad or unexpected:
-        raise AssertionError(f"HF reload of {directory.name}: {bad} unexpected {unexpected}")
+    m = load_hf(directory, f"HF reload of {directory.name}", **kwargs)
     res = r["res"]
     rel = max(
         rel_l2_rows(full_logits(m, res[f"prompt_{k}"]), res[f"logits_{k}"]).max() for k in PROMPT_LENGTHS

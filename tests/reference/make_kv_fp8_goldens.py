@@ -702,28 +702,29 @@ def margins(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return d / np.maximum(1.0, logits.std(axis=-1)), d
 
 
-def run_all(model, g: dict[str, np.ndarray], label: str) -> dict[str, np.ndarray]:
-    new = len(g["greedy_tokens"])
-    REC.where = f"{label}/prompt_short"
-    short = full_logits(model, g["prompt_short"])
-    REC.where = f"{label}/prompt_long"
-    long_ = full_logits(model, g["prompt_long"])
-    REC.where = f"{label}/greedy (generate)"
-    toks, glog = greedy(model, g["greedy_prompt"], new)
-    REC.where = f"{label}/greedy (uncached recompute)"
-    seq = np.concatenate([g["greedy_prompt"], toks[:-1]])
-    recompute = full_logits(model, seq)[len(g["greedy_prompt"]) - 1 :]
-    return {
-        "logits_short": short,
-        "logits_long": long_,
-        "greedy_tokens": toks,
-        "greedy_logits": glog,
-        "recompute": recompute,
-    }
+def run_all(
+    model, g: dict[str, np.ndarray], label: str, rec: Recorder, prompts: tuple[str, ...] = ("short", "long")
+) -> dict[str, np.ndarray]:
+    """Logits of ``prompts`` (uncached forwards), greedy generation with the cache, and the uncached
+    recompute over the generated tokens; ``rec`` is told which run the patched reads belong to."""
+    out = {}
+    for k in prompts:
+        rec.where = f"{label}/prompt_{k}"
+        out[f"logits_{k}"] = full_logits(model, g[f"prompt_{k}"])
+    rec.where = f"{label}/greedy (generate)"
+    out["greedy_tokens"], out["greedy_logits"] = greedy(model, g["greedy_prompt"], len(g["greedy_tokens"]))
+    rec.where = f"{label}/greedy (uncached recompute)"
+    seq = np.concatenate([g["greedy_prompt"], out["greedy_tokens"][:-1]])
+    out["recompute"] = full_logits(model, seq)[len(g["greedy_prompt"]) - 1 :]
+    return out
 
 
-def max_rel(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
-    return float(max(rel_l2_rows(a[k], b[k]).max() for k in ("logits_short", "logits_long", "greedy_logits")))
+def max_rel(
+    a: dict[str, np.ndarray],
+    b: dict[str, np.ndarray],
+    keys: tuple[str, ...] = ("logits_short", "logits_long", "greedy_logits"),
+) -> float:
+    return float(max(rel_l2_rows(a[k], b[k]).max() for k in keys))
 
 
 def make_one(name: str, out_root: Path, tmp: Path, log) -> dict[str, Any]:
@@ -738,7 +739,7 @@ def make_one(name: str, out_root: Path, tmp: Path, log) -> dict[str, Any]:
         raise AssertionError(f"patched {patch.n_attn} attentions / {patch.n_index} indexers")
 
     # 1. unpatched: the load reproduces golden.npz (and the wrappers change nothing when off)
-    plain = run_all(model, gold, name)
+    plain = run_all(model, gold, name, REC)
     plain_rel = max_rel(plain, gold)
     if not (plain_rel <= MAX_PLAIN_REL and np.array_equal(plain["greedy_tokens"], gold["greedy_tokens"])):
         raise AssertionError(f"{name}: the loaded model does not reproduce golden.npz ({plain_rel:.3g})")
@@ -747,7 +748,7 @@ def make_one(name: str, out_root: Path, tmp: Path, log) -> dict[str, Any]:
     patch.mode = "fp8"
     patch.calls = {k: 0 for k in patch.calls}
     REC.on = True
-    fp8 = run_all(model, gold, name)
+    fp8 = run_all(model, gold, name, REC)
     REC.on = False
     c = patch.calls
     if c["expand_kv"] != c["attention"] or c["update_indexer"] != c["indexer"] or c["indexer"] == 0:
@@ -755,7 +756,7 @@ def make_one(name: str, out_root: Path, tmp: Path, log) -> dict[str, Any]:
     cache_rel = float(rel_l2_rows(fp8["greedy_logits"], fp8["recompute"]).max())
     if not cache_rel <= MAX_CACHE_REL:
         raise AssertionError(f"{name}: cached fp8 logits differ from the uncached forward: {cache_rel:.3g}")
-    again = run_all(model, gold, name)
+    again = run_all(model, gold, name, REC)
     if any(not np.array_equal(again[k], fp8[k]) for k in fp8):
         raise AssertionError(f"{name}: the fp8 run is not deterministic")
 
@@ -766,7 +767,7 @@ def make_one(name: str, out_root: Path, tmp: Path, log) -> dict[str, Any]:
     jit = {}
     for amp in JITTERS:
         patch.amp, patch.flips = amp, dict.fromkeys(PARTS, 0)
-        j = run_all(model, gold, name)
+        j = run_all(model, gold, name, REC)
         jit[amp] = (
             max_rel(j, fp8),
             int((j["greedy_tokens"] == fp8["greedy_tokens"]).sum()),
@@ -774,7 +775,7 @@ def make_one(name: str, out_root: Path, tmp: Path, log) -> dict[str, Any]:
         )
     for part in PARTS:  # the largest noise on one quantizer input only
         patch.jparts, patch.flips = (part,), dict.fromkeys(PARTS, 0)
-        j = run_all(model, gold, name)
+        j = run_all(model, gold, name, REC)
         jit[part] = (
             max_rel(j, fp8),
             int((j["greedy_tokens"] == fp8["greedy_tokens"]).sum()),
@@ -794,7 +795,7 @@ def make_one(name: str, out_root: Path, tmp: Path, log) -> dict[str, Any]:
         )
         patch.key_layout = "engine"
     patch.mode = "off"
-    off = run_all(model, gold, name)
+    off = run_all(model, gold, name, REC)
     if any(not np.array_equal(off[k], plain[k]) for k in plain):
         raise AssertionError("switching the patch off does not restore HF")
 
@@ -1020,11 +1021,15 @@ def readme_section(results: list[dict[str, Any]], selftest: dict[str, Any]) -> s
     return "\n".join(lines[:-1] + [README_END]) + "\n"
 
 
-def write_readme_section(section: str, readme: Path) -> None:
+def write_readme_section(
+    section: str, readme: Path, begin: str = README_BEGIN, end: str = README_END
+) -> None:
+    """Put ``section`` (which starts with ``begin`` and ends with ``end``) in place of the README's
+    section between those markers, or at its end."""
     text = readme.read_text()
-    if README_BEGIN in text:
-        head, rest = text.split(README_BEGIN, 1)
-        tail = rest.split(README_END, 1)[1].lstrip("\n")
+    if begin in text:
+        head, rest = text.split(begin, 1)
+        tail = rest.split(end, 1)[1].lstrip("\n")
         text = head + section + ("\n" + tail if tail else "")
     else:
         text = text.rstrip("\n") + "\n\n" + section

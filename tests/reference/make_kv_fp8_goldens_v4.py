@@ -53,7 +53,6 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import re
 import tempfile
 import textwrap
 from pathlib import Path
@@ -74,6 +73,7 @@ from make_goldens_v4 import (
     fp4_dequantize,
     fp8_dequantize,
     hf_config,
+    load_hf,
     load_presets,
 )
 from make_kv_fp8_goldens import (
@@ -86,23 +86,24 @@ from make_kv_fp8_goldens import (
     bf16_midpoint_dist,
     e4m3_midpoint_dist,
     fmt,
-    greedy,
     hadamard,
     jitter,
     margins,
+    max_rel,
     pow2_ceil,
     prose,
     qdq_tiles,
     read_tensors,
     rel_l2_rows,
     rel_to_pow2,
+    run_all,
     safe_div,
     save_npz,
     self_test,
     start_run,
+    write_readme_section,
 )
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -498,13 +499,7 @@ def load_fixture(name: str, tmp: Path):
         how = float_checkpoint_v4(src, tmp / name, presets)
         src = tmp / name
         kwargs["config"] = hf_config(presets)  # HF cannot read this release config (HCA ratio 8)
-    model, info = AutoModelForCausalLM.from_pretrained(
-        src, dtype=torch.float32, attn_implementation="eager", output_loading_info=True, **kwargs
-    )
-    bad = {k: v for k, v in info.items() if v and k != "unexpected_keys"}
-    unexpected = [k for k in info.get("unexpected_keys", []) if not re.match(r"(^|.*\.)mtp\.", k)]
-    if bad or unexpected:
-        raise AssertionError(f"{name}: HF load {bad} unexpected {unexpected}")
+    model = load_hf(src, f"{name}: HF load", **kwargs)
     model.eval()
     if model.generation_config.eos_token_id is not None:
         raise AssertionError("generation_config must have eos_token_id null")
@@ -513,23 +508,6 @@ def load_fixture(name: str, tmp: Path):
 
 # ---------------------------------------------------------------------------------------------
 # Running HF
-
-
-def run_all(model, g: dict[str, np.ndarray], label: str) -> dict[str, np.ndarray]:
-    out = {}
-    for k in PROMPTS:
-        REC.where = f"{label}/prompt_{k}"
-        out[f"logits_{k}"] = full_logits(model, g[f"prompt_{k}"])
-    REC.where = f"{label}/greedy (generate)"
-    out["greedy_tokens"], out["greedy_logits"] = greedy(model, g["greedy_prompt"], len(g["greedy_tokens"]))
-    REC.where = f"{label}/greedy (uncached recompute)"
-    seq = np.concatenate([g["greedy_prompt"], out["greedy_tokens"][:-1]])
-    out["recompute"] = full_logits(model, seq)[len(g["greedy_prompt"]) - 1 :]
-    return out
-
-
-def max_rel(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
-    return float(max(rel_l2_rows(a[k], b[k]).max() for k in LOGITS))
 
 
 @torch.no_grad()
@@ -589,13 +567,13 @@ def make_one(name: str, out_root: Path, tmp: Path, log) -> dict[str, Any]:
 
     # 1. hook off: the patched source is HF's computation (bit for bit), and the load reproduces golden.npz
     install_source_patch(False)
-    unpatched = run_all(model, gold, name)
+    unpatched = run_all(model, gold, name, REC, PROMPTS)
     install_source_patch(True)
     patch.calls, patch.forwards = dict.fromkeys(PARTS, 0), dict.fromkeys(PARTS, 0)
-    plain = run_all(model, gold, name)
+    plain = run_all(model, gold, name, REC, PROMPTS)
     if any(not np.array_equal(plain[k], unpatched[k]) for k in plain):
         raise AssertionError(f"{name}: the patched forwards (hook off) differ from HF's")
-    plain_rel = max_rel(plain, gold)
+    plain_rel = max_rel(plain, gold, LOGITS)
     if not (plain_rel <= MAX_PLAIN_REL and np.array_equal(plain["greedy_tokens"], gold["greedy_tokens"])):
         raise AssertionError(
             f"{name}: the patched model (off) does not reproduce golden.npz ({plain_rel:.3g})"
@@ -608,7 +586,7 @@ def make_one(name: str, out_root: Path, tmp: Path, log) -> dict[str, Any]:
     patch.calls, patch.forwards = dict.fromkeys(PARTS, 0), dict.fromkeys(PARTS, 0)
     probes = Probes(model, cfg)  # router gap (and HF's own float32 index scores)
     REC.on, patch.probing = True, True
-    fp8 = run_all(model, gold, name)
+    fp8 = run_all(model, gold, name, REC, PROMPTS)
     REC.on, patch.probing = False, False
     probes.remove()
     if patch.calls != patch.forwards:
@@ -616,7 +594,7 @@ def make_one(name: str, out_root: Path, tmp: Path, log) -> dict[str, Any]:
     cache_rel = float(rel_l2_rows(fp8["greedy_logits"], fp8["recompute"]).max())
     if not cache_rel <= MAX_CACHE_REL:
         raise AssertionError(f"{name}: cached fp8 logits differ from the uncached forward: {cache_rel:.3g}")
-    again = run_all(model, gold, name)
+    again = run_all(model, gold, name, REC, PROMPTS)
     if any(not np.array_equal(again[k], fp8[k]) for k in fp8):
         raise AssertionError(f"{name}: the fp8 run is not deterministic")
     cache = check_cache(model, patch, gold["prompt_long"])
@@ -631,11 +609,11 @@ def make_one(name: str, out_root: Path, tmp: Path, log) -> dict[str, Any]:
     moved = {k: np.zeros(len(fp8[k])) for k in LOGITS}  # per row, max over a <= 1e-6
     for amp in JITTERS:
         patch.amp, patch.flips, patch.flip_where = amp, dict.fromkeys(PARTS, 0), []
-        j = run_all(model, gold, name)
+        j = run_all(model, gold, name, REC, PROMPTS)
         if amp <= 1e-6:
             moved = {k: np.maximum(moved[k], rel_l2_rows(j[k], fp8[k])) for k in LOGITS}
         jit[amp] = (
-            max_rel(j, fp8),
+            max_rel(j, fp8, LOGITS),
             int((j["greedy_tokens"] == fp8["greedy_tokens"]).sum()),
             dict(patch.flips),
         )
@@ -643,9 +621,9 @@ def make_one(name: str, out_root: Path, tmp: Path, log) -> dict[str, Any]:
             flip_where = list(patch.flip_where)
     for part in PARTS:  # the largest noise on one quantizer input only
         patch.jparts, patch.flips = (part,), dict.fromkeys(PARTS, 0)
-        j = run_all(model, gold, name)
+        j = run_all(model, gold, name, REC, PROMPTS)
         jit[part] = (
-            max_rel(j, fp8),
+            max_rel(j, fp8, LOGITS),
             int((j["greedy_tokens"] == fp8["greedy_tokens"]).sum()),
             dict(patch.flips),
         )
@@ -657,7 +635,7 @@ def make_one(name: str, out_root: Path, tmp: Path, log) -> dict[str, Any]:
         alone[part] = float(rel_l2_rows(full_logits(model, gold["prompt_long"]), gold["logits_long"]).max())
     patch.parts = PARTS
     patch.mode = "off"
-    off = run_all(model, gold, name)
+    off = run_all(model, gold, name, REC, PROMPTS)
     if any(not np.array_equal(off[k], plain[k]) for k in plain):
         raise AssertionError("switching the patch off does not restore HF")
 
@@ -919,17 +897,6 @@ def readme_section(results: list[dict[str, Any]], selftest: dict[str, Any]) -> s
     return "\n".join(lines[:-1] + [README_END]) + "\n"
 
 
-def write_readme_section(section: str, readme: Path) -> None:
-    text = readme.read_text()
-    if README_BEGIN in text:
-        head, rest = text.split(README_BEGIN, 1)
-        tail = rest.split(README_END, 1)[1].lstrip("\n")
-        text = head + section + ("\n" + tail if tail else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    readme.write_text(text)
-
-
 # ---------------------------------------------------------------------------------------------
 
 
@@ -995,7 +962,9 @@ def main() -> None:
             )
             results.append(r)
     if not args.only and args.out == FIXTURES:
-        write_readme_section(readme_section(results, st), FIXTURES / "README_dsv4.md")
+        write_readme_section(
+            readme_section(results, st), FIXTURES / "README_dsv4.md", README_BEGIN, README_END
+        )
         log("README section written")
 
 
