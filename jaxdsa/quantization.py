@@ -15,10 +15,9 @@ default, and vLLM has no ``"dequantize"``.
 
 What can stay quantized is decided by the modules: a :class:`~jaxdsa.layers.linear.Linear` that is
 ``quantizable`` (no float32 compute or wider output: not the router, the indexer's
-``weights_proj`` or the LM head) and :class:`~jaxdsa.layers.mlp.Experts`. ``kv_b`` is two such
-linears, ``w_uk`` and ``w_uv``, each holding its part of every head's rows (columns of the repacked
-matrix, scale groups narrowed to whole parts); the absorbed MLA form dequantizes them in the step
-(vLLM dequantizes them at load). A scanned stack whose layers are stored in different formats (an
+``weights_proj`` or the LM head) and :class:`~jaxdsa.layers.mlp.Experts`. ``kv_b``'s two parts,
+``w_uk`` and ``w_uv``, are linears built ``quantizable=False``: the absorbed MLA form multiplies each
+head by its own slice, so they are dequantized at load, as vLLM does. A scanned stack whose layers are stored in different formats (an
 ``ignore`` entry naming one layer) is dequantized: one stacked parameter has one format.
 
 :func:`quantize` replaces each chosen parameter of the abstract model by a

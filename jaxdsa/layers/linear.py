@@ -12,7 +12,7 @@ from flax import nnx
 from jaxdsa import ops, sharding
 from jaxdsa.layers.params import fan_in, normal
 from jaxdsa.layers.stacks import layer_value, split_layer
-from jaxdsa.quantized_weight import QuantizedWeight, dequantize
+from jaxdsa.quantized_weight import QuantizedWeight
 from jaxdsa.sharding import Axes, Partial
 
 
@@ -44,6 +44,8 @@ class Linear(nnx.Module):
     :attr:`matrix_axes`): the layer then runs :func:`jaxdsa.ops.quant_matmul`. Only layers with
     neither ``compute_dtype`` nor ``out_dtype`` are :attr:`quantizable`: those two ask for more
     precision than the activations carry, which a kernel dequantizing to x's dtype does not give.
+    ``quantizable=False`` keeps a layer dense whatever its checkpoint stores (dequantized at load):
+    for weights a step uses as an array (:meth:`dense`), not through a matmul.
     Scanned, a quantized weight reaches the layer as a :class:`~jaxdsa.layers.stacks.LayerSlice`
     (:meth:`stack_reads`) and the kernel reads it in the stack.
     """
@@ -58,6 +60,7 @@ class Linear(nnx.Module):
         rngs: nnx.Rngs,
         compute_dtype=None,
         out_dtype=None,
+        quantizable: bool = True,
     ):
         shape = (*in_shape, *out_shape)
         self.weight = normal(rngs, shape, fan_in(shape, len(in_shape)), dtype, axes)
@@ -65,7 +68,7 @@ class Linear(nnx.Module):
         self.out_shape = tuple(out_shape)
         self.compute_dtype = compute_dtype
         self.out_dtype = out_dtype
-        self.quantizable = compute_dtype is None and out_dtype is None
+        self.quantizable = quantizable and compute_dtype is None and out_dtype is None
         self.matrix_axes = matrix_axes(axes, self.in_ndim) if self.quantizable else None
 
     @property
@@ -111,14 +114,10 @@ class Linear(nnx.Module):
         return Partial(p.value.reshape(p.value.shape[0], *lead, *self.out_shape), p.axes)
 
     def dense(self, dtype) -> jax.Array:
-        """The weight ``[*in_shape, *out_shape]`` as an array: a quantized one dequantized to ``dtype``
-        here, in the step. For products no ``[K, N]`` matmul expresses (the absorbed MLA form
-        multiplies each head by its own slice); a step reads the codes once, as it would a dense
-        weight's values."""
-        w = layer_value(self.weight.get_value())
-        if isinstance(w, QuantizedWeight):
-            return dequantize(w, dtype).reshape(*self.in_shape, *self.out_shape)
-        return w
+        """The weight ``[*in_shape, *out_shape]`` as an array in ``dtype``, for products no ``[K, N]``
+        matmul expresses (the absorbed MLA form multiplies each head by its own slice). Such layers
+        are built ``quantizable=False``: a quantized weight would be dequantized in every step."""
+        return layer_value(self.weight.get_value()).astype(dtype)
 
 
 def project(x: jax.Array, linears: Sequence[Linear]) -> list[jax.Array]:

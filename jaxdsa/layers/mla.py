@@ -11,9 +11,10 @@ dim, D model dim): q_a [D, q_lora], q_b [q_lora, H, Dn+Pr], kv_a [D, C+Pr], w_uk
 w_uv [C, H, Dv], o [H, Dv, D]. Each token caches one row [normed latent (C) | roped key (Pr)].
 
 ``w_uk`` and ``w_uv`` are the two parts of each head's rows of ``kv_b``, each a :class:`Linear`
-that a checkpoint's FP8 / INT4 ``kv_b`` keeps quantized: the naive form runs them as matmuls of the
-latent rows (``ops.quant_matmul``), the absorbed form dequantizes them in the step
-(:meth:`Linear.dense`), since each head multiplies by its own slice.
+kept dense in the model dtype (a checkpoint's FP8 / INT4 ``kv_b`` is dequantized at load, as vLLM
+does): the absorbed form multiplies each head by its own slice (:meth:`Linear.dense`), which no
+quantized matmul expresses, and dequantizing them in every step cost a decode step two XLA fusions
+of ~3.5 us per layer; the naive form runs them as XLA matmuls of the latent rows.
 """
 
 from __future__ import annotations
@@ -124,10 +125,10 @@ class MLAttention(nnx.Module):
         )
         self.kv_a = Linear((hidden,), (kv_lora + rope,), ("embed", "latent"), dtype=dtype, rngs=rngs)
         self.kv_a_norm = StackedRMSNorm(kv_lora, latent_norm_eps, axis="kv_lora", dtype=dtype)
-        self.w_uk = Linear(
-            (kv_lora,), (heads, nope), ("kv_lora", "heads", "head_dim"), dtype=dtype, rngs=rngs
-        )
-        self.w_uv = Linear((kv_lora,), (heads, v), ("kv_lora", "heads", "head_dim"), dtype=dtype, rngs=rngs)
+        # kv_b's parts stay dense: the absorbed form multiplies each head by its own slice
+        absorbed = dict(dtype=dtype, rngs=rngs, quantizable=False)
+        self.w_uk = Linear((kv_lora,), (heads, nope), ("kv_lora", "heads", "head_dim"), **absorbed)
+        self.w_uv = Linear((kv_lora,), (heads, v), ("kv_lora", "heads", "head_dim"), **absorbed)
         self.o = Linear((heads, v), (hidden,), ("heads", "head_dim", "embed"), dtype=dtype, rngs=rngs)
         self.indexer = indexer
         self.kv_lora, self.nope, self.softmax_scale = kv_lora, nope, softmax_scale

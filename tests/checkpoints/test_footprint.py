@@ -2,7 +2,8 @@
 fixture, loaded on one device in float32 and in bfloat16, holds at most 1.3x the bytes of the
 checkpoint's tensors, its 16-bit tensors counted at the requested float width (a float32 model
 widens the bf16 norms, embeddings and LM head: that is the dtype asked for, not quantization's
-doing). Dense at load, ``kv_b`` alone made GLM-5 FP8 1.43x in float32, and V4's FP4 experts 2.2x.
+doing), and so is ``kv_b``, which is dense by design (the absorbed MLA form uses its parts as arrays:
+:mod:`jaxdsa.quantization`). Dense at load, V4's FP4 experts made the fixture 2.2x.
 The planner (``python -m jaxdsa.plan --weights fp8|int4``) counts what the loader holds."""
 
 from __future__ import annotations
@@ -27,13 +28,18 @@ _16_BIT = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
 def checkpoint_bytes(path, width: int) -> int:
-    """Bytes of every tensor of the checkpoint, 16-bit floats counted at ``width`` bytes."""
+    """Bytes of every tensor of the checkpoint, 16-bit floats counted at ``width`` bytes, and
+    ``kv_b``'s quantized weight as its dense values at ``width`` (its scales and zero points not)."""
     reader = CheckpointReader(str(path))
-    return sum(
-        math.prod(reader.shape(name))
-        * (width if reader.dtype(name) in _16_BIT else reader.dtype(name).itemsize)
-        for name in reader.keys()
-    )
+
+    def held(name: str) -> int:
+        size, dtype = math.prod(reader.shape(name)), reader.dtype(name)
+        if ".kv_b_proj." in name:
+            leaf = name.rsplit(".", 1)[1]
+            return {"weight": size, "weight_packed": 8 * size}.get(leaf, 0) * width
+        return size * (width if dtype in _16_BIT else dtype.itemsize)
+
+    return sum(held(name) for name in reader.keys())
 
 
 def held_bytes(model) -> int:

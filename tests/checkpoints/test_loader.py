@@ -201,16 +201,17 @@ def test_int4_pack_quantized_checkpoint(tiny, tmp_path):
 
 @pytest.mark.parametrize("name", ["glm5_fp8", "dsv32_fp8", "glm5_int4"])
 def test_kept_quantized_weights_hold_the_dequantized_values(name):
-    """Every weight kept quantized, ``kv_b``'s per-head W_UK / W_UV parts among them (columns of the
-    repacked matrix, FP8 scale groups narrowed to whole parts: 32 -> 8, 128 -> 16), dequantizes to
-    exactly what ``quantization='dequantize'`` loads (the linears as their [K, N] matrices)."""
+    """Every weight kept quantized dequantizes to exactly what ``quantization='dequantize'`` loads (the
+    linears as their [K, N] matrices); ``kv_b``'s per-head W_UK / W_UV parts are dense (the absorbed
+    MLA form uses them as arrays), dequantized at load to the same values."""
     _, _, model = load_model(FIXTURES / name, dtype=jnp.float32, progress=False)
     kept = {
         p
         for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
         if isinstance(v.get_value(), QuantizedWeight)
     }
-    assert {p[-2] for p in kept} >= {"w_uk", "w_uv", "q_b", "o", "experts"}
+    assert {p[-2] for p in kept} >= {"q_b", "o", "experts"}
+    assert not {p[-2] for p in kept} & {"w_uk", "w_uv"}
     dense, values = load_params(FIXTURES / name, quantization="dequantize"), load_params(FIXTURES / name)
     assert dense.keys() == values.keys()
     for path, value in values.items():
