@@ -16,9 +16,10 @@ default, and vLLM has no ``"dequantize"``.
 What can stay quantized is decided by the modules: a :class:`~jaxdsa.layers.linear.Linear` that is
 ``quantizable`` (no float32 compute or wider output: not the router, the indexer's
 ``weights_proj`` or the LM head) and :class:`~jaxdsa.layers.mlp.Experts`. ``kv_b``'s two parts,
-``w_uk`` and ``w_uv``, are linears built ``quantizable=False``: the absorbed MLA form multiplies each
-head by its own slice, so they are dequantized at load, as vLLM does. A scanned stack whose layers are stored in different formats (an
-``ignore`` entry naming one layer) is dequantized: one stacked parameter has one format.
+``w_uk`` and ``w_uv``, are linears built ``quantizable=False`` (except with dp attention, which
+holds every head's on every device): the absorbed MLA form multiplies each head by its own slice,
+so they are dequantized at load, as vLLM does. A scanned stack whose layers are stored in different
+formats (an ``ignore`` entry naming one layer) is dequantized: one stacked parameter has one format.
 
 :func:`quantize` replaces each chosen parameter of the abstract model by a
 :class:`~jaxdsa.quantized_weight.QuantizedWeight` of ShapeDtypeStructs: a linear's

@@ -12,7 +12,7 @@ from flax import nnx
 from jaxdsa import ops, sharding
 from jaxdsa.layers.params import fan_in, normal
 from jaxdsa.layers.stacks import layer_value, split_layer
-from jaxdsa.quantized_weight import QuantizedWeight
+from jaxdsa.quantized_weight import QuantizedWeight, dequantize
 from jaxdsa.sharding import Axes, Partial
 
 
@@ -115,9 +115,13 @@ class Linear(nnx.Module):
 
     def dense(self, dtype) -> jax.Array:
         """The weight ``[*in_shape, *out_shape]`` as an array in ``dtype``, for products no ``[K, N]``
-        matmul expresses (the absorbed MLA form multiplies each head by its own slice). Such layers
-        are built ``quantizable=False``: a quantized weight would be dequantized in every step."""
-        return layer_value(self.weight.get_value()).astype(dtype)
+        matmul expresses (the absorbed MLA form multiplies each head by its own slice). A quantized
+        weight is dequantized here, in the step: layers used this way are built
+        ``quantizable=False`` where their bytes allow (:class:`~jaxdsa.layers.mla.MLAttention`)."""
+        w = layer_value(self.weight.get_value())
+        if isinstance(w, QuantizedWeight):
+            return dequantize(w, dtype).reshape(*self.in_shape, *self.out_shape)
+        return w.astype(dtype)
 
 
 def project(x: jax.Array, linears: Sequence[Linear]) -> list[jax.Array]:

@@ -10,11 +10,13 @@ Shapes (legend in docs/architecture.md; H heads, C kv_lora_rank, Pr rope dim, Dn
 dim, D model dim): q_a [D, q_lora], q_b [q_lora, H, Dn+Pr], kv_a [D, C+Pr], w_uk [C, H, Dn],
 w_uv [C, H, Dv], o [H, Dv, D]. Each token caches one row [normed latent (C) | roped key (Pr)].
 
-``w_uk`` and ``w_uv`` are the two parts of each head's rows of ``kv_b``, each a :class:`Linear`
-kept dense in the model dtype (a checkpoint's FP8 / INT4 ``kv_b`` is dequantized at load, as vLLM
-does): the absorbed form multiplies each head by its own slice (:meth:`Linear.dense`), which no
-quantized matmul expresses, and dequantizing them in every step cost a decode step two XLA fusions
-of ~3.5 us per layer; the naive form runs them as XLA matmuls of the latent rows.
+``w_uk`` and ``w_uv`` are the two parts of each head's rows of ``kv_b``, each a :class:`Linear`.
+The absorbed form multiplies each head by its own slice (:meth:`Linear.dense`), which no quantized
+matmul expresses, so with ``dense_kv_b`` (the default) they are held in the model dtype (a
+checkpoint's FP8 / INT4 ``kv_b`` dequantized at load, as vLLM does): dequantizing them in every step
+cost a decode step two XLA fusions of ~3.5 us per layer. Without it (dp attention, where every
+device holds every head's, 8x the bytes on 8 GPUs) they stay quantized and are dequantized in the
+step; the naive form runs them as matmuls of the latent rows either way.
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ class MLAttention(nnx.Module):
         indexer: Indexer | None,
         dtype,
         rngs: nnx.Rngs,
+        dense_kv_b: bool = True,
     ):
         self.q_a = Linear((hidden,), (q_lora,), ("embed", "q_lora"), dtype=dtype, rngs=rngs)
         self.q_a_norm = StackedRMSNorm(q_lora, latent_norm_eps, axis="q_lora", dtype=dtype)
@@ -125,8 +128,7 @@ class MLAttention(nnx.Module):
         )
         self.kv_a = Linear((hidden,), (kv_lora + rope,), ("embed", "latent"), dtype=dtype, rngs=rngs)
         self.kv_a_norm = StackedRMSNorm(kv_lora, latent_norm_eps, axis="kv_lora", dtype=dtype)
-        # kv_b's parts stay dense: the absorbed form multiplies each head by its own slice
-        absorbed = dict(dtype=dtype, rngs=rngs, quantizable=False)
+        absorbed = dict(dtype=dtype, rngs=rngs, quantizable=not dense_kv_b)
         self.w_uk = Linear((kv_lora,), (heads, nope), ("kv_lora", "heads", "head_dim"), **absorbed)
         self.w_uv = Linear((kv_lora,), (heads, v), ("kv_lora", "heads", "head_dim"), **absorbed)
         self.o = Linear((heads, v), (hidden,), ("heads", "head_dim", "embed"), dtype=dtype, rngs=rngs)

@@ -45,7 +45,17 @@ def padded(n: int, shards: int) -> int:
 class DecoderLayer(nnx.Module):
     """Pre-norm MLA (+ indexer) and a dense MLP or the MoE, with residuals."""
 
-    def __init__(self, cfg: DsaConfig, layer: int, *, heads: int, index_heads: int, dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: DsaConfig,
+        layer: int,
+        *,
+        heads: int,
+        index_heads: int,
+        dtype,
+        rngs: nnx.Rngs,
+        dense_kv_b: bool = True,
+    ):
         D = cfg.hidden_size
         indexer = None
         if cfg.has_indexer(layer):
@@ -76,6 +86,7 @@ class DecoderLayer(nnx.Module):
             indexer=indexer,
             dtype=dtype,
             rngs=rngs,
+            dense_kv_b=dense_kv_b,
         )
         self.post_attn_norm = ResidualRMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
         if cfg.is_moe_layer(layer):
@@ -125,14 +136,15 @@ def _mlp_partials(mlp: nnx.Module, x: jax.Array, valid: jax.Array):
 
 class MtpLayer(nnx.Module):
     """The next-n layer: e = enorm(E[x_{t+1}]), g = hnorm(h_t), u = eh_proj [e ; g] (embedding first,
-    as vLLM), one full decoder layer with its own cache, then shared_head.norm (docs/models.md §2.12)."""
+    as vLLM), one full decoder layer with its own cache, then shared_head.norm (docs/models.md §2.12).
+    ``attention``: the decoder layer's head counts and ``dense_kv_b``."""
 
-    def __init__(self, cfg: DsaConfig, layer: int, *, heads: int, index_heads: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DsaConfig, layer: int, *, dtype, rngs: nnx.Rngs, **attention):
         D = cfg.hidden_size
         self.enorm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
         self.hnorm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
         self.eh_proj = Linear((2 * D,), (D,), ("embed_pair", "embed"), dtype=dtype, rngs=rngs)
-        self.layer = DecoderLayer(cfg, layer, heads=heads, index_heads=index_heads, dtype=dtype, rngs=rngs)
+        self.layer = DecoderLayer(cfg, layer, dtype=dtype, rngs=rngs, **attention)
         self.shared_head_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
 
 
@@ -154,7 +166,12 @@ class DsaModel(nnx.Module):
         scan_layers: bool = True,
     ):
         tp = parallelism.shards("heads") if parallelism else 1
-        heads = dict(heads=padded(cfg.num_attention_heads, tp), index_heads=padded(cfg.index_n_heads, tp))
+        heads = dict(
+            heads=padded(cfg.num_attention_heads, tp),
+            index_heads=padded(cfg.index_n_heads, tp),
+            # with dp attention every device holds every head's kv_b: it stays quantized there
+            dense_kv_b=not (parallelism and parallelism.dp_attention),
+        )
         make_layer = lambda layer, rngs: DecoderLayer(cfg, layer, **heads, dtype=dtype, rngs=rngs)
         kinds = [(cfg.is_moe_layer(i), cfg.has_indexer(i)) for i in range(cfg.num_hidden_layers)]
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
