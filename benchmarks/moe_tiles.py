@@ -8,9 +8,9 @@ its tokens to fresh random experts (``copies`` routings in one ``fori_loop``, on
 variant), so the touched experts' weights come from HBM, as in a step.
 
 Per (T, variant): the ``moe_gate_up`` and ``moe_down`` kernels' mean durations, the call's other
-kernels (routing metadata, the K splits' sum with the SwiGLU, the weighted combine) per call, the
-sum, and the touched experts' bytes over the sum as GB/s and % of the read ceiling. Every variant is
-first checked against the float32 definition (rel L2 <= 1e-2).
+kernels (routing metadata, the weighted combine) per call, the sum, and the touched experts' bytes
+over the sum as GB/s and % of the read ceiling. Every variant is first checked against the float32
+definition (rel L2 <= 1e-2).
 
 Variants (``--variants``, ``name:field=value+field=value``; ``base`` is the tuning table's):
 fields of :class:`pallas_kernels.moe.tuning.MoeConfig` (``block_m``, ``splits``) or of its tiles,
@@ -171,7 +171,7 @@ def report(rows: list[dict], ceiling: float, args: argparse.Namespace, wall_s: f
     lines += [
         "",
         "MB: the touched experts' bytes per call (mean distinct experts x one expert's gate|up + down);",
-        "other_us: the call's other kernels (routing metadata, the splits' sum with the SwiGLU, combine).",
+        "other_us: the call's other kernels (routing metadata, combine).",
         "",
         linear_tiles.table(rows, cols),
     ]

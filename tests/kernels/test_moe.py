@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 
 from jaxdsa import ops
-from pallas_kernels._triton import lower_for_cuda
+from pallas_kernels._triton import lower_for_cuda, shared_memory_budget
 from pallas_kernels.moe import kernel, ref, routing, tuning
 from pallas_kernels.moe.tuning import MoeConfig, Tile
 
@@ -84,32 +86,68 @@ def test_matches_reference(t, k, e, dtype, limit, skew):
     _check(x, ids, weights, experts, swiglu_limit=limit)
 
 
-@pytest.mark.parametrize("block_m,absorb_m", [(128, 32), (64, 16), (128, 0)])
-def test_tail_blocks(block_m, absorb_m):
+@pytest.mark.parametrize("block_m,absorb_m,splits", [(128, 32, 1), (64, 16, 1), (128, 0, 1), (64, 16, 2)])
+def test_tail_blocks(block_m, absorb_m, splits):
     """Every kind of last block: absorbed tails of 1..absorb_m rows (both extra tile sizes), tails
-    just too big to absorb, a lone small block, an empty expert, an expert of 3 blocks + tail."""
+    just too big to absorb, a lone small block, an empty expert, an expert of 3 blocks + tail; with
+    gate|up split over K too (the down kernel reads the absorbed rows' partial sums)."""
     tails = [1, 5, 16, 17, 32, 33, 64]
     counts = [block_m + t for t in tails] + [3, 0, 2 * block_m + 9, block_m]
     rng = np.random.default_rng(block_m + absorb_m)
     ids = rng.permutation(np.repeat(np.arange(len(counts)), counts))[:, None]
     x, _, weights, experts = _inputs(5, ids.shape[0], 1, len(counts), 64, 32, jnp.float32, invalid=0.0)
-    cfg = MoeConfig(block_m, Tile(32, 32, 4, 2), Tile(32, 16, 4, 2), absorb_m=absorb_m)
+    cfg = MoeConfig(block_m, Tile(32, 32, 4, 2), Tile(32, 16, 4, 2), absorb_m=absorb_m, splits=splits)
     _check(x, jnp.asarray(ids, jnp.int32), weights[:, :1], experts, config=cfg)
 
 
 @pytest.mark.parametrize(
-    "t,splits,limit,d",
-    [(1, 2, None, 128), (1, 4, 0.3, 128), (1, 3, None, 96), (37, 4, None, 128), (300, 2, 0.3, 128)],
+    "t,splits,limit,d,dtype",
+    [
+        (1, 2, None, 128, jnp.float32),
+        (1, 4, 0.3, 128, jnp.bfloat16),
+        (1, 3, None, 96, jnp.float32),
+        (5, 4, 0.3, 128, jnp.bfloat16),
+        (37, 4, None, 128, jnp.float32),
+        (300, 2, 0.3, 128, jnp.float32),
+    ],
 )
-def test_k_splits(t, splits, limit, d):
-    """gate|up split over K (float32 partial sums, the SwiGLU after their sum): the decode regime of
-    a few experts (3 splits of a 3-step K loop too), and grouped, multi-block and absorbed-tail
-    routings, with and without the clamp."""
-    x, ids, weights, experts = _inputs(70 + t, t, 4, 8, d, 32, jnp.float32, skew=1.0)
+def test_k_splits(t, splits, limit, d, dtype):
+    """gate|up split over K (float32 partial sums, added and activated by the down kernel): the
+    decode regime of a few experts (3 splits of a 3-step K loop too), and grouped and multi-block
+    routings with dropped ids, bf16 and float32, with and without the clamp."""
+    x, ids, weights, experts = _inputs(70 + t, t, 4, 8, d, 32, dtype, skew=1.0)
     cfg = MoeConfig(16, Tile(32, 32, 4, 2), Tile(32, 16, 4, 2), splits=splits)
     _check(x, ids, weights, experts, swiglu_limit=limit, config=cfg)
     assert kernel._k_splits(8, 12) == 6 and kernel._k_splits(4, 3) == 3  # only splits dividing the loop
     assert kernel._k_splits(4, 7) == 1
+
+
+@pytest.mark.parametrize("dtype,limit", [(jnp.bfloat16, 0.3), (jnp.float32, None)])
+def test_down_adds_k_split_partials_as_xla_would(dtype, limit):
+    """The down kernel's act tiles from gate|up's partial sums are the bits of what the XLA fusion
+    between the kernels made: the splits added in split order, clamp, SwiGLU, rounded to the dtype
+    (then the same down kernel on that act)."""
+    t, k, e = 9, 4, 8
+    x, ids, weights, experts = _inputs(90, t, k, e, 128, 32, dtype, skew=1.0)
+    cfg = MoeConfig(16, Tile(32, 32, 4, 2), Tile(32, 16, 4, 2), splits=4)
+
+    @jax.jit
+    def both(x, ids, experts):
+        bmap = kernel.route(ids, e, cfg.block_m)
+        h = kernel.gate_up(x, bmap, experts["gate_up"], cfg, top_k=k, swiglu_limit=limit, interpret=True)
+        n = h.values.shape[-1] // 2
+        summed = functools.reduce(operator.add, list(h.values))  # split order
+        act = kernel._swiglu(summed[:, :n], summed[:, n:], limit).astype(dtype)
+        down = functools.partial(
+            kernel.down, bmap=bmap, w=experts["down"], cfg=cfg, num_slots=t * k, interpret=True
+        )
+        return h.splits, down(h), down(kernel.GateUpOut(act, 1, dtype, None))
+
+    splits, fused, via_xla = both(x, ids, experts)
+    assert splits == 4
+    written = np.asarray((ids >= 0) & (ids < e)).reshape(-1)  # other rows of y are never written
+    assert written.any() and not written.all()
+    np.testing.assert_array_equal(np.asarray(fused)[: t * k][written], np.asarray(via_xla)[: t * k][written])
 
 
 def test_all_ids_out_of_range():
@@ -251,6 +289,33 @@ def test_decode_batches_of_quantized_experts_split_gate_up_over_k():
     assert tuning.k_splits(18, 257, 512, 128, sms=132) == 3  # two tokens: 216 in two waves
 
 
+@pytest.mark.parametrize("cc", [80, 90, 120])
+def test_down_tile_holds_the_k_split_partial_sums(cc):
+    """After a K-split gate|up the down tile is fitted to the float32 partial sums it reads: within
+    the shared memory by fewer stages or a shorter K step, never a narrower D tile (each D tile
+    reads them again). H100, GLM-5.2 INT4 at TP 4 with its shared expert (3 splits): 2 stages."""
+    split = 0
+    for (bits, kpack), (slots, experts, n), itemsize in itertools.product(
+        ((4, 256), (4, 64), (8, 0)), ((8, 256, 512), (9, 257, 512), (16, 256, 1024), (2, 64, 2048)), (2, 4)
+    ):
+        quant = dict(itemsize=itemsize, cc=cc, weight_bits=bits, kpack=kpack)
+        cfg, plain = tuning.choose(slots, experts, n_out=n, **quant), tuning.choose(slots, experts, **quant)
+        split += cfg.splits > 1
+        nbytes = tuning.smem_bytes(
+            cfg.down,
+            block_m=cfg.block_m,
+            weight_tiles=1,
+            itemsize=itemsize,
+            weight_bits=bits,
+            splits=cfg.splits,
+        )
+        assert nbytes <= shared_memory_budget(cc), (bits, kpack, slots, n, itemsize, cfg)
+        assert cfg.gate_up == plain.gate_up and cfg.down.block_n == plain.down.block_n
+    assert split
+    glm = tuning.choose(9, 257, itemsize=2, cc=90, weight_bits=4, kpack=256, n_out=512)
+    assert glm.splits == 3 and glm.down == Tile(128, 256, 8, 2)
+
+
 def test_block_m_regimes():
     assert [tuning.block_m_for(t * 8, 256, 64) for t in (1, 128, 256, 512, 4096)] == [16, 16, 16, 32, 64]
 
@@ -289,3 +354,5 @@ def test_lowers_for_cuda_at_glm5_shapes(target, cc, t, e, dtype, splits):
         swiglu_limit=7.0,
     )
     assert text.count("__gpu$xla.gpu.triton") == 2
+    if splits > 1:  # the down kernel adds the K splits: the one reduce left is the combine's
+        assert text.count("stablehlo.reduce") == 1

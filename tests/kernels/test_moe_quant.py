@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels._triton import compute_capability
+from pallas_kernels._triton import compute_capability, lower_for_cuda
 from pallas_kernels.moe import kernel, ref
 from pallas_kernels.moe.tuning import MoeConfig, Tile
 from pallas_kernels.quant import layout
@@ -133,16 +133,49 @@ def test_experts_over_several_blocks():
     _check(x, ids, jnp.ones(ids.shape, jnp.float32), experts, config=cfg)
 
 
-@pytest.mark.parametrize("fmt", ["int4", "fp4"])
-def test_k_splits(fmt):
-    """4-bit experts with gate|up split over K (INT4 in int32 words: K = 512 in 256-row chunks)."""
-    rng = np.random.default_rng(31)
+@pytest.mark.parametrize(
+    "fmt,t,dtype,splits",
+    [
+        ("int4", 2, jnp.float32, 2),
+        ("int4", 1, jnp.bfloat16, 2),
+        ("fp8", 3, jnp.bfloat16, 4),
+        ("fp4", 2, jnp.float32, 4),
+        ("fp4", 5, jnp.bfloat16, 2),
+    ],
+)
+def test_k_splits(fmt, t, dtype, splits):
+    """Quantized experts with gate|up split over K at decode sizes, the down kernel adding the
+    partial sums (INT4 in int32 words: K = 512 in 256-row chunks), with the clamp and dropped ids."""
+    rng = np.random.default_rng(31 + t)
     experts = _experts(rng, fmt, 8, 512, 64)
-    x = jnp.asarray(rng.standard_normal((2, 512)), jnp.float32)
-    ids, weights = _routing(rng, 2, 4, 8, skew=0.0), jnp.asarray(rng.random((2, 4)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((t, 512)), dtype)
+    ids, weights = _routing(rng, t, 4, 8, skew=0.0, invalid=0.2), jnp.asarray(rng.random((t, 4)), jnp.float32)
     block_k = 256 if fmt == "int4" else 64
-    cfg = MoeConfig(16, Tile(32, block_k, 4, 2), Tile(32, block_k // 4, 4, 2), splits=2)
+    cfg = MoeConfig(16, Tile(32, block_k, 4, 2), Tile(32, block_k // 4, 4, 2), splits=splits)
     _check(x, ids, weights, experts, swiglu_limit=0.3, config=cfg)
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90", "sm_120"])
+@pytest.mark.parametrize("fmt", ["int4", "fp8", "fp4"])
+def test_k_split_lowers(target, fmt):
+    """The down kernel finishing gate|up's partial sums, with quantized weights (INT4 in words on
+    both matrices), through the Triton lowering; no XLA op adds the splits (the one reduce left is
+    the combine's sum over a token's slots)."""
+    experts = jax.eval_shape(lambda: _experts(np.random.default_rng(0), fmt, 8, 512, 256))
+    block_k = 256 if fmt == "int4" else 64
+    cfg = MoeConfig(16, Tile(64, block_k, 4, 2), Tile(64, block_k, 4, 2), splits=2)
+    text = lower_for_cuda(
+        kernel.moe_experts,
+        jax.ShapeDtypeStruct((1, 512), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, 4), jnp.int32),
+        jax.ShapeDtypeStruct((1, 4), jnp.float32),
+        experts,
+        target=target,
+        config=cfg,
+        swiglu_limit=7.0,
+        decode="software" if fmt == "fp8" else None,
+    )
+    assert text.count("__gpu$xla.gpu.triton") == 2 and text.count("stablehlo.reduce") == 1
 
 
 @pytest.mark.parametrize("t", [1, 8, 300])
