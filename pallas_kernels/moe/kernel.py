@@ -5,7 +5,8 @@ Four steps, all inside the caller's jit (:func:`route`, :func:`gate_up`, :func:`
 
 1. Routing (:mod:`.routing`, plain XLA): token slots grouped by expert into blocks of
    ``block_m`` rows; a block map of static worst-case size (idle blocks marked -1) with each
-   block's filled rows and its expert's span of blocks.
+   block's filled rows and its expert's span of blocks. A single token's slots are one block each,
+   read by the kernels from its routing ids (:class:`.routing.SlotBlocks`): no XLA kernel.
 2. ``gate_up`` kernel: one program per (block, N tile). It gathers the block's token rows of
    ``x`` straight from ``[T, D]`` (no permuted copy of the activations), multiplies them with the
    expert's gate and up tiles in one K loop (two f32 accumulators), and applies the clamp and
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +69,82 @@ from pallas_kernels.quant.layout import QuantizedWeight
 __all__ = ["GateUpOut", "combine", "down", "gate_up", "moe_experts", "route"]
 
 _EXPERT, _ROWS, _SPAN_START, _SPAN_LEN = range(4)  # rows of the per-block metadata the kernels read
+
+
+@dataclasses.dataclass(frozen=True)
+class _Blocks:
+    """How the kernels read the routing's block map (static): from the routing ids themselves
+    (``per_slot``, :class:`.routing.SlotBlocks`: one operand, no XLA kernel before them), or from
+    the metadata table and ``row_slot`` that :func:`.routing.group_by_expert` builds (two)."""
+
+    per_slot: bool
+    block_m: int
+    num_experts: int
+
+    @classmethod
+    def of(cls, bmap: routing.BlockMap | routing.SlotBlocks, block_m: int, num_experts: int) -> _Blocks:
+        return cls(isinstance(bmap, routing.SlotBlocks), block_m, num_experts)
+
+    @staticmethod
+    def operands(bmap: routing.BlockMap | routing.SlotBlocks) -> tuple[jax.Array, ...]:
+        if isinstance(bmap, routing.SlotBlocks):
+            return (bmap.ids,)
+        meta = jnp.stack([bmap.block_expert, bmap.block_rows, bmap.span_start, bmap.span_len])
+        return meta, bmap.row_slot
+
+    def reader(self, refs: tuple) -> tuple[_TableReader | _SlotReader, tuple]:
+        """The reader of this map's operands at the head of a kernel's ``refs``, and the rest."""
+        if self.per_slot:
+            return _SlotReader(refs[0], self.block_m, self.num_experts), refs[1:]
+        return _TableReader(*refs[:2]), refs[2:]
+
+
+@dataclasses.dataclass(frozen=True)
+class _TableReader:
+    meta_ref: Any  # [4, blocks]: expert, filled rows, span start, span length
+    row_slot_ref: Any  # [blocks * block_m]
+
+    def expert(self, block):
+        return self.meta_ref[_EXPERT, block]
+
+    def rows(self, block):
+        return self.meta_ref[_ROWS, block]
+
+    def span(self, block):
+        return self.meta_ref[_SPAN_START, block], self.meta_ref[_SPAN_LEN, block]
+
+    def slots(self, rows: pl.Slice) -> jax.Array:
+        return self.row_slot_ref[rows]
+
+
+@dataclasses.dataclass(frozen=True)
+class _SlotReader:
+    """Block b is slot b (:class:`.routing.SlotBlocks`): expert ``ids[b]`` (idle outside ``[0, E)``),
+    one filled row holding slot b, a span of itself alone (so no block ever absorbs another)."""
+
+    ids_ref: Any  # [slots]
+    block_m: int
+    num_experts: int
+
+    def _id(self, block):
+        block = jnp.minimum(block, self.ids_ref.shape[0] - 1)  # a traced branch never taken may ask past it
+        slot_id = self.ids_ref[block]
+        return slot_id, (slot_id >= 0) & (slot_id < self.num_experts)
+
+    def expert(self, block):
+        slot_id, valid = self._id(block)
+        return jnp.where(valid, slot_id, -1)
+
+    def rows(self, block):
+        return self._id(block)[1].astype(jnp.int32)
+
+    def span(self, block):
+        return block, jnp.int32(1)
+
+    def slots(self, rows: pl.Slice) -> jax.Array:
+        block = rows.start // self.block_m
+        first = jnp.arange(rows.size, dtype=jnp.int32) == 0
+        return jnp.where(first & self._id(block)[1], block, -1)
 
 
 @functools.partial(
@@ -91,14 +169,14 @@ def _fit(block: int, dim: int, what: str, floor: int = 16) -> int:
     return fit_block(block, dim, floor=floor, what=what, op="moe_experts")
 
 
-def _block_and_tile(meta_ref, n_tiles: int, pid=None) -> tuple[jax.Array, jax.Array]:
+def _block_and_tile(blocks, n_tiles: int, pid=None) -> tuple[jax.Array, jax.Array]:
     """(block, output tile) of this program (or of program ``pid``). An expert owning blocks
     ``[s, s + c)`` owns programs ``[s * n_tiles, (s + c) * n_tiles)``; inside that range the block
     index runs fastest, so the ``c`` programs that read the same weight tile are adjacent in
     launch order."""
     pid = pl.program_id(0) if pid is None else pid
     owner = pid // n_tiles  # some block of the same expert
-    start, count = meta_ref[_SPAN_START, owner], meta_ref[_SPAN_LEN, owner]
+    start, count = blocks.span(owner)
     local = pid - start * n_tiles
     return start + local % count, local // count
 
@@ -112,7 +190,7 @@ def _row_powers(top: int, bottom: int) -> list[tuple[int, int]]:
     return out
 
 
-def _with_row_tiles(meta_ref, block, *, block_m: int, min_m: int, absorb_m: int, body) -> None:
+def _with_row_tiles(blocks, block, *, block_m: int, min_m: int, absorb_m: int, body) -> None:
     """Run ``body(m, extra)`` for this block: ``m`` rows of its own, ``extra`` rows of the next.
 
     A block runs with the smallest power-of-two row tile ``m`` in ``[min_m, block_m]`` that holds
@@ -122,12 +200,12 @@ def _with_row_tiles(meta_ref, block, *, block_m: int, min_m: int, absorb_m: int,
     has already loaded, and the last block's own programs exit. Without that, a few-row tail
     block streams the whole weight slab again for a sliver of the work.
     """
-    rows = meta_ref[_ROWS, block]
-    start, count = meta_ref[_SPAN_START, block], meta_ref[_SPAN_LEN, block]
+    rows = blocks.rows(block)
+    start, count = blocks.span(block)
     last = start + count - 1
     plain = rows > 0
     if absorb_m:
-        tail_rows = meta_ref[_ROWS, last]
+        tail_rows = blocks.rows(last)
         absorbed = (count >= 2) & (tail_rows <= absorb_m)
         plain &= ~absorbed | (
             block < last - 1
@@ -150,10 +228,8 @@ def _row_groups(block, block_m: int, m: int, extra: int) -> list[tuple[pl.Slice,
 
 
 def _gate_up_kernel(
-    meta_ref,
-    row_slot_ref,
-    x_ref,
     *refs,
+    map_spec: _Blocks,
     w_spec: tiles.WeightSpec,
     n_inter: int,
     top_k: int,
@@ -167,20 +243,20 @@ def _gate_up_kernel(
     swiglu_limit: float | None,
     precision,
 ):
-    *w_refs, act_ref = refs
+    blocks, (x_ref, *w_refs, act_ref) = map_spec.reader(refs)
     layer, w_refs = tiles.layer_lead(w_spec, w_refs)
     n_programs = pl.num_programs(0) // splits
     split, pid = pl.program_id(0) // n_programs, pl.program_id(0) % n_programs
-    block, tile = _block_and_tile(meta_ref, n_tiles, pid)
+    block, tile = _block_and_tile(blocks, n_tiles, pid)
     n0 = pl.multiple_of(tile * block_n, block_n)
-    lead = (*layer, meta_ref[_EXPERT, block])
+    lead = (*layer, blocks.expert(block))
     k_steps = x_ref.shape[1] // block_k // splits  # this program's share of the K loop
 
     def run(m: int, extra: int) -> None:
         groups = _row_groups(block, block_m, m, extra)
         gathers = []  # (token of each row, row valid) per group
         for rows, _ in groups:
-            slots = row_slot_ref[rows]
+            slots = blocks.slots(rows)
             gathers.append((jnp.where(slots >= 0, slots // top_k, 0), slots >= 0))
 
         def step(i, acc):
@@ -206,7 +282,7 @@ def _gate_up_kernel(
             else:
                 act_ref[rows, pl.ds(n0, block_n)] = _swiglu(gate, up, swiglu_limit).astype(act_ref.dtype)
 
-    _with_row_tiles(meta_ref, block, block_m=block_m, min_m=min_m, absorb_m=absorb_m, body=run)
+    _with_row_tiles(blocks, block, block_m=block_m, min_m=min_m, absorb_m=absorb_m, body=run)
 
 
 def _swiglu(gate, up, limit: float | None):
@@ -219,10 +295,8 @@ def _swiglu(gate, up, limit: float | None):
 
 
 def _down_kernel(
-    meta_ref,
-    row_slot_ref,
-    act_ref,
     *refs,
+    map_spec: _Blocks,
     w_spec: tiles.WeightSpec,
     n_inter: int,
     splits: int,
@@ -235,11 +309,11 @@ def _down_kernel(
     n_tiles: int,
     precision,
 ):
-    *w_refs, y_ref = refs
+    blocks, (act_ref, *w_refs, y_ref) = map_spec.reader(refs)
     layer, w_refs = tiles.layer_lead(w_spec, w_refs)
-    block, tile = _block_and_tile(meta_ref, n_tiles)
+    block, tile = _block_and_tile(blocks, n_tiles)
     d0 = pl.multiple_of(tile * block_n, block_n)
-    lead = (*layer, meta_ref[_EXPERT, block])
+    lead = (*layer, blocks.expert(block))
     dtype = y_ref.dtype  # the activations' (:class:`GateUpOut`)
 
     def act_tile(rows, valid, k, length: int) -> jax.Array:
@@ -261,7 +335,7 @@ def _down_kernel(
 
     def run(m: int, extra: int) -> None:  # reads only act rows the gate|up program of (m, extra) wrote
         groups = _row_groups(block, block_m, m, extra)
-        valid = [row_slot_ref[rows] >= 0 for rows, _ in groups]
+        valid = [blocks.slots(rows) >= 0 for rows, _ in groups]
 
         def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
@@ -282,14 +356,14 @@ def _down_kernel(
         acc = jax.lax.fori_loop(0, n_inter // block_k, step, zeros)
         cols = d0 + jnp.arange(block_n, dtype=jnp.int32)
         for (rows, n), out, ok in zip(groups, acc, valid):
-            slots = row_slot_ref[rows]
+            slots = blocks.slots(rows)
             # Padding rows aim at distinct spare rows past the slots: masked off on the GPU, and the
             # interpreter (which writes masked lanes back unchanged) sees no duplicate destinations.
             spare = y_ref.shape[0] - n + jnp.arange(n, dtype=jnp.int32)
             dest = y_ref.at[jnp.where(ok, slots, spare)[:, None], cols[None, :]]
             pltriton.store(dest, out.astype(y_ref.dtype), mask=ok[:, None])
 
-    _with_row_tiles(meta_ref, block, block_m=block_m, min_m=min_m, absorb_m=absorb_m, body=run)
+    _with_row_tiles(blocks, block, block_m=block_m, min_m=min_m, absorb_m=absorb_m, body=run)
 
 
 def moe_experts(
@@ -364,16 +438,12 @@ def default_config(x: jax.Array, topk_ids: jax.Array, experts: dict) -> tuning.M
     )
 
 
-def route(topk_ids: jax.Array, num_experts: int, block_m: int) -> routing.BlockMap:
+def route(topk_ids: jax.Array, num_experts: int, block_m: int) -> routing.BlockMap | routing.SlotBlocks:
     """The block map: one block per slot for a single token (its experts are distinct, nothing to
-    group), slots grouped by expert otherwise."""
+    group; the kernels read its ids as they are), slots grouped by expert otherwise."""
     if topk_ids.shape[0] == 1:
-        return routing.one_block_per_slot(topk_ids, num_experts, block_m)
+        return routing.SlotBlocks(topk_ids.reshape(-1).astype(jnp.int32))
     return routing.group_by_expert(topk_ids, num_experts, block_m)
-
-
-def _metadata(bmap: routing.BlockMap) -> jax.Array:
-    return jnp.stack([bmap.block_expert, bmap.block_rows, bmap.span_start, bmap.span_len])
 
 
 def _absorb_m(cfg: tuning.MoeConfig) -> int:
@@ -395,7 +465,7 @@ def _precision(dtype):
 
 def gate_up(
     x: jax.Array,
-    bmap: routing.BlockMap,
+    bmap: routing.BlockMap | routing.SlotBlocks,
     w: jax.Array | QuantizedWeight,
     cfg: tuning.MoeConfig,
     *,
@@ -418,11 +488,12 @@ def gate_up(
     block_n = _fit(cfg.gate_up.block_n, n_inter, "N")
     block_k = _fit(max(cfg.gate_up.block_k, k_floor), d_model, "D", k_floor)
     splits = _k_splits(cfg.splits, d_model // block_k)
-    n_blocks, n_tiles = bmap.block_expert.shape[0], n_inter // block_n
+    n_blocks, n_tiles = bmap.n_blocks, n_inter // block_n
     rows = n_blocks * bm
     out = pl.pallas_call(
         functools.partial(
             _gate_up_kernel,
+            map_spec=_Blocks.of(bmap, bm, w.shape[-3]),
             w_spec=spec,
             n_inter=n_inter,
             top_k=top_k,
@@ -443,7 +514,7 @@ def gate_up(
         compiler_params=compiler_params(cfg.gate_up.num_warps, cfg.gate_up.num_stages),
         interpret=interpret,
         name="moe_gate_up",
-    )(_metadata(bmap), bmap.row_slot, x.astype(dtype), *arrays)
+    )(*_Blocks.operands(bmap), x.astype(dtype), *arrays)
     # Rows of blocks no program ran hold whatever the buffer held: the down kernel never reads them.
     return GateUpOut(out, splits, dtype, swiglu_limit if splits > 1 else None)
 
@@ -455,7 +526,7 @@ def _k_splits(splits: int, k_steps: int) -> int:
 
 def down(
     h: GateUpOut,
-    bmap: routing.BlockMap,
+    bmap: routing.BlockMap | routing.SlotBlocks,
     w: jax.Array | QuantizedWeight,
     cfg: tuning.MoeConfig,
     *,
@@ -475,10 +546,11 @@ def down(
     bm = cfg.block_m
     block_n = _fit(cfg.down.block_n, d_model, "D")
     block_k = _fit(max(cfg.down.block_k, k_floor), n_inter, "N", k_floor)
-    n_blocks, n_tiles = bmap.block_expert.shape[0], d_model // block_n
+    n_blocks, n_tiles = bmap.n_blocks, d_model // block_n
     return pl.pallas_call(
         functools.partial(
             _down_kernel,
+            map_spec=_Blocks.of(bmap, bm, w.shape[-3]),
             w_spec=spec,
             n_inter=n_inter,
             splits=h.splits,
@@ -496,7 +568,7 @@ def down(
         compiler_params=compiler_params(cfg.down.num_warps, cfg.down.num_stages),
         interpret=interpret,
         name="moe_down",
-    )(_metadata(bmap), bmap.row_slot, h.values, *arrays)
+    )(*_Blocks.operands(bmap), h.values, *arrays)
 
 
 def combine(y: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, num_experts: int) -> jax.Array:

@@ -8,7 +8,7 @@ case (:func:`max_blocks`) and unused blocks are marked idle (expert -1); their p
 once. Each block also carries its expert's span (first block, block count), so the kernels can
 number their programs expert by expert (see :func:`pallas_kernels.moe.kernel._block_and_tile`).
 Everything here is plain XLA (a sort, a few reductions and one scatter): Pallas-Triton kernels
-cannot sort.
+cannot sort. A single token's map needs none of it (:class:`SlotBlocks`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,35 @@ class BlockMap(NamedTuple):
     span_start: jax.Array  # [max_blocks] int32: first block of this block's expert (idle: itself)
     span_len: jax.Array  # [max_blocks] int32: blocks of this block's expert (idle: 1)
 
+    @property
+    def n_blocks(self) -> int:
+        return self.block_expert.shape[0]
+
+
+class SlotBlocks(NamedTuple):
+    """Every slot its own block, for a single token: its top-k experts are distinct, so grouping
+    has nothing to merge. The kernels read the routing ids as they are (block b is slot b, expert
+    ``ids[b]``, idle outside ``[0, E)``), so no XLA kernel runs before them: at batch-1 decode the
+    map's two small fusions were two launches per MoE layer. :meth:`block_map` is the same map as
+    arrays (what the kernels derive, for tests)."""
+
+    ids: jax.Array  # [slots] int32
+
+    @property
+    def n_blocks(self) -> int:
+        return self.ids.shape[0]
+
+    def block_map(self, num_experts: int, block_m: int) -> BlockMap:
+        num_slots = self.ids.shape[0]
+        valid = (self.ids >= 0) & (self.ids < num_experts)
+        slot = jnp.arange(num_slots, dtype=jnp.int32)
+        first_row = jnp.arange(block_m, dtype=jnp.int32)[None, :] == 0
+        row_slot = jnp.where(first_row & valid[:, None], slot[:, None], -1)
+        block_expert = jnp.where(valid, self.ids, -1)
+        return BlockMap(
+            block_expert, valid.astype(jnp.int32), row_slot.reshape(-1), slot, jnp.ones_like(slot)
+        )
+
 
 def max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
     """Most blocks any routing can need.
@@ -35,23 +64,6 @@ def max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
     """
     m = min(num_experts, num_slots)
     return m + (num_slots - m) // block_m
-
-
-def one_block_per_slot(topk_ids: jax.Array, num_experts: int, block_m: int) -> BlockMap:
-    """Every slot its own block: no sort, no scan (one small fusion).
-
-    Valid for any routing (an expert named twice is simply streamed twice). Used for T = 1: a
-    single token's top-k experts are distinct, so grouping has nothing to merge and would only
-    add its sort and scans (a handful of small kernels) to the batch-1 decode latency.
-    """
-    ids = topk_ids.reshape(-1).astype(jnp.int32)
-    num_slots = ids.shape[0]
-    valid = (ids >= 0) & (ids < num_experts)
-    block_expert = jnp.where(valid, ids, -1)
-    slot = jnp.arange(num_slots, dtype=jnp.int32)
-    first_row = jnp.arange(block_m, dtype=jnp.int32)[None, :] == 0
-    row_slot = jnp.where(first_row & valid[:, None], slot[:, None], -1)
-    return BlockMap(block_expert, valid.astype(jnp.int32), row_slot.reshape(-1), slot, jnp.ones_like(slot))
 
 
 def group_by_expert(topk_ids: jax.Array, num_experts: int, block_m: int) -> BlockMap:

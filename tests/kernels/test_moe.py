@@ -23,7 +23,10 @@ from pallas_kernels.moe import kernel, ref, routing, tuning
 from pallas_kernels.moe.tuning import MoeConfig, Tile
 
 _group_by_expert = jax.jit(routing.group_by_expert, static_argnums=(1, 2))
-_one_block_per_slot = jax.jit(routing.one_block_per_slot, static_argnums=(1, 2))
+_one_block_per_slot = jax.jit(
+    lambda ids, e, bm: routing.SlotBlocks(ids.reshape(-1).astype(jnp.int32)).block_map(e, bm),
+    static_argnums=(1, 2),
+)
 _ref = jax.jit(ref.moe_experts, static_argnames=("swiglu_limit",))
 
 
@@ -148,6 +151,30 @@ def test_down_adds_k_split_partials_as_xla_would(dtype, limit):
     written = np.asarray((ids >= 0) & (ids < e)).reshape(-1)  # other rows of y are never written
     assert written.any() and not written.all()
     np.testing.assert_array_equal(np.asarray(fused)[: t * k][written], np.asarray(via_xla)[: t * k][written])
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_single_token_reads_its_ids_as_the_block_map(splits, dtype):
+    """At T = 1 the kernels read the routing ids as the block map (:class:`routing.SlotBlocks`):
+    the same bits as the kernels given that map as arrays (the metadata table and ``row_slot``),
+    out-of-range ids included."""
+    e, k = 16, 8
+    x, _, _, experts = _inputs(91, 1, k, e, 128, 32, dtype)
+    ids = jnp.asarray([[3, -1, 15, 0, e, 7, -7, 9]], jnp.int32)
+    cfg = MoeConfig(16, Tile(32, 32, 4, 2), Tile(32, 16, 4, 2), splits=splits)
+    slot_blocks = kernel.route(ids, e, cfg.block_m)
+    assert isinstance(slot_blocks, routing.SlotBlocks)
+
+    @jax.jit
+    def run(x, experts, bmap):
+        h = kernel.gate_up(x, bmap, experts["gate_up"], cfg, top_k=k, swiglu_limit=0.4, interpret=True)
+        return kernel.down(h, bmap, experts["down"], cfg, num_slots=k, interpret=True)
+
+    got = run(x, experts, slot_blocks)
+    want = run(x, experts, slot_blocks.block_map(e, cfg.block_m))
+    written = np.asarray((ids >= 0) & (ids < e)).reshape(-1)  # rows of dropped slots are never written
+    np.testing.assert_array_equal(np.asarray(got)[:k][written], np.asarray(want)[:k][written])
 
 
 def test_all_ids_out_of_range():
