@@ -24,6 +24,12 @@ def transpose(w: np.ndarray) -> np.ndarray:
     return w.T
 
 
+def as_stored(w: np.ndarray) -> np.ndarray:
+    """[out, in] kept as the file holds it: a MoE router's ``[E, D]``, one row per expert, so a
+    decode step's logits are row reductions (one XLA kernel; ``[D, E]`` columns took two)."""
+    return w
+
+
 def transpose_split(*dims: int) -> View:
     """[out, in] -> [in, *dims] where prod(dims) == out (e.g. q_b -> [q_lora, H, qk])."""
     return lambda w: w.T.reshape((w.shape[1], *dims))

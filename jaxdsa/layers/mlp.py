@@ -62,7 +62,8 @@ class Router(nnx.Module):
         scaling: float,
         rngs: nnx.Rngs,
     ):
-        self.weight = normal(rngs, (hidden, experts), hidden, jnp.float32, ("embed", "router_experts"))
+        # [E, D] as HF stores it: decode logits are row reductions (checkpoints.spec.as_stored)
+        self.weight = normal(rngs, (experts, hidden), hidden, jnp.float32, ("router_experts", "embed"))
         self.bias = zeros((experts,), jnp.float32, ("router_experts",))
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
@@ -75,7 +76,7 @@ class Router(nnx.Module):
     def __call__(self, x: jax.Array, shared_slot: int | None = None) -> tuple[jax.Array, jax.Array]:
         """-> expert ids [T, k] int32, weights [T, k] float32 (normalized, times the scaling factor);
         with ``shared_slot`` one more column, every token routed to that expert at weight 1."""
-        logits = x.astype(jnp.float32) @ self.weight[...].astype(jnp.float32)  # one XLA dot, exact
+        logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
         bias, layer = split_layer(self.bias.get_value())
         return ops.select_experts(
             logits,

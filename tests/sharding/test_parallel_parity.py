@@ -52,7 +52,7 @@ def expected_shard_shapes(cfg, tp, ep, dp, dp_attention):
         ("mlp", "down", "weight"): (cfg.intermediate_size // tp, D),
         ("experts", "gate_up"): (E // expert_shards + joined, D, 2 * N // expert_tp),
         ("experts", "down"): (E // expert_shards + joined, N // expert_tp, D),
-        ("router", "weight"): (D, E),
+        ("router", "weight"): (E, D),
     }
 
 

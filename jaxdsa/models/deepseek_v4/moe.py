@@ -22,7 +22,8 @@ class Router(nnx.Module):
 
     def __init__(self, cfg: V4Config, *, hashed: bool, rngs: nnx.Rngs):
         D, E, k = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
-        self.weight = normal(rngs, (D, E), D, jnp.float32, ("embed", "router_experts"))
+        # [E, D] as HF stores it: the logits are row reductions (checkpoints.spec.as_stored)
+        self.weight = normal(rngs, (E, D), D, jnp.float32, ("router_experts", "embed"))
         self.bias = None if hashed else zeros((E,), jnp.float32, ("router_experts",))
         table = jnp.arange(cfg.vocab_size * k, dtype=jnp.int32).reshape(-1, k) % E  # k distinct per token
         self.tid2eid = param(table, ("hash_vocab", "experts_per_token")) if hashed else None
@@ -33,7 +34,7 @@ class Router(nnx.Module):
     ) -> tuple[jax.Array, jax.Array]:
         """-> (expert ids [T, k] int32, weights [T, k] float32); with ``shared_slot`` one more column,
         every token routed to that expert at weight 1 (:func:`jaxdsa.ops.with_shared_column`)."""
-        scores = jnp.sqrt(jax.nn.softplus(x.astype(jnp.float32) @ self.weight[...]))
+        scores = jnp.sqrt(jax.nn.softplus(jnp.einsum("td,ed->te", x.astype(jnp.float32), self.weight[...])))
         if self.tid2eid is not None:
             ids = self.tid2eid[...][tokens]
         else:

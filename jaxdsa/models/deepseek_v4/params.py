@@ -35,6 +35,7 @@ from checkpoints.spec import (
     Linear,
     Spec,
     Tensor,
+    as_stored,
     transpose,
     transpose_split,
 )
@@ -116,7 +117,7 @@ def block_spec(cfg: V4Config, prefix: str, layer: int) -> dict[Path, Leaf]:
     f = prefix + "ffn."
     fp4 = cfg.expert_dtype == "fp4"
     ffn: dict[Path, Leaf] = {
-        ("router", "weight"): Linear(f + "gate", E, D),
+        ("router", "weight"): Linear(f + "gate", E, D, as_stored),
         ("experts", "gate_up"): ExpertGateUp(f + "experts", E, N, D, names=V4_EXPERT_NAMES, fp4=fp4),
         ("experts", "down"): ExpertDown(f + "experts", E, N, D, names=V4_EXPERT_NAMES, fp4=fp4),
         ("shared", "gate", "weight"): Linear(f + "shared_experts.w1", N, D),

@@ -16,6 +16,7 @@ from checkpoints.spec import (
     Linear,
     Spec,
     Tensor,
+    as_stored,
     head_part,
     transpose_merge,
     transpose_split,
@@ -78,7 +79,7 @@ def layer_spec(cfg: DsaConfig, layer: int) -> dict[Path, Leaf]:
         E, N = cfg.n_routed_experts, cfg.moe_intermediate_size
         m = p + "mlp."
         tree |= {
-            ("mlp", "router", "weight"): Linear(m + "gate", E, D),
+            ("mlp", "router", "weight"): Linear(m + "gate", E, D, as_stored),
             ("mlp", "router", "bias"): Tensor(m + "gate.e_score_correction_bias", (E,), init="bias"),
             ("mlp", "experts", "gate_up"): ExpertGateUp(m + "experts", E, N, D),
             ("mlp", "experts", "down"): ExpertDown(m + "experts", E, N, D),
