@@ -89,13 +89,15 @@ def mla_latent(
         products = quant_matmul_kernel.quant_matmul_many(x, tuple(ws), layer=layer, interpret=interpret)
         parts = jnp.concatenate(products, axis=-1)[None]
     widths = tuple(w.shape[-1] for w in ws)
-    return _rows(parts, q_norm, kv_norm, cos, sin, layer, widths=widths, eps=float(eps), dtype=x.dtype,
-                 interpret=interpret)  # fmt: skip
+    return _rows(parts, q_norm, kv_norm, cos, sin, layer, t=x.shape[0], widths=widths, eps=float(eps),
+                 dtype=x.dtype, interpret=interpret)  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("widths", "eps", "dtype", "interpret"))
-def _rows(parts, q_norm, kv_norm, cos, sin, layer, *, widths, eps: float, dtype, interpret: bool):
-    splits, t, _ = parts.shape
+@functools.partial(jax.jit, static_argnames=("t", "widths", "eps", "dtype", "interpret"))
+def _rows(parts, q_norm, kv_norm, cos, sin, layer, *, t: int, widths, eps: float, dtype, interpret: bool):
+    """The row kernel over the first ``t`` rows of ``parts [splits, >= t, sum(widths)]`` (the
+    projections' launch pads its rows to its tile)."""
+    splits = parts.shape[0]
     q, latent, *wk = widths
     c = kv_norm.shape[-1]
     p, d = latent - c, (wk[0] if wk else 0)

@@ -198,10 +198,12 @@ def quant_matmul_partials(
     decode: str | None = None,
     int4_decode: str | None = None,
 ) -> jax.Array | None:
-    """:func:`quant_matmul_many`'s one launch before the sum over its K splits: ``[S, M, N_1 + N_2 +
+    """:func:`quant_matmul_many`'s one launch before the sum over its K splits: ``[S, R, N_1 + N_2 +
     ...]`` (float32 partial products; the activations' dtype when S = 1), the weights' columns side
-    by side; None where the weights do not group (:func:`groupable`). For a kernel that adds the
-    splits itself and goes on with the rows (``pallas_kernels.mla_latent``), saving the sum's launch."""
+    by side, ``R >= M`` rows padded to the row tile (the first M are x's: a slice of them would be
+    a launch of its own); None where the weights do not group (:func:`groupable`). For a kernel that
+    adds the splits itself and goes on with the rows (``pallas_kernels.mla_latent``), saving the
+    sum's launch."""
     if not groupable(x.shape[0], x.shape[-1], ws):
         return None
     return _grouped(x, ws, layer, interpret, decode, int4_decode, partials=True)
@@ -311,7 +313,7 @@ def _quant_matmul(
         name="quant_matmul",
     )(x, *(a for operands in arrays for a in operands))
     if partials:
-        return out[:, :m]
+        return out
     # one sum over the K splits for all the weights; their columns sliced apart after it
     out = out.sum(axis=0)[:m].astype(x.dtype) if config.splits > 1 else out[0, :m]
     return tuple(out[:, a * block_n : b * block_n] for a, b in zip(tiles_at, tiles_at[1:]))

@@ -51,7 +51,7 @@ def test_matches_reference(fmt, dtype, t, k, wk):
     ws = tuple(_weight(rng, fmt, k, n) for n in (Q, C + P, *((WK,) if wk else ())))
     x = jnp.asarray(rng.standard_normal((t, k)), dtype)
     parts = quant_matmul_kernel.quant_matmul_partials(x, ws, interpret=True)
-    assert parts is not None and parts.shape[1:] == (t, sum(w.shape[1] for w in ws))
+    assert parts is not None and parts.shape[1] >= t and parts.shape[2] == sum(w.shape[1] for w in ws)
     if k == 1024:
         assert parts.shape[0] > 1
     args = (x, ws, *_inputs(rng, t, dtype))
