@@ -278,7 +278,7 @@ def choose(
                 if weight_bits
                 else 1
             )
-            return MoeConfig(block_m, gate_up_tile, fit(down, 1, block_m, splits), splits=splits)
+            return MoeConfig(block_m, gate_up_tile, fit(down, 1, block_m), splits=splits)
         except ValueError:
             if block_m <= 16:
                 raise
