@@ -13,15 +13,10 @@ Four steps, all inside the caller's jit (:func:`route`, :func:`gate_up`, :func:`
    SwiGLU in the epilogue, writing ``act`` in block-padded row order (padding rows inside the
    row tile are exactly 0). With ``splits`` > 1 (decode: a handful of experts, too few programs
    to fill the GPU) each (block, N tile) is split over K: the programs write float32 partial sums
-   of gate and up, handed on unsummed (:class:`GateUpOut`).
+   of gate and up, and one XLA fusion adds them and applies the clamp and SwiGLU (the down kernel
+   doing that itself measured slower: its tile lost a stage and every D tile re-read the sums).
 3. ``down`` kernel: one program per (block, D tile); ``act @ down_e``, rows scattered back to
-   slot order ``[T * k, D]``. After a K-split gate|up it makes each ``act`` tile itself as its K
-   loop reaches it: the splits' partial sums of the tile's valid rows added in split order, the
-   clamp and SwiGLU, rounded to the activations' dtype. That is what an XLA fusion between the
-   kernels did, one launch per MoE layer and decode step (GLM-5.2: 75 layers). Every D tile of a
-   block redoes it, but only for the valid rows, one or two at decode: one row's partial sums of
-   4 splits are the bytes of the 16-row bf16 ``act`` tile. Their pipeline buffers are larger
-   (:func:`.tuning.smem_bytes`).
+   slot order ``[T * k, D]``.
 4. The weighted sum over the k slots of a token: one XLA fusion.
 
 Idle programs (blocks beyond the routing's need, or blocks of a filtered expert) exit at once.
@@ -39,9 +34,9 @@ weights only through :func:`pallas_kernels.quant.tiles.pieces`: bf16 / float32 w
 :class:`~pallas_kernels.quant.layout.QuantizedWeight` per matrix) dequantized in the K loop
 to the activations' dtype, so quantized experts stream 4 or 8 bits per weight.
 
-Loads and stores that can touch padding (the gathered ``x`` rows, the partial sums, the ``y``
-scatter) carry explicit masks and ``other``; the weight, ``act`` and block-map accesses are in
-bounds by construction (tiles divide D and N, nothing overhangs), so JAX 0.11.2 and 0.12 agree.
+Loads and stores that can touch padding (the gathered ``x`` rows, the ``y`` scatter) carry
+explicit masks and ``other``; the weight, ``act`` and block-map accesses are in bounds by
+construction (tiles divide D and N, nothing overhangs), so JAX 0.11.2 and 0.12 agree.
 
 Weights use :func:`.ref.pack_experts`'s layout (``gate_up [E, D, 2N]``, ``down [E, N, D]``, dense or
 quantized), so packed weights work with the reference backend too and switching backends needs no
@@ -66,7 +61,7 @@ from pallas_kernels.quant.decode import fp_decode
 from pallas_kernels.quant.decode import int4_decode as int4_decode_mode
 from pallas_kernels.quant.layout import QuantizedWeight
 
-__all__ = ["GateUpOut", "combine", "down", "gate_up", "moe_experts", "route"]
+__all__ = ["combine", "down", "gate_up", "moe_experts", "route"]
 
 _EXPERT, _ROWS, _SPAN_START, _SPAN_LEN = range(4)  # rows of the per-block metadata the kernels read
 
@@ -145,23 +140,6 @@ class _SlotReader:
         block = rows.start // self.block_m
         first = jnp.arange(rows.size, dtype=jnp.int32) == 0
         return jnp.where(first & self._id(block)[1], block, -1)
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["values"], meta_fields=["splits", "dtype", "swiglu_limit"]
-)
-@dataclasses.dataclass(frozen=True)
-class GateUpOut:
-    """What :func:`gate_up` hands to :func:`down`, in block-padded row order (``rows = blocks *
-    block_m``). ``splits == 1``: ``values`` is ``act [rows, N]`` in ``dtype``, the SwiGLU applied.
-    ``splits > 1``: ``values`` holds the K splits' float32 partial sums ``[splits, rows, 2N]`` (gate
-    in columns ``[0, N)``, up in ``[N, 2N)``); ``down`` adds them, clamps with ``swiglu_limit`` and
-    applies the SwiGLU as it reads them, so no launch between the kernels does that."""
-
-    values: jax.Array
-    splits: int
-    dtype: jnp.dtype  # the activations' dtype: act's, and down's compute and output dtype
-    swiglu_limit: float | None  # the clamp still to apply to the partial sums (None after a whole-K gate|up)
 
 
 def _fit(block: int, dim: int, what: str, floor: int = 16) -> int:
@@ -276,7 +254,7 @@ def _gate_up_kernel(
         zeros = tuple((jnp.zeros((n, block_n), jnp.float32),) * 2 for _, n in groups)
         acc = jax.lax.fori_loop(0, k_steps, step, zeros)
         for (rows, _), (gate, up) in zip(groups, acc):
-            if splits > 1:  # partial sums: the SwiGLU waits for every split (the down kernel)
+            if splits > 1:  # partial sums: the SwiGLU waits for every split (:func:`gate_up`)
                 act_ref[split, rows, pl.ds(n0, block_n)] = gate
                 act_ref[split, rows, pl.ds(n_inter + n0, block_n)] = up
             else:
@@ -286,8 +264,7 @@ def _gate_up_kernel(
 
 
 def _swiglu(gate, up, limit: float | None):
-    """silu(gate) * up, with gate clamped to <= limit and up to [-limit, limit] (V4's clamp). One
-    helper for gate|up's epilogue and the down kernel's act tiles after a K split: the same bits."""
+    """silu(gate) * up, with gate clamped to <= limit and up to [-limit, limit] (V4's clamp)."""
     if limit is not None:
         gate = jnp.minimum(gate, limit)
         up = jnp.clip(up, -limit, limit)
@@ -298,9 +275,6 @@ def _down_kernel(
     *refs,
     map_spec: _Blocks,
     w_spec: tiles.WeightSpec,
-    n_inter: int,
-    splits: int,
-    swiglu_limit: float | None,
     block_m: int,
     min_m: int,
     absorb_m: int,
@@ -314,54 +288,39 @@ def _down_kernel(
     block, tile = _block_and_tile(blocks, n_tiles)
     d0 = pl.multiple_of(tile * block_n, block_n)
     lead = (*layer, blocks.expert(block))
-    dtype = y_ref.dtype  # the activations' (:class:`GateUpOut`)
-
-    def act_tile(rows, valid, k, length: int) -> jax.Array:
-        """``act[rows, k : k + length]``. After a K-split gate|up: the splits' float32 partial sums
-        added in split order, clamped and activated as :func:`gate_up`'s epilogue does, rounded to
-        ``dtype``; padding rows are never read (masked to 0, whose SwiGLU is 0)."""
-        if splits == 1:
-            return act_ref[rows, pl.ds(k, length)]
-
-        def partial(split: int, col) -> jax.Array:
-            return pltriton.load(
-                act_ref.at[jnp.int32(split), rows, pl.ds(col, length)], mask=valid[:, None], other=0.0
-            )
-
-        gate, up = partial(0, k), partial(0, n_inter + k)
-        for split in range(1, splits):
-            gate, up = gate + partial(split, k), up + partial(split, n_inter + k)
-        return _swiglu(gate, up, swiglu_limit).astype(dtype)
+    n_inter = act_ref.shape[1]
 
     def run(m: int, extra: int) -> None:  # reads only act rows the gate|up program of (m, extra) wrote
         groups = _row_groups(block, block_m, m, extra)
-        valid = [blocks.slots(rows) >= 0 for rows, _ in groups]
 
         def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
-            for offset, length, w in tiles.pieces(w_spec, w_refs, lead, k0, d0, block_k, block_n, dtype):
+            for offset, length, w in tiles.pieces(
+                w_spec, w_refs, lead, k0, d0, block_k, block_n, act_ref.dtype
+            ):
                 acc = tuple(
                     a
                     + jnp.dot(
-                        act_tile(rows, ok, k0 + offset, length),
+                        act_ref[rows, pl.ds(k0 + offset, length)],
                         w,
                         preferred_element_type=jnp.float32,
                         precision=precision,
                     )
-                    for a, (rows, _), ok in zip(acc, groups, valid)
+                    for a, (rows, _) in zip(acc, groups)
                 )
             return acc
 
         zeros = tuple(jnp.zeros((n, block_n), jnp.float32) for _, n in groups)
         acc = jax.lax.fori_loop(0, n_inter // block_k, step, zeros)
         cols = d0 + jnp.arange(block_n, dtype=jnp.int32)
-        for (rows, n), out, ok in zip(groups, acc, valid):
+        for (rows, n), out in zip(groups, acc):
             slots = blocks.slots(rows)
+            valid = slots >= 0
             # Padding rows aim at distinct spare rows past the slots: masked off on the GPU, and the
             # interpreter (which writes masked lanes back unchanged) sees no duplicate destinations.
             spare = y_ref.shape[0] - n + jnp.arange(n, dtype=jnp.int32)
-            dest = y_ref.at[jnp.where(ok, slots, spare)[:, None], cols[None, :]]
-            pltriton.store(dest, out.astype(y_ref.dtype), mask=ok[:, None])
+            dest = y_ref.at[jnp.where(valid, slots, spare)[:, None], cols[None, :]]
+            pltriton.store(dest, out.astype(y_ref.dtype), mask=valid[:, None])
 
     _with_row_tiles(blocks, block, block_m=block_m, min_m=min_m, absorb_m=absorb_m, body=run)
 
@@ -397,7 +356,7 @@ def moe_experts(
     decode = fp_decode(decode) if quantized else None
     int4 = int4_decode_mode(int4_decode, interpret=interpret) if quantized else None
     bmap = route(topk_ids, num_experts, cfg.block_m)
-    h = gate_up(
+    act = gate_up(
         x,
         bmap,
         experts["gate_up"],
@@ -410,7 +369,7 @@ def moe_experts(
         int4_decode=int4,
     )
     y = down(
-        h,
+        act,
         bmap,
         experts["down"],
         cfg,
@@ -475,11 +434,10 @@ def gate_up(
     interpret: bool = False,
     decode: str | None = None,
     int4_decode: str | None = None,
-) -> GateUpOut:
-    """SwiGLU of the gathered token rows through their expert's gate|up weights ``w [E, D, 2N]``
-    (dense, or a quantized stack; ``[L, E, D, 2N]`` read at ``layer``), in block-padded row order:
-    ``act [blocks * block_m, N]``, or with ``cfg.splits`` > 1 the K splits' partial sums that
-    :func:`down` finishes (:class:`GateUpOut`)."""
+) -> jax.Array:
+    """``act [blocks * block_m, N]``: SwiGLU of the gathered token rows through their expert's
+    gate|up weights ``w [E, D, 2N]`` (dense, or a quantized stack; ``[L, E, D, 2N]`` read at
+    ``layer``), in block-padded row order."""
     d_model, two_n = _expert_matrix(w, layer)
     spec, arrays = tiles.operands(w, decode, int4_decode, layer, interpret=interpret)
     dtype = w.dtype if spec.format is None else x.dtype  # dense experts set the dtype; quantized follow x
@@ -516,10 +474,10 @@ def gate_up(
         name="moe_gate_up",
     )(*_Blocks.operands(bmap), x.astype(dtype), *arrays)
     # Rows of blocks no program ran hold whatever the buffer held: the down kernel never reads them.
-    if splits > 1:  # one XLA fusion adds the splits and activates (the down kernel doing it measured slower)
-        summed = out.sum(axis=0)
-        out = _swiglu(summed[:, :n_inter], summed[:, n_inter:], swiglu_limit).astype(dtype)
-    return GateUpOut(out, 1, dtype, None)
+    if splits == 1:
+        return out
+    summed = out.sum(axis=0)  # one XLA fusion adds the splits and activates
+    return _swiglu(summed[:, :n_inter], summed[:, n_inter:], swiglu_limit).astype(dtype)
 
 
 def _k_splits(splits: int, k_steps: int) -> int:
@@ -528,7 +486,7 @@ def _k_splits(splits: int, k_steps: int) -> int:
 
 
 def down(
-    h: GateUpOut,
+    act: jax.Array,
     bmap: routing.BlockMap | routing.SlotBlocks,
     w: jax.Array | QuantizedWeight,
     cfg: tuning.MoeConfig,
@@ -539,10 +497,9 @@ def down(
     decode: str | None = None,
     int4_decode: str | None = None,
 ) -> jax.Array:
-    """``y [num_slots + block_m, D]`` in ``h.dtype``: each slot's ``act`` row (from :func:`gate_up`'s
-    ``h``) through its expert's down weights ``w [E, N, D]`` (dense, or a quantized stack;
-    ``[L, E, N, D]`` read at ``layer``), scattered back to slot order (rows of dropped slots and the
-    spare tail are never written)."""
+    """``y [num_slots + block_m, D]``: each slot's ``act`` row through its expert's down weights
+    ``w [E, N, D]`` (dense, or a quantized stack; ``[L, E, N, D]`` read at ``layer``), scattered
+    back to slot order (rows of dropped slots and the spare tail are never written)."""
     n_inter, d_model = _expert_matrix(w, layer)
     spec, arrays = tiles.operands(w, decode, int4_decode, layer, interpret=interpret)
     k_floor = max(spec.kpack, 16)
@@ -555,23 +512,20 @@ def down(
             _down_kernel,
             map_spec=_Blocks.of(bmap, bm, w.shape[-3]),
             w_spec=spec,
-            n_inter=n_inter,
-            splits=h.splits,
-            swiglu_limit=h.swiglu_limit,
             block_m=bm,
             min_m=min(cfg.min_block_m, bm),
             absorb_m=_absorb_m(cfg),
             block_n=block_n,
             block_k=block_k,
             n_tiles=n_tiles,
-            precision=_precision(h.dtype),
+            precision=_precision(act.dtype),
         ),
-        out_shape=jax.ShapeDtypeStruct((num_slots + bm, d_model), h.dtype),
+        out_shape=jax.ShapeDtypeStruct((num_slots + bm, d_model), act.dtype),
         grid=(n_blocks * n_tiles,),
         compiler_params=compiler_params(cfg.down.num_warps, cfg.down.num_stages),
         interpret=interpret,
         name="moe_down",
-    )(*_Blocks.operands(bmap), h.values, *arrays)
+    )(*_Blocks.operands(bmap), act, *arrays)
 
 
 def combine(y: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, num_experts: int) -> jax.Array:

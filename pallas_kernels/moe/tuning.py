@@ -51,12 +51,10 @@ the GPU (``splits``, :func:`k_splits`): one token at top-8 meets 8 experts, and 
 sums, then added and activated in one XLA fusion) the routed experts of one token took 45 vs 89
 us (INT4) and 56 vs 132 us (FP4) on H100 at GLM-5's TP-4 widths; at T = 8 (256 programs already)
 splits gained nothing (``benchmarks/results/quant-h100-tp4-splits.md``). The rule is the grid's, so
-every part takes it with its own SM count. The down kernel now adds the partial sums itself as it
-loads its activation tiles (:mod:`.kernel`), so its pipeline stages hold ``2 x splits`` float32
-tiles where they held one in the activations' dtype: its tile is fitted with them
-(:func:`smem_bytes`), by fewer stages or a shorter K step, never a narrower D tile (each D tile
-reads the partial sums again). On sm_90 the 4-bit word tiles drop from 3 stages to 2 at 3 or 4
-splits (not yet measured); FP8 and 4-bit byte tiles keep theirs.
+every part takes it with its own SM count. The down kernel adding the partial sums itself as it
+loads its activation tiles (no launch between the kernels) measured slower: GLM-5.2 INT4 at 78
+layers, TP 4 on 4 x H200, went from 11.97 to 16.06 ms a decode step, ``moe_down`` from 15 to 46 us
+(its 4-bit tile lost a pipeline stage to the partial sums, and every D tile re-read them).
 
 sm_100 and the other parts keep their reasoned starting points (one tile set for ``few`` and
 ``stream``) until ``benchmarks/moe.py`` has been run on them. Every choice is then fitted to the
@@ -94,7 +92,7 @@ class MoeConfig:
     down: Tile
     min_block_m: int = 16  # smallest row tile a partly filled block shrinks to (block_m: never)
     absorb_m: int = 16  # an expert's last block with <= this many rows rides on the block before (0: never)
-    splits: int = 1  # K splits of the gate|up kernel (partial sums added by the down kernel)
+    splits: int = 1  # K splits of the gate|up kernel (partial sums added by XLA before the SwiGLU)
 
 
 Tiles = tuple[Tile, Tile]  # (gate|up, down)
@@ -186,35 +184,19 @@ def block_m_for(num_slots: int, num_experts: int, max_block_m: int) -> int:
 
 
 def smem_bytes(
-    tile: Tile,
-    *,
-    block_m: int,
-    weight_tiles: int,
-    itemsize: int,
-    weight_bits: int | None = None,
-    splits: int = 1,
+    tile: Tile, *, block_m: int, weight_tiles: int, itemsize: int, weight_bits: int | None = None
 ) -> int:
     """Shared-memory estimate (:func:`pallas_kernels._triton.shared_memory_bytes`) of one program:
     per stage the ``[block_m, block_k]`` activation tile and ``weight_tiles`` (2 for gate|up, 1 for
     down) ``[block_k, block_n]`` weight tiles; the ``[block_m, block_n]`` output in the epilogue.
     Quantized weights (``weight_bits``) load their codes per stage, and their dequantized tiles stay
-    resident as :func:`pallas_kernels.quant.tiles.decoded_tile_bytes` says.
-
-    The down kernel after a gate|up of ``splits`` > 1 loads, in place of the activation tile, the
-    float32 gate and up partial sums of every split: the pipeliner keeps ``num_stages - 1`` copies
-    of them (none at one stage, where they go straight to registers), and only the activation tile
-    made from them passes through shared memory on its way to the dot, once."""
+    resident as :func:`pallas_kernels.quant.tiles.decoded_tile_bytes` says."""
     weight = weight_tiles * tile.block_n * tile.block_k
-    act = block_m * tile.block_k * itemsize
-    if splits == 1:
-        stage, resident = act, 0
-    else:
-        stage, resident = 0, act + (tile.num_stages - 1) * block_m * tile.block_k * 8 * splits
     if weight_bits is None:
-        stage += weight * itemsize
+        stage, resident = (block_m * tile.block_k + weight) * itemsize, 0
     else:
-        stage += weight * weight_bits // 8
-        resident += decoded_tile_bytes(weight, block_m=block_m, itemsize=itemsize, weight_bits=weight_bits)
+        stage = block_m * tile.block_k * itemsize + weight * weight_bits // 8
+        resident = decoded_tile_bytes(weight, block_m=block_m, itemsize=itemsize, weight_bits=weight_bits)
     return shared_memory_bytes(
         stage=stage, num_stages=tile.num_stages, resident=resident, epilogue=block_m * tile.block_n * 4
     )
@@ -234,8 +216,7 @@ def choose(
     ``itemsize``-byte activations (and weights, when dense). Quantized experts (``weight_bits`` 8 or
     4) take the same tiles, 4-bit ones with twice the K step (the same bytes per load) and at least
     one packed chunk (``kpack`` rows), shrunk to fit with their own estimate; with ``n_out`` (each
-    expert's gate|up columns, N) their decode batches split gate|up over K (:func:`k_splits`), and
-    the down tile is fitted to the partial sums it then reads."""
+    expert's gate|up columns, N) their decode batches split gate|up over K (:func:`k_splits`)."""
     cc = compute_capability() if cc is None else cc
     e = TABLE.get(cc, DEFAULT)
     block_m = block_m_for(num_slots, num_experts, e.max_block_m)
@@ -254,21 +235,13 @@ def choose(
     if weight_bits == 4:
         knobs = tuple((k, max(v, kpack)) if k == "block_k" else (k, v) for k, v in _KNOBS_4BIT)
 
-    def fit(tile: Tile, weight_tiles: int, block_m: int, splits: int = 1) -> Tile:
+    def fit(tile: Tile, weight_tiles: int, block_m: int) -> Tile:
         if weight_bits == 4:
             tile = dataclasses.replace(tile, block_k=max(2 * tile.block_k, kpack))
         nbytes = lambda t: smem_bytes(  # noqa: E731
-            t,
-            block_m=block_m,
-            weight_tiles=weight_tiles,
-            itemsize=itemsize,
-            weight_bits=weight_bits,
-            splits=splits,
+            t, block_m=block_m, weight_tiles=weight_tiles, itemsize=itemsize, weight_bits=weight_bits
         )
-        # Partial sums fill the down kernel's stages: a narrower D tile would free little of them
-        # and multiply the programs that read them, so only stages and the K step shrink.
-        order = knobs if splits == 1 else tuple(knob for knob in knobs if knob[0] != "block_n")
-        return shrink_to_fit(tile, nbytes, budget, order)
+        return shrink_to_fit(tile, nbytes, budget, knobs)
 
     while True:  # smaller blocks as a last resort: float32 activations with 256-row word chunks
         try:

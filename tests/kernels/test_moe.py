@@ -91,7 +91,7 @@ def test_matches_reference(t, k, e, dtype, limit, skew):
 def test_tail_blocks(block_m, absorb_m, splits):
     """Every kind of last block: absorbed tails of 1..absorb_m rows (both extra tile sizes), tails
     just too big to absorb, a lone small block, an empty expert, an expert of 3 blocks + tail; with
-    gate|up split over K too (the down kernel reads the absorbed rows' partial sums)."""
+    gate|up split over K too (the absorbed rows' partial sums added before the down kernel)."""
     tails = [1, 5, 16, 17, 32, 33, 64]
     counts = [block_m + t for t in tails] + [3, 0, 2 * block_m + 9, block_m]
     rng = np.random.default_rng(block_m + absorb_m)
@@ -113,7 +113,7 @@ def test_tail_blocks(block_m, absorb_m, splits):
     ],
 )
 def test_k_splits(t, splits, limit, d, dtype):
-    """gate|up split over K (float32 partial sums, added and activated by the down kernel): the
+    """gate|up split over K (float32 partial sums, added and activated by one XLA fusion): the
     decode regime of a few experts (3 splits of a 3-step K loop too), and grouped and multi-block
     routings with dropped ids, bf16 and float32, with and without the clamp."""
     x, ids, weights, experts = _inputs(70 + t, t, 4, 8, d, 32, dtype, skew=1.0)

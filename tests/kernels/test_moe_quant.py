@@ -144,8 +144,8 @@ def test_experts_over_several_blocks():
     ],
 )
 def test_k_splits(fmt, t, dtype, splits):
-    """Quantized experts with gate|up split over K at decode sizes, the down kernel adding the
-    partial sums (INT4 in int32 words: K = 512 in 256-row chunks), with the clamp and dropped ids."""
+    """Quantized experts with gate|up split over K at decode sizes (float32 partial sums
+    added by XLA; INT4 in int32 words: K = 512 in 256-row chunks), with the clamp and dropped ids."""
     rng = np.random.default_rng(31 + t)
     experts = _experts(rng, fmt, 8, 512, 64)
     x = jnp.asarray(rng.standard_normal((t, 512)), dtype)
