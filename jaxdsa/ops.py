@@ -34,6 +34,10 @@ N expert width):
 - ``mla_latent(x [T,D], (q_a, kv_a[, wk]), q_norm [Q], kv_norm [C], cos, sin [T,P/2], *, eps, layer=None)
   -> (q_lat [T,Q], row [T,C+P][, wk_x [T,d]])``: MLA's quantized latent projections with the norms
   and the latent key's interleaved RoPE after them (the projections' K splits added in the row kernel).
+- ``mla_query(q_lat [T,Q], q_b [Q,H*(nope+P)], w_uk [C,H,nope], cos, sin [T,P/2], *, nope, layer=None)
+  -> q [T,H,C+P]``: MLA's absorbed query from a quantized ``q_b`` and a dense ``w_uk``: ``[q_nope
+  W_UK | RoPE(q_pe)]`` per head, interleaved RoPE (``q_b``'s K splits added in the kernel after it).
+  Split by heads on a mesh (``q_b`` column-parallel); taken up to :data:`MLA_QUERY_MAX_TOKENS` tokens.
 - ``moe_experts(x [T,D], topk_ids [T,k], topk_weights [T,k], experts, *, swiglu_limit=None, layer=None)
   -> [T,D]`` with ``experts = {'gate_up': [E,D,2N], 'down': [E,N,D]}``
   (:func:`pallas_kernels.moe.ref.pack_experts`; quantized experts: ``pack_experts`` of three
@@ -97,6 +101,8 @@ from pallas_kernels.mhc import kernel as mhc_kernel
 from pallas_kernels.mhc import ref as mhc_ref
 from pallas_kernels.mla_latent import kernel as mla_latent_kernel
 from pallas_kernels.mla_latent import ref as mla_latent_ref
+from pallas_kernels.mla_query import kernel as mla_query_kernel
+from pallas_kernels.mla_query import ref as mla_query_ref
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe import ref as moe_ref
 from pallas_kernels.quant_matmul import kernel as quant_matmul_kernel
@@ -209,6 +215,16 @@ OPS: dict[str, Op] = {
         mla_latent_kernel.mla_latent,
         OpSharding(args=(None,) * 6, out=None),
         weights=(1, 2, 3),
+    ),
+    # MLA's absorbed query is split by heads: q_b column-parallel, W_UK [C, H, nope] and the query.
+    "mla_query": Op(
+        mla_query_ref.mla_query,
+        mla_query_kernel.mla_query,
+        OpSharding(
+            args=(None, ("q_lora", "heads"), ("kv_lora", "heads", "head_dim"), None, None),
+            out=(None, "heads", None),
+        ),
+        weights=(1, 2),
     ),
     # DeepSeek-V4's residual streams, compressors and their state are replicated over TP: every
     # device runs these on whole operands (declared, so a kernel is never left to the partitioner).
@@ -390,6 +406,16 @@ def _index(layer) -> jax.Array:
 def mla_latent(x, ws, q_norm, kv_norm, cos, sin, *, eps: float, layer=None):
     impl, at = _at_layer("mla_latent", layer)
     return impl(x, tuple(ws), q_norm, kv_norm, cos, sin, eps=eps, **at)
+
+
+# Tokens up to which MLAttention builds its absorbed queries with ``mla_query``: decode steps (more
+# rows re-read W_UK once per row tile in the kernel, where XLA's einsum reads it once).
+MLA_QUERY_MAX_TOKENS = mla_query_kernel.MAX_ROWS
+
+
+def mla_query(q_lat, q_b, w_uk, cos, sin, *, nope: int, layer=None):
+    impl, at = _at_layer("mla_query", layer)
+    return impl(q_lat, q_b, w_uk, cos, sin, nope=nope, **at)
 
 
 def add_rms_norm(x, weight, *, eps: float, residual=None, layer=None):

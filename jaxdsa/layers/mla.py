@@ -95,6 +95,15 @@ class LatentPages:
         return {name: p.stacked for name, p in zip(names, self.parts)}
 
 
+class StackedLinear(Linear):
+    """A linear whose weight a kernel reads in its layer stack, dense or not (``w_uk``:
+    :func:`jaxdsa.ops.mla_query`): scanned, the weight reaches the layer whole (:meth:`stack_reads`);
+    XLA's own products with it take the layer's slice (:meth:`Linear.dense`)."""
+
+    def stack_reads(self) -> tuple[str, ...]:
+        return ("weight",)
+
+
 def fp8_parts(parts: tuple[jax.Array, ...]) -> dict[str, jax.Array]:
     """:func:`jaxdsa.ops.sparse_mla`'s keyword arguments for :meth:`LatentPages.flat`'s parts after
     the first (none for rows in the model's dtype)."""
@@ -129,7 +138,7 @@ class MLAttention(nnx.Module):
         self.kv_a = Linear((hidden,), (kv_lora + rope,), ("embed", "latent"), dtype=dtype, rngs=rngs)
         self.kv_a_norm = StackedRMSNorm(kv_lora, latent_norm_eps, axis="kv_lora", dtype=dtype)
         absorbed = dict(dtype=dtype, rngs=rngs, quantizable=not dense_kv_b)
-        self.w_uk = Linear((kv_lora,), (heads, nope), ("kv_lora", "heads", "head_dim"), **absorbed)
+        self.w_uk = StackedLinear((kv_lora,), (heads, nope), ("kv_lora", "heads", "head_dim"), **absorbed)
         self.w_uv = Linear((kv_lora,), (heads, v), ("kv_lora", "heads", "head_dim"), **absorbed)
         self.o = Linear((heads, v), (hidden,), ("heads", "head_dim", "embed"), dtype=dtype, rngs=rngs)
         self.indexer = indexer
@@ -163,6 +172,24 @@ class MLAttention(nnx.Module):
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
         return q_nope, apply_rope(q_pe, cos, sin, interleaved=True)
 
+    def absorbed_queries(self, q_lat: jax.Array, cos, sin) -> jax.Array:
+        """The absorbed form's queries from ``q_lat``: ``[q_nope W_UK | q_pe]`` per head -> [T, H, C+Pr].
+        With ``q_b`` quantized and decode-sized T one op builds them after ``q_b``'s launch
+        (:func:`jaxdsa.ops.mla_query`: at decode the K splits' sum, the W_UK reduction and the
+        concatenation, three XLA launches, become one kernel); anything else, XLA's ops."""
+        q_b, layer = split_layer(self.q_b.weight.get_value())
+        w_uk, w_uk_layer = split_layer(self.w_uk.weight.get_value())
+        if (
+            isinstance(q_b, QuantizedWeight)
+            and not isinstance(w_uk, QuantizedWeight)  # dense unless dp attention keeps kv_b quantized
+            and w_uk_layer is layer
+            and q_lat.shape[0] <= ops.MLA_QUERY_MAX_TOKENS
+        ):
+            return ops.mla_query(q_lat, q_b, w_uk, cos, sin, nope=self.nope, layer=layer)
+        q_nope, q_pe = self.queries(q_lat, cos, sin)
+        q_abs = jnp.einsum("thn,chn->thc", q_nope, self.w_uk.dense(q_nope.dtype))
+        return jnp.concatenate([q_abs, q_pe.astype(q_abs.dtype)], axis=-1)
+
     def latent_rows(self, kv: jax.Array, cos, sin) -> jax.Array:
         """The cached row of each token from its ``kv_a`` projection: [normed latent (C) | roped
         shared key (Pr)] -> [T, C+Pr]."""
@@ -187,7 +214,6 @@ class MLAttention(nnx.Module):
         # the projections of the layer input in one kernel launch when they are quantized alike
         wk = (self.indexer.wk,) if self.indexer is not None else ()
         q_lat, row, *wk_x = self.project_latent(x, wk, ctx.cos, ctx.sin)
-        q_nope, q_pe = self.queries(q_lat, ctx.cos, ctx.sin)
         latent = latent.write(slots, row)
         if self.indexer is not None:
             index_keys = index_keys.write(slots, self.indexer.keys(wk_x[0], ctx.cos, ctx.sin))
@@ -212,7 +238,7 @@ class MLAttention(nnx.Module):
             parts, indices = latent.flat(
                 slots_for(meta.page_table, meta.seq_ids[:, None], positions, page_size)
             )
-            o = self.absorbed_attention(q_nope, q_pe, parts, indices)
+            o = self.absorbed_attention(self.absorbed_queries(q_lat, ctx.cos, ctx.sin), parts, indices)
         else:
             if meta.page_table.shape[0] != 1:
                 raise ValueError("the naive MLA form runs single-sequence steps (page_table with one row)")
@@ -230,7 +256,7 @@ class MLAttention(nnx.Module):
             keys = [p[key_slots] for p in parts]
             # FP8: this sequence's rows, dequantized as they are expanded through w_uk / w_uv anyway
             keys = keys[0] if len(keys) == 1 else kv_fp8.dequantize_latent(*keys).astype(x.dtype)
-            o = self.naive_attention(q_nope, q_pe, keys, mask)
+            o = self.naive_attention(*self.queries(q_lat, ctx.cos, ctx.sin), keys, mask)
         return reduce_partials(self.o.unreduced(o)), latent, index_keys, topk
 
     def naive_attention(self, q_nope, q_pe, keys: jax.Array, mask: jax.Array) -> jax.Array:
@@ -249,13 +275,11 @@ class MLAttention(nnx.Module):
         )
         return o[0, ..., : v.shape[-1]]
 
-    def absorbed_attention(self, q_nope, q_pe, kv: tuple[jax.Array, ...], indices: jax.Array) -> jax.Array:
+    def absorbed_attention(self, q: jax.Array, kv: tuple[jax.Array, ...], indices: jax.Array) -> jax.Array:
         """Latent-space attention over cache slots.
 
-        kv: rows [Z, C+Dr], or the FP8 parts (values [Z, C], scales [Z, C/128], rope [Z, Dr]);
-        indices [T, K] (-1 skip) -> o [T,H,Dv]."""
-        q_abs = jnp.einsum("thn,chn->thc", q_nope, self.w_uk.dense(q_nope.dtype))
-        q = jnp.concatenate([q_abs, q_pe.astype(q_abs.dtype)], axis=-1)
+        q [T, H, C+Dr] (:meth:`absorbed_queries`); kv: rows [Z, C+Dr], or the FP8 parts (values [Z, C],
+        scales [Z, C/128], rope [Z, Dr]); indices [T, K] (-1 skip) -> o [T,H,Dv]."""
         out, _ = ops.sparse_mla(
             q, kv[0], indices, sm_scale=self.softmax_scale, v_dim=self.kv_lora, **fp8_parts(kv)
         )

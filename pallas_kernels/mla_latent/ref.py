@@ -14,9 +14,12 @@ from pallas_kernels.rms_norm.ref import add_rms_norm
 
 
 def rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate the pairs (2i, 2i + 1) of ``x [T, d]`` by per-token angles (cos, sin ``[T, d/2]``)."""
+    """Rotate the pairs (2i, 2i + 1) of ``x [T, ..., d]`` by per-token angles (cos, sin ``[T, d/2]``,
+    broadcast over the dims between: a query's heads)."""
+    angles = (x.shape[0],) + (1,) * (x.ndim - 2) + (-1,)
+    cos, sin = cos.reshape(angles), sin.reshape(angles)
     x32 = x.astype(jnp.float32)
-    a, b = x32[:, 0::2], x32[:, 1::2]
+    a, b = x32[..., 0::2], x32[..., 1::2]
     return jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(x.shape).astype(x.dtype)
 
 

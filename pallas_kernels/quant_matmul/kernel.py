@@ -202,8 +202,8 @@ def quant_matmul_partials(
     ...]`` (float32 partial products; the activations' dtype when S = 1), the weights' columns side
     by side, ``R >= M`` rows padded to the row tile (the first M are x's: a slice of them would be
     a launch of its own); None where the weights do not group (:func:`groupable`). For a kernel that
-    adds the splits itself and goes on with the rows (``pallas_kernels.mla_latent``), saving the
-    sum's launch."""
+    adds the splits itself and goes on with the rows (``pallas_kernels.mla_latent``,
+    ``pallas_kernels.mla_query``), saving the sum's launch."""
     if not groupable(x.shape[0], x.shape[-1], ws):
         return None
     return _grouped(x, ws, layer, interpret, decode, int4_decode, partials=True)

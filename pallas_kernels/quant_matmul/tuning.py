@@ -130,6 +130,7 @@ TABLE: dict[int, _Entry] = {
 DEFAULT = dataclasses.replace(_SMALL, dequantize_min_m=None)  # unknown GPUs and the CPU interpreter
 
 _MAX_SPLITS = 16
+STREAM_MAX_M = 32  # the ``stream`` (decode) tiles' rows: one 16- or 32-row tile holds every token
 GEMV_ENV = "JAXDSA_QMM_GEMV_MAX_M"
 
 
@@ -209,12 +210,12 @@ def choose(
     use_gemv = m <= gemv_max_m(cc) if gemv is None else gemv
     if use_gemv:
         cfg = dataclasses.replace(entry.gemv, block_m=m)
-    elif m <= 32:
-        cfg = dataclasses.replace(entry.stream, block_m=16 if m <= 16 else 32)
+    elif m <= STREAM_MAX_M:
+        cfg = dataclasses.replace(entry.stream, block_m=16 if m <= 16 else STREAM_MAX_M)
     else:
         cfg = entry.mid if m <= 128 else entry.compute
     if weight_bits == 4:
-        stream = m <= 32 and not cfg.gemv
+        stream = m <= STREAM_MAX_M and not cfg.gemv
         rows = entry.stream_rows_4bit if stream and entry.stream_rows_4bit else 2 * cfg.block_k
         cfg = dataclasses.replace(cfg, block_k=max(rows, min_block_k))
         if stream and entry.stages_4bit:

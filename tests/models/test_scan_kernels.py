@@ -26,17 +26,17 @@ KW = dict(dtype="float32", page_size=8, progress=False, max_model_len=64)
 WEIGHT_KERNELS = ("quant_matmul", "moe_gate_up", "moe_down")
 
 
-def _kernel_calls(jaxpr, scan_length: int | None = None):
+def _kernel_calls(jaxpr, scan_length: int | None = None, names: tuple[str, ...] = WEIGHT_KERNELS):
     """``(kernel name, operand avals, length of the innermost enclosing scan or None)`` of every
-    weight-reading ``pallas_call`` in ``jaxpr``, nested calls included."""
+    ``pallas_call`` named in ``names`` (the weight-reading ones) in ``jaxpr``, nested calls included."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
             name = eqn.params["name"]
-            if name in WEIGHT_KERNELS:
+            if name in names:
                 yield name, [v.aval for v in eqn.invars], scan_length
         length = eqn.params["length"] if eqn.primitive.name == "scan" else scan_length
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            yield from _kernel_calls(sub, length)
+            yield from _kernel_calls(sub, length, names)
 
 
 def _step_jaxpr(llm: jaxdsa.LLM, n_tokens: int):
@@ -81,6 +81,18 @@ def test_kernels_in_a_scan_read_whole_stacks(name, interpret):
         expected_ndim = 3 if kernel == "quant_matmul" else 4  # [L, K, N] / [L, E, K, N]
         assert all(a.ndim == expected_ndim and a.shape[0] == length for a in weights), (kernel, weights)
     assert stacked
+
+
+def test_the_absorbed_query_reads_w_uk_in_its_stack(interpret):
+    """A decode step (absorbed form, INT4 q_b) builds its queries with the mla_query kernel, which
+    gets the dense W_UK as the group's whole ``[L, C, H, nope]`` stack behind the layer index
+    (``MLAttention.w_uk`` declares the stack read), never a slice XLA would copy out."""
+    llm = jaxdsa.LLM(FIXTURES / "glm5_int4", scan_layers=True, **KW)
+    calls = [c for c in _kernel_calls(_step_jaxpr(llm, 1), names=("mla_query",)) if c[2] is not None]
+    assert calls
+    for _, (_, index, w_uk, *_), length in calls:
+        assert index.shape == (1,) and index.dtype == jnp.int32
+        assert w_uk.ndim == 4 and w_uk.shape[0] == length, w_uk
 
 
 def test_scanned_equals_unrolled_through_the_kernels(interpret):

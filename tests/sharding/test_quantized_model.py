@@ -17,7 +17,7 @@ from flax import nnx
 
 import jaxdsa
 from checkpoints.tiny.presets import TINY_PRESETS
-from jaxdsa import plan, sharding
+from jaxdsa import ops, plan, sharding
 from jaxdsa.loading import load_model
 from pallas_kernels.quant.layout import QuantizedWeight, dequantize
 from tests.conftest import FIXTURES
@@ -76,6 +76,31 @@ def test_goldens_on_a_mesh(name, tp, ep):
     tokens, logits = llm.generate([golden["greedy_prompt"].tolist()], max_new_tokens=n, return_logits=True)
     assert tokens[0] == golden["greedy_tokens"][:n].tolist()
     assert rel_l2(logits[0], golden["greedy_logits"][:n]).max() <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "layout", [dict(tp=2), dict(tp=1, ep=2, dp=2, dp_attention=True)], ids=["tp2", "dp2-dpattn"]
+)
+def test_decode_through_the_interpreted_kernels_on_a_mesh(layout):
+    """DeepSeek-V3.2 INT4 on the Pallas kernels (interpreted), each kernel on its shard under the
+    op's shard_map, greedy decode equal to HF's. At tp 2 ``W_UK`` is dense and the absorbed query is
+    ``q_b``'s partial products and the ``mla_query`` kernel, split by heads; with dp attention every
+    device holds every head's ``kv_b`` and keeps it quantized, so the query takes XLA's product."""
+    previous = ops.get_kernels()
+    ops.set_kernels("interpret")
+    try:
+        llm = jaxdsa.LLM(FIXTURES / "dsv32_int4", dtype="float32", page_size=8, progress=False, **layout)
+        w_uk = [w for path, w in quantized(llm.model).items() if "w_uk" in path]
+        assert bool(w_uk) == layout.get("dp_attention", False)
+        golden = dict(np.load(FIXTURES / "dsv32_int4" / "golden.npz"))
+        want = golden["greedy_tokens"]
+        tokens, logits = llm.generate(
+            [golden["greedy_prompt"].tolist()], max_new_tokens=len(want), return_logits=True
+        )
+    finally:
+        ops.set_kernels(previous)
+    assert tokens[0] == want.tolist()
+    assert rel_l2(logits[0], golden["greedy_logits"]).max() <= TOLERANCE
 
 
 def test_split_cutting_a_packed_chunk_is_refused():
