@@ -394,6 +394,7 @@ def default_config(x: jax.Array, topk_ids: jax.Array, experts: dict) -> tuning.M
         weight_bits=(4 if w.packed else 8) if quantized else None,
         kpack=w.kpack if quantized else 0,
         n_out=w.shape[-1] // 2,
+        d_model=w.shape[-2],
     )
 
 

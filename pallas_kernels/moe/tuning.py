@@ -74,6 +74,7 @@ from pallas_kernels._triton import (
     shrink_to_fit,
     sm_count,
 )
+from pallas_kernels.moe import routing
 from pallas_kernels.quant.tiles import decoded_tile_bytes
 
 
@@ -157,22 +158,50 @@ _KNOBS_4BIT = (("num_stages", 2), ("block_k", 64), ("block_n", 16), ("num_stages
 
 
 MAX_SPLITS = 4
+# What launching the XLA fusion that adds the splits costs, in HBM bytes: about 2 us at the 4 TB/s
+# an H100 / H200 fusion reads at.
+SPLIT_SUM_LAUNCH_BYTES = 8 << 20
 
 
-def k_splits(num_slots: int, num_experts: int, n_out: int | None, block_n: int, sms: int) -> int:
+def k_splits(
+    num_slots: int,
+    num_experts: int,
+    n_out: int | None,
+    block_n: int,
+    sms: int,
+    *,
+    d_model: int,
+    weight_bits: int,
+    block_m: int,
+) -> int:
     """gate|up K splits for a batch with fewer slots than experts: the split count (up to
-    MAX_SPLITS) whose grid (about one block per slot, times the N tiles, times the splits) finishes
-    soonest in waves of one program per SM: ``ceil(programs / sms) / splits`` of one unsplit
-    program's time, the fewest splits among equals.
+    MAX_SPLITS) that costs the fewest HBM-equivalent bytes, counting
+
+    * the kernel in waves of one program per SM (about one block per slot, times the N tiles, times
+      the splits): ``ceil(programs / sms) / splits`` waves of unsplit programs, each wave ``sms``
+      programs' gate and up weight tiles over the whole K;
+    * with splits, the float32 partial sums the XLA fusion reads (``splits x rows x 2N``, ``rows``
+      the block map's worst case, whatever the routing) and that fusion's launch.
 
     Waves, not a power of two that fits one: a 4-bit tile at 8 warps holds a whole SM's registers,
     so a program past the wave runs after it. One token at top-8 + 1 (a shared expert routed as one
     more, :mod:`jaxdsa.shared_experts`) of GLM-5.2 at TP 4 is 36 programs: 4 splits are 144
-    programs in two waves (H100: 31.7 against 19.2 us for the routed 8 in one), 3 splits 108 in one."""
+    programs in two waves (H100: 31.7 against 19.2 us for the routed 8 in one), 3 splits 108 in one.
+    The partial sums decide mid-sized batches: 16 tokens at TP 2 (144 slots, 1,152 programs) once
+    took 4 splits for a quarter of a wave less, and their sum read 75 MB of partials in a 19.5 us
+    fusion per layer on an H200 (``decode_anatomy-h200-hlo16.md``, the fusion read beside the
+    optimized HLO)."""
     if n_out is None or num_slots >= num_experts:
         return 1
     programs = num_slots * max(n_out // block_n, 1)
-    return min(range(1, MAX_SPLITS + 1), key=lambda s: (-(-programs * s // sms) / s, s))
+    wave = sms * d_model * 2 * block_n * weight_bits // 8
+    rows = routing.max_blocks(num_slots, num_experts, block_m) * block_m
+
+    def cost(s: int) -> float:
+        kernel = -(-programs * s // sms) / s * wave
+        return kernel if s == 1 else kernel + s * rows * 2 * n_out * 4 + SPLIT_SUM_LAUNCH_BYTES
+
+    return min(range(1, MAX_SPLITS + 1), key=lambda s: (cost(s), s))
 
 
 def block_m_for(num_slots: int, num_experts: int, max_block_m: int) -> int:
@@ -211,12 +240,14 @@ def choose(
     weight_bits: int | None = None,
     kpack: int = 0,
     n_out: int | None = None,
+    d_model: int | None = None,
 ) -> MoeConfig:
     """Config for ``num_slots`` (= T * top_k) token slots over ``num_experts`` experts with
     ``itemsize``-byte activations (and weights, when dense). Quantized experts (``weight_bits`` 8 or
     4) take the same tiles, 4-bit ones with twice the K step (the same bytes per load) and at least
-    one packed chunk (``kpack`` rows), shrunk to fit with their own estimate; with ``n_out`` (each
-    expert's gate|up columns, N) their decode batches split gate|up over K (:func:`k_splits`)."""
+    one packed chunk (``kpack`` rows), shrunk to fit with their own estimate; with ``n_out`` and
+    ``d_model`` (each expert's gate|up columns N, and its K) their decode batches split gate|up over
+    K (:func:`k_splits`)."""
     cc = compute_capability() if cc is None else cc
     e = TABLE.get(cc, DEFAULT)
     block_m = block_m_for(num_slots, num_experts, e.max_block_m)
@@ -247,8 +278,17 @@ def choose(
         try:
             gate_up_tile = fit(gate_up, 2, block_m)
             splits = (
-                k_splits(num_slots, num_experts, n_out, gate_up_tile.block_n, sm_count(cc))
-                if weight_bits
+                k_splits(
+                    num_slots,
+                    num_experts,
+                    n_out,
+                    gate_up_tile.block_n,
+                    sm_count(cc),
+                    d_model=d_model,
+                    weight_bits=weight_bits,
+                    block_m=block_m,
+                )
+                if weight_bits and d_model
                 else 1
             )
             return MoeConfig(block_m, gate_up_tile, fit(down, 1, block_m), splits=splits)
