@@ -54,7 +54,13 @@ splits gained nothing (``benchmarks/results/quant-h100-tp4-splits.md``). The rul
 every part takes it with its own SM count. The down kernel adding the partial sums itself as it
 loads its activation tiles (no launch between the kernels) measured slower: GLM-5.2 INT4 at 78
 layers, TP 4 on 4 x H200, went from 11.97 to 16.06 ms a decode step, ``moe_down`` from 15 to 46 us
-(its 4-bit tile lost a pipeline stage to the partial sums, and every D tile re-read them).
+(its 4-bit tile lost a pipeline stage to the partial sums, and every D tile re-read them). The
+partial sums are added by a kernel of their own that reads only the blocks' filled rows: XLA's
+fusion read the block map's worst case, 16 tokens at TP 2 4 x 2,304 rows x 2,048 float32 columns,
+75 MB in 19.5 us a layer on an H200. Counting those bytes in the split rule instead (no split at
+16 tokens) measured worse on the GPU: ``moe_gate_up`` unsplit took 113 against 79 us, the step's
+GPU time 10.37 / 10.44 against 9.96 / 9.93 ms at 32 layers, 2 x H200
+(``decode_anatomy-h200-h200x2-glm52-int4-tp2-32l-s16-{splits,splits2,before,before2}.md``).
 
 sm_100 and the other parts keep their reasoned starting points (one tile set for ``few`` and
 ``stream``) until ``benchmarks/moe.py`` has been run on them. Every choice is then fitted to the
@@ -74,7 +80,6 @@ from pallas_kernels._triton import (
     shrink_to_fit,
     sm_count,
 )
-from pallas_kernels.moe import routing
 from pallas_kernels.quant.tiles import decoded_tile_bytes
 
 
@@ -93,7 +98,7 @@ class MoeConfig:
     down: Tile
     min_block_m: int = 16  # smallest row tile a partly filled block shrinks to (block_m: never)
     absorb_m: int = 16  # an expert's last block with <= this many rows rides on the block before (0: never)
-    splits: int = 1  # K splits of the gate|up kernel (partial sums added by XLA before the SwiGLU)
+    splits: int = 1  # K splits of the gate|up kernel (partial sums added by a kernel before the SwiGLU)
 
 
 Tiles = tuple[Tile, Tile]  # (gate|up, down)
@@ -158,50 +163,22 @@ _KNOBS_4BIT = (("num_stages", 2), ("block_k", 64), ("block_n", 16), ("num_stages
 
 
 MAX_SPLITS = 4
-# What launching the XLA fusion that adds the splits costs, in HBM bytes: about 2 us at the 4 TB/s
-# an H100 / H200 fusion reads at.
-SPLIT_SUM_LAUNCH_BYTES = 8 << 20
 
 
-def k_splits(
-    num_slots: int,
-    num_experts: int,
-    n_out: int | None,
-    block_n: int,
-    sms: int,
-    *,
-    d_model: int,
-    weight_bits: int,
-    block_m: int,
-) -> int:
+def k_splits(num_slots: int, num_experts: int, n_out: int | None, block_n: int, sms: int) -> int:
     """gate|up K splits for a batch with fewer slots than experts: the split count (up to
-    MAX_SPLITS) that costs the fewest HBM-equivalent bytes, counting
-
-    * the kernel in waves of one program per SM (about one block per slot, times the N tiles, times
-      the splits): ``ceil(programs / sms) / splits`` waves of unsplit programs, each wave ``sms``
-      programs' gate and up weight tiles over the whole K;
-    * with splits, the float32 partial sums the XLA fusion reads (``splits x rows x 2N``, ``rows``
-      the block map's worst case, whatever the routing) and that fusion's launch.
+    MAX_SPLITS) whose grid (about one block per slot, times the N tiles, times the splits) finishes
+    soonest in waves of one program per SM: ``ceil(programs / sms) / splits`` of one unsplit
+    program's time, the fewest splits among equals.
 
     Waves, not a power of two that fits one: a 4-bit tile at 8 warps holds a whole SM's registers,
     so a program past the wave runs after it. One token at top-8 + 1 (a shared expert routed as one
     more, :mod:`jaxdsa.shared_experts`) of GLM-5.2 at TP 4 is 36 programs: 4 splits are 144
-    programs in two waves (H100: 31.7 against 19.2 us for the routed 8 in one), 3 splits 108 in one.
-    The partial sums decide mid-sized batches: 16 tokens at TP 2 (144 slots, 1,152 programs) once
-    took 4 splits for a quarter of a wave less, and their sum read 75 MB of partials in a 19.5 us
-    fusion per layer on an H200 (``decode_anatomy-h200-hlo16.md``, the fusion read beside the
-    optimized HLO)."""
+    programs in two waves (H100: 31.7 against 19.2 us for the routed 8 in one), 3 splits 108 in one."""
     if n_out is None or num_slots >= num_experts:
         return 1
     programs = num_slots * max(n_out // block_n, 1)
-    wave = sms * d_model * 2 * block_n * weight_bits // 8
-    rows = routing.max_blocks(num_slots, num_experts, block_m) * block_m
-
-    def cost(s: int) -> float:
-        kernel = -(-programs * s // sms) / s * wave
-        return kernel if s == 1 else kernel + s * rows * 2 * n_out * 4 + SPLIT_SUM_LAUNCH_BYTES
-
-    return min(range(1, MAX_SPLITS + 1), key=lambda s: (cost(s), s))
+    return min(range(1, MAX_SPLITS + 1), key=lambda s: (-(-programs * s // sms) / s, s))
 
 
 def block_m_for(num_slots: int, num_experts: int, max_block_m: int) -> int:
@@ -240,14 +217,12 @@ def choose(
     weight_bits: int | None = None,
     kpack: int = 0,
     n_out: int | None = None,
-    d_model: int | None = None,
 ) -> MoeConfig:
     """Config for ``num_slots`` (= T * top_k) token slots over ``num_experts`` experts with
     ``itemsize``-byte activations (and weights, when dense). Quantized experts (``weight_bits`` 8 or
     4) take the same tiles, 4-bit ones with twice the K step (the same bytes per load) and at least
-    one packed chunk (``kpack`` rows), shrunk to fit with their own estimate; with ``n_out`` and
-    ``d_model`` (each expert's gate|up columns N, and its K) their decode batches split gate|up over
-    K (:func:`k_splits`)."""
+    one packed chunk (``kpack`` rows), shrunk to fit with their own estimate; with ``n_out`` (each
+    expert's gate|up columns, N) their decode batches split gate|up over K (:func:`k_splits`)."""
     cc = compute_capability() if cc is None else cc
     e = TABLE.get(cc, DEFAULT)
     block_m = block_m_for(num_slots, num_experts, e.max_block_m)
@@ -278,17 +253,8 @@ def choose(
         try:
             gate_up_tile = fit(gate_up, 2, block_m)
             splits = (
-                k_splits(
-                    num_slots,
-                    num_experts,
-                    n_out,
-                    gate_up_tile.block_n,
-                    sm_count(cc),
-                    d_model=d_model,
-                    weight_bits=weight_bits,
-                    block_m=block_m,
-                )
-                if weight_bits and d_model
+                k_splits(num_slots, num_experts, n_out, gate_up_tile.block_n, sm_count(cc))
+                if weight_bits
                 else 1
             )
             return MoeConfig(block_m, gate_up_tile, fit(down, 1, block_m), splits=splits)

@@ -159,7 +159,8 @@ def test_quantized_moe_lowers(target, fmt, t, dtype):
         target=target,
         swiglu_limit=7.0,
     )
-    assert text.count("__gpu$xla.gpu.triton") == 2
+    split = "moe_sum_splits" in text  # a K-split gate|up (decode, by the part's SM count) adds its partials
+    assert text.count("__gpu$xla.gpu.triton") == 2 + split and (t == 1 or not split)
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
