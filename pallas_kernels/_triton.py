@@ -152,6 +152,12 @@ def fit_block(block: int, dim: int, *, floor: int, what: str, op: str) -> int:
     return b
 
 
+def tile_pad(n: int) -> int:
+    """``n`` padded to a tile side: the next power of two (Triton tiles must be powers of two), at
+    least 16, the smallest extent ``tl.dot`` accepts (the tensor-core MMA minimum for every dim)."""
+    return max(16, pl.next_power_of_2(n))
+
+
 # Streaming multiprocessors of the parts the tuning tables know, for lowering without the GPU (the
 # GPU this process runs on reports its own count: :func:`sm_count`). A100, A40 / RTX 3090, RTX
 # 4090, H100 / H200 SXM, B200, RTX Pro 6000 Blackwell, DGX Spark (GB10).

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels._triton import compute_capability, pl
+from pallas_kernels._triton import compute_capability, pl, tile_pad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +43,6 @@ DEFAULT = _Entry(max_block_s=16, warps_per_256_channels=4, num_stages=2)
 def choose(m: int, d: int) -> PoolConfig:
     """Config for windows of ``m`` rows and entries of ``d`` channels."""
     e = TABLE.get(compute_capability(), DEFAULT)
-    d_pad = max(16, pl.next_power_of_2(d))
+    d_pad = tile_pad(d)
     warps = min(8, max(1, e.warps_per_256_channels * d_pad // 256))
     return PoolConfig(min(e.max_block_s, pl.next_power_of_2(m)), d_pad, warps, e.num_stages)

@@ -35,6 +35,8 @@ e4m3 cast**: the keys are bitcast to uint8 in XLA (free) and decoded in-kernel w
 
 Inputs with ragged edges are masked explicitly on every load and store (JAX 0.11.2 does not mask
 overhanging blocks); all refs are whole arrays indexed with program-id-derived offsets.
+
+Design notes and measurements: the kernel notes (docs/kernels.md §2).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._triton import compiler_params, pl, pltriton
+from pallas_kernels._triton import compiler_params, pl, pltriton, tile_pad
 from pallas_kernels.indexer_logits import tuning
 from pallas_kernels.quant.decode import fp_decode
 
@@ -132,7 +134,7 @@ class _Spec:
     @property
     def heads_pad(self) -> int:
         """Heads of the row kernel's dot: padded to the MMA minimum of 16 and a power of two."""
-        return max(16, pl.next_power_of_2(self.num_heads))
+        return tile_pad(self.num_heads)
 
     @property
     def precision(self):

@@ -20,10 +20,10 @@ import dataclasses
 
 from pallas_kernels._triton import (
     compute_capability,
-    pl,
     shared_memory_budget,
     shared_memory_bytes,
     shrink_to_fit,
+    tile_pad,
 )
 
 
@@ -96,7 +96,7 @@ def smem_bytes(cfg: RowConfig | TileConfig, *, num_heads: int, head_dim: int, it
     sequences run the row path inside the same kernel, at least the row estimate at its sizes.
     """
     row_width = head_dim * itemsize
-    heads = max(16, pl.next_power_of_2(num_heads))
+    heads = tile_pad(num_heads)
     row = shared_memory_bytes(
         resident=heads * (row_width + 4), stage=cfg.block_s * (row_width + 8), num_stages=cfg.num_stages
     )

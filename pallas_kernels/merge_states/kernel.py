@@ -17,6 +17,8 @@ rows' LSEs and that tile together and reduces over the parts axis: one memory ro
 is what B = 1 latency needs. More parts go in chunks: a pass over the LSEs for the maximum, then
 one over the tiles. Loads are masked at the row/part/column edges (explicit masks and ``other``,
 so JAX 0.11.2, which does not mask edge blocks, and 0.12 agree).
+
+Design notes and measurements: the kernel notes (docs/kernels.md §1).
 """
 
 from __future__ import annotations

@@ -21,11 +21,11 @@ import dataclasses
 
 from pallas_kernels._triton import (
     compute_capability,
-    pl,
     shared_memory_budget,
     shared_memory_bytes,
     shrink_to_fit,
     sm_count,
+    tile_pad,
 )
 
 
@@ -64,8 +64,8 @@ def choose(t: int, n: int, d: int) -> MhcConfig:
     cfg = TABLE.get(cc, DEFAULT)
     cfg = dataclasses.replace(
         cfg,
-        block_k=min(cfg.block_k, max(16, pl.next_power_of_2(n * d))),
-        block_d=min(cfg.block_d, max(16, pl.next_power_of_2(d))),
+        block_k=min(cfg.block_k, tile_pad(n * d)),
+        block_d=min(cfg.block_d, tile_pad(d)),
     )
     cfg = shrink_to_fit(
         cfg, lambda c: smem_bytes(c, n), shared_memory_budget(cc), (("num_stages", 1), ("block_k", 16))

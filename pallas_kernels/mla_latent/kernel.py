@@ -12,6 +12,8 @@ product: the arithmetic of :func:`pallas_kernels.mla_latent.ref.mla_latent`, the
 the kernel's order. Norm weights stacked over scanned layers are read in place at the layer index.
 Weights that do not share one launch (prefill-sized M, mixed formats) are multiplied one by one and
 the same row kernel takes their products as a single "split".
+
+Design notes and measurements: the kernel notes (docs/kernels.md §6).
 """
 
 from __future__ import annotations

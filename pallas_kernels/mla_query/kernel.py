@@ -20,6 +20,8 @@ layer index (:func:`pallas_kernels.quant.tiles.operands`), as ``q_b``'s stack is
 
 Rows past :data:`MAX_ROWS` (prefill) run in more row tiles, each reading ``W_UK`` again, where
 XLA's einsum reads it once: :class:`jaxdsa.layers.mla.MLAttention` takes the op up to there.
+
+Design notes and measurements: the kernel notes (docs/kernels.md §6).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._triton import compiler_params, fit_block, pl, pltriton
+from pallas_kernels._triton import compiler_params, fit_block, pl, pltriton, tile_pad
 from pallas_kernels.quant import tiles
 from pallas_kernels.quant.layout import QuantizedWeight
 from pallas_kernels.quant_matmul import kernel as quant_matmul_kernel
@@ -73,7 +75,7 @@ def _kernel(
             acc += pltriton.load(parts_ref.at[(s, *at)], mask=mask, other=0.0).astype(jnp.float32)
         return acc.astype(dtype)
 
-    dn = jnp.arange(max(pl.next_power_of_2(nope), 16), dtype=jnp.int32)
+    dn = jnp.arange(tile_pad(nope), dtype=jnp.int32)
     ok = dn < nope
     q_nope = summed(dn, ok)
     cs = j * block_c + jnp.arange(block_c, dtype=jnp.int32)

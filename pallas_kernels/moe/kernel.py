@@ -44,6 +44,8 @@ quantized), so packed weights work with the reference backend too and switching 
 repacking. With ``layer`` they are stacks over scanned layers (``[L, E, D, 2N]``, ``[L, E, N, D]``)
 read in place at that traced layer (:func:`pallas_kernels.quant.tiles.operands`): a scan
 over layers then never copies a layer's experts out of the stack for the kernels.
+
+Design notes and measurements: the kernel notes (docs/kernels.md §5; quantized experts §6).
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ once after the loop (no cross-thread reduction inside it). bf16 activations' pro
 weights are exact in float32, so it sums the same products as the tensor cores; float32 activations
 get float32 products. Same output contract (float32 partial sums per K split, added by one XLA op),
 same multi-weight launches and layer stacks.
+
+Design notes and measurements: the kernel notes (docs/kernels.md §6).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ one of them is a launch of a few microseconds for a few kilobytes. Here a progra
 float32 and writes both the normalized row and the sum: the arithmetic of
 :func:`pallas_kernels.rms_norm.ref.add_rms_norm`, with the sum of squares reduced in the kernel's
 order. A weight stacked over scanned layers is read in place at the traced layer index.
+
+Design notes and measurements: the kernel notes (docs/kernels.md §7).
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ The alternative in XLA is about six small kernels per layer (sigmoid and bias, g
 ids equal the reference's whenever there are no exact ties (the sigmoid here is
 ``1 / (1 + exp(-x))``, which may differ from XLA's in the last bit). E need not be a power of two:
 the row and the groups are padded to powers of two, padded experts never win.
+
+Design notes and measurements: the kernel notes (docs/kernels.md §4).
 """
 
 from __future__ import annotations

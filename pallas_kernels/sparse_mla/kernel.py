@@ -70,6 +70,8 @@ Split count, head block and tile sizes come from :mod:`.tuning` (per compute cap
 operand dtype: float32 tiles are sized to fit the same shared memory as bf16 ones; fp8 rows count
 their three parts' bytes per stage and the decoded value tile as resident; DeepSeek-V4's rows take
 the rules measured on GLM's).
+
+Design notes and measurements: the kernel notes (docs/kernels.md §1).
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._triton import compiler_params, pl, pltriton
+from pallas_kernels._triton import compiler_params, pl, pltriton, tile_pad
 from pallas_kernels.merge_states.kernel import apply_sink, merge_states
 from pallas_kernels.quant.decode import fp_decode
 from pallas_kernels.sparse_mla import ref, tuning
@@ -92,12 +94,7 @@ from pallas_kernels.sparse_mla.tuning import MlaConfig
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
-_MIN_TILE = 16  # MMA operands need every dim >= 16
 _MAX_ROW_PAD = 1024  # padded value + rope columns per head; wider q tiles and accumulators spill
-
-
-def _pad(x: int) -> int:
-    return max(_MIN_TILE, pl.next_power_of_2(x))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +116,7 @@ class _Geometry:
 
     @property
     def d_r_pad(self) -> int:
-        return _pad(self.d_r) if self.d_r else 0
+        return tile_pad(self.d_r) if self.d_r else 0
 
     @property
     def groups(self) -> tuple[tuple[int, int, int], ...]:
@@ -143,7 +140,7 @@ class _Geometry:
 
 def _groups(width: int, tile: int) -> tuple[tuple[int, int, int], ...]:
     """``(first column, tile, padded tile)`` of the ``width / tile`` groups of ``tile`` columns."""
-    return tuple((c, tile, _pad(tile)) for c in range(0, width, tile))
+    return tuple((c, tile, tile_pad(tile)) for c in range(0, width, tile))
 
 
 def _load_tile(src, rows, row_ok, col0: int, width: int, width_pad: int):
@@ -379,7 +376,7 @@ def sparse_mla(
     d_c = kv.shape[1] if fp8 else v_dim  # the row's first part: e4m3 columns, or a float row's values
     d_r = d - d_c
     tile = d_c // kv_scale.shape[1] if fp8 else d_c
-    if sum(wp for *_, wp in _groups(d_c, tile)) + (_pad(d_r) if d_r else 0) > _MAX_ROW_PAD:
+    if sum(wp for *_, wp in _groups(d_c, tile)) + (tile_pad(d_r) if d_r else 0) > _MAX_ROW_PAD:
         warnings.warn(
             f"sparse_mla: a {d}-wide row ({v_dim} value columns, groups of {tile}) pads past "
             f"{_MAX_ROW_PAD} columns per head, more than one program's registers hold; running the "

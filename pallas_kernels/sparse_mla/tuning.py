@@ -60,11 +60,11 @@ import dataclasses
 
 from pallas_kernels._triton import (
     compute_capability,
-    pl,
     shared_memory_budget,
     shared_memory_bytes,
     shrink_to_fit,
     sm_count,
+    tile_pad,
 )
 from pallas_kernels.quant import kv_fp8
 
@@ -100,17 +100,12 @@ class Fp8Rows:
     @property
     def nope_pad(self) -> int:
         """Columns the e4m3 part takes in the kernel: each scale group padded to a power of two."""
-        return self.nope // self.tile * _pad(self.tile)
+        return self.nope // self.tile * tile_pad(self.tile)
 
     def row_bytes(self, d_r: int) -> int:
         """Bytes one gathered row stages with a ``d_r``-wide rope part, padded as the kernel pads it
         (656 at GLM's 512 + 64, 583 at DeepSeek-V4's 448 + 64)."""
-        return self.nope + self.nope // self.tile * self.scale_bytes + 2 * (_pad(d_r) if d_r else 0)
-
-
-def _pad(x: int) -> int:
-    """A tile width as the kernel pads it: a power of two, at least 16 (the MMA minimum)."""
-    return max(16, pl.next_power_of_2(x))
+        return self.nope + self.nope // self.tile * self.scale_bytes + 2 * (tile_pad(d_r) if d_r else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,15 +205,15 @@ def smem_bytes(cfg: MlaConfig, *, d_v: int, d_r: int, itemsize: int, fp8: bool |
     (:func:`pallas_kernels.quant.tiles.decoded_tile_bytes`), plus one more scale group of it
     (layout-conversion scratch; calibrated on H200, module docstring)."""
     rows = _fp8_rows(fp8, d_v)
-    r_pad = _pad(d_r) if d_r else 0
+    r_pad = tile_pad(d_r) if d_r else 0
     if rows is None:
-        v_pad = out_pad = _pad(d_v)
+        v_pad = out_pad = tile_pad(d_v)
         row_bytes, decoded = (v_pad + r_pad) * itemsize, 0
     else:
         v_pad = rows.nope_pad
         out_pad = v_pad + (r_pad if d_v > rows.nope else 0)
         row_bytes = rows.row_bytes(d_r)
-        decoded = cfg.block_n * (v_pad + _pad(rows.tile) + (r_pad if itemsize != 2 else 0)) * itemsize
+        decoded = cfg.block_n * (v_pad + tile_pad(rows.tile) + (r_pad if itemsize != 2 else 0)) * itemsize
     return shared_memory_bytes(
         resident=cfg.block_h * (v_pad + r_pad) * itemsize + decoded,
         stage=cfg.block_n * (row_bytes + 4),
@@ -273,14 +268,14 @@ def _choose(cc, budget, nbytes, t, h, k, *, d_v, d_r, itemsize, block_h, fp8=Non
 
     def block_n_for(block_h: int) -> int:
         wide = e.wide_block_n if block_h >= 64 and e.wide_block_n else e.block_n
-        return min(wide, max(16, pl.next_power_of_2(k)))
+        return min(wide, tile_pad(k))
 
     def max_splits(block_n: int) -> int:
         return max(1, min(e.max_splits, k // block_n, partial_budget // (t * h * 4 * d_v)))
 
     sms = sm_count(cc)
     if block_h is None:
-        block_h = min(e.max_block_h, max(16, pl.next_power_of_2(h)))
+        block_h = min(e.max_block_h, tile_pad(h))
         while block_h > 16 and t * -(-h // block_h) * max_splits(block_n_for(block_h)) < sms:
             block_h //= 2
     cfg = MlaConfig(block_h, block_n_for(block_h), e.num_warps, e.num_stages, splits=1)

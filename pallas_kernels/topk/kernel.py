@@ -26,6 +26,8 @@ The index set equals ``jax.lax.top_k``'s whenever the k-th and (k+1)-th largest 
 with ties at the cutoff any of the tied indices may be chosen. Rows with fewer than k finite values
 are padded with -1. ``k > chunk / 2`` on rows longer than one chunk (no shrinking stage exists)
 falls back to ``jax.lax.top_k``.
+
+Design notes and measurements: the kernel notes (docs/kernels.md §3).
 """
 
 from __future__ import annotations

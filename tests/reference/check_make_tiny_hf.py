@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Check that Hugging Face transformers reads what ``checkpoints/make_tiny.py`` writes (not part of CI).
 
-    /work/refvenv/bin/python tests/reference/check_make_tiny_hf.py [--maker-python .venv/bin/python]
+    <venv>/bin/python tests/reference/check_make_tiny_hf.py [--maker-python .venv/bin/python]
+
+``<venv>``: the reference venv, a Python 3.11 venv with torch==2.13.0 (CPU) transformers==5.23.0
+compressed-tensors (README.md here sets it up).
 
 make_tiny runs in the project venv (it imports jaxdsa, hence JAX, which needs Python 3.12); the
 checks run here with torch + transformers 5.23. For every tiny preset, float32/bfloat16 and 1/3

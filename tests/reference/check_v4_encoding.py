@@ -2,7 +2,7 @@
 """Compare ``serve.deepseek_v4_encoding`` with DeepSeek's own renderer (not part of CI).
 
     pip install deepseek-recipe     # DeepSeek's reference encoder (Rust, abi3 wheels), into any venv
-    PYTHON tests/reference/check_v4_encoding.py
+    <venv>/bin/python tests/reference/check_v4_encoding.py
 
 deepseek-recipe 0.2.0 renders a later V4 release than the ``encoding_dsv4.py`` rules we follow, so
 its effort tiers are mapped (our "max" paragraph is its "high", our none its "low") and the known

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Make the Hugging Face golden fixtures under ``tests/fixtures/`` (not part of CI).
 
-Run with the reference venv (Python 3.11, torch 2.13.0 CPU, transformers 5.23.0; see README.md here):
+Run with the reference venv ``<venv>``: a Python 3.11 venv with torch==2.13.0 (CPU) transformers==5.23.0
+compressed-tensors (README.md here sets it up):
 
-    /work/refvenv/bin/python tests/reference/make_goldens.py [--only NAME ...] [--out DIR]
+    <venv>/bin/python tests/reference/make_goldens.py [--only NAME ...] [--out DIR]
 
 For every fixture this script
 

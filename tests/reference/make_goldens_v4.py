@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Make the DeepSeek-V4 Hugging Face golden fixtures under ``tests/fixtures/dsv4*/`` (not part of CI).
 
-Run with the reference venv (Python 3.11, torch 2.13.0 CPU, transformers 5.23.0; README.md here):
+Run with the reference venv ``<venv>``: a Python 3.11 venv with torch==2.13.0 (CPU) transformers==5.23.0
+compressed-tensors (README.md here sets it up):
 
-    /work/venv-ref/bin/python tests/reference/make_goldens_v4.py [--only NAME ...] [--out DIR]
+    <venv>/bin/python tests/reference/make_goldens_v4.py [--only NAME ...] [--out DIR]
 
 For every fixture this script
 

@@ -2,9 +2,10 @@
 """Goldens for the FP8 KV cache (``golden_kv_fp8.npz``): HF transformers with the cache quantized as the
 released engines store it (not part of CI).
 
-Run with the reference venv (Python 3.11, torch 2.13.0 CPU, transformers 5.23.0; see README.md here):
+Run with the reference venv ``<venv>``: a Python 3.11 venv with torch==2.13.0 (CPU) transformers==5.23.0
+compressed-tensors (README.md here sets it up):
 
-    /work/venv-ref/bin/python tests/reference/make_kv_fp8_goldens.py [--only NAME ...] [--out DIR]
+    <venv>/bin/python tests/reference/make_kv_fp8_goldens.py [--only NAME ...] [--out DIR]
 
 Independent of jaxdsa (no JAX, nothing imported from the repository): the formats are re-implemented here in
 torch / numpy from their definitions (FlashMLA's ``fp8_ds_mla`` latent rows, vLLM's

@@ -2,9 +2,10 @@
 """Goldens for DeepSeek-V4's FP8 KV cache (``golden_kv_fp8.npz`` of ``dsv4`` and ``dsv4_fp8``): HF
 transformers with every cached row quantized as the released engines store it (not part of CI).
 
-Run with the reference venv (Python 3.11, torch 2.13.0 CPU, transformers 5.23.0; see README.md here):
+Run with the reference venv ``<venv>``: a Python 3.11 venv with torch==2.13.0 (CPU) transformers==5.23.0
+compressed-tensors (README.md here sets it up):
 
-    /work/venv-ref/bin/python tests/reference/make_kv_fp8_goldens_v4.py [--only NAME ...] [--out DIR]
+    <venv>/bin/python tests/reference/make_kv_fp8_goldens_v4.py [--only NAME ...] [--out DIR]
 
 Independent of jaxdsa (no JAX, nothing imported from the repository but the sibling scripts): the formats
 are re-implemented in torch from their definitions (FlashMLA's V4 "MODEL1" rows, the engines' FP8 index
