@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import sys
-import time
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -50,6 +48,7 @@ from checkpoints.quant import (
 )
 from checkpoints.safetensors_io import CheckpointReader
 from checkpoints.spec import ExpertDown, ExpertGateUp, IndexTable, Leaf, Linear, Spec, Stacked
+from jaxdsa.progress import Progress
 from pallas_kernels.quant import layout
 from pallas_kernels.quant.layout import QuantizedWeight
 
@@ -481,25 +480,17 @@ def load(
                 by_layer[layer].append((path, i))
         else:
             out[path] = _from_files(source, spec, target)
-    start, layers = time.perf_counter(), sorted(by_layer)
-    for done, layer in enumerate(layers, start=1):
+    layers = sorted(by_layer)
+    bar = Progress("loading weights", len(layers), enabled=progress)
+    for layer in layers:
         for path, i in by_layer[layer]:
             target, spec = targets[path], specs[path]
             value = _from_files(source, spec.items[i], _layer_target(target))
             out[path] = jax.tree.map(
                 lambda stack, part, t, i=i: _set_layer(t.sharding)(stack, part, i), out[path], value, target
             )
-        _report(done, len(layers), start, progress)
+        bar.done(f"layer {layer}")
     return out
-
-
-def _report(done: int, total: int, start: float, enabled: bool) -> None:
-    if enabled:
-        end = "\n" if done == total else ""
-        elapsed = time.perf_counter() - start
-        print(
-            f"\rloading weights: {done}/{total} layers ({elapsed:.1f}s)", end=end, file=sys.stderr, flush=True
-        )
 
 
 def _check_covered(specs: Mapping[Path, Spec], targets: Mapping[Path, Any]) -> None:

@@ -155,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--num-gpu-experts",
+        "--kt-num-gpu-experts",
         type=int,
         help="routed experts per MoE layer kept on the GPUs; the others live in host RAM, in their "
         "checkpoint format, and run on the CPU inside the step (default: all on the GPUs)",
@@ -173,7 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(a profiling mode: a host round trip per layer)",
     )
     g.add_argument(
-        "--cpu-threads", type=int, help="threads of the host experts' CPU kernel (default: half the cores)"
+        "--cpu-threads",
+        "--kt-cpuinfer",
+        type=int,
+        help="threads of the host experts' CPU kernel (default: half the cores)",
     )
     g.add_argument(
         "--disable-shared-experts-fusion",
@@ -475,7 +479,8 @@ def build(args: argparse.Namespace) -> Server:
     defaults = _generation_defaults(args.generation_config, model_dir)
     if defaults:
         _log(f"default sampling from generation_config.json: {defaults}")
-    _log("on: " + ", ".join(_features(args, engine, parallel)))
+    for feature in _features(args, engine, parallel):
+        _log(f"on: {feature}")
     aengine = AsyncEngine(engine, max_waiting=args.max_queue_len, profile_dir=args.profile_dir)
     aengine.start()
     context = ServingContext(

@@ -39,7 +39,10 @@ def _each(names: tuple[str, ...], takes_value: bool, refused: bool, why: str, **
 
 _ONE_HOST = "the server runs on one host; multi-node serving is not supported"
 _ATTENTION = "attention runs jaxdsa's own sparse MLA kernels on every GPU"
-_CPU_EXPERTS = "routed experts on the CPU (KTransformers' hybrid MoE) are not supported yet"
+_KT_FORMAT = (
+    "host experts run in their checkpoint's own format on jaxdsa's CPU kernel (--num-gpu-experts); "
+    "there is no AMX conversion"
+)
 
 FOREIGN: tuple[Foreign, ...] = (
     # ignored: tuning of machinery jaxdsa does not have
@@ -84,8 +87,12 @@ FOREIGN: tuple[Foreign, ...] = (
         True,
         "prefill-decode disaggregation (KV transfer between instances) is not supported yet",
     ),
-    *_each(("--kt-cpuinfer", "--kt-threadpool-count", "--kt-num-gpu-experts", "--kt-method",
-            "--kt-amx-method", "--kt-weight-path", "--kt-amx-weight-path"), True, True, _CPU_EXPERTS),
+    # KTransformers' hybrid MoE under SGLang: --kt-num-gpu-experts and --kt-cpuinfer are
+    # --num-gpu-experts and --cpu-threads (serve.cli); the rest choose its converted CPU weights
+    *_each(("--kt-method", "--kt-amx-method", "--kt-weight-path", "--kt-amx-weight-path"), True, False,
+           _KT_FORMAT),
+    Foreign(("--kt-threadpool-count",), True, False, "one thread pool; the OS places its threads",
+            harmless=("1",)),
 )  # fmt: skip
 
 

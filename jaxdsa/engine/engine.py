@@ -36,7 +36,6 @@ import hashlib
 import logging
 import operator
 import os
-import sys
 import time
 from collections.abc import Iterable
 
@@ -62,6 +61,7 @@ from jaxdsa.engine.request import (
 from jaxdsa.engine.runner import InFlight, ModelRunner, StepResult
 from jaxdsa.engine.sampling import Scored
 from jaxdsa.engine.scheduler import Scheduler, Segment
+from jaxdsa.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -581,20 +581,16 @@ class Engine:
                 )
 
     def warmup(self, progress: bool = True) -> float:
-        """Compile every step shape now (with a progress line); returns seconds taken."""
+        """Compile every step shape now (a progress bar on a terminal, a line per shape in a log);
+        returns seconds taken."""
         start = time.perf_counter()
-
-        def report(done, total):
-            if progress:
-                end = "\n" if done == total else ""
-                print(
-                    f"\rcompiling step buckets: {done}/{total} ({time.perf_counter() - start:.1f}s)",
-                    end=end,
-                    file=sys.stderr,
-                    flush=True,
-                )
-
-        self.runner.warmup(report)
+        bar = Progress(
+            "compiling step shapes", len(self.runner.modes) * len(self.runner.buckets), enabled=progress
+        )
+        try:
+            self.runner.warmup(bar.done)
+        finally:
+            bar.close()
         return time.perf_counter() - start
 
     def stats(self) -> dict[str, float]:

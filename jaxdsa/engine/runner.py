@@ -224,34 +224,36 @@ class ModelRunner:
         """Launch one step and wait for its results (:meth:`launch`'s arguments)."""
         return self.fetch(self.launch(segments, seeds, **kwargs))
 
-    def warmup(self, report: Callable[[int, int], None] | None = None) -> dict[tuple, float]:
+    def warmup(self, report: Callable[[str], None] | None = None) -> dict[tuple, float]:
         """Compile every bucket in every step mode the family can meet, then run each once; returns
-        each ``(bucket, mode)``'s compile seconds (side by side, so they overlap).
+        each ``(bucket, mode)``'s compile seconds (side by side, so they overlap). ``report`` is
+        called with a variant's name as each compile ends.
 
-        The variants are traced one by one (Python) and compiled side by side in threads: XLA
-        compiles without the GIL, and the Pallas kernels' Triton compiles inside each are serial,
-        so a cold start takes about its slowest variant instead of their sum. A jitted function
-        reuses what ``lower(...).compile()`` built for the same arguments, so the runs that follow
-        (all padding: slot -1 writes are dropped, nothing reaches the cache) compile nothing."""
+        The variants are traced one by one (Python holds the GIL) and each goes to a compile thread
+        as soon as it is lowered: XLA compiles without the GIL, so compiles overlap each other and
+        the tracing of the next variants, and a cold start takes about the tracing plus its slowest
+        compiles instead of their sum. A jitted function reuses what ``lower(...).compile()`` built
+        for the same arguments, so the runs that follow (all padding: slot -1 writes are dropped,
+        nothing reaches the cache) compile nothing."""
         variants = [(b, mode) for mode in self.modes for b in self.buckets]
-        lowered = []
-        for b, mode in variants:
-            fn, args = self._step(self.packer.padding(b, mode), False)
-            with self._precision():
-                lowered.append(fn.lower(*args))
 
         def compile_one(step) -> float:
             start = time.perf_counter()
             step.compile()
             return time.perf_counter() - start
 
-        with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
-            jobs = {pool.submit(compile_one, step): variant for step, variant in zip(lowered, variants)}
-            seconds = {}
-            for done, job in enumerate(concurrent.futures.as_completed(jobs), 1):
-                seconds[jobs[job]] = job.result()
+        seconds = {}
+        with concurrent.futures.ThreadPoolExecutor(min(len(variants), os.cpu_count() or 1)) as pool:
+            jobs = {}
+            for b, mode in variants:
+                fn, args = self._step(self.packer.padding(b, mode), False)
+                with self._precision():
+                    jobs[pool.submit(compile_one, fn.lower(*args))] = (b, mode)
+            for job in concurrent.futures.as_completed(jobs):
+                b, mode = jobs[job]
+                seconds[b, mode] = job.result()
                 if report:
-                    report(done, len(variants))
+                    report(f"{b} tokens, {mode}")
         for b, mode in variants:
             outputs = self._dispatch(self.packer.padding(b, mode), False)
         jax.block_until_ready(outputs)

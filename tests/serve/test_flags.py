@@ -11,7 +11,7 @@ import shlex
 import jax
 import pytest
 
-from serve import cli
+from serve import cli, foreign_flags
 from tests.serve.conftest import ROOT
 
 # The seed commands, as their authors wrote them (models and hosts aside).
@@ -74,6 +74,12 @@ def test_sglang_names_land_on_the_same_settings():
     args = cli.parse_args(["m", *shlex.split(SGLANG_KT)])
     assert (args.gpu_memory_utilization, args.max_num_batched_tokens) == (0.98, 4096)
     assert (args.max_num_seqs, args.max_model_len) == (1, 131072)
+    assert (args.num_gpu_experts, args.cpu_threads) == (0, 128)  # KTransformers' hybrid MoE
+    warned = []
+    assert foreign_flags.check(args, warned.append) is None
+    assert {"--kt-amx-method", "--kt-amx-weight-path", "--kt-threadpool-count"} < {
+        w.split(" ignored:")[0] for w in warned
+    }
     args = cli.parse_args(["--model-path", "m", "--tp-size", "2", "--dp-size", "2", "--ep-size", "4"])
     assert (args.model_flag, args.tensor_parallel_size, args.data_parallel_size) == ("m", 2, 2)
     assert args.expert_parallel_size == 4
@@ -85,7 +91,12 @@ def test_the_a100_command_starts_on_the_tiny_model(glm_dir, capsys):
     server, log = _start([glm_dir, *argv, "--no-warmup", "--host", "127.0.0.1"], capsys)
     try:
         assert "--trust-remote-code accepted" in log
-        assert "on: synchronous scheduling, memory budget 0.9 of each GPU, tp 1 ep 1 dp 1" in log
+        on = [line for line in log.splitlines() if line.startswith("jaxdsa: on: ")]
+        assert on[:3] == [  # one line per feature
+            "jaxdsa: on: synchronous scheduling",
+            "jaxdsa: on: memory budget 0.9 of each GPU",
+            "jaxdsa: on: tp 1 ep 1 dp 1",
+        ]
         assert server.context.max_model_len == 256
     finally:
         server.engine.shutdown()
@@ -110,7 +121,6 @@ def test_the_ascend_guides_command_starts_with_mtp_and_warns_for_what_it_ignores
 @pytest.mark.parametrize(
     "command, message",
     [
-        (SGLANG_KT, "--kt-cpuinfer: routed experts on the CPU (KTransformers' hybrid MoE) are not supported"),
         ("--pipeline-parallel-size 2", "--pipeline-parallel-size: pipeline parallelism is not supported"),
         ("--headless", "--headless: the server runs on one host"),
         ("--data-parallel-address 10.0.0.1", "--data-parallel-address: the server runs on one host"),
