@@ -22,7 +22,8 @@ columns (H100: 32-148 us at T = 1-512; the fused kernel stays at T = 4096, see :
 ``hc_post``: grid ``(token blocks, column blocks)``, elementwise in D:
 ``x'_j = post_j out + sum_i comb_ij x_i``, one load of each input stream's tile per program.
 
-Both run the whole math in float32 whatever the stream dtype. ``n`` must be a power of two with
+Both run the whole math in float32 whatever the stream dtype (the decode mixing dots as TF32x3
+products, float32-accurate: :func:`_dot_precision`). ``n`` must be a power of two with
 ``n * n >= 16`` (V4 ships n = 4); other shapes fall back to the reference.
 """
 
@@ -45,17 +46,44 @@ def _supported(n: int) -> bool:
     return n & (n - 1) == 0 and n * n >= _MIN_DOT
 
 
-def _dot(a, b):
+def _dot_precision(t_blocks: int, interpret: bool):
+    """The split mixing kernel's dots: at decode (one token block) three TF32 tensor-core products
+    (each operand split into a high and a low TF32 part: float32 accuracy, bf16 streams exact),
+    since Triton's IEEE float32 dot runs on the CUDA cores and took 66.8 us a launch there for a
+    1.5 MB ``fn`` (H200, V4-Flash decode at one stream; 7.7 us with TF32x3,
+    ``decode_anatomy-h200-v4flash-fp8-8l-s1{,-mhc}.md``). More token blocks keep IEEE float32 (T =
+    128 / 512: 31.8 / 80.7 us a site, ``v4_kernels-h200-hc.md``): a probe with TF32x3 there, together
+    with another change since dropped, was slower, and it has not been measured alone. The CPU
+    interpreter, which has no TF32, keeps IEEE too."""
+    if interpret or t_blocks > 1:
+        return lax.Precision.HIGHEST
+    return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
+def _dot(a, b, precision=lax.Precision.HIGHEST):
     return lax.dot_general(
         a,
         b,
         dimension_numbers=(((1,), (0,)), ((), ())),
         preferred_element_type=jnp.float32,
-        precision=lax.Precision.HIGHEST,
+        precision=precision,
     )
 
 
-def _mix(x_ref, fn_ref, rows, row_ok, k_first, steps: int, *, n: int, d: int, bt: int, bk: int):
+def _mix(
+    x_ref,
+    fn_ref,
+    rows,
+    row_ok,
+    k_first,
+    steps: int,
+    *,
+    n: int,
+    d: int,
+    bt: int,
+    bk: int,
+    precision=lax.Precision.HIGHEST,
+):
     """Mixing logits (unscaled) and sum of squares of ``rows`` over ``steps`` column tiles of the
     flattened streams from column ``k_first``: ``(pre [bt, w], post [bt, w], comb [bt, n n], ss [bt])``
     with w = max(16, n) (columns past n are 0)."""
@@ -75,9 +103,9 @@ def _mix(x_ref, fn_ref, rows, row_ok, k_first, steps: int, *, n: int, d: int, bt
             view = fn_ref.at[ks[:, None], (first + idx)[None, :]]
             return pltriton.load(view, mask=k_ok[:, None] & (idx < real)[None, :], other=0.0)
 
-        a_pre = a_pre + _dot(xt, weights(0, cols, n))
-        a_post = a_post + _dot(xt, weights(n, cols, n))
-        a_comb = a_comb + _dot(xt, weights(2 * n, ccols, n * n))
+        a_pre = a_pre + _dot(xt, weights(0, cols, n), precision)
+        a_post = a_post + _dot(xt, weights(n, cols, n), precision)
+        a_comb = a_comb + _dot(xt, weights(2 * n, ccols, n * n), precision)
         return a_pre, a_post, a_comb, ss + jnp.sum(xt * xt, axis=1)
 
     init = (
@@ -155,7 +183,7 @@ def _pre_kernel(
     lax.fori_loop(0, pl.cdiv(d, bd), collapse_step, 0)
 
 
-def _mix_split_kernel(x_ref, fn_ref, pre_ref, post_ref, comb_ref, ss_ref, *, t, n, d, steps, cfg):
+def _mix_split_kernel(x_ref, fn_ref, pre_ref, post_ref, comb_ref, ss_ref, *, t, n, d, steps, cfg, precision):
     """Program (token block, split): the mixing logits over the split's ``steps`` column tiles,
     stored as partial sums at rows ``split * t + token``."""
     bt, bk = cfg.block_t, cfg.block_k
@@ -163,7 +191,7 @@ def _mix_split_kernel(x_ref, fn_ref, pre_ref, post_ref, comb_ref, ss_ref, *, t, 
     row_ok = rows < t
     split = pl.program_id(1)
     a_pre, a_post, a_comb, ss = _mix(
-        x_ref, fn_ref, rows, row_ok, split * steps * bk, steps, n=n, d=d, bt=bt, bk=bk
+        x_ref, fn_ref, rows, row_ok, split * steps * bk, steps, n=n, d=d, bt=bt, bk=bk, precision=precision
     )
     out = split * t + rows
     cols = jnp.arange(a_pre.shape[1], dtype=jnp.int32)
@@ -272,7 +300,15 @@ def hc_pre(
     splits = pl.cdiv(pl.cdiv(n * d, cfg.block_k), steps)
     width = max(_MIN_DOT, n)
     parts = pl.pallas_call(
-        functools.partial(_mix_split_kernel, t=t, n=n, d=d, steps=steps, cfg=cfg),
+        functools.partial(
+            _mix_split_kernel,
+            t=t,
+            n=n,
+            d=d,
+            steps=steps,
+            cfg=cfg,
+            precision=_dot_precision(t_blocks, interpret),
+        ),
         out_shape=(
             jax.ShapeDtypeStruct((splits * t, width), jnp.float32),
             jax.ShapeDtypeStruct((splits * t, width), jnp.float32),

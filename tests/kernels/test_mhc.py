@@ -110,3 +110,10 @@ def test_lowers_for_cuda(target, monkeypatch):
         assert "__gpu$xla.gpu.triton" in lower_for_cuda(pre, *args, target=target)
         args = (s((t, n, d), dtype), s((t, d), dtype), s((t, n), jnp.float32), s((t, n, n), jnp.float32))
         assert "__gpu$xla.gpu.triton" in lower_for_cuda(kernel.hc_post, *args, target=target)
+
+
+def test_decode_mixing_dots_are_tf32x3_on_a_gpu_only():
+    """One token block on a GPU: TF32x3 tensor-core products; more blocks or the interpreter: IEEE."""
+    assert kernel._dot_precision(1, interpret=False) == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    assert kernel._dot_precision(2, interpret=False) == jax.lax.Precision.HIGHEST
+    assert kernel._dot_precision(1, interpret=True) == jax.lax.Precision.HIGHEST
