@@ -187,6 +187,21 @@ def test_the_readme_what_fits_table_is_the_planners():
             assert cell.endswith(f"; fp8: {fp8[0]} ({fp8[1]})"), (label, hbm, cell)
 
 
+def test_glm5_fits_where_the_readme_says_glm52_does():
+    """The README's GLM-5.x rows are GLM-5.2's; GLM-5 (the first release, every layer with a full
+    indexer) weighs within 0.5 % and gets the same verdicts on both GPU sizes, in each format."""
+    rows = _readme_rows()
+    for label, (preset, weights) in README_ROWS.items():
+        if preset != "glm52":
+            continue
+        _, stored, gpus80, gpus141 = rows[label]
+        for hbm, cell in ((79, gpus80), (140, gpus141)):
+            glm5, glm52 = _planned("glm5", weights, TP8, hbm), _planned("glm52", weights, TP8, hbm)
+            assert plan.fits(glm5, 32768) == (cell != "does not fit") == plan.fits(glm52, 32768), (label, hbm)
+            ratio = glm5["weights_gib_per_device"] / glm52["weights_gib_per_device"]
+            assert abs(ratio - 1) < 0.005, (label, ratio)
+
+
 def test_the_planners_verdict_and_the_fewest_gpus(capsys):
     int4 = ["--preset", "glm52", "--weights", "int4"]
     assert plan.main([*int4, "--tp", "8", "--ep", "8", "--hbm-gib", "79"]) == 0
