@@ -152,6 +152,13 @@ def fit_block(block: int, dim: int, *, floor: int, what: str, op: str) -> int:
     return b
 
 
+def dot_precision(dtype) -> jax.lax.Precision | None:
+    """A kernel dot's precision for operands of ``dtype``: HIGHEST for float32 (the float32 models and
+    the golden tests need float32 products, not TF32's 10-bit mantissa), the default otherwise
+    (bf16 / fp16 tensor-core products, exact for those inputs)."""
+    return jax.lax.Precision.HIGHEST if jax.numpy.dtype(dtype) == jax.numpy.float32 else None
+
+
 def tile_pad(n: int) -> int:
     """``n`` padded to a tile side: the next power of two (Triton tiles must be powers of two), at
     least 16, the smallest extent ``tl.dot`` accepts (the tensor-core MMA minimum for every dim)."""

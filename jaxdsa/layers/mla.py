@@ -182,7 +182,7 @@ class MLAttention(nnx.Module):
         if (
             isinstance(q_b, QuantizedWeight)
             and not isinstance(w_uk, QuantizedWeight)  # dense unless dp attention keeps kv_b quantized
-            and w_uk_layer is layer
+            and w_uk_layer is layer  # one index for both stacks (one scanned layer), or both unrolled
             and q_lat.shape[0] <= ops.MLA_QUERY_MAX_TOKENS
         ):
             return ops.mla_query(q_lat, q_b, w_uk, cos, sin, nope=self.nope, layer=layer)

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._triton import compiler_params, fit_block, pl, pltriton, tile_pad
+from pallas_kernels._triton import compiler_params, dot_precision, fit_block, pl, pltriton, tile_pad
 from pallas_kernels.quant import tiles
 from pallas_kernels.quant.layout import QuantizedWeight
 from pallas_kernels.quant_matmul import kernel as quant_matmul_kernel
@@ -146,7 +146,6 @@ def _query(parts, w_uk, cos, sin, layer, *, t: int, nope: int, dtype, interpret:
     block_t = 16 if t <= 16 else MAX_ROWS
     block_c = fit_block(_TILE_BYTES // jnp.dtype(dtype).itemsize, c, floor=16, what="kv_lora", op="mla_query")
     w_spec, w_operands = tiles.operands(w_uk, layer=layer)
-    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
     body = functools.partial(
         _kernel,
         splits=parts.shape[0],
@@ -158,7 +157,7 @@ def _query(parts, w_uk, cos, sin, layer, *, t: int, nope: int, dtype, interpret:
         block_c=block_c,
         w_spec=w_spec,
         dtype=dtype,
-        precision=precision,
+        precision=dot_precision(dtype),
     )
     return pl.pallas_call(
         body,

@@ -57,7 +57,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._triton import compiler_params, fit_block, pl, pltriton
+from pallas_kernels._triton import compiler_params, dot_precision, fit_block, pl, pltriton
 from pallas_kernels.moe import routing, tuning
 from pallas_kernels.quant import tiles
 from pallas_kernels.quant.decode import fp_decode
@@ -421,10 +421,6 @@ def _expert_matrix(w, layer) -> tuple[int, int]:
     return w.shape[-2], w.shape[-1]
 
 
-def _precision(dtype):
-    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
-
-
 def gate_up(
     x: jax.Array,
     bmap: routing.BlockMap | routing.SlotBlocks,
@@ -466,7 +462,7 @@ def gate_up(
             n_tiles=n_tiles,
             splits=splits,
             swiglu_limit=swiglu_limit,
-            precision=_precision(dtype),
+            precision=dot_precision(dtype),
         ),
         out_shape=jax.ShapeDtypeStruct((splits, rows, two_n), jnp.float32)
         if splits > 1
@@ -578,7 +574,7 @@ def down(
             block_n=block_n,
             block_k=block_k,
             n_tiles=n_tiles,
-            precision=_precision(act.dtype),
+            precision=dot_precision(act.dtype),
         ),
         out_shape=jax.ShapeDtypeStruct((num_slots + bm, d_model), act.dtype),
         grid=(n_blocks * n_tiles,),

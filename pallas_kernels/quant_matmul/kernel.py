@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._triton import compiler_params, pl, pltriton
+from pallas_kernels._triton import compiler_params, dot_precision, pl, pltriton
 from pallas_kernels.quant import layout, tiles
 from pallas_kernels.quant.decode import fp_decode
 from pallas_kernels.quant.decode import int4_decode as int4_mode
@@ -303,7 +303,7 @@ def _quant_matmul(
         rows, grid = m, (tiles_at[-1], config.splits)
     else:
         m_tiles = config.m_tiles(m)
-        precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+        precision = dot_precision(x.dtype)
         body = functools.partial(_kernel, block_m=config.block_m, m_total=m, precision=precision, **shared)
         rows, grid = m_tiles * config.block_m, (m_tiles, tiles_at[-1], config.splits)
     out = pl.pallas_call(
