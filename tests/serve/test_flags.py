@@ -11,7 +11,7 @@ import shlex
 import jax
 import pytest
 
-from serve import cli
+from jaxdsa.serve import cli
 from tests.serve.conftest import ROOT
 
 # The seed commands, as their authors wrote them (models and hosts aside).
