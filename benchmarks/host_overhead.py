@@ -33,7 +33,7 @@ import jax
 
 import jaxdsa
 from benchmarks import harness
-from checkpoints.tiny.make import make_tiny
+from jaxdsa.checkpoints.tiny.make import make_tiny
 from jaxdsa.engine import Engine, SamplingParams
 
 # GLM-5.2's layer pattern (an indexed layer, then three that reuse its top-k)
@@ -176,7 +176,7 @@ def main() -> None:
     lines = harness.report_header(
         "Host time per decode step",
         {
-            "models": "tiny-width GLM-5.2 (checkpoints.make_tiny preset glm52), float32",
+            "models": "tiny-width GLM-5.2 (jaxdsa.checkpoints.make_tiny preset glm52), float32",
             "workload": f"{args.batch} streams decoding, {args.steps} steps x {args.repeats} (median)",
             "scheduling": "async" if args.async_scheduling else "synchronous",
             "devices": f"{len(jax.devices())} x {jax.devices()[0].platform}, -tp {args.tensor_parallel_size}",

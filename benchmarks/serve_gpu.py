@@ -1,4 +1,4 @@
-"""Serving benchmark of a model of real widths on one GPU: `python -m serve` + `serve.bench`.
+"""Serving benchmark of a model of real widths on one GPU: `python -m serve` + `jaxdsa.serve.bench`.
 
 The model has GLM-5's real layer widths (hidden 6144, 64 heads, MLA 2048/512/192+64/256,
 indexer 32 x 128, top-2048, 256 experts top-8 x 2048, vocab 154880), GLM-5.2's (``--preset
@@ -34,9 +34,9 @@ import time
 import urllib.request
 
 from benchmarks import anatomy, harness
-from checkpoints.tokenizer_assets import write_tokenizer
 from jaxdsa import LLM, plan
 from jaxdsa.cache import KV_CACHE_DTYPES, kv_cache_format
+from jaxdsa.checkpoints.tokenizer_assets import write_tokenizer
 from jaxdsa.models.deepseek_v4.presets import RELEASED
 from jaxdsa.models.dsa.presets import RELEASED as DSA_RELEASED
 from jaxdsa.models.registry import config_from_dict, family_for
@@ -179,7 +179,7 @@ def profile_decode(url: str, model: str, directory: str, prompt: list[int], step
 
 
 def serve_and_bench(args, raw: dict, work: str, par: Parallelism, levels: list[int], scheduling: str) -> dict:
-    """Start the server (``scheduling``: async or sync), run serve.bench over ``levels`` and, with
+    """Start the server (``scheduling``: async or sync), run jaxdsa.serve.bench over ``levels`` and, with
     ``--profile-steps``, trace one stream's decode; -> rows, start-up seconds, weights per GPU,
     anatomy."""
     url = f"http://127.0.0.1:{args.port}"
@@ -231,7 +231,7 @@ def serve_and_bench(args, raw: dict, work: str, par: Parallelism, levels: list[i
         bench = [
             sys.executable,
             "-m",
-            "serve.bench",
+            "jaxdsa.serve.bench",
             "--url",
             url,
             "--concurrency",
@@ -288,7 +288,9 @@ def main(argv=None) -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument(
-        "--requests-per-stream", type=int, help="serve.bench's: requests per level = this x concurrency"
+        "--requests-per-stream",
+        type=int,
+        help="jaxdsa.serve.bench's: requests per level = this x concurrency",
     )
     p.add_argument("--concurrency", default="1,4,8,16,32")
     p.add_argument("--port", type=int, default=8123)
@@ -400,7 +402,7 @@ def _report(runs: list[dict], raw, args, ceilings: harness.Ceilings) -> None:
                 "weights per device": f"{runs[0]['weights_gib']:.2f} GiB loaded (the server's log), "
                 f"{planned / 2**30:.2f} GiB planned (jaxdsa.plan), "
                 f"{100 * (runs[0]['weights_gib'] * 2**30 / planned - 1):+.1f} %",
-                "workload": "serve.bench: "
+                "workload": "jaxdsa.serve.bench: "
                 + (
                     f"{args.requests_per_stream} requests per stream (at least 3) per level"
                     if args.requests_per_stream
@@ -428,7 +430,7 @@ def _report(runs: list[dict], raw, args, ceilings: harness.Ceilings) -> None:
         f"stored width + the cache of a {context:.0f}-token context per sequence; routed experts per MoE",
         "layer at their expected count under uniform routing, E * (1 - (1 - k/E)^batch), + the shared",
         "one) / memory ceiling;",
-        "% of roofline = roofline step time / measured mean ITL. Output tok/s is serve.bench's, as",
+        "% of roofline = roofline step time / measured mean ITL. Output tok/s is jaxdsa.serve.bench's, as",
         "measured (all output tokens over the level's wall time, prefill included).",
         "",
         harness.markdown_table(table, cols),

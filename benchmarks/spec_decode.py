@@ -37,7 +37,7 @@ import jax
 
 import jaxdsa
 from benchmarks import harness, serve_gpu
-from checkpoints.tiny.make import make_tiny
+from jaxdsa.checkpoints.tiny.make import make_tiny
 from jaxdsa.engine import Engine, SamplingParams, SpeculativeConfig
 
 RATES = (0.5, 0.7, 0.8, 0.9)

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-TINY = "glm5"  # a checkpoints.tiny.presets name
+TINY = "glm5"  # a jaxdsa.checkpoints.tiny.presets name
 
 
 def model_config(widths: str, layers: int, experts: int | None = None) -> dict:
@@ -31,7 +31,7 @@ def model_config(widths: str, layers: int, experts: int | None = None) -> dict:
     ``experts`` routed experts per layer if given (each of GLM-5's width: what one GPU holds of a
     78-layer model is a model with fewer experts, not narrower ones)."""
     if widths == "tiny":
-        from checkpoints.tiny.presets import TINY_PRESETS
+        from jaxdsa.checkpoints.tiny.presets import TINY_PRESETS
 
         raw = dict(TINY_PRESETS[TINY])
     else:

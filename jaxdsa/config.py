@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from checkpoints.quant import QuantConfig
+from jaxdsa.checkpoints.quant import QuantConfig
 
 
 class ConfigError(ValueError):

@@ -7,7 +7,7 @@ tree. ``generate`` and ``chat`` run on the serving engine: the prompts are serve
 continuous batching, chunked prefill and the paged cache, exactly as the HTTP server serves them.
 Token-id prompts give new token ids; text prompts (or a :class:`jaxdsa.SamplingParams`) and chat
 give vLLM's :class:`~jaxdsa.text.RequestOutput`, whose text is what the server would send for the
-same request (the same tokenizer, chat formats, stop strings and reply parsers, from ``serve``).
+same request (the same tokenizer, chat formats, stop strings and reply parsers, from ``jaxdsa.serve``).
 """
 
 from __future__ import annotations
@@ -249,8 +249,9 @@ class LLM:
     # -- text ----------------------------------------------------------------------------------
     @functools.cached_property
     def tokenizer(self):
-        """The checkpoint's tokenizer (``tokenizer.json``; the server's ``serve.tokenizer.Tokenizer``)."""
-        from serve.tokenizer import Tokenizer
+        """The checkpoint's tokenizer (``tokenizer.json``; the server's
+        ``jaxdsa.serve.tokenizer.Tokenizer``)."""
+        from jaxdsa.serve.tokenizer import Tokenizer
 
         return Tokenizer(self.path)
 
@@ -258,7 +259,7 @@ class LLM:
     def chat_format(self):
         """The family's chat format, as the server renders ``/v1/chat/completions`` (None when the
         checkpoint has no chat template)."""
-        from serve.chat_format import load_chat_format
+        from jaxdsa.serve.chat_format import load_chat_format
 
         tok = self.tokenizer
         return load_chat_format(self.path, self.config.model_type, tok.config, tok.special_tokens_map)
@@ -356,8 +357,8 @@ class LLM:
         ``.text`` and ``.token_ids`` and the server's ``.content``, ``.reasoning_content``,
         ``.tool_calls`` and ``.message`` (append it to continue the conversation)."""
         try:
-            from serve.output import parser_markers, reply_parser
-            from serve.protocol import ChatCompletionRequest
+            from jaxdsa.serve.output import parser_markers, reply_parser
+            from jaxdsa.serve.protocol import ChatCompletionRequest
         except ImportError as e:  # pydantic: the server's message checks
             raise ImportError(f"LLM.chat checks messages as the server does and needs {e.name}") from e
         if self.chat_format is None:
@@ -401,7 +402,7 @@ class LLM:
     ) -> list[text.RequestOutput]:
         """Serve (text, ids) prompts; ``parsing``: per prompt, the markers its reply parser needs
         kept in the text and a maker of that parser (chat)."""
-        from serve.output import ReplyDelta, text_output
+        from jaxdsa.serve.output import ReplyDelta, text_output
 
         per_prompt = (
             list(sampling_params)

@@ -16,10 +16,10 @@ from typing import Any
 import jax
 from flax import nnx
 
-from checkpoints import walker
-from checkpoints.safetensors_io import CheckpointReader
 from jaxdsa import offload, shared_experts
 from jaxdsa import quantization as quant
+from jaxdsa.checkpoints import walker
+from jaxdsa.checkpoints.safetensors_io import CheckpointReader
 from jaxdsa.models import family as families
 from jaxdsa.models.family import ModelFamily
 from jaxdsa.models.registry import family_for, load_config

@@ -44,9 +44,9 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from checkpoints.quant import QuantConfig, WeightFormat, fp4_format, weight_format
-from checkpoints.spec import ExpertDown, ExpertGateUp, Leaf, Linear, Spec, Stacked
 from jaxdsa import quantized_weight
+from jaxdsa.checkpoints.quant import QuantConfig, WeightFormat, fp4_format, weight_format
+from jaxdsa.checkpoints.spec import ExpertDown, ExpertGateUp, Leaf, Linear, Spec, Stacked
 from jaxdsa.layers.linear import Linear as LinearLayer
 from jaxdsa.layers.mlp import Experts
 from jaxdsa.layers.params import axes_of

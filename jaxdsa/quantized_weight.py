@@ -3,8 +3,9 @@ that jaxdsa's layers and loaders use, re-exported so that they import no kernel 
 
 The format itself (the :class:`QuantizedWeight` pytree, its packers and the layouts of INT4 / FP8 /
 FP4 codes and scales) lives beside the kernels that read it, in :mod:`pallas_kernels.quant`;
-``checkpoints`` (which jaxdsa imports, never the reverse) builds weights from there. Within jaxdsa
-only these modules import ``pallas_kernels``: :mod:`jaxdsa.ops`, this module, :mod:`jaxdsa.cache`
+:mod:`jaxdsa.checkpoints` (which imports no jaxdsa module but :mod:`jaxdsa.progress`) builds
+weights from there. Within jaxdsa only these modules import ``pallas_kernels``: the checkpoint walker
+(:mod:`jaxdsa.checkpoints.walker`), :mod:`jaxdsa.ops`, this module, :mod:`jaxdsa.cache`
 (the FP8 cache formats), and the host-offloaded experts, :mod:`jaxdsa.offload.cpu_moe` (the
 kernels' packed layouts, read in place) and :mod:`jaxdsa.offload.host_experts` (the pure-JAX
 reference :func:`pallas_kernels.moe.ref.moe_experts`, run on the CPU). The layers reach the kernels

@@ -13,7 +13,7 @@ common all-reduce already.
 :func:`fuse_shared_experts` works on the abstract model and its parameter spec, before anything is
 read (:func:`jaxdsa.loading.load_model`): each module with ``experts`` and ``shared`` whose shared
 expert can join grows its expert stacks by one, its spec names the shared expert's tensors for the
-last position (``shared`` of :class:`checkpoints.spec.ExpertGateUp`) and the separate MLP is gone.
+last position (``shared`` of :class:`jaxdsa.checkpoints.spec.ExpertGateUp`) and the separate MLP is gone.
 A shared expert joins when it has the routed experts' width, clamp, dtype and stored format (a
 checkpoint that keeps it in another format, as DeepSeek-V4-Flash's FP8 beside FP4 experts, keeps
 it apart: repacking it would change its values), and when the experts are not split over devices
@@ -29,8 +29,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from checkpoints.quant import WeightFormat
-from checkpoints.spec import Spec, Stacked
+from jaxdsa.checkpoints.quant import WeightFormat
+from jaxdsa.checkpoints.spec import Spec, Stacked
 from jaxdsa.layers.mlp import MLP, Experts
 from jaxdsa.layers.params import axes_of
 

@@ -8,9 +8,9 @@ vLLM's ``LLM.generate`` returns. Sampling left unset takes the checkpoint's
 
 The server maps its requests through the same code (:func:`engine_sampling`,
 :func:`choice_sampling`), and the text itself (detokenizing, stop strings, chat formats, reasoning
-and tool-call parsing) comes from ``serve``'s FastAPI-free modules (``serve.tokenizer``,
-``serve.chat_format``, ``serve.output``, ...), which :mod:`jaxdsa.llm` imports when text is first
-used: ``import jaxdsa`` itself imports neither ``serve`` nor FastAPI.
+and tool-call parsing) comes from ``jaxdsa.serve``'s FastAPI-free modules (``jaxdsa.serve.tokenizer``,
+``jaxdsa.serve.chat_format``, ``jaxdsa.serve.output``, ...), which :mod:`jaxdsa.llm` imports when text
+is first used: ``import jaxdsa`` itself imports neither ``jaxdsa.serve`` nor FastAPI.
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""OpenAI-compatible serving for jaxdsa models."""
+"""The ``python -m serve`` alias of :mod:`jaxdsa.serve` (the server itself lives there)."""

@@ -1,5 +1,5 @@
-"""``python -m serve``: see :mod:`serve.cli`."""
+"""``python -m serve``: the same command line as ``python -m jaxdsa.serve`` (:mod:`jaxdsa.serve.cli`)."""
 
-from serve.cli import main
+from jaxdsa.serve.cli import main
 
 main()

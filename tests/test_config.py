@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from checkpoints.tiny.presets import TINY_PRESETS
+from jaxdsa.checkpoints.tiny.presets import TINY_PRESETS
 from jaxdsa.config import ConfigError, yarn_attention_factor
 from jaxdsa.models.registry import config_from_dict, load_config, tiny_config
 

@@ -62,7 +62,7 @@ class Router(nnx.Module):
         scaling: float,
         rngs: nnx.Rngs,
     ):
-        # [E, D] as HF stores it: decode logits are row reductions (checkpoints.spec.as_stored)
+        # [E, D] as HF stores it: decode logits are row reductions (jaxdsa.checkpoints.spec.as_stored)
         self.weight = normal(rngs, (experts, hidden), hidden, jnp.float32, ("router_experts", "embed"))
         self.bias = zeros((experts,), jnp.float32, ("router_experts",))
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group

@@ -15,10 +15,10 @@ from typing import Any, Protocol
 import jax
 from flax import nnx
 
-from checkpoints.quant import QuantConfig
-from checkpoints.spec import Spec
 from jaxdsa import sharding
 from jaxdsa.cache import Cache, CacheSpec, StepMeta
+from jaxdsa.checkpoints.quant import QuantConfig
+from jaxdsa.checkpoints.spec import Spec
 from jaxdsa.layers.params import axes_of
 from jaxdsa.sharding import Axes, Parallelism
 

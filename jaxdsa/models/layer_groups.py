@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from checkpoints.spec import Leaf, Spec, Stacked
+from jaxdsa.checkpoints.spec import Leaf, Spec, Stacked
 from jaxdsa.layers.stacks import LayerSlice
 
 

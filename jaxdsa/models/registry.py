@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from checkpoints.tiny.presets import TINY_PRESETS
+from jaxdsa.checkpoints.tiny.presets import TINY_PRESETS
 from jaxdsa.config import ConfigError, read_config_json
 from jaxdsa.models.deepseek_v4.family import FAMILY as DEEPSEEK_V4
 from jaxdsa.models.deepseek_v4.presets import RELEASED as V4_RELEASED

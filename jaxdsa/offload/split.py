@@ -4,7 +4,7 @@ Two steps around the loader's own (:func:`jaxdsa.loading.load_model`):
 
 1. :func:`plan`, on the abstract model: every :class:`~jaxdsa.layers.mlp.Experts` stack shrinks to the
    experts the placement keeps on the GPUs, its parameter spec names only those (``ids`` of
-   :class:`checkpoints.spec.ExpertGateUp`), and the host side gets specs and targets of its own:
+   :class:`jaxdsa.checkpoints.spec.ExpertGateUp`), and the host side gets specs and targets of its own:
    the other experts, in the same format, on JAX's CPU device.
 2. :func:`attach`, on the loaded model: each such module gets its :class:`HostExperts` (read by the
    same walker, from the same files, or drawn as dummy weights) and its routing-slot table.
@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from checkpoints.quant import WeightFormat
-from checkpoints.spec import Spec, Stacked
 from jaxdsa import quantization as quant
+from jaxdsa.checkpoints.quant import WeightFormat
+from jaxdsa.checkpoints.spec import Spec, Stacked
 from jaxdsa.layers.mlp import Experts, ExpertSlots
 from jaxdsa.layers.params import axes_of
 from jaxdsa.offload.placement import ExpertPlacement, slot_table

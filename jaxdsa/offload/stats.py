@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from checkpoints.spec import Stacked
 from jaxdsa import sharding
+from jaxdsa.checkpoints.spec import Stacked
 from jaxdsa.layers.mlp import Experts
 
 

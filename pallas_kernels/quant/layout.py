@@ -216,7 +216,7 @@ def pack_fp8(q, scale, *, block: tuple[int, int]) -> QuantizedWeight:
 def pack_fp4(codes, scale, *, kpack: int | None = None) -> QuantizedWeight:
     """DeepSeek-V4 FP4 in HF orientation -> the kernels' layout.
 
-    ``codes [..., N, K]`` e2m1 codes (0..15, e.g. from ``checkpoints.quant.unpack_fp4``);
+    ``codes [..., N, K]`` e2m1 codes (0..15, e.g. from ``jaxdsa.checkpoints.quant.unpack_fp4``);
     ``scale [..., N, K/32]`` float8_e8m0fnu.
     """
     xp = _xp(codes)

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from checkpoints.safetensors_io import CheckpointReader
 from jaxdsa import plan
+from jaxdsa.checkpoints.safetensors_io import CheckpointReader
 from jaxdsa.loading import load_model
 from jaxdsa.sharding import Parallelism
 from tests.conftest import FIXTURES

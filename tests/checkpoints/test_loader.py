@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from checkpoints import CheckpointError
-from checkpoints.safetensors_io import CheckpointReader
-from checkpoints.tiny.make import make_tiny
+from jaxdsa.checkpoints import CheckpointError
+from jaxdsa.checkpoints.safetensors_io import CheckpointReader
+from jaxdsa.checkpoints.tiny.make import make_tiny
 from jaxdsa.config import ConfigError
 from jaxdsa.loading import load_model
 from pallas_kernels.quant.layout import QuantizedWeight, dequantize

@@ -15,9 +15,9 @@ import pytest
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from checkpoints.tiny.cli import main
-from checkpoints.tiny.make import make_tiny
-from checkpoints.tiny.presets import TINY_PRESETS
+from jaxdsa.checkpoints.tiny.cli import main
+from jaxdsa.checkpoints.tiny.make import make_tiny
+from jaxdsa.checkpoints.tiny.presets import TINY_PRESETS
 from jaxdsa.models.registry import load_config
 
 FAMILY = {"glm5": "glm_moe_dsa", "glm52": "glm_moe_dsa", "dsv32": "deepseek_v32"}

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import pytest
 from safetensors import safe_open
 
-from checkpoints.tiny.cli import main
-from checkpoints.tiny.make import make_tiny
+from jaxdsa.checkpoints.tiny.cli import main
+from jaxdsa.checkpoints.tiny.make import make_tiny
 from jaxdsa.loading import load_model
 from jaxdsa.models.deepseek_v4.config import CSA, HCA, SWA
 

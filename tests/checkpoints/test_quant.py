@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from checkpoints.quant import (
+from jaxdsa.checkpoints.quant import (
     decode_e2m1,
     decode_e4m3,
     decode_e8m0,

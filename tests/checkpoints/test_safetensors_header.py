@@ -7,8 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from checkpoints import CheckpointError
-from checkpoints.safetensors_io import SafetensorsFile
+from jaxdsa.checkpoints import CheckpointError
+from jaxdsa.checkpoints.safetensors_io import SafetensorsFile
 
 
 def write(path, header, data: bytes) -> str:

@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from checkpoints.errors import CheckpointError
-from checkpoints.safetensors_io import CheckpointReader
+from jaxdsa.checkpoints.errors import CheckpointError
+from jaxdsa.checkpoints.safetensors_io import CheckpointReader
 from jaxdsa.loading import load_model
 from jaxdsa.models.deepseek_v4.params import release_name, tensor_name
 from pallas_kernels.quant.layout import QuantizedWeight, dequantize

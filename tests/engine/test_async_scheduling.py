@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxdsa
-from checkpoints.tiny.make import make_tiny
+from jaxdsa.checkpoints.tiny.make import make_tiny
 from jaxdsa.engine import Engine, FinishReason, SamplingParams
 from jaxdsa.engine.request import Request, Status
 from jaxdsa.engine.scheduler import Scheduler

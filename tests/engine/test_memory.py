@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import jaxdsa
-from checkpoints import walker
+from jaxdsa.checkpoints import walker
 from jaxdsa.engine import memory
 from jaxdsa.engine.engine import CacheLayout
 from tests.conftest import FIXTURES

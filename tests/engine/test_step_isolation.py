@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxdsa
-from checkpoints.tiny.make import make_tiny
+from jaxdsa.checkpoints.tiny.make import make_tiny
 from jaxdsa.engine import Engine, EngineConfig, FinishReason, SamplingParams
 from jaxdsa.engine.isolation import Quarantine
 from jaxdsa.engine.request import Request, Status

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxdsa
-from checkpoints.tiny.make import make_tiny
+from jaxdsa.checkpoints.tiny.make import make_tiny
 from jaxdsa.engine import Engine, EngineConfig, SamplingParams
 
 LOWERING = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # jax._src.dispatch.JAXPR_TO_MLIR_MODULE_EVENT

@@ -3,7 +3,7 @@
 Fresh random codes, scales and zero points per case; routings from one token to 2048, 8 to 256
 experts, skewed (uneven groups, empty experts, experts over several blocks) and with dropped ids.
 The reference dequantizes the experts by their formats' definitions (already held to
-``checkpoints.quant`` in test_quant_matmul.py) and runs the grouped GEMMs in XLA.
+``jaxdsa.checkpoints.quant`` in test_quant_matmul.py) and runs the grouped GEMMs in XLA.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Quantized weights: the layout's packers and dequantizer, the in-kernel decoders, and the
 ``quant_matmul`` kernels (tensor-core and GEMV) vs their reference (CPU, interpret mode) on fresh
 random codes, scales and zero points. The decoders and the dequantizer are held to the NumPy format
-decoders of ``checkpoints.quant`` (written from the formats' bit layouts) bit for bit.
+decoders of ``jaxdsa.checkpoints.quant`` (written from the formats' bit layouts) bit for bit.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from checkpoints import quant as formats
 from jaxdsa import ops
+from jaxdsa.checkpoints import quant as formats
 from pallas_kernels._triton import compute_capability
 from pallas_kernels.quant import decode, layout
 from pallas_kernels.quant_matmul import kernel, ref, tuning
@@ -131,7 +131,8 @@ def test_decode_switch(monkeypatch):
     ids=["int4-asym-g32", "int4-sym-g128-E3", "int4-f16-K96", "fp8-576x320-nan", "fp8-e8m0-E2", "fp4-E2"],
 )
 def test_dequantize_is_the_format_definition(make):
-    """NumPy- and jnp-packed leaves agree, and dequantize() reproduces checkpoints.quant bit for bit."""
+    """NumPy- and jnp-packed leaves agree, and dequantize() reproduces jaxdsa.checkpoints.quant bit for
+    bit."""
     w, want = make(np.random.default_rng(0))
     wj = _device(w)
     assert w.shape == want.shape
@@ -140,8 +141,8 @@ def test_dequantize_is_the_format_definition(make):
 
 
 def test_from_checkpoint_tensors():
-    """The loader's path: compressed-tensors int32 words -> checkpoints.quant.int4_values ->
-    layout.pack_int4 dequantizes exactly as checkpoints.quant.dequantize_int4_packed."""
+    """The loader's path: compressed-tensors int32 words -> jaxdsa.checkpoints.quant.int4_values ->
+    layout.pack_int4 dequantizes exactly as jaxdsa.checkpoints.quant.dequantize_int4_packed."""
     rng = np.random.default_rng(6)
     n, k, g = 40, 256, 128
     q, zp = rng.integers(-8, 8, size=(n, k)), rng.integers(-8, 8, size=(n, k // g))

@@ -1,8 +1,8 @@
 import pytest
 
 import jaxdsa
-from checkpoints.tiny.make import make_tiny
 from jaxdsa import ops
+from jaxdsa.checkpoints.tiny.make import make_tiny
 
 FAMILIES = {
     "glm5": ("glm_moe_dsa", "glm5"),
@@ -13,7 +13,7 @@ FAMILIES = {
 
 @pytest.fixture(scope="session")
 def tiny_llms(tmp_path_factory):
-    """Float32 LLMs over random tiny checkpoints written by checkpoints.make_tiny (one per preset)."""
+    """Float32 LLMs over random tiny checkpoints written by jaxdsa.checkpoints.make_tiny (one per preset)."""
     llms = {}
     for name, (family, preset) in FAMILIES.items():
         path = make_tiny(family, str(tmp_path_factory.mktemp(name)), seed=7, preset=preset)

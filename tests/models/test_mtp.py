@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import jaxdsa
-from checkpoints.safetensors_io import CheckpointReader
 from jaxdsa.cache import StepMeta, init_cache
+from jaxdsa.checkpoints.safetensors_io import CheckpointReader
 from tests.conftest import FIXTURES
 
 

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import jaxdsa
-from checkpoints.spec import ExpertDown, ExpertGateUp
+from jaxdsa.checkpoints.spec import ExpertDown, ExpertGateUp
 from jaxdsa.layers.mlp import MLP, Experts
 from pallas_kernels.quant.layout import QuantizedWeight
 from tests.conftest import FIXTURES

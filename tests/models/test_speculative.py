@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import jaxdsa
-from checkpoints.tiny.make import make_tiny
+from jaxdsa.checkpoints.tiny.make import make_tiny
 from jaxdsa.engine import FinishReason, SamplingParams
 
 PAGE, MAX_LEN = 8, 48

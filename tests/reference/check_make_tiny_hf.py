@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Check that Hugging Face transformers reads what ``checkpoints/make_tiny.py`` writes (not part of CI).
+"""Check that Hugging Face transformers reads what ``jaxdsa/checkpoints/make_tiny.py`` writes (not part of
+CI).
 
     <venv>/bin/python tests/reference/check_make_tiny_hf.py [--maker-python .venv/bin/python]
 
@@ -17,7 +18,7 @@ shards:
 3. a forward pass on a chat prompt gives finite logits of order 1 and greedy generation runs;
 4. ``AutoTokenizer.from_pretrained`` gives a 512-token tokenizer whose special tokens are single ids,
    that round-trips mixed text, and whose ``apply_chat_template`` renders exactly what our renderer,
-   the docs/models.md §6.1 / §6.3 examples and (DeepSeek) ``serve.deepseek_encoding`` produce.
+   the docs/models.md §6.1 / §6.3 examples and (DeepSeek) ``jaxdsa.serve.deepseek_encoding`` produce.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from transformers.utils import logging as hf_logging
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from checkpoints import tokenizer_assets  # noqa: E402  (tokenizers + jinja2 only)
-from serve import deepseek_encoding  # noqa: E402  (stdlib only)
+from jaxdsa.checkpoints import tokenizer_assets  # noqa: E402  (tokenizers + jinja2 only)
+from jaxdsa.serve import deepseek_encoding  # noqa: E402  (stdlib only)
 
 CASES = [  # (family, preset, dtype, shards)
     ("glm_moe_dsa", "glm5", "float32", 1),
@@ -248,7 +249,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for family, preset, dtype, shards in CASES:
             ckpt = pathlib.Path(tmp) / f"{preset}-{dtype}-{shards}"
-            cmd = [args.maker_python, "-m", "checkpoints.make_tiny", "--family", family, "--out", str(ckpt)]
+            cmd = [
+                args.maker_python,
+                "-m",
+                "jaxdsa.checkpoints.make_tiny",
+                "--family",
+                family,
+                "--out",
+                str(ckpt),
+            ]
             cmd += ["--preset", preset, "--dtype", dtype, "--shards", str(shards), "--seed", "0"]
             subprocess.run(
                 cmd, cwd=REPO, check=True, capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}

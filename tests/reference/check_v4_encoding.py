@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Compare ``serve.deepseek_v4_encoding`` with DeepSeek's own renderer (not part of CI).
+"""Compare ``jaxdsa.serve.deepseek_v4_encoding`` with DeepSeek's own renderer (not part of CI).
 
     pip install deepseek-recipe     # DeepSeek's reference encoder (Rust, abi3 wheels), into any venv
     <venv>/bin/python tests/reference/check_v4_encoding.py
 
 deepseek-recipe 0.2.0 renders a later V4 release than the ``encoding_dsv4.py`` rules we follow, so
 its effort tiers are mapped (our "max" paragraph is its "high", our none its "low") and the known
-differences are expected, not failures (``serve/deepseek_v4_encoding.py`` lists them): in chat mode
+differences are expected, not failures (``jaxdsa/serve/deepseek_v4_encoding.py`` lists them): in chat mode
 with tools it keeps older reasoning, and with tools it opens a reasoning-less older assistant turn
 with ``</think>``. Every other conversation must render byte for byte the same. Needs only the
 standard library besides deepseek_recipe (our encoder imports nothing else).
@@ -22,7 +22,7 @@ import sys
 import deepseek_recipe as dr
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-from serve.deepseek_v4_encoding import encode_messages  # noqa: E402
+from jaxdsa.serve.deepseek_v4_encoding import encode_messages  # noqa: E402
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
 TOOLS = [

@@ -8,9 +8,9 @@ compressed-tensors (README.md here sets it up):
 
 For every fixture this script
 
-1. builds the tiny HF model (``TINY_PRESETS`` from ``checkpoints/tiny/presets.py``, read by file path so the
-   jaxdsa package and JAX are never imported) in float32 with deterministic random weights whose scale
-   makes logits far from uniform;
+1. builds the tiny HF model (``TINY_PRESETS`` from ``jaxdsa/checkpoints/tiny/presets.py``, read by file
+   path so the jaxdsa package and JAX are never imported) in float32 with deterministic random weights
+   whose scale makes logits far from uniform;
 2. runs HF's own forward passes (eager attention) on a short prompt (T <= index_topk: dense), a long
    prompt (T = 40 > index_topk: sparse) and HF ``generate`` (greedy, KV cache, 16 new tokens);
 3. checks, through forward hooks on every indexer and router, that nothing sits on a tie: greedy margins,
@@ -236,8 +236,8 @@ FIXTURE_SPECS: list[dict[str, Any]] = [
 
 
 def load_presets():
-    """checkpoints/tiny/presets.py (stdlib-only) without importing the jaxdsa package (no JAX here)."""
-    path = ROOT / "checkpoints" / "tiny" / "presets.py"
+    """jaxdsa/checkpoints/tiny/presets.py (stdlib-only) without importing the jaxdsa package (no JAX here)."""
+    path = ROOT / "jaxdsa" / "checkpoints" / "tiny" / "presets.py"
     spec = importlib.util.spec_from_file_location("_jaxdsa_config", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses need the module registered

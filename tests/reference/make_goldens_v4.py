@@ -9,7 +9,7 @@ compressed-tensors (README.md here sets it up):
 For every fixture this script
 
 1. builds ``DeepseekV4ForCausalLM`` (eager, float32) from the tiny HF-form preset in
-   ``checkpoints/tiny/presets.py`` (read by path: no JAX here) and randomizes every
+   ``jaxdsa/checkpoints/tiny/presets.py`` (read by path: no JAX here) and randomizes every
    parameter, including those HF initializes to 0 / 1 (sinks, ``ape``, HC base and scale, norm
    weights, router bias), and draws ``tid2eid`` as distinct random experts per token;
 2. runs HF's uncached forward on prompts shorter than the window, longer than it, and crossing many
@@ -131,8 +131,8 @@ FIXTURE_SPECS: list[dict[str, Any]] = [
 
 
 def load_presets():
-    """checkpoints/tiny/presets.py (stdlib only), without importing jaxdsa."""
-    path = ROOT / "checkpoints" / "tiny" / "presets.py"
+    """jaxdsa/checkpoints/tiny/presets.py (stdlib only), without importing jaxdsa."""
+    path = ROOT / "jaxdsa" / "checkpoints" / "tiny" / "presets.py"
     spec = importlib.util.spec_from_file_location("_dsv4_presets", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
@@ -901,7 +901,7 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
         f"{transformers.__version__} and torch {torch.__version__} on CPU, float32, eager attention.",
         "Do not edit by hand.",
         "",
-        "Model: the `dsv4` preset of `checkpoints/tiny/presets.py`: "
+        "Model: the `dsv4` preset of `jaxdsa/checkpoints/tiny/presets.py`: "
         f"{preset['num_hidden_layers']} layers {preset['layer_types']} (CSA ratio 4 with overlap and "
         f"indexer, HCA ratio 8), mlp {preset['mlp_layer_types']}, window {preset['sliding_window']}, hidden "
         "32, 4 heads of 32 (rope 8), q_lora 40, 2 output groups of rank 16, 16 indexer heads of 16, "

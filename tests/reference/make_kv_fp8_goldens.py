@@ -1063,6 +1063,40 @@ def start_run(fixture_names: list[str]) -> argparse.Namespace:
     return args
 
 
+def log_checks(log, r: dict[str, Any], kinds: tuple[str, ...], width: int, logits: tuple[str, ...]) -> None:
+    """The log lines of one fixture's checks that both KV-FP8 scripts print (this one and
+    make_kv_fp8_goldens_v4.py): per row kind (``kinds``, names padded to ``width``) the nearest
+    rounding boundary, the jitter runs, each read-back alone, and the ``logits`` entries and greedy
+    tokens against golden.npz."""
+    a = r["arrays"]
+    for kind in kinds:
+        v, where = r["where"][kind]
+        w, where_w = r["where_row"][kind]
+        log(
+            f"  {kind:{width}s} min dist rel to value {fmt(v)} at {where}; {r['below'][kind]} of "
+            f"{r['count'][kind]} < {FLIP_WARN}"
+            + ("" if kind.endswith("_scale") else f"; rel to row max {fmt(w)} at {where_w}")
+        )
+    log(
+        "  jitter "
+        + "; ".join(
+            f"{amp}: rel {fmt(v)}, {n} tokens equal, flips {f}" for amp, (v, n, f) in r["jitter"].items()
+        )
+    )
+    log(
+        "  each read-back alone, logits_long vs golden.npz: "
+        + json.dumps({k: float(fmt(v)) for k, v in r["alone"].items()})
+    )
+    log(
+        "  vs golden.npz (max / mean rel): "
+        + ", ".join(
+            f"{k} {fmt(a[f'vs_golden_{k}_max_rel'])} / {fmt(a[f'vs_golden_{k}_mean_rel'])}" for k in logits
+        )
+        + f"; greedy tokens equal {int(a['vs_golden_greedy_same_tokens'])} / "
+        f"{len(a['greedy_tokens'])} (first diff {int(a['vs_golden_greedy_first_diff'])})"
+    )
+
+
 def main() -> None:
     args = start_run(FIXTURE_NAMES)
     log = lambda s: print(s, flush=True)  # noqa: E731
@@ -1085,35 +1119,7 @@ def main() -> None:
                 f"{fmt(a['router_min_expert_gap'])} / {fmt(a['router_min_group_gap'])}  "
                 f"cache vs recompute {fmt(a['cache_vs_recompute_rel'])}"
             )
-            for kind in Recorder.KINDS:
-                v, where = r["where"][kind]
-                w, where_w = r["where_row"][kind]
-                log(
-                    f"  {kind:12s} min dist rel to value {fmt(v)} at {where}; {r['below'][kind]} of "
-                    f"{r['count'][kind]} < {FLIP_WARN}"
-                    + ("" if kind.endswith("_scale") else f"; rel to row max {fmt(w)} at {where_w}")
-                )
-            log(
-                "  jitter "
-                + "; ".join(
-                    f"{amp}: rel {fmt(v)}, {n} tokens equal, flips {f}"
-                    for amp, (v, n, f) in r["jitter"].items()
-                )
-            )
-            log(
-                "  each read-back alone, logits_long vs golden.npz: "
-                + json.dumps({k: float(fmt(v)) for k, v in r["alone"].items()})
-            )
-            log(
-                "  vs golden.npz (max / mean rel): "
-                + ", ".join(
-                    f"{k} {fmt(a[f'vs_golden_{k}_max_rel'])} / {fmt(a[f'vs_golden_{k}_mean_rel'])}"
-                    for k in ("logits_short", "logits_long", "greedy_logits")
-                )
-                + f"; greedy tokens equal {int(a['vs_golden_greedy_same_tokens'])} / "
-                f"{len(a['greedy_tokens'])}"
-                f" (first diff {int(a['vs_golden_greedy_first_diff'])})"
-            )
+            log_checks(log, r, Recorder.KINDS, 12, ("logits_short", "logits_long", "greedy_logits"))
             results.append(r)
     if not args.only and args.out == FIXTURES:
         write_readme_section(readme_section(results, st), FIXTURES / "README.md")

@@ -89,6 +89,7 @@ from make_kv_fp8_goldens import (
     fmt,
     hadamard,
     jitter,
+    log_checks,
     margins,
     max_rel,
     pow2_ceil,
@@ -933,34 +934,7 @@ def main() -> None:
             )
             for w in r["warnings"]:
                 log(f"  WARNING {w}")
-            for kind in RecorderV4.KINDS:
-                v, where = r["where"][kind]
-                w, where_w = r["where_row"][kind]
-                log(
-                    f"  {kind:16s} min dist rel to value {fmt(v)} at {where}; {r['below'][kind]} of "
-                    f"{r['count'][kind]} < {FLIP_WARN}"
-                    + ("" if kind.endswith("_scale") else f"; rel to row max {fmt(w)} at {where_w}")
-                )
-            log(
-                "  jitter "
-                + "; ".join(
-                    f"{amp}: rel {fmt(v)}, {n} tokens equal, flips {f}"
-                    for amp, (v, n, f) in r["jitter"].items()
-                )
-            )
-            log(
-                "  each read-back alone, logits_long vs golden.npz: "
-                + json.dumps({k: float(fmt(v)) for k, v in r["alone"].items()})
-            )
-            log(
-                "  vs golden.npz (max / mean rel): "
-                + ", ".join(
-                    f"{k} {fmt(a[f'vs_golden_{k}_max_rel'])} / {fmt(a[f'vs_golden_{k}_mean_rel'])}"
-                    for k in LOGITS
-                )
-                + f"; greedy tokens equal {int(a['vs_golden_greedy_same_tokens'])} / "
-                f"{len(a['greedy_tokens'])} (first diff {int(a['vs_golden_greedy_first_diff'])})"
-            )
+            log_checks(log, r, RecorderV4.KINDS, 16, LOGITS)
             results.append(r)
     if not args.only and args.out == FIXTURES:
         write_readme_section(

@@ -18,7 +18,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from checkpoints.tiny.make import make_tiny
+from jaxdsa.checkpoints.tiny.make import make_tiny
 from jaxdsa.engine import (
     AsyncEngine,
     Engine,
@@ -28,7 +28,7 @@ from jaxdsa.engine import (
     SamplingParams,
     TokenLogprobs,
 )
-from serve.cli import Server, bind, build, parse_args
+from jaxdsa.serve.cli import Server, bind, build, parse_args
 
 ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 

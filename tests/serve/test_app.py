@@ -11,11 +11,11 @@ import openai
 import pytest
 
 from jaxdsa.engine import EngineDeadError
-from serve import deepseek_v4_encoding as v4_encoding
-from serve.app import ServingContext, create_app
-from serve.chat_format import load_chat_format
-from serve.deepseek_encoding import render_tool_calls
-from serve.tokenizer import Tokenizer
+from jaxdsa.serve import deepseek_v4_encoding as v4_encoding
+from jaxdsa.serve.app import ServingContext, create_app
+from jaxdsa.serve.chat_format import load_chat_format
+from jaxdsa.serve.deepseek_encoding import render_tool_calls
+from jaxdsa.serve.tokenizer import Tokenizer
 from tests.serve.conftest import ScriptedEngine, scripted_logprobs, serving, wait_until
 
 OBSERVATION = 501  # GLM's <|observation|>: ends an assistant turn that handed over to tools

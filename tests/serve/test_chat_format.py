@@ -6,10 +6,10 @@ import os
 
 import pytest
 
-from checkpoints import tokenizer_assets
-from serve.chat_format import ChatTemplateError, DeepSeekChatFormat, JinjaChatFormat, load_chat_format
-from serve.deepseek_encoding import encode_messages
-from serve.tokenizer import Tokenizer
+from jaxdsa.checkpoints import tokenizer_assets
+from jaxdsa.serve.chat_format import ChatTemplateError, DeepSeekChatFormat, JinjaChatFormat, load_chat_format
+from jaxdsa.serve.deepseek_encoding import encode_messages
+from jaxdsa.serve.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 

@@ -14,9 +14,9 @@ import jinja2
 import jinja2.sandbox
 import pytest
 
-from checkpoints import tokenizer_assets as ta
-from serve.chat_format import DeepSeekV4ChatFormat
-from serve.deepseek_encoding import encode_messages, parse_completion
+from jaxdsa.checkpoints import tokenizer_assets as ta
+from jaxdsa.serve.chat_format import DeepSeekV4ChatFormat
+from jaxdsa.serve.deepseek_encoding import encode_messages, parse_completion
 from tests.serve.conftest import TOOLS
 
 MIXED = "Héllo wörld! 你好，世界。こんにちは 안녕 🙂🚀👍🏽 𝔘𝔫𝔦 def f(x):\n\treturn x ** 2  # Ångström ½ €"
@@ -314,7 +314,7 @@ def test_deepseek_template_refuses_tools():
         ta.render_chat_template(ta.DEEPSEEK_CHAT_TEMPLATE, TWO_TURNS, tools=TOOLS)
 
 
-# ---- DeepSeek-V4 template (tool-less conversations; the server uses serve.deepseek_v4_encoding) ----
+# ---- DeepSeek-V4 template (tool-less conversations; the server uses jaxdsa.serve.deepseek_v4_encoding) ----
 
 V4_CONVERSATIONS = CONVERSATIONS + [
     [

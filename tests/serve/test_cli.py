@@ -17,7 +17,7 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from jaxdsa.engine.engine import enable_compilation_cache
-from serve import cli
+from jaxdsa.serve import cli
 from tests.serve.conftest import ROOT, wait_ready
 
 LOCAL = ["--host", "127.0.0.1", "--port", "0"]

@@ -3,7 +3,7 @@
 Expected prompts are written out by hand from the rules of DeepSeek's ``encoding_dsv4.py``. The
 thinking-mode tool-call and tool-result prompts below are also what DeepSeek's ``deepseek-recipe``
 0.2.0 renders for the same conversations, but for the zero-argument invoke (one newline there);
-its chat-mode prompt with tools differs (see ``serve.deepseek_v4_encoding``'s unverified notes).
+its chat-mode prompt with tools differs (see ``jaxdsa.serve.deepseek_v4_encoding``'s unverified notes).
 Checked once by hand; deepseek-recipe is not a test dependency.
 """
 
@@ -13,8 +13,8 @@ import json
 
 import pytest
 
-from serve.chat_format import ChatTemplateError, DeepSeekV4ChatFormat, load_chat_format
-from serve.deepseek_v4_encoding import (
+from jaxdsa.serve.chat_format import ChatTemplateError, DeepSeekV4ChatFormat, load_chat_format
+from jaxdsa.serve.deepseek_v4_encoding import (
     REASONING_EFFORT_MAX,
     encode_messages,
     parse_completion,

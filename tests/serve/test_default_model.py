@@ -1,4 +1,4 @@
-"""The bundled default model (``serve.default_model``): written once with a long enough context,
+"""The bundled default model (``jaxdsa.serve.default_model``): written once with a long enough context,
 reused while its stamp is current, rewritten when it is not (an older jaxdsa's 256-token model, a
 foreign or damaged directory)."""
 
@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-from serve import default_model
+from jaxdsa.serve import default_model
 
 
 def snapshot(directory: pathlib.Path) -> dict[str, tuple[int, int]]:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from serve.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxdsa.serve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "你好，世界！今天天气很好。",

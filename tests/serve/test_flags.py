@@ -11,7 +11,7 @@ import shlex
 import jax
 import pytest
 
-from serve import cli, foreign_flags
+from jaxdsa.serve import cli, foreign_flags
 from tests.serve.conftest import ROOT
 
 # The seed commands, as their authors wrote them (models and hosts aside).

@@ -1,6 +1,6 @@
 """The real server (tiny GLM-5 checkpoint, real engine) on 127.0.0.1, driven by the ``openai`` client.
 
-One module-scoped server, built by the same ``serve.cli.build`` as ``python -m serve``, with the
+One module-scoped server, built by the same ``jaxdsa.serve.cli.build`` as ``python -m serve``, with the
 engine defaults (16 sequences, pages of 64, 512-token steps) but a 256-token context, which the
 length-limit tests below rely on (the bundled model's is 4,096: ``test_cli``'s Quick start test
 serves that), and ``--max-queue-len 0`` so that 17 requests in flight hit HTTP 429.
@@ -21,8 +21,8 @@ import openai
 import pytest
 
 from jaxdsa.engine.engine import enable_compilation_cache
-from serve import bench
-from serve.cli import build, parse_args
+from jaxdsa.serve import bench
+from jaxdsa.serve.cli import build, parse_args
 from tests.serve.conftest import ROOT, EngineControl, serving, until, wait_ready, wait_until
 
 ARGS = [

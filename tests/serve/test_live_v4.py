@@ -1,4 +1,4 @@
-"""``python -m serve`` on a tiny DeepSeek-V4 checkpoint (``checkpoints.make_tiny``), driven by the
+"""``python -m serve`` on a tiny DeepSeek-V4 checkpoint (``jaxdsa.checkpoints.make_tiny``), driven by the
 ``openai`` client: the V4 chat encoding and the ``deepseek_v4`` reasoning and tool-call parsers on a
 real engine.
 
@@ -6,7 +6,7 @@ One server subprocess for the module, started the way it is deployed (``--port 0
 from its "ready" line). The engine geometry keeps the compiled step shapes few (steps of at most 32
 tokens: buckets 1 to 32, compiled at start-up by the warm-up) and the context just long enough for
 the tools prompt. Replies are checked against the raw completion of the same prompt ids parsed by
-``serve.deepseek_v4_encoding.parse_completion`` and against the prompt the encoder renders. A tiny
+``jaxdsa.serve.deepseek_v4_encoding.parse_completion`` and against the prompt the encoder renders. A tiny
 random model never writes a DSML block, so tool calls themselves are parsed from scripted text
 (``test_parsers.py``, ``test_app.py::test_deepseek_v4_reasoning_and_dsml_tool_calls``); here the
 tools prompt and the parsers run on what the model does write.
@@ -23,8 +23,8 @@ import sys
 import openai
 import pytest
 
-from serve import deepseek_v4_encoding as v4
-from serve.tokenizer import Tokenizer
+from jaxdsa.serve import deepseek_v4_encoding as v4
+from jaxdsa.serve.tokenizer import Tokenizer
 from tests.serve.conftest import ROOT, TOOLS, wait_ready
 
 ARGS = [

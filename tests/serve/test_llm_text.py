@@ -1,6 +1,6 @@
 """``jaxdsa.LLM.generate`` with text and ``LLM.chat`` give what the server gives for the same request.
 
-Live: one tiny GLM-5 ``LLM`` and one server built by ``serve.cli.build`` over the same checkpoint,
+Live: one tiny GLM-5 ``LLM`` and one server built by ``jaxdsa.serve.cli.build`` over the same checkpoint,
 both with the engine geometry of conftest's small server (so they share its compiled step shapes),
 the server with the parsers ``LLM.chat`` uses for the family; greedy, a fixed ``max_tokens``.
 Scripted: a random tiny model never writes a tool call, so the same scripted tokens go through
@@ -22,10 +22,10 @@ import pytest
 
 import jaxdsa
 from jaxdsa.engine import SamplingParams as EngineSamplingParams
-from serve.app import create_app
-from serve.chat_format import DeepSeekChatFormat, DeepSeekV4ChatFormat
-from serve.cli import build, parse_args
-from serve.context import ServingContext
+from jaxdsa.serve.app import create_app
+from jaxdsa.serve.chat_format import DeepSeekChatFormat, DeepSeekV4ChatFormat
+from jaxdsa.serve.cli import build, parse_args
+from jaxdsa.serve.context import ServingContext
 from tests.serve.conftest import SMALL_SERVER_ARGS, TOOLS, ScriptedEngine, serving
 
 PARSERS = ["--reasoning-parser", "glm45", "--tool-call-parser", "glm47", "--enable-auto-tool-choice"]
@@ -57,7 +57,8 @@ def server(glm_dir):
 
 def test_import_jaxdsa_pulls_in_neither_serve_nor_fastapi():
     code = (
-        "import sys, jaxdsa; print(sorted(m for m in ('fastapi', 'serve', 'pydantic') if m in sys.modules))"
+        "import sys, jaxdsa;"
+        " print(sorted(m for m in ('fastapi', 'jaxdsa.serve', 'pydantic') if m in sys.modules))"
     )
     assert (
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

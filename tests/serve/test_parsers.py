@@ -6,11 +6,16 @@ import json
 
 import pytest
 
-from serve import deepseek_v4_encoding as v4_encoding
-from serve.deepseek_encoding import render_tool_calls
-from serve.output import ReplyDelta, ReplyParser
-from serve.reasoning import REASONING_PARSERS, ReasoningSplitter
-from serve.tool_parsers import TOOL_PARSERS, DeepSeekV4ToolParser, DeepSeekV32ToolParser, Glm47ToolParser
+from jaxdsa.serve import deepseek_v4_encoding as v4_encoding
+from jaxdsa.serve.deepseek_encoding import render_tool_calls
+from jaxdsa.serve.output import ReplyDelta, ReplyParser
+from jaxdsa.serve.reasoning import REASONING_PARSERS, ReasoningSplitter
+from jaxdsa.serve.tool_parsers import (
+    TOOL_PARSERS,
+    DeepSeekV4ToolParser,
+    DeepSeekV32ToolParser,
+    Glm47ToolParser,
+)
 
 WEATHER_TOOLS = [
     {

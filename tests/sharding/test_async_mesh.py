@@ -5,7 +5,7 @@ synchronous scheduling (single-device cases: tests/engine/test_async_scheduling.
 from __future__ import annotations
 
 import jaxdsa
-from checkpoints.tiny.make import make_tiny
+from jaxdsa.checkpoints.tiny.make import make_tiny
 from tests.engine.test_async_scheduling import MAX_LEN, PAGE, requests, same, serve
 
 # tp = 2 inside each of 2 dp-attention groups that share 4 expert shards: 4 devices.

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from checkpoints.tiny.make import make_tiny
 from jaxdsa import plan, sharding
+from jaxdsa.checkpoints.tiny.make import make_tiny
 from jaxdsa.loading import device_param_bytes, load_model
 from jaxdsa.models import family as families
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from checkpoints import walker
 from jaxdsa import plan, sharding
 from jaxdsa.cache import StepMeta, init_cache
+from jaxdsa.checkpoints import walker
 from jaxdsa.engine.runner import ModelState
 from jaxdsa.models import family as families
 from jaxdsa.models.dsa.family import DsaMode

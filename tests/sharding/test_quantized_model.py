@@ -16,8 +16,8 @@ import pytest
 from flax import nnx
 
 import jaxdsa
-from checkpoints.tiny.presets import TINY_PRESETS
 from jaxdsa import ops, plan, sharding
+from jaxdsa.checkpoints.tiny.presets import TINY_PRESETS
 from jaxdsa.loading import load_model
 from pallas_kernels.quant.layout import QuantizedWeight, dequantize
 from tests.conftest import FIXTURES

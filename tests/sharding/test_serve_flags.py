@@ -1,8 +1,8 @@
 """vLLM's ``--enable-expert-parallel`` on a mesh of CPU devices: the experts over every GPU of the
 tp x dp groups (ep = tp x dp), attention data-parallel between the groups."""
 
-from checkpoints.tiny.make import make_tiny
-from serve import cli
+from jaxdsa.checkpoints.tiny.make import make_tiny
+from jaxdsa.serve import cli
 
 
 def test_enable_expert_parallel_splits_the_experts_over_tp_times_dp(tmp_path, capsys):

@@ -5,7 +5,7 @@ included; see tests/models/test_speculative.py for the single-device cases)."""
 from __future__ import annotations
 
 import jaxdsa
-from checkpoints.tiny.make import make_tiny
+from jaxdsa.checkpoints.tiny.make import make_tiny
 from tests.models.test_speculative import MAX_LEN, PAGE, _requests, _same_output, _serve
 
 # tp = 2 inside each of 2 dp-attention groups that share 4 expert shards: 4 devices.

@@ -16,8 +16,8 @@ import json
 import re
 
 import jaxdsa
-from checkpoints.tiny.make import make_tiny
-from checkpoints.tiny.presets import TINY_PRESETS
+from jaxdsa.checkpoints.tiny.make import make_tiny
+from jaxdsa.checkpoints.tiny.presets import TINY_PRESETS
 from jaxdsa.engine import sampling
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")

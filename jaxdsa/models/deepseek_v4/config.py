@@ -27,8 +27,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from checkpoints.quant import QuantConfig
-from checkpoints.tiny.presets import V4_TINY_PRESETS
+from jaxdsa.checkpoints.quant import QuantConfig
+from jaxdsa.checkpoints.tiny.presets import V4_TINY_PRESETS
 from jaxdsa.config import Fields, RopeConfig, eos_ids, parse_quantization, read_config_json
 
 MODEL_TYPE = "deepseek_v4"
@@ -389,5 +389,6 @@ def load_v4_config(path: str | os.PathLike) -> V4Config:
 
 
 def tiny_v4_config(name: str = "dsv4", **overrides: Any) -> V4Config:
-    """A tiny preset from :data:`checkpoints.tiny.presets.V4_TINY_PRESETS` (HF form) with field overrides."""
+    """A tiny preset from :data:`jaxdsa.checkpoints.tiny.presets.V4_TINY_PRESETS` (HF form) with field
+    overrides."""
     return v4_config_from_dict({**V4_TINY_PRESETS[name], **overrides}, f"<tiny:{name}>")

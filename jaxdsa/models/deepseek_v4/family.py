@@ -36,8 +36,8 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from checkpoints.quant import QuantConfig
 from jaxdsa.cache import Cache, CacheEntry, CacheSpec, StepMeta, kv_fp8
+from jaxdsa.checkpoints.quant import QuantConfig
 from jaxdsa.models.deepseek_v4 import params
 from jaxdsa.models.deepseek_v4.config import CSA, HCA, MODEL_TYPE, V4Config, v4_config_from_dict
 from jaxdsa.models.deepseek_v4.model import V4Model

@@ -22,7 +22,7 @@ class Router(nnx.Module):
 
     def __init__(self, cfg: V4Config, *, hashed: bool, rngs: nnx.Rngs):
         D, E, k = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
-        # [E, D] as HF stores it: the logits are row reductions (checkpoints.spec.as_stored)
+        # [E, D] as HF stores it: the logits are row reductions (jaxdsa.checkpoints.spec.as_stored)
         self.weight = normal(rngs, (E, D), D, jnp.float32, ("router_experts", "embed"))
         self.bias = None if hashed else zeros((E,), jnp.float32, ("router_experts",))
         table = jnp.arange(cfg.vocab_size * k, dtype=jnp.int32).reshape(-1, k) % E  # k distinct per token

@@ -1,7 +1,7 @@
 """Where every parameter of :class:`~jaxdsa.models.deepseek_v4.model.V4Model` comes from in a checkpoint.
 
-:func:`param_spec` maps each parameter path to a :mod:`checkpoints.spec` leaf read by the one
-walker (:mod:`checkpoints.walker`). Leaves name tensors by the **release name** (docs/models.md §4.4:
+:func:`param_spec` maps each parameter path to a :mod:`jaxdsa.checkpoints.spec` leaf read by the one
+walker (:mod:`jaxdsa.checkpoints.walker`). Leaves name tensors by the **release name** (docs/models.md §4.4:
 ``embed.weight``, ``layers.N.attn.wq_a.weight``, ``layers.N.ffn.experts.E.w1.weight``,
 ``hc_head_fn``, ``mtp.0.*``, ...); :func:`tensor_name` maps what a file stores onto those names,
 so both stored forms load through the one spec:
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 
-from checkpoints.spec import (
+from jaxdsa.checkpoints.spec import (
     V4_EXPERT_NAMES,
     ExpertDown,
     ExpertGateUp,

@@ -2,14 +2,14 @@
 real-size benchmarks, where no checkpoint is at hand. Plain data, parsed like any checkpoint's.
 
 The tiny V4 configurations for tests, fixtures and ``make_tiny`` (``V4_TINY_PRESETS``, HF form) and
-:func:`~checkpoints.tiny.presets.release_form` live in :mod:`checkpoints.tiny.presets`.
+:func:`~jaxdsa.checkpoints.tiny.presets.release_form` live in :mod:`jaxdsa.checkpoints.tiny.presets`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from checkpoints.quant import DEEPSEEK_FP8_QUANTIZATION
+from jaxdsa.checkpoints.quant import DEEPSEEK_FP8_QUANTIZATION
 
 
 def _released(**widths: Any) -> dict[str, Any]:

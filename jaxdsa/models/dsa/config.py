@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from checkpoints.quant import QuantConfig
+from jaxdsa.checkpoints.quant import QuantConfig
 from jaxdsa.config import (
     Fields,
     RopeConfig,

@@ -9,8 +9,8 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from checkpoints.quant import QuantConfig
 from jaxdsa.cache import Cache, CacheEntry, CacheSpec, StepMeta, kv_fp8
+from jaxdsa.checkpoints.quant import QuantConfig
 from jaxdsa.models.dsa import params
 from jaxdsa.models.dsa.config import MODEL_TYPES, DsaConfig, parse_config
 from jaxdsa.models.dsa.model import DsaModel

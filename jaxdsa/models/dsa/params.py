@@ -1,6 +1,6 @@
 """Where every parameter of :class:`DsaModel` comes from in an HF checkpoint (docs/models.md §4.1, §4.2).
 
-:func:`param_spec` maps each parameter path of the model's state to a :mod:`checkpoints.spec`
+:func:`param_spec` maps each parameter path of the model's state to a :mod:`jaxdsa.checkpoints.spec`
 leaf: the HF tensor that feeds it, the shape the file must have, and the view from HF's
 ``[out, in]`` to our layout (``[in, out]``, heads split out, ``kv_b`` split into the absorbed-MLA
 factors). Stacked (scanned) parameters list one source per layer. The loader, the dummy weights
@@ -9,7 +9,7 @@ and the planner all read this one table.
 
 from __future__ import annotations
 
-from checkpoints.spec import (
+from jaxdsa.checkpoints.spec import (
     ExpertDown,
     ExpertGateUp,
     Leaf,

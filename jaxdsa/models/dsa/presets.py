@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from checkpoints.quant import DEEPSEEK_FP8_QUANTIZATION
+from jaxdsa.checkpoints.quant import DEEPSEEK_FP8_QUANTIZATION
 
 GLM5: dict[str, Any] = {
     "architectures": ["GlmMoeDsaForCausalLM"],

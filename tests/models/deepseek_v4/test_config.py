@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from checkpoints.tiny.presets import V4_TINY_PRESETS, release_form
+from jaxdsa.checkpoints.tiny.presets import V4_TINY_PRESETS, release_form
 from jaxdsa.config import ConfigError
 from jaxdsa.models.deepseek_v4.config import CSA, HCA, SWA, load_v4_config, v4_config_from_dict
 from tests.conftest import FIXTURES

@@ -1,5 +1,0 @@
-"""Hugging Face checkpoint I/O: lazy safetensors reading, name maps, quantized formats, tiny models."""
-
-from checkpoints.errors import CheckpointError
-
-__all__ = ["CheckpointError"]

@@ -1,0 +1,1 @@
+"""OpenAI-compatible serving for jaxdsa models."""

@@ -1,1 +1,0 @@
-"""The API's routes, one router per concern; :func:`serve.app.create_app` mounts them all."""
