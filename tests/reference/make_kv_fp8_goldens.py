@@ -56,6 +56,7 @@ import sys
 import tempfile
 import textwrap
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -1097,30 +1098,50 @@ def log_checks(log, r: dict[str, Any], kinds: tuple[str, ...], width: int, logit
     )
 
 
-def main() -> None:
-    args = start_run(FIXTURE_NAMES)
+def run_fixtures(
+    args: argparse.Namespace,
+    fixture_names: list[str],
+    new_recorder: Callable[[], None],
+    make: Callable[..., dict[str, Any]],
+    report: Callable[[Callable[[str], None], dict[str, Any]], None],
+) -> tuple[list[dict[str, Any]], dict[str, Any], Callable[[str], None]]:
+    """A goldens script's run: the self-test, then per fixture a fresh recorder (``new_recorder``
+    sets the script's ``REC``), ``make(name, out, tmp, log)`` and ``report(log, result)`` (its log
+    lines); -> (results, self-test, log)."""
     log = lambda s: print(s, flush=True)  # noqa: E731
-
-    global REC
     st = self_test()
     log(f"self-test: {json.dumps(st)}")
-    names = args.only or FIXTURE_NAMES
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            REC = Recorder()
+        for name in args.only or fixture_names:
+            new_recorder()
             log(f"== {name}")
-            r = make_one(name, args.out, Path(tmp), log)
-            a = r["arrays"]
-            log(f"  {r['how']}; unpatched vs golden.npz {fmt(r['plain_rel'])}; {r['bytes'] / 1e3:.1f} kB")
-            log(
-                f"  greedy margin {fmt(a['greedy_min_margin'])} (abs {fmt(a['greedy_min_margin_abs'])})  "
-                f"indexer gap {fmt(a['indexer_min_rel_gap'])} ({int(a['indexer_rows'])} rows)  router gaps "
-                f"{fmt(a['router_min_expert_gap'])} / {fmt(a['router_min_group_gap'])}  "
-                f"cache vs recompute {fmt(a['cache_vs_recompute_rel'])}"
-            )
-            log_checks(log, r, Recorder.KINDS, 12, ("logits_short", "logits_long", "greedy_logits"))
+            r = make(name, args.out, Path(tmp), log)
+            report(log, r)
             results.append(r)
+    return results, st, log
+
+
+def _new_recorder() -> None:
+    global REC
+    REC = Recorder()
+
+
+def _report(log: Callable[[str], None], r: dict[str, Any]) -> None:
+    a = r["arrays"]
+    log(f"  {r['how']}; unpatched vs golden.npz {fmt(r['plain_rel'])}; {r['bytes'] / 1e3:.1f} kB")
+    log(
+        f"  greedy margin {fmt(a['greedy_min_margin'])} (abs {fmt(a['greedy_min_margin_abs'])})  "
+        f"indexer gap {fmt(a['indexer_min_rel_gap'])} ({int(a['indexer_rows'])} rows)  router gaps "
+        f"{fmt(a['router_min_expert_gap'])} / {fmt(a['router_min_group_gap'])}  "
+        f"cache vs recompute {fmt(a['cache_vs_recompute_rel'])}"
+    )
+    log_checks(log, r, Recorder.KINDS, 12, ("logits_short", "logits_long", "greedy_logits"))
+
+
+def main() -> None:
+    args = start_run(FIXTURE_NAMES)
+    results, st, log = run_fixtures(args, FIXTURE_NAMES, _new_recorder, make_one, _report)
     if not args.only and args.out == FIXTURES:
         write_readme_section(readme_section(results, st), FIXTURES / "README.md")
         log("README section written")

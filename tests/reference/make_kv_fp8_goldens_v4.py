@@ -54,7 +54,6 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -99,9 +98,9 @@ from make_kv_fp8_goldens import (
     rel_l2_rows,
     rel_to_pow2,
     run_all,
+    run_fixtures,
     safe_div,
     save_npz,
-    self_test,
     start_run,
     write_readme_section,
 )
@@ -902,40 +901,34 @@ def readme_section(results: list[dict[str, Any]], selftest: dict[str, Any]) -> s
 # ---------------------------------------------------------------------------------------------
 
 
+def _new_recorder() -> None:
+    global REC
+    REC = RecorderV4()
+
+
+def _report(log, r: dict[str, Any]) -> None:
+    a = r["arrays"]
+    log(f"  {r['how']}; patch off vs golden.npz {fmt(r['plain_rel'])}; {r['bytes'] / 1e3:.1f} kB")
+    log(
+        f"  greedy margin {fmt(a['greedy_min_margin'])} (abs {fmt(a['greedy_min_margin_abs'])})  "
+        f"indexer gap {fmt(a['indexer_min_rel_gap'])} (HF f32 {fmt(a['indexer_min_rel_gap_hf'])}, "
+        f"{int(a['indexer_rows'])} rows)  router gap {fmt(a['router_min_gap'])}  "
+        f"cache vs recompute {fmt(a['cache_vs_recompute_rel'])}"
+    )
+    log(f"  indexer gap at {r['gap_where']}; flipped at a = {min(JITTERS)}: {r['flip_where']}")
+    log(f"  cache check {json.dumps(r['cache'])}")
+    log(
+        "  rows moved > 1e-4 by a <= 1e-6: "
+        + ", ".join(f"{k} {np.flatnonzero(a[f'ulp_sensitivity_{k}'] > 1e-4).tolist()}" for k in LOGITS)
+    )
+    for w in r["warnings"]:
+        log(f"  WARNING {w}")
+    log_checks(log, r, RecorderV4.KINDS, 16, LOGITS)
+
+
 def main() -> None:
     args = start_run(FIXTURE_NAMES)
-    log = lambda s: print(s, flush=True)  # noqa: E731
-
-    global REC
-    st = self_test()
-    log(f"self-test: {json.dumps(st)}")
-    names = args.only or FIXTURE_NAMES
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            REC = RecorderV4()
-            log(f"== {name}")
-            r = make_one(name, args.out, Path(tmp), log)
-            a = r["arrays"]
-            log(f"  {r['how']}; patch off vs golden.npz {fmt(r['plain_rel'])}; {r['bytes'] / 1e3:.1f} kB")
-            log(
-                f"  greedy margin {fmt(a['greedy_min_margin'])} (abs {fmt(a['greedy_min_margin_abs'])})  "
-                f"indexer gap {fmt(a['indexer_min_rel_gap'])} (HF f32 {fmt(a['indexer_min_rel_gap_hf'])}, "
-                f"{int(a['indexer_rows'])} rows)  router gap {fmt(a['router_min_gap'])}  "
-                f"cache vs recompute {fmt(a['cache_vs_recompute_rel'])}"
-            )
-            log(f"  indexer gap at {r['gap_where']}; flipped at a = {min(JITTERS)}: {r['flip_where']}")
-            log(f"  cache check {json.dumps(r['cache'])}")
-            log(
-                "  rows moved > 1e-4 by a <= 1e-6: "
-                + ", ".join(
-                    f"{k} {np.flatnonzero(a[f'ulp_sensitivity_{k}'] > 1e-4).tolist()}" for k in LOGITS
-                )
-            )
-            for w in r["warnings"]:
-                log(f"  WARNING {w}")
-            log_checks(log, r, RecorderV4.KINDS, 16, LOGITS)
-            results.append(r)
+    results, st, log = run_fixtures(args, FIXTURE_NAMES, _new_recorder, make_one, _report)
     if not args.only and args.out == FIXTURES:
         write_readme_section(
             readme_section(results, st), FIXTURES / "README_dsv4.md", README_BEGIN, README_END
