@@ -584,9 +584,7 @@ class Engine:
         """Compile every step shape now (a progress bar on a terminal, a line per shape in a log);
         returns seconds taken."""
         start = time.perf_counter()
-        bar = Progress(
-            "compiling step shapes", len(self.runner.modes) * len(self.runner.buckets), enabled=progress
-        )
+        bar = Progress("compiling step shapes", len(self.runner.variants), enabled=progress)
         try:
             self.runner.warmup(bar.done)
         finally:

@@ -224,6 +224,11 @@ class ModelRunner:
         """Launch one step and wait for its results (:meth:`launch`'s arguments)."""
         return self.fetch(self.launch(segments, seeds, **kwargs))
 
+    @property
+    def variants(self) -> list[tuple[int, Any]]:
+        """Every ``(bucket, mode)`` step shape the scheduler can produce: what :meth:`warmup` compiles."""
+        return [(b, mode) for mode in self.modes for b in self.buckets]
+
     def warmup(self, report: Callable[[str], None] | None = None) -> dict[tuple, float]:
         """Compile every bucket in every step mode the family can meet, then run each once; returns
         each ``(bucket, mode)``'s compile seconds (side by side, so they overlap). ``report`` is
@@ -235,7 +240,7 @@ class ModelRunner:
         compiles instead of their sum. A jitted function reuses what ``lower(...).compile()`` built
         for the same arguments, so the runs that follow (all padding: slot -1 writes are dropped,
         nothing reaches the cache) compile nothing."""
-        variants = [(b, mode) for mode in self.modes for b in self.buckets]
+        variants = self.variants
 
         def compile_one(step) -> float:
             start = time.perf_counter()
