@@ -31,7 +31,7 @@ def split_dims(cfg, tp, ep, dp, dp_attention):
         ("embed", "weight"): (tp, 1),
         ("head", "weight"): (1, tp),
         ("attn", "wq_b", "weight"): (1, tp, 1),
-        ("attn", "wo_a"): (tp, 1, 1),
+        ("attn", "wo_a"): (1, tp, 1),
         ("attn", "wo_b", "weight"): (tp, 1),
         ("attn", "sink"): (tp,),
         ("indexer", "wq_b", "weight"): (1, tp, 1),

@@ -68,9 +68,12 @@ class Attention(nnx.Module):
         self.wq_b = Linear((q_lora,), (H, d), ("q_lora", "heads", "head_dim"), dtype=dtype, rngs=rngs)
         self.wkv = Linear((D,), (d,), ("embed", "head_dim"), dtype=dtype, rngs=rngs)
         self.kv_norm = RMSNorm(d, eps, axis="head_dim", dtype=dtype)
-        # wo_a per head: group k's [H/g * d, o_lora] matrix is its heads' [d, o_lora] blocks stacked, so
-        # splitting heads over TP splits the groups with them (g < tp: a group's sum spans shards).
-        self.wo_a = normal(rngs, (H, d, cfg.o_lora_rank), H * d // g, dtype, ("heads", "head_dim", "o_lora"))
+        # wo_a [o_lora, H, d]: group k's [o_lora, H/g * d] matrix is its heads' [o_lora, d] blocks side by
+        # side, so splitting heads over TP splits the groups with them (g < tp: a group's sum spans
+        # shards). Each output row's inputs are contiguous, as in the checkpoint: at decode XLA turns the
+        # projection into a row reduction that reads the weight once, where a [H, d, o_lora] layout made
+        # it transpose the whole weight every step first.
+        self.wo_a = normal(rngs, (cfg.o_lora_rank, H, d), H * d // g, dtype, ("o_lora", "heads", "head_dim"))
         self.wo_b = Linear((g * cfg.o_lora_rank,), (D,), ("o_rank", "embed"), dtype=dtype, rngs=rngs)
         self.o_groups = g
         self.sink = zeros((H,), jnp.float32, ("heads",))
@@ -137,6 +140,6 @@ class Attention(nnx.Module):
         """Undo the value rows' RoPE at the query position, then the grouped low-rank projection."""
         o = rotate_tail(o, cos, sin, inverse=True)
         (T, H, d), g = o.shape, self.o_groups
-        wo_a = self.wo_a[...].reshape(g, H // g, d, -1)
-        z = jnp.einsum("tgjd,gjdr->tgr", o.reshape(T, g, H // g, d), wo_a)
+        wo_a = self.wo_a[...].reshape(-1, g, H // g, d)
+        z = jnp.einsum("tgjd,rgjd->tgr", o.reshape(T, g, H // g, d), wo_a)
         return self.wo_b(z.reshape(T, -1))

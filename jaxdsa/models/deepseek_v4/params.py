@@ -47,13 +47,13 @@ Path = tuple
 
 
 def _per_head(groups: int, heads: int):
-    """wo_a [g * o_lora, H/g * d] -> [H, d, o_lora]: group k's rows are contiguous, its input is its
+    """wo_a [g * o_lora, H/g * d] -> [o_lora, H, d]: group k's rows are contiguous, its input is its
     heads' outputs concatenated, so head h's block is group h // (H/g)'s columns of that head. Not a
     view of the file (the regrouping copies one layer's wo_a once per device that reads it)."""
 
     def view(w):
         r = w.shape[0] // groups
-        return w.reshape(groups, r, w.shape[1]).transpose(0, 2, 1).reshape(heads, -1, r)
+        return w.reshape(groups, r, w.shape[1]).transpose(1, 0, 2).reshape(r, heads, -1)
 
     return view
 
