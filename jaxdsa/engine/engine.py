@@ -23,6 +23,11 @@ the cache to the device, so a failure after the step started leaves every runnin
 pages unknown: those requests are then recomputed from their tokens, as after a preemption (and
 a step launched behind it is abandoned, its tokens sampled again).
 
+Prefill-decode disaggregation (:mod:`.handoff`): a request added with ``export`` samples its one
+token here and leaves with its cache's rows (``RequestOutput.cache_image``); one added with a
+``source`` waits for pages, has its image moved in and goes on decoding from its first token, as
+if its prompt had run here.
+
 With speculative decoding (``EngineConfig.speculative``) a decode step also verifies the tokens the
 model's next-n layers drafted in the step before and emits several tokens per request: they join
 the output one at a time, each checked against the stop conditions, and the scheduler counts the
@@ -31,6 +36,7 @@ accepted drafts as computed (:mod:`jaxdsa.engine.speculative`, ``docs/serving.md
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
@@ -48,6 +54,7 @@ from jaxdsa import sharding
 from jaxdsa.cache import CacheSpec, init_cache, kv_cache_format
 from jaxdsa.engine import memory, penalties
 from jaxdsa.engine.config import EngineConfig
+from jaxdsa.engine.handoff import CacheImage, CacheMover, ImageSource, check_layout
 from jaxdsa.engine.isolation import Quarantine
 from jaxdsa.engine.request import (
     MAX_BANNED_TOKENS,
@@ -249,6 +256,10 @@ class Engine:
             mtp_cache=mtp_cache[0] if mtp_cache else None,
             kv_format=layout.kv_format,
         )
+        self._mover = CacheMover(layout.specs, config.page_size)
+        self._exports: set[str] = set()  # requests whose cache leaves with their first token
+        self._arriving: collections.deque[tuple[Request, ImageSource]] = collections.deque()  # no pages yet
+        self._receiving: dict[str, tuple[Request, ImageSource]] = {}  # pages held, image on its way
         self.requests: dict[str, Request] = {}
         self._seeds: dict[str, int] = {}
         self._want_logits: set[str] = set()
@@ -288,12 +299,27 @@ class Engine:
             )
 
     def add_request(
-        self, request_id: str, prompt: list[int], sampling: SamplingParams, *, return_logits: bool = False
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        *,
+        return_logits: bool = False,
+        export: bool = False,
+        source: ImageSource | None = None,
     ) -> None:
-        """Queue a request; raises ValueError (and queues nothing) for one that cannot run."""
+        """Queue a request; raises ValueError (and queues nothing) for one that cannot run.
+        ``export``: it samples one token and its output carries its cache image; ``source``: its
+        prompt was computed elsewhere and its image comes from there (:mod:`.handoff`)."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.check(prompt, sampling)
+        if export and sampling.max_tokens != 1:
+            raise ValueError("a request whose cache goes to a decode server samples one token (max_tokens 1)")
+        if source is not None:
+            if sampling.prompt_logprobs is not None:
+                raise ValueError("prompt logprobs need the prompt computed on this server, not handed over")
+            check_layout(self._mover.layout(self._caches(), len(prompt)), source.layout)
         if sampling.top_k >= self.cfg.vocab_size:  # keeps every token: off, as vLLM takes it
             sampling = dataclasses.replace(sampling, top_k=0)
         request = Request(request_id, [int(t) for t in prompt], sampling)
@@ -304,7 +330,16 @@ class Engine:
         if sampling.prompt_logprobs is not None:
             self._prompt_logprobs[request_id] = [None] * len(prompt)  # the first token has none
         self.requests[request_id] = request
-        self.scheduler.add(request)
+        if export:
+            self._exports.add(request_id)
+        if source is None:
+            self.scheduler.add(request)
+        else:
+            self._arriving.append((request, source))
+
+    def _caches(self) -> list:
+        """The caches a request's rows live in: the main one, then the next-n layers' when drafting."""
+        return [self.runner.cache, self.runner.mtp_cache] if self.num_spec else [self.runner.cache]
 
     def _derived_seed(self, request_id: str) -> int:
         digest = hashlib.blake2b(f"{self.config.seed}:{request_id}".encode(), digest_size=4).digest()
@@ -313,11 +348,27 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Cancel a request; its pages and slot are freed at once. Unknown ids are ignored."""
         request = self.requests.pop(request_id, None)
-        if request is not None and request.status is not Status.FINISHED:
+        if request is not None and self._stop_handoff(request):
+            request.status, request.finish_reason = Status.FINISHED, FinishReason.ABORT
+        elif request is not None and request.status is not Status.FINISHED:
             self.scheduler.finish(request, FinishReason.ABORT)
         self._forget(request_id)
 
+    def _stop_handoff(self, request: Request) -> bool:
+        """Drop a request still waiting for its image (its transfer cancelled, its pages given
+        back); False if it is not one."""
+        if request.request_id in self._receiving:
+            _, source = self._receiving.pop(request.request_id)
+            source.cancel()
+            self.scheduler.unreserve(request)
+            return True
+        arriving = [entry for entry in self._arriving if entry[0] is request]
+        for entry in arriving:
+            self._arriving.remove(entry)
+        return bool(arriving)
+
     def _forget(self, request_id: str) -> None:
+        self._exports.discard(request_id)
         self.requests.pop(request_id, None)
         self._seeds.pop(request_id, None)
         self._want_logits.discard(request_id)
@@ -325,7 +376,11 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         """Whether a request still runs or waits, or a launched step's tokens are still to come."""
-        return self.scheduler.has_work() or self._in_flight is not None
+        return (
+            self.scheduler.has_work()
+            or self._in_flight is not None
+            or bool(self._arriving or self._receiving)
+        )
 
     # -- stepping ------------------------------------------------------------------------------
     def _stop_reason(self, request: Request, n: int) -> FinishReason | None:
@@ -361,10 +416,80 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one step. Returns an output per request whose tokens arrived, or that the engine
         failed: under async scheduling, those of the step the call before launched."""
+        arrived = self._receive() if self._arriving or self._receiving else []
         with jax.profiler.TraceAnnotation(STEP_MARK):
             if self.config.async_scheduling and not self.num_spec and self._quarantine.under_test() is None:
-                return self._step_async()
-            return self._resolve() + self._step_sync()
+                return arrived + self._step_async()
+            return arrived + self._resolve() + self._step_sync()
+
+    def _receive(self) -> list[RequestOutput]:
+        """Handed-over requests: hold pages for the waiting ones as they fit (first come, first
+        served) and start their transfers; seat those whose image has arrived, emitting their first
+        token. A transfer that fails fails its request only. Waits a millisecond when nothing else
+        would run, so an engine waiting only for transfers does not spin."""
+        while self._arriving and self.scheduler.reserve(
+            self._arriving[0][0], len(self._arriving[0][0].prompt)
+        ):
+            request, source = self._arriving.popleft()
+            self._receiving[request.request_id] = (request, source)
+            source.start()
+        outputs = []
+        for request, source in list(self._receiving.values()):
+            try:
+                image = source.poll()
+                if image is not None:
+                    self._seat_image(request, image)
+            except Exception as error:  # a failed transfer fails its request only
+                log.warning("request %s: its cache did not arrive: %s", request.request_id, error)
+                self._stop_handoff(request)
+                request.status, request.finish_reason = Status.FINISHED, FinishReason.ERROR
+                self._forget(request.request_id)
+                outputs.append(
+                    RequestOutput(
+                        request.request_id,
+                        [],
+                        True,
+                        FinishReason.ERROR,
+                        len(request.prompt),
+                        0,
+                        error=f"the prefill server's cache did not arrive: {error}",
+                    )
+                )
+                continue
+            if image is not None:
+                outputs.append(self._first_output(request, image))
+        if not outputs and not self.scheduler.has_work() and self._in_flight is None:
+            time.sleep(0.001)
+        return outputs
+
+    def _seat_image(self, request: Request, image: CacheImage) -> None:
+        """Write a request's arrived image into the pages and slot it holds and start decoding."""
+        pages = self.scheduler.global_pages(request)
+        caches = self._mover.load(self._caches(), image, pages, request.slot)
+        self.runner.cache = caches[0]
+        if self.num_spec:
+            self.runner.mtp_cache = caches[1]
+        del self._receiving[request.request_id]
+        request.output = [image.first_token]
+        self.scheduler.seat(request, len(request.prompt))
+
+    def _first_output(self, request: Request, image: CacheImage) -> RequestOutput:
+        """The output of a seated request's first token (sampled by the prefill side)."""
+        reason = self._stop_reason(request, 1)
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+            self._forget(request.request_id)
+        self.num_generated_tokens += 1
+        wanted = request.sampling.logprobs is not None and image.first_logprobs is not None
+        return RequestOutput(
+            request.request_id,
+            [image.first_token],
+            reason is not None,
+            reason,
+            len(request.prompt),
+            1,
+            logprobs=[image.first_logprobs] if wanted else None,
+        )
 
     def _step_sync(self) -> list[RequestOutput]:
         under_test = self._quarantine.under_test()
@@ -486,7 +611,18 @@ class Engine:
             prompt_logprobs = self._prompt_logprobs.pop(
                 request.request_id, None
             )  # complete at the first sample
+            logprobs = _token_logprobs(result, i, new, request.sampling.logprobs)
+            image = None
             if reason is not None:
+                if request.request_id in self._exports:
+                    image = self._mover.export(
+                        self._caches(),
+                        self.scheduler.global_pages(request),
+                        request.slot,
+                        request.num_computed,
+                        request.output[0],
+                        logprobs[0] if logprobs else None,
+                    )
                 self.scheduler.finish(request, reason)
                 self._forget(request.request_id)
             else:
@@ -500,8 +636,9 @@ class Engine:
                     len(request.prompt),
                     len(request.output),
                     logits=result.logits[i, 0] if wants_logits else None,
-                    logprobs=_token_logprobs(result, i, new, request.sampling.logprobs),
+                    logprobs=logprobs,
                     prompt_logprobs=prompt_logprobs,
+                    cache_image=image,
                 )
             )
         return outputs

@@ -156,3 +156,4 @@ class RequestOutput:
         None  # with the first token, when asked: one per prompt token
     )
     error: str | None = None  # why the engine failed the request (finish_reason ERROR)
+    cache_image: Any = None  # an exported request's cache (jaxdsa.engine.handoff.CacheImage), when it ends

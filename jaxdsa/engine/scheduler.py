@@ -126,6 +126,12 @@ class Scheduler:
     def group_of(self, request: Request) -> int:
         return request.slot // self.slots_per_group
 
+    def global_pages(self, request: Request) -> list[int]:
+        """The request's pages as numbered in the whole cache (its group's pages come after the
+        groups before it; page tables hold group-local numbers)."""
+        offset = self.group_of(request) * self.allocators[0].num_pages
+        return [offset + page for page in request.pages]
+
     # -- queue management -------------------------------------------------------------------
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -195,6 +201,30 @@ class Scheduler:
         if not self.allocators[g].can_take(new_pages, shared=[page for _, page in hits[g]]):
             return None
         return g, hits[g], n
+
+    def reserve(self, request: Request, num_computed: int) -> bool:
+        """Hold a slot and pages for a request whose first ``num_computed`` tokens arrive computed
+        from elsewhere (:mod:`.handoff`): pages for them and its next token, in the group with a
+        free slot and the most free pages. False (nothing held) when no group can take it now."""
+        open_groups = [g for g in range(self.groups) if self._free_slots[g]]
+        if not open_groups:
+            return False
+        group = max(open_groups, key=lambda g: self.allocators[g].num_free)
+        pages = self.allocators[group].allocate(-(-self._span(request, num_computed, 1) // self.page_size))
+        if pages is None:
+            return False
+        request.pages, request.slot = pages, self._free_slots[group].pop()
+        return True
+
+    def seat(self, request: Request, num_computed: int) -> None:
+        """Start running a :meth:`reserve`-d request whose cache now holds ``num_computed`` tokens."""
+        request.num_computed, request.status = num_computed, Status.RUNNING
+        self.running.append(request)
+
+    def unreserve(self, request: Request) -> None:
+        """Give back what :meth:`reserve` held for a request that will not run."""
+        if request.slot is not None:
+            self._release(request)
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)

@@ -1,0 +1,169 @@
+"""Prefill-decode handoff between two engines of one process (jaxdsa.engine.handoff): a request whose
+prompt one engine ran and whose cache image another engine loaded decodes exactly the tokens one
+engine serving it alone does (float32, greedy), for GLM-5, DeepSeek-V3.2 and DeepSeek-V4 (prompts
+past V4's 8-token window and across its compression boundaries), with async and synchronous
+scheduling, beside requests already decoding on the decode side; images that do not fit are
+refused when the request is added; a transfer that fails or a request aborted while its image
+travels gives its pages back and touches no other request."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import jaxdsa
+from jaxdsa.checkpoints.tiny.make import make_tiny
+from jaxdsa.engine import Engine, FinishReason, SamplingParams
+from jaxdsa.engine.handoff import CacheImage, ImageAtHand
+
+PAGE = 8
+CONFIG = dict(max_num_seqs=4, max_model_len=96, page_size=PAGE, max_num_batched_tokens=32, num_pages=48)
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["glm_moe_dsa", "deepseek_v32", "deepseek_v4"])
+def llm(request, tmp_path_factory):
+    path = make_tiny(request.param, str(tmp_path_factory.mktemp("handoff")), seed=5)
+    return jaxdsa.LLM(path, dtype="float32", page_size=PAGE, progress=False)
+
+
+def prompts(vocab: int) -> dict[str, list[int]]:
+    rng = np.random.default_rng(0)
+    return {f"p{n}": rng.integers(2, vocab, n).tolist() for n in (5, PAGE, 17, 41)}
+
+
+def drain(engine: Engine) -> dict[str, list]:
+    """Step until every request ends; the outputs by request."""
+    got: dict[str, list] = {}
+    for _ in range(500):
+        if not engine.has_unfinished():
+            return got
+        for out in engine.step():
+            got.setdefault(out.request_id, []).append(out)
+    raise AssertionError("the engine did not finish its requests")
+
+
+def tokens(outputs: list) -> list[int]:
+    return [t for out in outputs for t in out.new_token_ids]
+
+
+def prefill(llm, batch: dict[str, list[int]], **config) -> dict[str, CacheImage]:
+    engine = llm.new_engine(**(CONFIG | config))
+    for rid, prompt in batch.items():
+        engine.add_request(rid, prompt, dataclasses.replace(GREEDY, max_tokens=1), export=True)
+    outputs = drain(engine)
+    assert engine.scheduler.pages_used == 0  # the image is a copy: the prefill side keeps nothing
+    return {rid: outs[-1].cache_image for rid, outs in outputs.items()}
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_handed_over_requests_decode_as_colocated(llm, async_scheduling):
+    batch = prompts(llm.config.vocab_size)
+    alone = llm.new_engine(**CONFIG, async_scheduling=async_scheduling)
+    for rid, prompt in batch.items():
+        alone.add_request(rid, prompt, GREEDY)
+    expected = {rid: tokens(outs) for rid, outs in drain(alone).items()}
+
+    images = prefill(llm, batch, async_scheduling=async_scheduling)
+    decode = llm.new_engine(**CONFIG, async_scheduling=async_scheduling)
+    decode.add_request("local", batch["p17"], GREEDY)  # already decoding when the others arrive
+    for _ in range(3):
+        decode.step()
+    for rid, prompt in batch.items():
+        decode.add_request(rid, prompt, GREEDY, source=ImageAtHand(images[rid]))
+    got = drain(decode)
+    for rid in batch:
+        assert images[rid].first_token == expected[rid][0]
+        assert tokens(got[rid]) == expected[rid], rid
+        assert got[rid][0].new_token_ids == [expected[rid][0]]  # the first token comes first, alone
+    assert decode.scheduler.pages_used == 0
+
+
+def test_image_that_does_not_fit_is_refused(llm):
+    prompt = prompts(llm.config.vocab_size)["p17"]
+    image = prefill(llm, {"r": prompt})["r"]
+    decode = llm.new_engine(**CONFIG)
+    with pytest.raises(ValueError, match="tokens"):
+        decode.add_request("short", prompt[:-1], GREEDY, source=ImageAtHand(image))
+    other = llm.new_engine(**(CONFIG | dict(page_size=2 * PAGE)))
+    with pytest.raises(ValueError, match="pages of"):
+        other.add_request("paged", prompt, GREEDY, source=ImageAtHand(image))
+    with pytest.raises(ValueError, match="prompt logprobs"):
+        decode.add_request(
+            "plp", prompt, dataclasses.replace(GREEDY, prompt_logprobs=1), source=ImageAtHand(image)
+        )
+    assert not decode.requests and not decode.has_unfinished()
+
+
+@dataclasses.dataclass
+class Failing:
+    """A source whose transfer breaks after ``polls`` polls."""
+
+    image: CacheImage
+    polls: int
+    cancelled: bool = False
+
+    @property
+    def layout(self):
+        return self.image.layout
+
+    @property
+    def first_token(self):
+        return self.image.first_token
+
+    def start(self):
+        pass
+
+    def poll(self):
+        self.polls -= 1
+        if self.polls < 0:
+            raise ConnectionError("peer gone")
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_failed_transfer_and_abort_free_pages_and_spare_others(llm):
+    batch = prompts(llm.config.vocab_size)
+    images = prefill(llm, {"a": batch["p17"], "b": batch["p41"]})
+    decode = llm.new_engine(**CONFIG)
+    alone = llm.new_engine(**CONFIG)
+    alone.add_request("local", batch["p5"], GREEDY)
+    expected = tokens(drain(alone)["local"])
+
+    decode.add_request("local", batch["p5"], GREEDY)
+    broken, held = Failing(images["a"], polls=2), Failing(images["b"], polls=10**6)
+    decode.add_request("broken", batch["p17"], GREEDY, source=broken)
+    decode.add_request("held", batch["p41"], GREEDY, source=held)
+    decode.step()
+    assert decode.scheduler.pages_used > 0
+    got: dict[str, list] = {}
+    for _ in range(6):
+        for out in decode.step():
+            got.setdefault(out.request_id, []).append(out)
+    assert [o.finish_reason for o in got["broken"]] == [FinishReason.ERROR]
+    assert "peer gone" in got["broken"][0].error
+    decode.abort("held")
+    assert held.cancelled
+    for rid, outs in drain(decode).items():
+        got.setdefault(rid, []).extend(outs)
+    assert tokens(got["local"]) == expected
+    assert "held" not in got and decode.scheduler.pages_used == 0
+
+
+def test_arrivals_wait_for_pages(llm):
+    """An image whose pages are not free yet waits (first come, first served) and then runs."""
+    batch = prompts(llm.config.vocab_size)
+    image = prefill(llm, {"r": batch["p41"]})["r"]
+    alone = llm.new_engine(**CONFIG)
+    alone.add_request("r", batch["p41"], GREEDY)
+    expected = tokens(drain(alone)["r"])
+    small = CONFIG | dict(num_pages=12)  # room for one 96-token sequence at a time
+    decode = llm.new_engine(**small)
+    decode.add_request("first", batch["p41"] + batch["p41"][:40], dataclasses.replace(GREEDY, max_tokens=4))
+    decode.step()
+    decode.add_request("r", batch["p41"], GREEDY, source=ImageAtHand(image))
+    got = drain(decode)
+    assert tokens(got["r"]) == expected
