@@ -1,0 +1,34 @@
+"""Prefill-decode handoff between engines of different parallelism: an image gathered from one
+device and loaded into two dp-attention groups with tp = 2 inside each (and the other way round)
+decodes the tokens one single-device engine gives (GLM-5 and DeepSeek-V4; single-device cases:
+tests/engine/test_handoff.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import jaxdsa
+from jaxdsa.checkpoints.tiny.make import make_tiny
+from jaxdsa.engine.handoff import ImageAtHand
+from tests.engine.test_handoff import CONFIG, GREEDY, PAGE, drain, prefill, prompts, tokens
+
+MESH = dict(tp=2, ep=4, dp=2, dp_attention=True)
+
+
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v4"])
+def test_handoff_across_parallelism(tmp_path, family):
+    path = make_tiny(family, str(tmp_path), seed=5)
+    one = jaxdsa.LLM(path, dtype="float32", page_size=PAGE, progress=False)
+    mesh = jaxdsa.LLM(path, dtype="float32", page_size=PAGE, progress=False, **MESH)
+    batch = prompts(one.config.vocab_size)
+    alone = one.new_engine(**CONFIG)
+    for rid, prompt in batch.items():
+        alone.add_request(rid, prompt, GREEDY)
+    expected = {rid: tokens(outs) for rid, outs in drain(alone).items()}
+    for source, target in ((one, mesh), (mesh, one)):
+        images = prefill(source, batch)
+        decode = target.new_engine(**CONFIG)
+        for rid, prompt in batch.items():
+            decode.add_request(rid, prompt, GREEDY, source=ImageAtHand(images[rid]))
+        got = drain(decode)
+        assert {rid: tokens(outs) for rid, outs in got.items()} == expected
