@@ -73,9 +73,9 @@ class AsyncEngine:
     def _apply(self, command) -> None:
         kind, *args = command
         if kind == "add":
-            request_id, prompt, sampling = args
+            request_id, prompt, sampling, handoff = args
             try:
-                self.engine.add_request(request_id, prompt, sampling)
+                self.engine.add_request(request_id, prompt, sampling, **handoff)
             except ValueError as e:
                 self._deliver(request_id, e)
             except Exception as e:  # a bug, not bad input: still only this request fails
@@ -131,9 +131,10 @@ class AsyncEngine:
 
     # -- caller side -------------------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt: list[int], sampling: SamplingParams
+        self, request_id: str, prompt: list[int], sampling: SamplingParams, **handoff
     ) -> AsyncIterator[RequestOutput]:
-        """Yield one RequestOutput per generated token until the request finishes.
+        """Yield one RequestOutput per generated token until the request finishes. ``handoff``:
+        ``export`` / ``source`` for :meth:`Engine.add_request` (disaggregated serving).
 
         Raises ValueError (bad request), QueueFullError (overloaded) before the first output.
         """
@@ -146,7 +147,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._streams[request_id] = (loop, q)
-        self._commands.put(("add", request_id, list(prompt), sampling))
+        self._commands.put(("add", request_id, list(prompt), sampling, handoff))
         finished = False
         try:
             while True:

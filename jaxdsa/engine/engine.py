@@ -427,40 +427,42 @@ class Engine:
         served) and start their transfers; seat those whose image has arrived, emitting their first
         token. A transfer that fails fails its request only. Waits a millisecond when nothing else
         would run, so an engine waiting only for transfers does not spin."""
+        outputs = []
         while self._arriving and self.scheduler.reserve(
             self._arriving[0][0], len(self._arriving[0][0].prompt)
         ):
             request, source = self._arriving.popleft()
             self._receiving[request.request_id] = (request, source)
-            source.start()
-        outputs = []
+            try:
+                source.start()
+            except Exception as error:  # a transfer that cannot start fails its request only
+                outputs.append(self._handoff_failed(request, error))
         for request, source in list(self._receiving.values()):
             try:
                 image = source.poll()
                 if image is not None:
                     self._seat_image(request, image)
+                    outputs.append(self._first_output(request, image))
             except Exception as error:  # a failed transfer fails its request only
-                log.warning("request %s: its cache did not arrive: %s", request.request_id, error)
-                self._stop_handoff(request)
-                request.status, request.finish_reason = Status.FINISHED, FinishReason.ERROR
-                self._forget(request.request_id)
-                outputs.append(
-                    RequestOutput(
-                        request.request_id,
-                        [],
-                        True,
-                        FinishReason.ERROR,
-                        len(request.prompt),
-                        0,
-                        error=f"the prefill server's cache did not arrive: {error}",
-                    )
-                )
-                continue
-            if image is not None:
-                outputs.append(self._first_output(request, image))
+                outputs.append(self._handoff_failed(request, error))
         if not outputs and not self.scheduler.has_work() and self._in_flight is None:
             time.sleep(0.001)
         return outputs
+
+    def _handoff_failed(self, request: Request, error: Exception) -> RequestOutput:
+        log.warning("request %s: its cache did not arrive: %s", request.request_id, error)
+        self._stop_handoff(request)
+        request.status, request.finish_reason = Status.FINISHED, FinishReason.ERROR
+        self._forget(request.request_id)
+        return RequestOutput(
+            request.request_id,
+            [],
+            True,
+            FinishReason.ERROR,
+            len(request.prompt),
+            0,
+            error=f"the prefill server's cache did not arrive: {error}",
+        )
 
     def _seat_image(self, request: Request, image: CacheImage) -> None:
         """Write a request's arrived image into the pages and slot it holds and start decoding."""

@@ -27,6 +27,9 @@ from fastapi import FastAPI
 import jaxdsa
 from jaxdsa.cache import kv_cache_format
 from jaxdsa.engine import AsyncEngine, SpeculativeConfig, memory
+from jaxdsa.kv_transfer.agent import TransferError
+from jaxdsa.kv_transfer.config import KVTransferConfig
+from jaxdsa.kv_transfer.connector import KVConnector
 from jaxdsa.loading import device_param_bytes
 from jaxdsa.serve import default_model, foreign_flags
 from jaxdsa.serve.app import ServingContext, create_app
@@ -147,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: keep the checkpoint's FP8 / INT4 weights quantized on the device; dequantize: load "
         "them dense; fp8 / int4: assert the checkpoint's format, or choose the --load-format dummy one; "
         "ascend (vLLM-Ascend's): taken as auto, with a warning",
+    )
+    g.add_argument(
+        "--kv-transfer-config",
+        help='JSON, as vLLM: {"kv_connector": "NixlConnector", "kv_role": "kv_producer" | "kv_consumer" | '
+        '"kv_both"} makes this server a prefill or decode instance of disaggregated serving (a request\'s '
+        "cache moves between servers through NIXL; put `python -m serve.router` in front)",
     )
     g.add_argument(
         "--speculative-config",
@@ -330,6 +339,12 @@ def _check_flags(args: argparse.Namespace) -> dict[str, int | bool]:
         SpeculativeConfig.parse(args.speculative_config)
     except ValueError as e:
         raise StartupError(f"--speculative-config: {e}") from None
+    try:
+        args.kv_transfer = (
+            KVTransferConfig.parse(args.kv_transfer_config) if args.kv_transfer_config else None
+        )
+    except ValueError as e:
+        raise StartupError(f"--kv-transfer-config: {e}") from None
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise StartupError("--enable-auto-tool-choice needs --tool-call-parser")
     for flag in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
@@ -402,6 +417,9 @@ def _features(args: argparse.Namespace, engine, parallel: dict[str, int | bool])
         on.append(f"tool-call parser {args.tool_call_parser}{auto}")
     if args.chat_template:
         on.append("chat template from --chat-template")
+    if args.kv_transfer is not None:
+        kv = args.kv_transfer
+        on.append(f"disaggregated serving as {kv.kv_role}, engine id {kv.engine_id} (cache moved by NIXL)")
     return on
 
 
@@ -481,11 +499,17 @@ def build(args: argparse.Namespace) -> Server:
         _log(f"default sampling from generation_config.json: {defaults}")
     for feature in _features(args, engine, parallel):
         _log(f"on: {feature}")
+    kv = None
+    if args.kv_transfer is not None:
+        try:
+            kv = KVConnector(args.kv_transfer)
+        except (ImportError, TransferError) as e:
+            raise StartupError(f"--kv-transfer-config: {e}") from e
     aengine = AsyncEngine(engine, max_waiting=args.max_queue_len, profile_dir=args.profile_dir)
     aengine.start()
     context = ServingContext(
         generate=aengine.generate,
-        stats=engine.stats,
+        stats=engine.stats if kv is None else lambda: engine.stats() | kv.stats.as_metrics(),
         tokenizer=tokenizer,
         chat_format=chat_format,
         model_names=names,
@@ -501,6 +525,7 @@ def build(args: argparse.Namespace) -> Server:
         vocab_size=llm.config.vocab_size,
         alive=aengine.is_alive,
         profiler=aengine if args.profile_dir else None,
+        kv=kv,
     )
     return Server(create_app(context), aengine, context)
 
@@ -543,3 +568,5 @@ def main(argv: Sequence[str] | None = None) -> None:
         pass
     finally:
         server.engine.shutdown()
+        if server.context.kv is not None:
+            server.context.kv.close()

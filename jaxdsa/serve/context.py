@@ -51,6 +51,7 @@ class ServingContext:
     vocab_size: int | None = None  # the model's (its embedding rows); default: the tokenizer's
     alive: Callable[[], bool] = lambda: True  # whether the engine still runs (AsyncEngine.is_alive)
     profiler: Profiler | None = None  # the engine, when the server records traces (--profile-dir)
+    kv: Any = None  # the jaxdsa.kv_transfer.connector.KVConnector, with --kv-transfer-config
 
     @property
     def vocabulary(self) -> int:

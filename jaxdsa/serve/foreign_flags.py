@@ -81,12 +81,6 @@ FOREIGN: tuple[Foreign, ...] = (
            harmless=("0",)),
     *_each(("--data-parallel-size-local", "--data-parallel-address", "--data-parallel-rpc-port",
             "--dist-init-addr"), True, True, _ONE_HOST),
-    Foreign(
-        ("--kv-transfer-config",),
-        True,
-        True,
-        "prefill-decode disaggregation (KV transfer between instances) is not supported yet",
-    ),
     # KTransformers' hybrid MoE under SGLang: --kt-num-gpu-experts and --kt-cpuinfer are
     # --num-gpu-experts and --cpu-threads (jaxdsa.serve.cli); the rest choose its converted CPU weights
     *_each(("--kt-method", "--kt-amx-method", "--kt-weight-path", "--kt-amx-weight-path"), True, False,

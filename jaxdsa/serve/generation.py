@@ -21,7 +21,7 @@ from jaxdsa.serve.errors import ApiError
 from jaxdsa.serve.metrics import Metrics
 from jaxdsa.serve.output import TextOutput
 
-GenerateFn = Callable[[str, list[int], SamplingParams], AsyncIterator[RequestOutput]]
+GenerateFn = Callable[..., AsyncIterator[RequestOutput]]  # (request id, prompt ids, sampling, **handoff)
 T = TypeVar("T")
 
 
@@ -41,7 +41,9 @@ class Generation:
     prompt_ids: list[int]
     sampling: SamplingParams
     text: TextOutput
+    handoff: dict = dataclasses.field(default_factory=dict)  # engine arguments (jaxdsa.serve.disagg)
     arrival: float = dataclasses.field(default_factory=time.monotonic)
+    cache_image: object = None  # an exported request's cache, from its last output
     finish_reason: str | None = None
     num_output_tokens: int = 0
     _stream: AsyncIterator[RequestOutput] | None = dataclasses.field(default=None, init=False, repr=False)
@@ -52,7 +54,7 @@ class Generation:
     )  # when asked
 
     async def start(self) -> None:
-        self._stream = self.generate(self.request_id, self.prompt_ids, self.sampling)
+        self._stream = self.generate(self.request_id, self.prompt_ids, self.sampling, **self.handoff)
         try:
             self._first = await anext(self._stream)
         except (ValueError, QueueFullError, EngineDeadError) as e:
@@ -69,6 +71,7 @@ class Generation:
                 self._logprobs += out.logprobs or ()
                 delta = self.text.push(out)
                 self.num_output_tokens = out.num_output_tokens
+                self.cache_image = out.cache_image
                 self.finish_reason = self.text.finish_reason(out)
                 if delta:
                     yield delta

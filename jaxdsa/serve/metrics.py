@@ -85,6 +85,22 @@ class _EngineCollector(Collector):
             value=s["failed_steps"],
         )
         yield from _speculative(s)
+        yield from _kv_transfer(s)
+
+
+def _kv_transfer(s: dict[str, float]) -> Iterator[Metric]:
+    """Disaggregated serving's counters (only with --kv-transfer-config)."""
+    for key, what in [
+        ("offered", "Requests whose cache this prefill server offered to a decode server."),
+        ("offered_bytes", "Bytes of cache offered."),
+        ("expired", "Offers released because no decode server read them within the lease."),
+        ("received", "Requests whose cache this decode server read from a prefill server."),
+        ("received_bytes", "Bytes of cache read."),
+        ("receive_seconds", "Seconds from starting a read to its end, summed over reads."),
+        ("failed", "Reads that failed (their requests failed; nothing else did)."),
+    ]:
+        if f"kv_transfer_{key}" in s:
+            yield CounterMetricFamily(f"jaxdsa:kv_transfer_{key}", what, value=s[f"kv_transfer_{key}"])
 
 
 def _speculative(s: dict[str, float]) -> Iterator[Metric]:

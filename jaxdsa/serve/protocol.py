@@ -55,6 +55,9 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0)  # vLLM's: > 1 discourages prompt and output tokens
     logit_bias: dict[int, float] | None = None  # token id (a JSON string key) -> bias in [-100, 100]
 
+    # prefill-decode disaggregation (vLLM's): what this server does for another (jaxdsa.serve.disagg)
+    kv_transfer_params: dict[str, Any] | None = None
+
     best_of: Any = None
     suffix: Any = None
     use_beam_search: Any = None

@@ -5,7 +5,6 @@ random buffers and hands its metadata and Region JSON over a multiprocessing Pip
 servers' side channel. The fixture kills every child in its teardown, so a failing test leaves none behind.
 """
 
-import importlib.util
 import json
 import multiprocessing
 import os
@@ -22,10 +21,6 @@ from jaxdsa.kv_transfer.agent import UCX_ENV_DEFAULTS
 
 MIB = 1 << 20
 SPAWN = multiprocessing.get_context("spawn")
-needs_nixl = pytest.mark.skipif(
-    not any(importlib.util.find_spec(m) for m in ("nixl_cu13", "nixl_cu12", "nixl")),
-    reason="NIXL is not installed (pip install --no-deps nixl-cu13==1.5.1)",
-)
 
 
 def _pattern(seed: int, nbytes: int) -> np.ndarray:
@@ -135,7 +130,6 @@ def test_missing_nixl_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> 
     assert os.environ["UCX_MODULES"] == "^ib,xpmem"
 
 
-@needs_nixl
 def test_idle_agent_does_not_spin_a_core_and_closes_idempotently(ucx_env: None) -> None:
     agent = TransferAgent(f"idle-{os.getpid()}")
     agent.register(np.zeros(MIB, np.uint8))
@@ -150,7 +144,6 @@ def test_idle_agent_does_not_spin_a_core_and_closes_idempotently(ucx_env: None) 
         agent.metadata()
 
 
-@needs_nixl
 def test_read_whole_buffer_and_notify(consumer: TransferAgent, producers: Callable[..., Producer]) -> None:
     producer = producers("producer-1", [4 * MIB], seed=1)
     peer = consumer.connect(producer.metadata)
@@ -168,7 +161,6 @@ def test_read_whole_buffer_and_notify(consumer: TransferAgent, producers: Callab
     producer.stop()  # closes its agent and exits with 0 (no segfault at exit)
 
 
-@needs_nixl
 def test_several_reads_and_bad_requests(consumer: TransferAgent, producers: Callable[..., Producer]) -> None:
     sizes = [MIB, 3 * MIB + 123, 64 * 1024]
     producer = producers("producer-2", sizes, seed=10)
@@ -199,7 +191,6 @@ def test_several_reads_and_bad_requests(consumer: TransferAgent, producers: Call
         consumer.read(peer, regions[2], producer.regions[2], b"bad", timeout_s=30)
 
 
-@needs_nixl
 def test_hung_producer_times_out(consumer: TransferAgent, producers: Callable[..., Producer]) -> None:
     producer = producers("producer-3", [4 * MIB], seed=3)
     peer = consumer.connect(producer.metadata)
@@ -223,7 +214,6 @@ def test_hung_producer_times_out(consumer: TransferAgent, producers: Callable[..
         os.kill(producer.process.pid, signal.SIGCONT)
 
 
-@needs_nixl
 def test_killed_producer_fails_and_consumer_stays_usable(
     consumer: TransferAgent, producers: Callable[..., Producer]
 ) -> None:

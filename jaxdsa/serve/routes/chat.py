@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from jaxdsa.engine import SamplingParams
+from jaxdsa.serve import disagg
 from jaxdsa.serve.context import ServingContext, State, authorized
 from jaxdsa.serve.errors import ApiError, error_responses
 from jaxdsa.serve.generation import Generation
@@ -51,7 +52,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     prompt = ctx.render_chat(body.template_messages(), tools, body.template_kwargs())
     ids = ctx.tokenizer.encode(prompt.text)
     check_prompt(ctx, ids, "messages")
-    sp = sampling_params(ctx, body, len(ids), None)
+    handoff = await disagg.handoff(ctx, body, 1)
+    sp = handoff.sampling(sampling_params(ctx, body, len(ids), None))
     keep = parser_markers(ctx.reasoning_parser, tool_parser)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
@@ -59,7 +61,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         parser = reply_parser(ctx.reasoning_parser, tool_parser, tools, prompt.thinking)
         formatter = LogprobsFormatter(ctx.tokenizer) if spj.logprobs is not None else None
         text = text_output(ctx, body, spj, keep)
-        gen = Generation(ctx.generate, state.metrics, f"{request_id}-{j}", ids, spj, text)
+        gen = Generation(
+            ctx.generate, state.metrics, f"{request_id}-{j}", ids, spj, text, handoff.engine_kwargs()
+        )
         return _Choice(gen, parser, formatter)
 
     choices = [choice(j, spj) for j, spj in enumerate(choice_sampling(sp, body.n))]
@@ -74,6 +78,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
                 "model": name,
                 "choices": [_message(i, c, r) for i, (c, r) in enumerate(zip(choices, replies))],
                 "usage": usage(gens, body.n),
+                **disagg.response_params(ctx, gens),
             }
         )
 

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from jaxdsa.serve import disagg
 from jaxdsa.serve.context import AppState, State, authorized
 from jaxdsa.serve.errors import error_responses
 from jaxdsa.serve.generation import Generation
@@ -37,13 +38,15 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     name, created = ctx.model_name(body.model), int(time.time())
     request_id = f"cmpl-{uuid.uuid4().hex}"
     gens, echoes = [], []  # prompt-major: choice index = prompt index * n + j
-    for prompt in body.prompts():
+    prompts = body.prompts()
+    handoff = await disagg.handoff(ctx, body, len(prompts))
+    for prompt in prompts:
         if isinstance(prompt, str):
             ids = ctx.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             ids = list(prompt)
         check_prompt(ctx, ids, "prompt")
-        sp = sampling_params(ctx, body, len(ids), DEFAULT_MAX_TOKENS)
+        sp = handoff.sampling(sampling_params(ctx, body, len(ids), DEFAULT_MAX_TOKENS))
         if body.echo:  # the prompt's logprobs come back too
             sp = dataclasses.replace(sp, prompt_logprobs=sp.logprobs)
         echo = ""
@@ -55,7 +58,8 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
             )
         for spj in choice_sampling(sp, body.n):
             text = text_output(ctx, body, spj)
-            gens.append(Generation(ctx.generate, state.metrics, f"{request_id}-{len(gens)}", ids, spj, text))
+            rid = f"{request_id}-{len(gens)}"
+            gens.append(Generation(ctx.generate, state.metrics, rid, ids, spj, text, handoff.engine_kwargs()))
             echoes.append(echo)
 
     def reply(texts: list[str]) -> Response:
@@ -73,6 +77,7 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
                 "model": name,
                 "choices": choices,
                 "usage": usage(gens, body.n),
+                **disagg.response_params(ctx, gens),
             }
         )
 
