@@ -25,6 +25,7 @@ _TYPES = {
     404: "not_found_error",
     429: "rate_limit_error",
     500: "internal_error",
+    502: "bad_gateway_error",
     503: "service_unavailable_error",
 }
 
@@ -57,7 +58,11 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    """A failure answered as ``status`` with OpenAI's error body. ``code`` names the failure (the
+    server's codes are strings); the prefill-decode router puts the HTTP status there, as vLLM's
+    errors do."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 

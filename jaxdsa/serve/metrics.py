@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 disable_created_metrics()
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_LATENCY_BUCKETS = (
+LATENCY_BUCKETS = (  # seconds: the server's latencies and the router's prefill times
     0.005,
     0.01,
     0.02,
@@ -129,13 +129,13 @@ class Metrics:
         self.time_to_first_token = Histogram(
             "jaxdsa:time_to_first_token_seconds",
             "Time from request arrival to its first token.",
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.e2e_latency = Histogram(
             "jaxdsa:e2e_request_latency_seconds",
             "Time from request arrival to its last token.",
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.prompt_tokens = Counter(

@@ -5,17 +5,16 @@ results and reply; the engine requests are released however it ends (also when t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import Response
 
 from jaxdsa.serve.errors import ApiError
+from jaxdsa.serve.event_stream import event_stream
 from jaxdsa.serve.generation import ClientDisconnected, Generation, unless_disconnected
 from jaxdsa.serve.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -49,7 +48,7 @@ async def respond(
     try:
         await unless_disconnected(request, _start_all(gens))
         if body.stream:
-            return _sse_response(_sse_events(gens, stream()))
+            return event_stream(_sse_events(gens, stream()))
         collected = await unless_disconnected(request, collect())
     except ClientDisconnected:
         return Response(status_code=499)
@@ -105,32 +104,6 @@ async def _sse_events(gens: list[Generation], events: AsyncIterator[str]) -> Asy
         for g in gens:
             await g.close()
     yield DONE
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events that stop as soon as the client leaves. Under ASGI 2.4 (uvicorn's)
-    Starlette notices a disconnect only when a write fails, so a stream waiting for its next
-    token would keep its engine requests until that token came; here a listener ends the
-    stream (closing its generations) the moment the disconnect arrives, as Starlette does for
-    older ASGI servers."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as task_group:
-
-            async def stream() -> None:
-                with contextlib.suppress(OSError):  # the client left while a chunk was written
-                    await self.stream_response(send)
-                task_group.cancel_scope.cancel()
-
-            task_group.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            task_group.cancel_scope.cancel()
-
-
-def _sse_response(body: AsyncIterator[str]) -> StreamingResponse:
-    return _EventStream(
-        body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
 
 
 async def _start_all(gens: list[Generation]) -> None:

@@ -8,6 +8,7 @@ import itertools
 import os
 import pathlib
 import re
+import socket
 import subprocess
 import threading
 import time
@@ -103,9 +104,10 @@ def dsv4_dir(tmp_path_factory) -> str:
 
 
 @contextlib.contextmanager
-def serving(app: FastAPI) -> Iterator[str]:
-    """Serve ``app`` on a free 127.0.0.1 port from a background thread; yields the base URL."""
-    sock = bind("127.0.0.1", 0)
+def serving(app: FastAPI, sock: socket.socket | None = None) -> Iterator[str]:
+    """Serve ``app`` from a background thread on ``sock`` (bound to 127.0.0.1, not listening yet;
+    default: a free port); yields the base URL."""
+    sock = sock or bind("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
