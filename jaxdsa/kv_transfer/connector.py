@@ -147,8 +147,12 @@ class KVConnector:
             raise ValueError(
                 f"kv_transfer_params: a {remote.nbytes}-byte region for a {layout.nbytes}-byte image"
             )
-        with self._lock:
-            peer = self._agent.connect(metadata)
+        try:
+            with self._lock:
+                peer = self._agent.connect(metadata)
+        except TransferError as e:
+            self.stats.failed += 1
+            raise TransferError(f"the prefill server's NIXL agent cannot be reached: {e}") from e
         return IncomingImage(self, peer, transfer_id, remote, layout, first_token, first_logprobs, expires)
 
     def close(self) -> None:
