@@ -17,6 +17,7 @@ import jaxdsa
 from jaxdsa.checkpoints.tiny.make import make_tiny
 from jaxdsa.engine import Engine, FinishReason, SamplingParams
 from jaxdsa.engine.handoff import CacheImage, ImageAtHand
+from jaxdsa.engine.speculative import SpeculativeConfig
 
 PAGE = 8
 CONFIG = dict(max_num_seqs=4, max_model_len=96, page_size=PAGE, max_num_batched_tokens=32, num_pages=48)
@@ -167,3 +168,47 @@ def test_arrivals_wait_for_pages(llm):
     decode.add_request("r", batch["p41"], GREEDY, source=ImageAtHand(image))
     got = drain(decode)
     assert tokens(got["r"]) == expected
+
+
+def test_handoff_with_mtp_drafting_on_both_sides(llm):
+    """With MTP drafting the image carries the next-n layer's cache too; the decode side's drafts
+    (which read it) leave the greedy tokens those of one drafting engine."""
+    spec = SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 2}')
+    batch = prompts(llm.config.vocab_size)
+    alone = llm.new_engine(**CONFIG, speculative=spec)
+    for rid, prompt in batch.items():
+        alone.add_request(rid, prompt, GREEDY)
+    expected = {rid: tokens(outs) for rid, outs in drain(alone).items()}
+    images = prefill(llm, batch, speculative=spec)
+    assert {e.cache for e in images["p5"].layout.entries} == {0, 1}
+    decode = llm.new_engine(**CONFIG, speculative=spec)
+    for rid, prompt in batch.items():
+        decode.add_request(rid, prompt, GREEDY, source=ImageAtHand(images[rid]))
+    assert {rid: tokens(outs) for rid, outs in drain(decode).items()} == expected
+    assert decode.num_drafts > 0
+    plain = llm.new_engine(**CONFIG)
+    with pytest.raises(ValueError, match="caches differ"):
+        plain.add_request("r", batch["p5"], GREEDY, source=ImageAtHand(images["p5"]))
+
+
+def test_prefix_cache_hits_on_both_sides(llm):
+    """A prefill engine that finds the prompt's pages cached exports an image that decodes as the
+    cold one does; a decode engine registers a handed-over request's pages, so a later local request
+    with that prefix hits them."""
+    if not llm.family.prefix_caching(llm.config):
+        pytest.skip("this family keeps per-sequence state: no prefix caching")
+    prompt = prompts(llm.config.vocab_size)["p41"]
+    alone = llm.new_engine(**CONFIG)
+    alone.add_request("r", prompt, GREEDY)
+    expected = tokens(drain(alone)["r"])
+    engine = llm.new_engine(**CONFIG)
+    for rid in ("cold", "warm"):
+        engine.add_request(rid, prompt, dataclasses.replace(GREEDY, max_tokens=1), export=True)
+        image = drain(engine)[rid][-1].cache_image
+    assert engine.stats()["prefix_cache_hits"] == 5 * PAGE  # the warm prompt's full pages
+    decode = llm.new_engine(**CONFIG)
+    decode.add_request("handed", prompt, GREEDY, source=ImageAtHand(image))
+    assert tokens(drain(decode)["handed"]) == expected
+    decode.add_request("local", prompt + [3], GREEDY)
+    drain(decode)
+    assert decode.stats()["prefix_cache_hits"] == 5 * PAGE
