@@ -50,6 +50,14 @@ def tokens(outputs: list) -> list[int]:
     return [t for out in outputs for t in out.new_token_ids]
 
 
+def alone(llm, batch: dict[str, list[int]], **config) -> dict[str, list[int]]:
+    """Each request's greedy tokens from one engine serving them all (the reference)."""
+    engine = llm.new_engine(**(CONFIG | config))
+    for rid, prompt in batch.items():
+        engine.add_request(rid, prompt, GREEDY)
+    return {rid: tokens(outs) for rid, outs in drain(engine).items()}
+
+
 def prefill(llm, batch: dict[str, list[int]], **config) -> dict[str, CacheImage]:
     engine = llm.new_engine(**(CONFIG | config))
     for rid, prompt in batch.items():
@@ -62,10 +70,7 @@ def prefill(llm, batch: dict[str, list[int]], **config) -> dict[str, CacheImage]
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_handed_over_requests_decode_as_colocated(llm, async_scheduling):
     batch = prompts(llm.config.vocab_size)
-    alone = llm.new_engine(**CONFIG, async_scheduling=async_scheduling)
-    for rid, prompt in batch.items():
-        alone.add_request(rid, prompt, GREEDY)
-    expected = {rid: tokens(outs) for rid, outs in drain(alone).items()}
+    expected = alone(llm, batch, async_scheduling=async_scheduling)
 
     images = prefill(llm, batch, async_scheduling=async_scheduling)
     decode = llm.new_engine(**CONFIG, async_scheduling=async_scheduling)
@@ -130,9 +135,7 @@ def test_failed_transfer_and_abort_free_pages_and_spare_others(llm):
     batch = prompts(llm.config.vocab_size)
     images = prefill(llm, {"a": batch["p17"], "b": batch["p41"]})
     decode = llm.new_engine(**CONFIG)
-    alone = llm.new_engine(**CONFIG)
-    alone.add_request("local", batch["p5"], GREEDY)
-    expected = tokens(drain(alone)["local"])
+    expected = alone(llm, {"local": batch["p5"]})["local"]
 
     decode.add_request("local", batch["p5"], GREEDY)
     broken, held = Failing(images["a"], polls=2), Failing(images["b"], polls=10**6)
@@ -158,9 +161,7 @@ def test_arrivals_wait_for_pages(llm):
     """An image whose pages are not free yet waits (first come, first served) and then runs."""
     batch = prompts(llm.config.vocab_size)
     image = prefill(llm, {"r": batch["p41"]})["r"]
-    alone = llm.new_engine(**CONFIG)
-    alone.add_request("r", batch["p41"], GREEDY)
-    expected = tokens(drain(alone)["r"])
+    expected = alone(llm, {"r": batch["p41"]})["r"]
     small = CONFIG | dict(num_pages=12)  # room for one 96-token sequence at a time
     decode = llm.new_engine(**small)
     decode.add_request("first", batch["p41"] + batch["p41"][:40], dataclasses.replace(GREEDY, max_tokens=4))
@@ -175,10 +176,7 @@ def test_handoff_with_mtp_drafting_on_both_sides(llm):
     (which read it) leave the greedy tokens those of one drafting engine."""
     spec = SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 2}')
     batch = prompts(llm.config.vocab_size)
-    alone = llm.new_engine(**CONFIG, speculative=spec)
-    for rid, prompt in batch.items():
-        alone.add_request(rid, prompt, GREEDY)
-    expected = {rid: tokens(outs) for rid, outs in drain(alone).items()}
+    expected = alone(llm, batch, speculative=spec)
     images = prefill(llm, batch, speculative=spec)
     assert {e.cache for e in images["p5"].layout.entries} == {0, 1}
     decode = llm.new_engine(**CONFIG, speculative=spec)
@@ -198,9 +196,7 @@ def test_prefix_cache_hits_on_both_sides(llm):
     if not llm.family.prefix_caching(llm.config):
         pytest.skip("this family keeps per-sequence state: no prefix caching")
     prompt = prompts(llm.config.vocab_size)["p41"]
-    alone = llm.new_engine(**CONFIG)
-    alone.add_request("r", prompt, GREEDY)
-    expected = tokens(drain(alone)["r"])
+    expected = alone(llm, {"r": prompt})["r"]
     engine = llm.new_engine(**CONFIG)
     for rid in ("cold", "warm"):
         engine.add_request(rid, prompt, dataclasses.replace(GREEDY, max_tokens=1), export=True)

@@ -10,7 +10,7 @@ import pytest
 import jaxdsa
 from jaxdsa.checkpoints.tiny.make import make_tiny
 from jaxdsa.engine.handoff import ImageAtHand
-from tests.engine.test_handoff import CONFIG, GREEDY, PAGE, drain, prefill, prompts, tokens
+from tests.engine.test_handoff import CONFIG, GREEDY, PAGE, alone, drain, prefill, prompts, tokens
 
 MESH = dict(tp=2, ep=4, dp=2, dp_attention=True)
 
@@ -21,10 +21,7 @@ def test_handoff_across_parallelism(tmp_path, family):
     one = jaxdsa.LLM(path, dtype="float32", page_size=PAGE, progress=False)
     mesh = jaxdsa.LLM(path, dtype="float32", page_size=PAGE, progress=False, **MESH)
     batch = prompts(one.config.vocab_size)
-    alone = one.new_engine(**CONFIG)
-    for rid, prompt in batch.items():
-        alone.add_request(rid, prompt, GREEDY)
-    expected = {rid: tokens(outs) for rid, outs in drain(alone).items()}
+    expected = alone(one, batch)
     for source, target in ((one, mesh), (mesh, one)):
         images = prefill(source, batch)
         decode = target.new_engine(**CONFIG)
