@@ -131,7 +131,7 @@ def test_the_ascend_guides_command_starts_with_mtp_and_warns_for_what_it_ignores
         ),
         ("--tokenizer other/tok", "--tokenizer other/tok: a tokenizer other than the checkpoint's"),
         ("--tokenizer-m x", "unrecognized arguments: --tokenizer-m"),  # no abbreviations
-        ("--kv-transfer-config {}", "--kv-transfer-config: prefill-decode disaggregation"),
+        ("--kv-transfer-config {}", "--kv-transfer-config: kv_connector None: choose one of NixlConnector"),
         ("--enable-expert-parallel -tp 2 -ep 4", "splits the experts over tp x dp = 2 GPUs"),
         ("--generation-config /no/such/dir", "--generation-config: '/no/such/dir' is not auto, vllm"),
         ("--chat-template nope.jinja", "--chat-template: 'nope.jinja' is neither a file nor a Jinja"),
