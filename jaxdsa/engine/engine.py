@@ -614,17 +614,11 @@ class Engine:
                 request.request_id, None
             )  # complete at the first sample
             logprobs = _token_logprobs(result, i, new, request.sampling.logprobs)
-            image = None
+            image, error = None, None
             if reason is not None:
                 if request.request_id in self._exports:
-                    image = self._mover.export(
-                        self._caches(),
-                        self.scheduler.global_pages(request),
-                        request.slot,
-                        request.num_computed,
-                        request.output[0],
-                        logprobs[0] if logprobs else None,
-                    )
+                    image, error = self._export(request, logprobs[0] if logprobs else None)
+                    reason = FinishReason.ERROR if error else reason
                 self.scheduler.finish(request, reason)
                 self._forget(request.request_id)
             else:
@@ -640,10 +634,21 @@ class Engine:
                     logits=result.logits[i, 0] if wants_logits else None,
                     logprobs=logprobs,
                     prompt_logprobs=prompt_logprobs,
+                    error=error,
                     cache_image=image,
                 )
             )
         return outputs
+
+    def _export(self, request: Request, first_logprobs) -> tuple[CacheImage | None, str | None]:
+        """An exported request's image as it ends, or why there is none (that request fails alone)."""
+        try:
+            pages = self.scheduler.global_pages(request)
+            args = (request.slot, request.num_computed, request.output[0], first_logprobs)
+            return self._mover.export(self._caches(), pages, *args), None
+        except Exception as error:  # a gather that fails fails its request only
+            log.exception("request %s: gathering its cache for the decode server failed", request.request_id)
+            return None, f"gathering the request's cache for the decode server failed: {error}"
 
     def _count_drafts(self, s: Segment) -> None:
         if s.drafts:

@@ -208,3 +208,20 @@ def test_prefix_cache_hits_on_both_sides(llm):
     decode.add_request("local", prompt + [3], GREEDY)
     drain(decode)
     assert decode.stats()["prefix_cache_hits"] == 5 * PAGE
+
+
+def test_an_export_that_fails_fails_its_request_only(llm, monkeypatch):
+    batch = prompts(llm.config.vocab_size)
+    engine = llm.new_engine(**CONFIG)
+
+    def broken(*args, **kwargs):
+        raise MemoryError("no room for the image")
+
+    monkeypatch.setattr(engine._mover, "export", broken)
+    engine.add_request("exported", batch["p17"], dataclasses.replace(GREEDY, max_tokens=1), export=True)
+    engine.add_request("local", batch["p5"], GREEDY)
+    got = drain(engine)
+    assert got["exported"][-1].finish_reason is FinishReason.ERROR
+    assert "no room for the image" in got["exported"][-1].error
+    assert tokens(got["local"]) == alone(llm, {"local": batch["p5"]})["local"]
+    assert engine.scheduler.pages_used == 0
