@@ -108,22 +108,29 @@ class KVConnector:
         }
 
     def _poll(self) -> None:
-        """Release offers that were read (the reader's notification) or whose lease ran out."""
+        """Release offers that were read (the reader's notification) or whose lease ran out; a
+        failing NIXL call is logged and tried again, so offers are never kept for good."""
         while not self._stop.wait(POLL_S):
-            with self._lock:
-                for _, message in self._agent.notifications():
-                    offer = self._offers.pop(message.decode(errors="replace"), None)
-                    if offer is not None:
-                        self._agent.deregister(offer.region)
-                now = time.time()
-                for transfer_id in [t for t, o in self._offers.items() if o.expires < now]:
-                    self._agent.deregister(self._offers.pop(transfer_id).region)
-                    self.stats.expired += 1
-                    log.warning(
-                        "transfer %s: no decode server read it in %.0f s; released",
-                        transfer_id,
-                        self.config.lease_s,
-                    )
+            try:
+                self._release_offers()
+            except TransferError:
+                log.exception("releasing offered caches failed; trying again")
+
+    def _release_offers(self) -> None:
+        with self._lock:
+            for _, message in self._agent.notifications():
+                offer = self._offers.pop(message.decode(errors="replace"), None)
+                if offer is not None:
+                    self._agent.deregister(offer.region)
+            now = time.time()
+            for transfer_id in [t for t, o in self._offers.items() if o.expires < now]:
+                self._agent.deregister(self._offers.pop(transfer_id).region)
+                self.stats.expired += 1
+                log.warning(
+                    "transfer %s: no decode server read it in %.0f s; released",
+                    transfer_id,
+                    self.config.lease_s,
+                )
 
     # -- decode side ---------------------------------------------------------------------------
     def source(self, params: dict[str, Any]) -> IncomingImage:
