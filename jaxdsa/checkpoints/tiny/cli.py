@@ -1,10 +1,10 @@
 """Write a random tiny model in the real Hugging Face layout: the stand-in for a Hub checkpoint.
 
-    python -m jaxdsa.checkpoints.make_tiny --family glm_moe_dsa|deepseek_v32|deepseek_v4 --out DIR
+    python -m jaxdsa.checkpoints.make_tiny --family glm_moe_dsa|deepseek_v32|deepseek_v4|glm5_next --out DIR
         [--seed N] [--preset NAME] [--dtype float32|bfloat16] [--shards K] [--max-model-len N]
 
-(``jaxdsa/checkpoints/make_tiny.py`` is the entry; the makers are :mod:`jaxdsa.checkpoints.tiny.dsa` and
-:mod:`jaxdsa.checkpoints.tiny.v4`.)
+(``jaxdsa/checkpoints/make_tiny.py`` is the entry; the makers are :mod:`jaxdsa.checkpoints.tiny.dsa`,
+:mod:`jaxdsa.checkpoints.tiny.v4` and :mod:`jaxdsa.checkpoints.tiny.glm5_next`.)
 """
 
 from __future__ import annotations
@@ -12,7 +12,12 @@ from __future__ import annotations
 import argparse
 
 from jaxdsa.checkpoints.tiny.make import make_tiny
-from jaxdsa.checkpoints.tiny.presets import DEFAULT_PRESET, TINY_PRESETS, V4_TINY_PRESETS
+from jaxdsa.checkpoints.tiny.presets import (
+    DEFAULT_PRESET,
+    GLM5_NEXT_TINY_PRESETS,
+    TINY_PRESETS,
+    V4_TINY_PRESETS,
+)
 from jaxdsa.checkpoints.tiny.writers import DTYPES
 
 
@@ -20,6 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     def names(family: str) -> str:
         if family == "deepseek_v4":
             return ", ".join(sorted(V4_TINY_PRESETS))
+        if family == "glm5_next":
+            return ", ".join(sorted(GLM5_NEXT_TINY_PRESETS))
         return ", ".join(sorted(n for n, c in TINY_PRESETS.items() if c["model_type"] == family))
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

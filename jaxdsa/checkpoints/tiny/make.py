@@ -1,13 +1,13 @@
 """:func:`make_tiny`: one random tiny checkpoint of any family, written by the family's maker
 (:mod:`jaxdsa.checkpoints.tiny.dsa` for GLM-5.x and DeepSeek-V3.2, :mod:`jaxdsa.checkpoints.tiny.v4` for
-DeepSeek-V4)."""
+DeepSeek-V4, :mod:`jaxdsa.checkpoints.tiny.glm5_next` for GLM-5.3-Flash)."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from jaxdsa.checkpoints.tiny import dsa, v4
+from jaxdsa.checkpoints.tiny import dsa, glm5_next, v4
 from jaxdsa.checkpoints.tiny.presets import DEFAULT_PRESET
 from jaxdsa.checkpoints.tiny.writers import DTYPES
 
@@ -31,7 +31,7 @@ def make_tiny(
 ) -> str:
     """Write the tiny checkpoint directory and return its path. ``overrides``: config.json fields
     replacing the preset's (wider layers for a load that must outweigh the interpreter's own
-    allocations, say)."""
+    allocations, say; GLM-5.3-Flash: its ``text_config`` fields)."""
     if family not in DEFAULT_PRESET:
         raise ValueError(f"unknown family {family!r}; choose from {sorted(DEFAULT_PRESET)}")
     preset = preset or DEFAULT_PRESET[family]
@@ -40,6 +40,10 @@ def make_tiny(
     out_dir = os.fspath(out_dir)
     if family == "deepseek_v4":
         return v4.write(out_dir, seed=seed, preset=preset, dtype=dtype, shards=shards, overrides=overrides)
+    if family == "glm5_next":
+        return glm5_next.write(
+            out_dir, seed=seed, preset=preset, dtype=dtype, shards=shards, overrides=overrides
+        )
     return dsa.write(
         family, out_dir, seed=seed, preset=preset, dtype=dtype, shards=shards, overrides=overrides
     )

@@ -7,7 +7,9 @@ and ``make_goldens_v4.py``) run in a Python 3.11 venv without JAX and load this 
 ``TINY_PRESETS`` are the MLA + DSA models (GLM-5.x, DeepSeek-V3.2); ``V4_TINY_PRESETS`` the
 DeepSeek-V4 ones, in HF's serialized form (what ``DeepseekV4Config.save_pretrained`` writes), which
 :func:`release_form` turns into the upstream release form (``compress_ratios``, ``num_hash_layers``,
-``rope_scaling``, ``qk_rope_head_dim``) that DeepSeek's checkpoints ship.
+``rope_scaling``, ``qk_rope_head_dim``) that DeepSeek's checkpoints ship. ``GLM5_NEXT_TINY_PRESETS``
+are GLM-5.3-Flash (``glm5_next``) in HF's serialized form: ``text_config`` and ``vision_config``
+nested, as ``Glm5NextConfig.save_pretrained`` writes them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ import copy
 from typing import Any
 
 # The preset ``make_tiny`` writes for a family when none is named.
-DEFAULT_PRESET = {"glm_moe_dsa": "glm5", "deepseek_v32": "dsv32", "deepseek_v4": "dsv4"}
+DEFAULT_PRESET = {
+    "glm_moe_dsa": "glm5",
+    "deepseek_v32": "dsv32",
+    "deepseek_v4": "dsv4",
+    "glm5_next": "glm53",
+}
 
 _TINY_COMMON: dict[str, Any] = {
     "vocab_size": 256,
@@ -211,3 +218,88 @@ _HF_ONLY_KEYS = (
     "rope_parameters",
     "partial_rotary_factor",
 )
+
+# GLM-5.3-Flash (glm5_next), in HF's serialized form.
+
+KDA, DSA = "linear_attention", "indexed_attention"
+
+# Every layer kind of the model: KDA layers with a dense and with a MoE FFN, DSA layers with their own
+# indexer (dense and MoE FFN) and one "shared" DSA layer (right after a full one: HF reuses only the
+# previous layer's top-k). 16 indexer heads (ReLU ties, docs/models.md §8.13); key pools of 4 tokens
+# and index_topk 8 (two pools) so that prompts cross many pool boundaries and attention is sparse
+# from 12 tokens on. The KDA width 4 x 32 differs from hidden_size, MLA's nope 32 from v 24, so that
+# a transposed weight shows in its shape. swiglu_limit 1.5 makes the SwiGLU clamp fire with
+# unit-scale activations; n_group 4 exercises group routing (the release has one group). No MTP
+# layer: HF defines no next-n weights for this model (docs/models.md §9.10). pad_token_id is the
+# GLM tokenizer's <|endoftext|> (HF's default 154820 lies outside a 512-token vocabulary).
+GLM5_NEXT_TINY_PRESETS: dict[str, dict[str, Any]] = {
+    "glm53": {
+        "architectures": ["Glm5NextForConditionalGeneration"],
+        "model_type": "glm5_next",
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "glm5_next_text",
+            "vocab_size": 512,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "num_hidden_layers": 8,
+            "layer_types": [KDA, DSA, DSA, KDA, KDA, DSA, KDA, DSA],
+            "indexer_types": ["full", "full", "shared", "full", "full", "full", "full", "full"],
+            "mlp_layer_types": ["dense", "dense"] + ["sparse"] * 6,
+            "linear_num_heads": 4,
+            "linear_head_dim": 32,
+            "linear_conv_kernel_dim": 4,
+            "linear_lower_bound": -5.0,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 128,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 0,
+            "v_head_dim": 24,
+            "index_n_heads": 16,
+            "index_head_dim": 32,
+            "index_topk": 8,
+            "index_kpool": 4,
+            "index_kpool_always_select_tail": True,
+            "hc_mult": 4,
+            "hc_sinkhorn_iters": 20,
+            "hc_eps": 1e-6,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "swiglu_limit": 1.5,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 256,
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "pad_token_id": 492,
+            "bos_token_id": None,
+            "eos_token_id": None,
+        },
+        "vision_config": {
+            "model_type": "glm5_next_vision",
+            "depth": 2,
+            "hidden_size": 32,
+            "num_heads": 2,
+            "intermediate_size": 64,
+            "out_hidden_size": 64,  # the text model's hidden_size: merged patches replace token embeddings
+            "projection_intermediate_size": 48,
+            "patch_size": 14,
+            "temporal_patch_size": 2,
+            "spatial_merge_size": 2,
+            "in_channels": 3,
+            "hidden_act": "silu",
+            "attention_bias": True,
+            "rms_norm_eps": 1e-5,
+            "swiglu_limit": 10.0,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
+        },
+    },
+}
