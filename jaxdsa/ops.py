@@ -71,6 +71,13 @@ DeepSeek-V4 (docs/models.md §3; on a mesh these run replicated: V4's streams an
 - ``compress_pool(kv [W,m,cd], score [W,m,cd], norm [d], *, eps, prev_kv=None, prev_score=None)
   -> [W,d]``: the compressor's gated per-channel softmax pooling of complete windows (c = 2:
   overlapping CSA windows, the previous window's first half carried in ``prev_*``), then RMSNorm.
+
+GLM-5.3-Flash (docs/models.md §9; replicated over TP for now, like V4's streams):
+
+- ``kda_recurrent(q, k, g [T,Hl,Kl], v [T,Hl,Vl], beta [T,Hl], state [R,Hl,Kl,Vl] f32, *, seq_ids [T],
+  rows [B], fresh [B] bool) -> (o [T,Hl,Vl], state)``: KDA's delta rule over a packed step, q and k
+  L2-normalized inside, each sequence's tokens (contiguous, in order) advancing its state row
+  ``rows[b]`` (from zeros where ``fresh``); o = 0 for padding.
 """
 
 from __future__ import annotations
@@ -95,6 +102,8 @@ from pallas_kernels.compress_pool import kernel as compress_pool_kernel
 from pallas_kernels.compress_pool import ref as compress_pool_ref
 from pallas_kernels.indexer_logits import kernel as indexer_logits_kernel
 from pallas_kernels.indexer_logits import ref as indexer_logits_ref
+from pallas_kernels.kda import kernel as kda_kernel
+from pallas_kernels.kda import ref as kda_ref
 from pallas_kernels.merge_states import kernel as merge_states_kernel
 from pallas_kernels.merge_states import ref as merge_states_ref
 from pallas_kernels.mhc import kernel as mhc_kernel
@@ -234,6 +243,11 @@ OPS: dict[str, Op] = {
         compress_pool_ref.compress_pool,
         compress_pool_kernel.compress_pool,
         OpSharding(args=(None,) * 3, kwargs={"prev_kv": None, "prev_score": None}, out=None),
+    ),
+    "kda_recurrent": Op(
+        kda_ref.recurrent_packed,
+        kda_kernel.recurrent_packed,
+        OpSharding(args=(None,) * 6, kwargs={"seq_ids": None, "rows": None, "fresh": None}, out=None),
     ),
 }
 
@@ -438,4 +452,10 @@ def hc_post(x, out, post, comb):
 def compress_pool(kv, score, norm, *, eps: float, prev_kv=None, prev_score=None):
     return _impl("compress_pool", get_kernels())(
         kv, score, norm, eps=eps, prev_kv=prev_kv, prev_score=prev_score
+    )
+
+
+def kda_recurrent(q, k, v, g, beta, state, *, seq_ids, rows, fresh):
+    return _impl("kda_recurrent", get_kernels())(
+        q, k, v, g, beta, state, seq_ids=seq_ids, rows=rows, fresh=fresh
     )

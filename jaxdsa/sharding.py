@@ -91,6 +91,12 @@ RULES: dict[str, tuple[str, ...]] = {
     "compress_width": (),  # a compressor's projected row (one or two halves of head_dim)
     "hash_vocab": (),  # the hash-routing table's token axis (looked up by token id)
     "experts_per_token": (),
+    # GLM-5.3-Flash's KDA layers: replicated over TP for now (every device runs every KDA head; the
+    # per-sequence state is whole on each), like DeepSeek-V4's streams.
+    "linear_heads": (),
+    "linear_head_dim": (),
+    "linear_rank": (),  # the forget gate's and the output gate's rank-K bottleneck
+    "conv_taps": (),  # the short convolution's taps
 }
 
 

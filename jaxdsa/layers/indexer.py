@@ -117,6 +117,18 @@ class Indexer(nnx.Module):
         """-> index queries [T, n, d] and float32 head weights [T, n] with both scales folded in."""
         return self._rope_front(self.wq_b(q_lat), cos, sin), self.weights_proj(x) * self.score_scale
 
+    def projections(self) -> tuple[Linear, ...]:
+        """The projections of the layer input that run with MLA's (one launch where quantized alike)."""
+        return (self.wk,)
+
+    def update(
+        self, x: jax.Array, q_lat: jax.Array, projected: list, ctx: StepContext, keys: KeyPages, slots
+    ) -> tuple[KeyPages, jax.Array | None]:
+        """Write the step's keys (from ``projected``: :meth:`projections` of ``x``) at ``slots``, then, in a
+        sparse step, select -> (keys, top-k key positions [T, topk] or None)."""
+        keys = keys.write(slots, self.keys(projected[0], ctx.cos, ctx.sin))
+        return keys, self.select(x, q_lat, ctx, keys) if ctx.sparse else None
+
     def select(self, x: jax.Array, q_lat: jax.Array, ctx: StepContext, keys: KeyPages) -> jax.Array:
         """Top-k key positions [T, topk] of each query over its sequence's cached keys (-1 = none)."""
         q, w = self.queries(x, q_lat, ctx.cos, ctx.sin)

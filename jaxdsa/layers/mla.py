@@ -30,7 +30,7 @@ from flax import nnx
 from jaxdsa import ops
 from jaxdsa.cache import Cache, LayerPages, kv_fp8, slots_for
 from jaxdsa.layers.context import StepContext
-from jaxdsa.layers.indexer import Indexer, KeyPages
+from jaxdsa.layers.indexer import Indexer
 from jaxdsa.layers.linear import Linear, project
 from jaxdsa.layers.norms import StackedRMSNorm
 from jaxdsa.layers.rope import apply_rope
@@ -152,6 +152,8 @@ class MLAttention(nnx.Module):
         decode three XLA reductions and a scaling fewer); anything else, XLA's ops."""
         quantized = lambda m: isinstance(split_layer(m.weight.get_value())[0], QuantizedWeight)  # noqa: E731
         joined = tuple(w for w in wk if quantized(w))  # a dense wk beside them runs on its own
+        if len(joined) > 1 or cos.shape[-1] == 0:  # the kernel joins one more projection, after RoPE
+            joined = ()
         stacks, layers = zip(*(split_layer(m.weight.get_value()) for m in (self.q_a, self.kv_a, *joined)))
         norms, norm_layers = zip(
             *(split_layer(n.weight.get_value()) for n in (self.q_a_norm, self.kv_a_norm))
@@ -202,30 +204,25 @@ class MLAttention(nnx.Module):
         x: jax.Array,
         ctx: StepContext,
         latent: LatentPages,
-        index_keys: KeyPages | None,
+        index_keys,
         prev_topk: jax.Array | None,
     ):
-        """-> (out [T, D] float32, latent, index_keys, topk key positions [T, K] or None). ``out`` is
+        """-> (out [T, D] float32, latent, index_keys, topk key positions [T, K] or None). ``index_keys``:
+        what the indexer keeps in the cache (:meth:`Indexer.update`; None without one). ``out`` is
         the all-reduced sum of the output projection's shards, left in float32 for the next
         residual add to round (one kernel fewer than a cast of its own). An FP8 latent cache
         (:class:`LatentPages`) is quantized as it is written and decoded where it is read."""
         meta, page_size = ctx.meta, latent.rows.page_size
         slots = slots_for(meta.page_table, meta.seq_ids, ctx.positions, page_size)
         # the projections of the layer input in one kernel launch when they are quantized alike
-        wk = (self.indexer.wk,) if self.indexer is not None else ()
+        wk = self.indexer.projections() if self.indexer is not None else ()
         q_lat, row, *wk_x = self.project_latent(x, wk, ctx.cos, ctx.sin)
         latent = latent.write(slots, row)
+        topk = prev_topk if ctx.sparse else None
         if self.indexer is not None:
-            index_keys = index_keys.write(slots, self.indexer.keys(wk_x[0], ctx.cos, ctx.sin))
-
-        topk = None
-        if ctx.sparse:
-            if self.indexer is not None:
-                topk = self.indexer.select(x, q_lat, ctx, index_keys)
-            elif prev_topk is None:
-                raise ValueError("a shared-indexer layer needs an earlier full layer's top-k")
-            else:
-                topk = prev_topk
+            index_keys, topk = self.indexer.update(x, q_lat, wk_x, ctx, index_keys, slots)
+        elif ctx.sparse and topk is None:
+            raise ValueError("a shared-indexer layer needs an earlier full layer's top-k")
 
         key_positions = jnp.arange(meta.page_table.shape[1] * page_size, dtype=jnp.int32)
         if ctx.absorbed:

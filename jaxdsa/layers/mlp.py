@@ -191,3 +191,14 @@ class MoE(nnx.Module):
         ``valid``: the step's real tokens (:meth:`Experts.partials`)."""
         ids, weights = self.router(x, shared_slot=self.experts.shared_slot)  # the column in its kernel
         return self.experts.partials(x, ids, weights, shared=self.shared, valid=valid)
+
+
+def mlp_partials(mlp: nnx.Module, x: jax.Array, valid: jax.Array) -> list[Partial] | Partial:
+    """The MLP's output as partial sums (:meth:`MoE.unreduced`, :meth:`MLP.unreduced`); a module that
+    only maps ``[T, D] -> [T, D]`` (a notebook's replacement) gives its output, taken as complete.
+    ``valid``: the step's real tokens (a MoE's host experts skip padding)."""
+    if isinstance(mlp, MoE):
+        return mlp.unreduced(x, valid)
+    if hasattr(mlp, "unreduced"):
+        return mlp.unreduced(x)
+    return Partial.whole(mlp(x))

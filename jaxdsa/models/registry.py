@@ -12,9 +12,10 @@ from jaxdsa.models.deepseek_v4.presets import RELEASED as V4_RELEASED
 from jaxdsa.models.dsa.family import FAMILY as DSA
 from jaxdsa.models.dsa.presets import RELEASED as DSA_RELEASED
 from jaxdsa.models.family import ModelFamily
+from jaxdsa.models.glm5_next.family import FAMILY as GLM5_NEXT
 
 FAMILIES: dict[str, ModelFamily] = {
-    model_type: family for family in (DSA, DEEPSEEK_V4) for model_type in family.model_types
+    model_type: family for family in (DSA, DEEPSEEK_V4, GLM5_NEXT) for model_type in family.model_types
 }
 
 

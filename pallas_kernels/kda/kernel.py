@@ -43,7 +43,7 @@ from jax import lax
 
 from pallas_kernels._triton import compiler_params, pl, pltriton, tile_pad
 from pallas_kernels.kda import tuning
-from pallas_kernels.kda.ref import l2norm
+from pallas_kernels.kda.ref import l2norm, segments
 
 _F32 = jnp.float32
 _SUB = tuning.SUB
@@ -68,35 +68,99 @@ def _check(q, k, v, g, beta, lead: tuple[int, ...], what: str) -> tuple[int, int
 # decode
 
 
-def _decode_kernel(*refs, n_heads, dk, dv, block_k, block_v, has_valid):
-    if has_valid:
-        q_ref, k_ref, v_ref, g_ref, beta_ref, valid_ref, s_ref, o_ref, s_out_ref = refs
-    else:
-        q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref = refs
-    b, h = pl.program_id(0), pl.program_id(1)
-    row = b * n_heads + h
+def _recurrent_kernel(
+    first_ref, count_ref, row_ref, fresh_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_in_ref,
+    o_ref, s_out_ref, *, n_heads, dk, dv, block_k, block_v,
+):  # fmt: skip
+    seq, h = pl.program_id(0), pl.program_id(1)
     ks = jnp.arange(block_k, dtype=jnp.int32)
     vs = pl.program_id(2) * block_v + jnp.arange(block_v, dtype=jnp.int32)
     k_ok, v_ok = ks < dk, vs < dv
-    live = pltriton.load(valid_ref.at[b]) != 0 if has_valid else True
-    k_mask, v_mask = k_ok & live, v_ok & live
+    first, count = pltriton.load(first_ref.at[seq]), pltriton.load(count_ref.at[seq])
+    s_rows = (pltriton.load(row_ref.at[seq]) * n_heads + h) * dk + ks
+    s_mask = k_ok[:, None] & v_ok[None, :] & (count > 0)
+    s = pltriton.load(s_ref.at[s_rows[:, None], vs[None, :]], mask=s_mask, other=0.0)
+    s = jnp.where(pltriton.load(fresh_ref.at[seq]) != 0, 0.0, s)
 
-    def row_of(ref, cols, mask):
-        return pltriton.load(ref.at[row, cols], mask=mask, other=0.0).astype(_F32)
+    def token(i, s):
+        row = (first + i) * n_heads + h
+        load = lambda ref, cols, mask: pltriton.load(ref.at[row, cols], mask=mask, other=0.0).astype(_F32)  # noqa: E731
+        q = l2norm(load(q_ref, ks, k_ok)) * (1 / dk**0.5)
+        k = l2norm(load(k_ref, ks, k_ok))
+        s = s * jnp.exp(load(g_ref, ks, k_ok))[:, None]
+        delta = (load(v_ref, vs, v_ok) - jnp.sum(s * k[:, None], axis=0)) * pltriton.load(beta_ref.at[row])
+        s = s + k[:, None] * delta.astype(_F32)[None, :]
+        pltriton.store(o_ref.at[row, vs], jnp.sum(s * q[:, None], axis=0).astype(o_ref.dtype), mask=v_ok)
+        return s
 
-    q = l2norm(row_of(q_ref, ks, k_mask)) * (1 / dk**0.5)
-    k = l2norm(row_of(k_ref, ks, k_mask))
-    g = row_of(g_ref, ks, k_mask)
-    v = row_of(v_ref, vs, v_mask)
-    beta = pltriton.load(beta_ref.at[row]).astype(_F32)
-    tile = s_ref.at[(row * dk + ks)[:, None], vs[None, :]]
-    s_mask = k_mask[:, None] & v_mask[None, :]
-    s = pltriton.load(tile, mask=s_mask, other=0.0) * jnp.exp(g)[:, None]
-    delta = (v - jnp.sum(s * k[:, None], axis=0)) * beta
-    s = s + k[:, None] * delta[None, :]
-    o = jnp.sum(s * q[:, None], axis=0)
-    pltriton.store(o_ref.at[row, vs], o.astype(o_ref.dtype), mask=v_ok)  # padding rows: o = 0
-    pltriton.store(s_out_ref.at[(row * dk + ks)[:, None], vs[None, :]], s, mask=s_mask)
+    s = lax.fori_loop(0, count, token, s)
+    pltriton.store(s_out_ref.at[s_rows[:, None], vs[None, :]], s, mask=s_mask)
+
+
+def recurrent_packed(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state: jax.Array,
+    *,
+    seq_ids: jax.Array,
+    rows: jax.Array,
+    fresh: jax.Array,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`pallas_kernels.kda.ref.recurrent_packed`: a packed step's tokens (q, k, g [T,H,K],
+    v [T,H,V], beta [T,H], ``seq_ids [T]``, each sequence's tokens contiguous and in order) advancing
+    their sequences' float32 states, rows ``rows [S]`` of ``state [R,H,K,V]`` (``fresh [S]``: start from
+    zeros) -> (o [T,H,V] in q's dtype, 0 for padding; the state buffer).
+
+    Grid ``(S, H, V / block_v)``: a program walks its sequence's tokens in order with its ``[K, block_v]``
+    state tile in registers, so a decode step (one token a sequence) reads and writes each state once and
+    a prefill chunk keeps it on chip throughout. The buffer is aliased in to out: a caller that donates
+    it (the engine's cache) updates only the rows it advances, in place."""
+    t = q.shape[0]
+    h, dk, dv = _check(q, k, v, g, beta, (t,), "recurrent_packed")
+    r, s = state.shape[0], rows.shape[0]
+    if state.shape != (r, h, dk, dv) or state.dtype != _F32:
+        raise ValueError(
+            f"recurrent_packed: state must be float32 [R,{h},{dk},{dv}], got {state.dtype} {state.shape}"
+        )
+    if seq_ids.shape != (t,) or fresh.shape != (s,):
+        raise ValueError(
+            f"recurrent_packed: seq_ids [{t}], rows and fresh [S]; "
+            f"got {seq_ids.shape}, {rows.shape}, {fresh.shape}"
+        )
+    o = jnp.zeros((t * h, dv), q.dtype)
+    if t * h * s == 0:
+        return o.reshape(t, h, dv), state
+    first, count = segments(seq_ids, s)
+    cfg = tuning.choose_decode(dv)
+    kernel = functools.partial(
+        _recurrent_kernel, n_heads=h, dk=dk, dv=dv, block_k=tile_pad(dk), block_v=cfg.block_v
+    )
+    o, state = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct(o.shape, o.dtype), jax.ShapeDtypeStruct((r * h * dk, dv), _F32)),
+        grid=(s, h, pl.cdiv(dv, cfg.block_v)),
+        input_output_aliases={10: 0, 9: 1},
+        compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name="kda_recurrent",
+    )(
+        first,
+        count,
+        rows.astype(jnp.int32),
+        fresh.astype(jnp.int32),
+        q.reshape(t * h, dk),
+        k.reshape(t * h, dk),
+        v.reshape(t * h, dv),
+        g.reshape(t * h, dk),
+        beta.reshape(t * h),
+        state.reshape(r * h * dk, dv),
+        o,
+    )
+    return o.reshape(t, h, dv), state.reshape(r, h, dk, dv)
 
 
 def recurrent_step(
@@ -111,55 +175,18 @@ def recurrent_step(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """One decode token for each of B sequences: q, k, g [B,H,K], v [B,H,V], beta [B,H], state [B,H,K,V]
-    float32 -> (o [B,H,V] in q's dtype, new state [B,H,K,V] float32).
-
-    Per row, :func:`pallas_kernels.kda.ref.recurrent` with T = 1. ``valid`` [B] (bool) marks the rows that
-    hold a sequence; the others (batch padding) get o = 0 and their state back unchanged. The new state
-    is written over ``state``'s buffer (aliased): jit the caller with ``state`` donated and the update is
-    in place; otherwise XLA copies the state once before the kernel."""
+    float32 -> (o [B,H,V] in q's dtype, new state [B,H,K,V] float32): :func:`recurrent_packed` with one
+    token a sequence. ``valid`` [B] (bool) marks the rows that hold a sequence; the others (batch padding)
+    get o = 0 and their state back unchanged."""
     b = q.shape[0]
-    h, dk, dv = _check(q, k, v, g, beta, (b,), "recurrent_step")
-    if state.shape != (b, h, dk, dv) or state.dtype != _F32:
-        raise ValueError(
-            f"recurrent_step: state must be float32 {(b, h, dk, dv)}, got {state.dtype} {state.shape}"
-        )
     if valid is not None and valid.shape != (b,):
         raise ValueError(f"recurrent_step: valid must be [{b}], got {valid.shape}")
-    if b * h == 0:
-        return jnp.zeros((b, h, dv), q.dtype), state
-    cfg = tuning.choose_decode(dv)
-    args = [
-        q.reshape(b * h, dk),
-        k.reshape(b * h, dk),
-        v.reshape(b * h, dv),
-        g.reshape(b * h, dk),
-        beta.reshape(b * h),
-    ]
-    if valid is not None:
-        args.append(valid.astype(jnp.int32))
-    args.append(state.reshape(b * h * dk, dv))
-    kernel = functools.partial(
-        _decode_kernel,
-        n_heads=h,
-        dk=dk,
-        dv=dv,
-        block_k=tile_pad(dk),
-        block_v=cfg.block_v,
-        has_valid=valid is not None,
+    ids = jnp.arange(b, dtype=jnp.int32)
+    seq_ids = ids if valid is None else jnp.where(valid, ids, -1)
+    fresh = jnp.zeros((b,), bool)
+    return recurrent_packed(
+        q, k, v, g, beta, state, seq_ids=seq_ids, rows=ids, fresh=fresh, interpret=interpret
     )
-    o, new_state = pl.pallas_call(
-        kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct((b * h, dv), q.dtype),
-            jax.ShapeDtypeStruct((b * h * dk, dv), _F32),
-        ),
-        grid=(b, h, pl.cdiv(dv, cfg.block_v)),
-        input_output_aliases={len(args) - 1: 1},
-        compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
-        interpret=interpret,
-        name="kda_recurrent_step",
-    )(*args)
-    return o.reshape(b, h, dv), new_state.reshape(b, h, dk, dv)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -101,6 +101,58 @@ def recurrent(
     return o.astype(out_dtype), state
 
 
+def segments(seq_ids: jax.Array, num_seqs: int) -> tuple[jax.Array, jax.Array]:
+    """(first token, token count) of each of ``num_seqs`` sequences in a packed step whose tokens carry
+    ``seq_ids [T]`` (-1: padding), each sequence's tokens contiguous and in order (0, 0 where none)."""
+    t = seq_ids.shape[0]
+    ids = jnp.where(seq_ids >= 0, seq_ids, num_seqs)  # padding: out of range, dropped
+    count = jax.ops.segment_sum(jnp.ones((t,), jnp.int32), ids, num_segments=num_seqs)
+    first = jax.ops.segment_min(jnp.arange(t, dtype=jnp.int32), ids, num_segments=num_seqs)
+    return jnp.where(count > 0, first, 0), count
+
+
+def recurrent_packed(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state: jax.Array,
+    *,
+    seq_ids: jax.Array,
+    rows: jax.Array,
+    fresh: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`recurrent` over a packed step of several sequences, their states kept in rows of a buffer.
+
+    q, k, g [T,H,K], v [T,H,V], beta [T,H]: the step's tokens; ``seq_ids [T]`` their sequence (-1:
+    padding), each sequence's tokens contiguous and in order (how the engine packs a step). ``state
+    [R,H,K,V]`` float32 holds sequence s's state in row ``rows[s]`` (``rows [S]``); ``fresh [S]`` (bool):
+    sequence s starts from a zero state (its tokens begin at position 0), else from its row. -> (o [T,H,V]
+    in q's dtype, 0 for padding; the state buffer with every sequence's row advanced past its tokens,
+    other rows as they were). Token by token, each reading and writing its sequence's row."""
+    out_dtype = q.dtype
+    q, k, v, g, beta = (x.astype(_F32) for x in (q, k, v, g, beta))
+    q, k = l2norm(q) * (1 / (k.shape[-1] ** 0.5)), l2norm(k)
+    first, _ = segments(seq_ids, rows.shape[0])
+    live = seq_ids >= 0
+    seq = jnp.where(live, seq_ids, 0)
+    reset = live & (jnp.arange(seq_ids.shape[0]) == first[seq]) & fresh[seq]
+
+    def step(buf, xs):
+        q_t, k_t, v_t, g_t, b_t, s_t, live_t, reset_t = xs
+        r = rows[s_t]
+        old = buf[r]
+        s = jnp.where(reset_t, 0.0, old) * jnp.exp(g_t)[..., None]
+        delta = (v_t - jnp.sum(s * k_t[..., None], axis=-2)) * b_t[..., None]
+        s = s + k_t[..., None] * delta[..., None, :]
+        o = jnp.where(live_t, jnp.sum(s * q_t[..., None], axis=-2), 0.0)
+        return buf.at[r].set(jnp.where(live_t, s, old)), o
+
+    state, o = jax.lax.scan(step, state.astype(_F32), (q, k, v, g, beta, seq, live, reset))
+    return o.astype(out_dtype), state
+
+
 def chunked(
     q: jax.Array,
     k: jax.Array,

@@ -27,6 +27,8 @@ BF16_OUT_TOL = 1e-3  # bf16 outputs (measured <= 3e-5): two float32 o, each roun
 # compiles them (and the refs) in about half the time, which is most of this file's time.
 _jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 _step = _jit(functools.partial(kernel.recurrent_step, interpret=True))
+_packed = _jit(functools.partial(kernel.recurrent_packed, interpret=True))
+_ref_packed = _jit(ref.recurrent_packed)
 _prefill = _jit(kernel.chunked, static_argnames=("chunk", "interpret", "config"))
 _ref_chunked = _jit(ref.chunked, static_argnames=("chunk",))
 _ref_recurrent = _jit(ref.recurrent)
@@ -90,6 +92,51 @@ def test_decode_matches_reference(name):
     np.testing.assert_array_equal(new[~live], state[~live])  # padding rows: state untouched
     assert np.isfinite(o).all() and _rel(o[live], want_o[live, 0]) <= _o_tol(dtype)
     assert _rel(new[live], want_s[live]) <= TOL
+
+
+# packed steps: several sequences, each a run of tokens, states in rows of a buffer
+
+# seq_ids of a packed step (-1 padding) over S = 4 sequences (sequence 3 has no token in it) and where
+# their states live in a buffer of 8 rows; sequence 0 starts fresh (its tokens begin at position 0).
+PACKED_SEQ_IDS = (0, 0, 0, 2, 1, 1, 1, 1, 1, 1, 1, -1, -1)
+PACKED_ROWS, PACKED_FRESH = (5, 0, 3, 7), (True, False, False, False)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_packed_matches_reference_and_each_sequence_alone(dtype):
+    """Kernel == ref over ragged runs, a padded tail and an absent sequence; the ref == :func:`ref.recurrent`
+    of each sequence alone from its own row (or zeros when fresh); rows no sequence owns are untouched."""
+    seq_ids = jnp.asarray(PACKED_SEQ_IDS, jnp.int32)
+    rows, fresh = jnp.asarray(PACKED_ROWS, jnp.int32), jnp.asarray(PACKED_FRESH)
+    args = _inputs(3, (len(PACKED_SEQ_IDS),), H, DK, DV, dtype)
+    state = _state(2, (8, H, DK, DV))
+    o, new = _packed(*args, state, seq_ids=seq_ids, rows=rows, fresh=fresh)
+    want_o, want_s = _ref_packed(*args, state, seq_ids=seq_ids, rows=rows, fresh=fresh)
+    _check_o(o, want_o, dtype)
+    assert new.dtype == jnp.float32 and _rel(new, want_s) <= TOL
+    ids = np.asarray(PACKED_SEQ_IDS)
+    assert not np.asarray(o, np.float32)[ids < 0].any()
+    for seq in range(3):
+        at = ids == seq
+        start = None if PACKED_FRESH[seq] else state[PACKED_ROWS[seq]]
+        alone_o, alone_s = _ref_recurrent(*(x[at] for x in args), start)
+        assert _rel(want_o[at], alone_o) <= TOL and _rel(want_s[PACKED_ROWS[seq]], alone_s) <= TOL
+    untouched = [r for r in range(8) if r not in PACKED_ROWS[:3]]
+    np.testing.assert_array_equal(np.asarray(new)[untouched], np.asarray(state)[untouched])
+
+
+def test_packed_long_run_equals_chunked_prefill():
+    """One sequence of 130 tokens from a cached state (a prefill chunk): the packed recurrence == the
+    chunked ref (HF's prefill), up to float32 rounding."""
+    args = _inputs(9, (130,), H, DK, DV, jnp.float32)
+    state = _state(4, (2, H, DK, DV))
+    one = jnp.ones((1,), jnp.int32)
+    o, new = _packed(
+        *args, state, seq_ids=jnp.zeros((130,), jnp.int32), rows=one, fresh=jnp.zeros((1,), bool)
+    )
+    want_o, want_s = _ref_chunked(*args, state[1])
+    assert _rel(o, want_o) <= TOL and _rel(new[1], want_s) <= TOL
+    np.testing.assert_array_equal(np.asarray(new[0]), np.asarray(state[0]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,10 +252,13 @@ def test_lowers_for_cuda(target, monkeypatch):
     for b, dtype in [(1, jnp.bfloat16), (64, jnp.float32)]:
         state = _S((b, GLM53_H, d, d), jnp.float32)
         text = lower_for_cuda(kernel.recurrent_step, *_operands((b,), dtype), state, target=target)
-        assert _aliased_operand(text) == 5
-        with_valid = lambda *a: kernel.recurrent_step(*a[:6], valid=a[6])  # noqa: E731
-        text = lower_for_cuda(with_valid, *_operands((b,), dtype), state, _S((b,), jnp.bool_), target=target)
-        assert _aliased_operand(text) == 6
+        assert _aliased_operand(text) == 9
+    for t, s in [(4096, 1), (64, 64)]:  # a long prefill run; a decode step of 64 sequences
+        packed = lambda *a: kernel.recurrent_packed(*a[:6], seq_ids=a[6], rows=a[7], fresh=a[8])  # noqa: E731
+        state = _S((2 * s, GLM53_H, d, d), jnp.float32)
+        ids, seqs = _S((t,), jnp.int32), _S((s,), jnp.int32)
+        text = lower_for_cuda(packed, *_operands((t,), jnp.bfloat16), state, ids, seqs, seqs, target=target)
+        assert _aliased_operand(text) == 9
     for t, dtype in [(4096, jnp.bfloat16), (65, jnp.float32)]:
         state = _S((GLM53_H, d, d), jnp.float32)
         text = lower_for_cuda(kernel.chunked, *_operands((t,), dtype), state, target=target)

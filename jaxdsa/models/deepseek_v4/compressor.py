@@ -78,11 +78,7 @@ class Compressor(nnx.Module):
         done = ctx.take(at, jnp.arange(n) < jnp.sum(complete))
         start = done.positions // m * m
         source = start[:, None] + jnp.arange(-m if self.overlap else 0, m, dtype=jnp.int32)[None, :]
-        flat, ring_at = state.rows(done.ring_slots(source, state.page_size))
-        step_at = done.step_rows(source)
-        got = jnp.where(
-            (step_at >= 0)[..., None], rows[jnp.maximum(step_at, 0)], flat[jnp.maximum(ring_at, 0)]
-        )  # [n, (1 | 2) m, 2 c d]
+        got = done.gather_rows(source, rows, state)  # [n, (1 | 2) m, 2 c d]
         valid = (source >= 0)[..., None]
         cd = kv.shape[-1]
         kv_rows = jnp.where(valid, got[..., :cd], 0.0)

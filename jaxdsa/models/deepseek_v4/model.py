@@ -21,6 +21,7 @@ from jaxdsa.cache import Cache, StepMeta
 from jaxdsa.layers.linear import Embed, Linear
 from jaxdsa.layers.norms import RMSNorm
 from jaxdsa.layers.rope import cos_sin
+from jaxdsa.layers.segments import segments
 from jaxdsa.models.deepseek_v4.attention import Attention
 from jaxdsa.models.deepseek_v4.config import V4Config
 from jaxdsa.models.deepseek_v4.context import V4Context
@@ -95,7 +96,7 @@ class V4Model(nnx.Module):
         cfg = self.cfg
         main = cos_sin(positions, cfg.rope, cfg.qk_rope_head_dim)
         compress = cos_sin(positions, cfg.compress_rope, cfg.qk_rope_head_dim)
-        return V4Context(tokens, positions, meta, main, compress, *V4Context.segments(positions, meta))
+        return V4Context(tokens, positions, meta, main, compress, *segments(positions, meta))
 
     def __call__(self, tokens, positions, cache: Cache, meta: StepMeta) -> tuple[jax.Array, Cache]:
         """Run every block -> (the final streams [T, n, D] of every token, the new cache)."""

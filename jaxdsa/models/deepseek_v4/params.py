@@ -62,7 +62,7 @@ def _nest(prefix: Path, tree: dict[Path, Leaf]) -> dict[Path, Leaf]:
     return {prefix + path: leaf for path, leaf in tree.items()}
 
 
-def _hc(name: str, cfg: V4Config, mix: int, scales: int) -> dict[Path, Leaf]:
+def hc_tensors(name: str, cfg, mix: int, scales: int) -> dict[Path, Leaf]:
     """An HC site (``{name}_fn [mix, n D]``, ``_base``, ``_scale``) or head; fn transposed to [n D, mix]."""
     nd = cfg.hc_mult * cfg.hidden_size
     return {
@@ -133,8 +133,8 @@ def block_spec(cfg: V4Config, prefix: str, layer: int) -> dict[Path, Leaf]:
     return {
         ("attn_norm", "weight"): Tensor(prefix + "attn_norm.weight", (D,)),
         ("ffn_norm", "weight"): Tensor(prefix + "ffn_norm.weight", (D,)),
-        **_nest(("hc_attn",), _hc(prefix + "hc_attn", cfg, (2 + n) * n, 3)),
-        **_nest(("hc_ffn",), _hc(prefix + "hc_ffn", cfg, (2 + n) * n, 3)),
+        **_nest(("hc_attn",), hc_tensors(prefix + "hc_attn", cfg, (2 + n) * n, 3)),
+        **_nest(("hc_ffn",), hc_tensors(prefix + "hc_ffn", cfg, (2 + n) * n, 3)),
         **_nest(("attn",), _attention(cfg, prefix + "attn.", layer)),
         **_nest(("ffn",), ffn),
     }
@@ -148,7 +148,7 @@ def _mtp_spec(cfg: V4Config) -> dict[Path, Leaf]:
         ("e_proj", "weight"): Linear(p + "e_proj", D, D),
         ("h_proj", "weight"): Linear(p + "h_proj", D, D),
         ("norm", "weight"): Tensor(p + "norm.weight", (D,)),
-        **_nest(("hc_head",), _hc(p + "hc_head", cfg, cfg.hc_mult, 1)),
+        **_nest(("hc_head",), hc_tensors(p + "hc_head", cfg, cfg.hc_mult, 1)),
         **_nest(("block",), block_spec(cfg, p, cfg.num_hidden_layers)),
     }
 
@@ -163,7 +163,7 @@ def param_spec(cfg: V4Config, model: V4Model) -> dict[Path, Spec]:
         ("embed", "weight"): Tensor("embed.weight", (V, D), init="embed"),
         ("norm", "weight"): Tensor("norm.weight", (D,)),
         ("head", "weight"): Linear("head", V, D),
-        **_nest(("hc_head",), _hc("hc_head", cfg, cfg.hc_mult, 1)),
+        **_nest(("hc_head",), hc_tensors("hc_head", cfg, cfg.hc_mult, 1)),
     }
     spec |= group_specs(model.groups, lambda i: block_spec(cfg, f"layers.{i}.", i))
     for k in range(len(model.mtp)):

@@ -28,7 +28,7 @@ from jaxdsa.layers.context import StepContext
 from jaxdsa.layers.indexer import Indexer, KeyPages
 from jaxdsa.layers.linear import Embed, Linear
 from jaxdsa.layers.mla import LatentPages, MLAttention
-from jaxdsa.layers.mlp import MLP, Experts, MoE, Router
+from jaxdsa.layers.mlp import MLP, Experts, MoE, Router, mlp_partials
 from jaxdsa.layers.norms import ResidualRMSNorm, RMSNorm, add_residual
 from jaxdsa.layers.rope import cos_sin
 from jaxdsa.models.dsa.config import HF_LATENT_NORM_EPS, INDEXER_K_NORM_EPS, DsaConfig
@@ -119,19 +119,8 @@ class DecoderLayer(nnx.Module):
         a, latent, index, topk = self.attn(x, ctx, latent, index, topk)
         cache = cache | latent.entries() | (index.entries() if index else {})
         x, h = self.post_attn_norm(h, a)
-        stream = (h, sharding.reduce_partials(_mlp_partials(self.mlp, x, ctx.meta.seq_ids >= 0)))
+        stream = (h, sharding.reduce_partials(mlp_partials(self.mlp, x, ctx.meta.seq_ids >= 0)))
         return tuple(sharding.constrain(v, ("batch", "embed")) for v in stream), cache, topk
-
-
-def _mlp_partials(mlp: nnx.Module, x: jax.Array, valid: jax.Array):
-    """The MLP's output as partial sums (:meth:`MoE.unreduced`, :meth:`MLP.unreduced`); a module that
-    only maps ``[T, D] -> [T, D]`` (a notebook's replacement) gives its output, taken as complete.
-    ``valid``: the step's real tokens (a MoE's host experts skip padding)."""
-    if isinstance(mlp, MoE):
-        return mlp.unreduced(x, valid)
-    if hasattr(mlp, "unreduced"):
-        return mlp.unreduced(x)
-    return sharding.Partial.whole(mlp(x))
 
 
 class MtpLayer(nnx.Module):

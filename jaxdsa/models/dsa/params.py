@@ -28,7 +28,7 @@ from jaxdsa.models.layer_groups import group_specs
 Path = tuple
 
 
-def _mlp(prefix: str, hidden: int, inter: int) -> dict[Path, Leaf]:
+def mlp_tensors(prefix: str, hidden: int, inter: int) -> dict[Path, Leaf]:
     return {
         ("gate", "weight"): Linear(prefix + "gate_proj", inter, hidden),
         ("up", "weight"): Linear(prefix + "up_proj", inter, hidden),
@@ -36,7 +36,7 @@ def _mlp(prefix: str, hidden: int, inter: int) -> dict[Path, Leaf]:
     }
 
 
-def _nest(prefix: Path, tree: dict[Path, Leaf]) -> dict[Path, Leaf]:
+def nest(prefix: Path, tree: dict[Path, Leaf]) -> dict[Path, Leaf]:
     return {prefix + path: leaf for path, leaf in tree.items()}
 
 
@@ -58,7 +58,7 @@ def layer_spec(cfg: DsaConfig, layer: int) -> dict[Path, Leaf]:
     }
     if cfg.has_indexer(layer):
         n, d, i = cfg.index_n_heads, cfg.index_head_dim, a + "indexer."
-        attn |= _nest(
+        attn |= nest(
             ("indexer",),
             {
                 ("wq_b", "weight"): Linear(
@@ -73,7 +73,7 @@ def layer_spec(cfg: DsaConfig, layer: int) -> dict[Path, Leaf]:
     tree = {
         ("input_norm", "weight"): Tensor(p + "input_layernorm.weight", (D,)),
         ("post_attn_norm", "weight"): Tensor(p + "post_attention_layernorm.weight", (D,)),
-        **_nest(("attn",), attn),
+        **nest(("attn",), attn),
     }
     if cfg.is_moe_layer(layer):
         E, N = cfg.n_routed_experts, cfg.moe_intermediate_size
@@ -83,10 +83,10 @@ def layer_spec(cfg: DsaConfig, layer: int) -> dict[Path, Leaf]:
             ("mlp", "router", "bias"): Tensor(m + "gate.e_score_correction_bias", (E,), init="bias"),
             ("mlp", "experts", "gate_up"): ExpertGateUp(m + "experts", E, N, D),
             ("mlp", "experts", "down"): ExpertDown(m + "experts", E, N, D),
-            **_nest(("mlp", "shared"), _mlp(m + "shared_experts.", D, N * cfg.n_shared_experts)),
+            **nest(("mlp", "shared"), mlp_tensors(m + "shared_experts.", D, N * cfg.n_shared_experts)),
         }
     else:
-        tree |= _nest(("mlp",), _mlp(p + "mlp.", D, cfg.intermediate_size))
+        tree |= nest(("mlp",), mlp_tensors(p + "mlp.", D, cfg.intermediate_size))
     return tree
 
 
@@ -107,14 +107,14 @@ def param_spec(cfg: DsaConfig, model: DsaModel) -> dict[Path, Spec]:
     spec |= group_specs(model.groups, lambda i: layer_spec(cfg, i))
     for n in range(len(model.mtp)):
         layer, p = cfg.num_hidden_layers + n, f"model.layers.{cfg.num_hidden_layers + n}."
-        spec |= _nest(
+        spec |= nest(
             ("mtp", n),
             {
                 ("enorm", "weight"): Tensor(p + "enorm.weight", (D,)),
                 ("hnorm", "weight"): Tensor(p + "hnorm.weight", (D,)),
                 ("eh_proj", "weight"): Linear(p + "eh_proj", D, 2 * D),
                 ("shared_head_norm", "weight"): Tensor(p + "shared_head.norm.weight", (D,)),
-                **_nest(("layer",), layer_spec(cfg, layer)),
+                **nest(("layer",), layer_spec(cfg, layer)),
             },
         )
     return spec

@@ -190,6 +190,11 @@ class Glm5NextConfig:
     def dsa_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == DSA)
 
+    @property
+    def indexer_layers(self) -> tuple[int, ...]:
+        """The DSA layers that run their own indexer (and keep index keys in the cache)."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.has_indexer(i))
+
     def replace(self, **changes: Any) -> Glm5NextConfig:
         return dataclasses.replace(self, **changes)
 
