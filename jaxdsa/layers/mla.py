@@ -244,9 +244,10 @@ class MLAttention(nnx.Module):
             )
             mask = (key_positions[None, :] <= ctx.positions[:, None]) & (meta.seq_ids[:, None] >= 0)
             if ctx.sparse:
+                picked = jnp.where(topk >= 0, topk, mask.shape[1])  # -1 (none) out of range: dropped
                 selected = (
                     jnp.zeros(mask.shape, bool)
-                    .at[jnp.arange(mask.shape[0])[:, None], topk]
+                    .at[jnp.arange(mask.shape[0])[:, None], picked]
                     .set(True, mode="drop")
                 )
                 mask &= selected
