@@ -36,9 +36,8 @@ def prompts():
 
 @pytest.mark.parametrize("budget", [30, 26])
 def test_chunked_prefill_and_decode_equal_one_forward(checkpoint, prompts, budget):
-    llm = jaxdsa.LLM(
-        checkpoint, dtype="float32", page_size=8, max_num_seqs=4, max_num_batched_tokens=budget, progress=False
-    )
+    options = dict(page_size=8, max_num_seqs=4, max_num_batched_tokens=budget, progress=False)
+    llm = jaxdsa.LLM(checkpoint, dtype="float32", **options)
     for _ in range(2):  # the second round reuses cache rows that hold the first round's states
         tokens, logits = llm.generate(prompts, max_new_tokens=NEW, return_logits=True)
         for prompt, new, got in zip(prompts, tokens, logits):
