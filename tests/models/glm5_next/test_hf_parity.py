@@ -1,0 +1,66 @@
+"""GLM-5.3-Flash parity with Hugging Face transformers 5.23 on the committed goldens (tests/fixtures/glm53*),
+through the seam: ``jaxdsa.LLM(...).score`` (one step over the whole prompt: the expanded MLA form)
+and ``.generate`` (the engine: prefill, then decode through the cache: the absorbed form, the KDA
+states and rings, the pooled index keys).
+
+Two checkpoints of one architecture (HF-saved names in one file; the release's config spellings over
+four shards) on the pure-JAX reference ops, and the first on the Pallas kernels in interpret mode. The
+prompts cover the dense range (8 tokens), the sparse one within one KDA chunk (~45) and many key pools
+across two KDA chunk boundaries (~157); tests/fixtures/README_glm53.md says what each holds.
+"""
+
+import numpy as np
+import pytest
+
+import jaxdsa
+from jaxdsa import ops
+from tests.conftest import FIXTURES
+
+FIXTURE_NAMES = ["glm53", "glm53_sharded"]
+TOLERANCE = 1e-4
+
+
+def rel_l2(got, want):
+    return np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+
+
+def _case(name: str, backend: str):
+    previous = ops.get_kernels()
+    ops.set_kernels(backend)
+    llm = jaxdsa.LLM(FIXTURES / name, dtype="float32", page_size=8, max_num_seqs=2, progress=False)
+    yield llm, dict(np.load(FIXTURES / name / "golden.npz"))
+    ops.set_kernels(previous)
+
+
+@pytest.fixture(scope="module", params=FIXTURE_NAMES)
+def case(request):
+    yield from _case(request.param, "reference")
+
+
+@pytest.fixture(scope="module", params=FIXTURE_NAMES + ["glm53-interpret"])
+def scored(request):
+    name, _, backend = request.param.partition("-")
+    yield from _case(name, backend or "reference")
+
+
+def test_prompt_logits_at_every_position(scored):
+    llm, golden = scored
+    for prompt in ("short", "mid", "long"):
+        ids = golden[f"prompt_{prompt}"].tolist()
+        assert rel_l2(llm.score(ids), golden[f"logits_{prompt}"]).max() <= TOLERANCE, prompt
+
+
+@pytest.mark.parametrize("budget", [512, 20])
+def test_greedy_continuation_through_the_cache(case, budget):
+    """Prefill whole, or in chunks of 20 tokens (ending inside key pools) with a second copy of the
+    request in the same steps; then 16 decode steps."""
+    llm, golden = case
+    if budget != 512:
+        llm = jaxdsa.LLM(
+            llm.path, dtype="float32", page_size=8, max_num_seqs=2, max_num_batched_tokens=budget, progress=False
+        )
+    n, prompt = len(golden["greedy_tokens"]), golden["greedy_prompt"].tolist()
+    tokens, logits = llm.generate([prompt, prompt], max_new_tokens=n, return_logits=True)
+    for got, got_logits in zip(tokens, logits):
+        assert got == golden["greedy_tokens"].tolist()
+        assert rel_l2(got_logits, golden["greedy_logits"]).max() <= TOLERANCE
