@@ -4,7 +4,8 @@ pure-JAX refs (XLA) and the bytes' ceiling.
 Decode (one token for each of B sequences, H heads, K = V = head dim): each step reads and writes every
 sequence's float32 state [H, K, V], so its floor is those bytes at the HBM ceiling measured in the same
 run. Prefill (one sequence of T tokens, chunks of 64): reported as µs and tokens/s beside the ref, whose
-chunks run as an XLA scan. Every kernel result is checked against the ref (rel-L2) before it is timed.
+chunks run as an XLA scan, and beside the packed recurrent kernel (token by token, the path the model's
+steps take today: ``packed_us``). Every kernel result is checked against the ref (rel-L2) before it is timed.
 
     python -m benchmarks.kda [--heads 64] [--head-dim 128] [--batches 1,16,64] [--lengths 512,2048,8192]
 
@@ -53,6 +54,7 @@ def decode_rows(h: int, d: int, batches: list[int], gbs: float) -> list[dict]:
                 "kernel": "decode",
                 "B or T": batch,
                 "pallas_us": round(pallas * 1e6, 1),
+                "packed_us": "",
                 "ref_us": round(xla * 1e6, 1),
                 "floor_us": round(floor * 1e6, 1),
                 "of_ceiling": f"{floor / pallas:.0%}",
@@ -63,20 +65,32 @@ def decode_rows(h: int, d: int, batches: list[int], gbs: float) -> list[dict]:
     return rows
 
 
+def packed_prefill(q, k, v, g, beta, state):
+    """One sequence through :func:`kernel.recurrent_packed` (its state in row 0 of a one-row buffer)."""
+    one = jnp.zeros((1,), jnp.int32)
+    o, s = kernel.recurrent_packed(
+        q, k, v, g, beta, state[None], seq_ids=jnp.zeros(q.shape[:1], jnp.int32), rows=one, fresh=one > 0
+    )
+    return o, s[0]
+
+
 def prefill_rows(h: int, d: int, lengths: list[int]) -> list[dict]:
     rows = []
     ref_chunked = jax.jit(functools.partial(ref.chunked, chunk=64))
+    packed = jax.jit(packed_prefill)
     for t in lengths:
         args = inputs(jax.random.key(t), t, h, d, None, jnp.bfloat16)
-        got, want = kernel.chunked(*args), ref_chunked(*args)
-        err = max(harness.rel_l2(got[0], want[0]), harness.rel_l2(got[1], want[1]))
+        got, want, by_token = kernel.chunked(*args), ref_chunked(*args), packed(*args)
+        err = max(harness.rel_l2(a[i], want[i]) for a in (got, by_token) for i in (0, 1))
         pallas = harness.time_op(kernel.chunked, [args], replays=5)
         xla = harness.time_op(ref_chunked, [args], replays=5)
+        token_by_token = harness.time_op(packed, [args], replays=5)
         rows.append(
             {
                 "kernel": "prefill",
                 "B or T": t,
                 "pallas_us": round(pallas * 1e6, 1),
+                "packed_us": round(token_by_token * 1e6, 1),
                 "ref_us": round(xla * 1e6, 1),
                 "floor_us": "",
                 "of_ceiling": f"{t / pallas / 1e3:.0f}k tok/s",
