@@ -67,7 +67,7 @@ def main(argv=None) -> int:
             dtype="float32",
             page_size=8,
             progress=False,
-            max_model_len=64,
+            max_model_len=64 * -(-(len(golden["greedy_prompt"]) + 16) // 64),
             kv_cache_dtype=args.kv_cache_dtype,
         )
         short, long = _score(llm, golden, "short"), _score(llm, golden, "long")
