@@ -230,7 +230,7 @@ KDA, DSA = "linear_attention", "indexed_attention"
 # from 12 tokens on. The KDA width 4 x 32 differs from hidden_size, MLA's nope 32 from v 24, so that
 # a transposed weight shows in its shape. swiglu_limit 1.5 makes the SwiGLU clamp fire with
 # unit-scale activations; n_group 4 exercises group routing (the release has one group). No MTP
-# layer: HF defines no next-n weights for this model (docs/models.md §9.10). pad_token_id is the
+# layer: HF defines no next-n weights for this model (docs/models.md §9.11). pad_token_id is the
 # GLM tokenizer's <|endoftext|> (HF's default 154820 lies outside a 512-token vocabulary).
 GLM5_NEXT_TINY_PRESETS: dict[str, dict[str, Any]] = {
     "glm53": {

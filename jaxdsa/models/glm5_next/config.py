@@ -139,7 +139,7 @@ class Glm5NextConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool = False
-    num_nextn_predict_layers: int = 0  # next-n layers in the file; HF runs none (docs/models.md §9.10)
+    num_nextn_predict_layers: int = 0  # next-n layers in the file; HF runs none (docs/models.md §9.11)
     qk_rope_head_dim: int = 0  # no position encoding anywhere in the text model
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()

@@ -61,7 +61,7 @@ class Glm5NextFamily(ModelFamily):
     ) -> Glm5NextModel:
         if mtp:
             raise ValueError(
-                "GLM-5.3-Flash has no next-n (MTP) layer that jaxdsa can run (docs/models.md §9.10)"
+                "GLM-5.3-Flash has no next-n (MTP) layer that jaxdsa can run (docs/models.md §9.11)"
             )
         return Glm5NextModel(cfg, dtype=dtype, rngs=rngs, parallelism=parallelism, scan_layers=scan_layers)
 
