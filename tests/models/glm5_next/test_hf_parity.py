@@ -56,9 +56,8 @@ def test_greedy_continuation_through_the_cache(case, budget):
     request in the same steps; then 16 decode steps."""
     llm, golden = case
     if budget != 512:
-        llm = jaxdsa.LLM(
-            llm.path, dtype="float32", page_size=8, max_num_seqs=2, max_num_batched_tokens=budget, progress=False
-        )
+        options = dict(page_size=8, max_num_seqs=2, max_num_batched_tokens=budget, progress=False)
+        llm = jaxdsa.LLM(llm.path, dtype="float32", **options)
     n, prompt = len(golden["greedy_tokens"]), golden["greedy_prompt"].tolist()
     tokens, logits = llm.generate([prompt, prompt], max_new_tokens=n, return_logits=True)
     for got, got_logits in zip(tokens, logits):
