@@ -20,6 +20,7 @@ hold ml_dtypes, the kernels and these against each other.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import re
 
 import ml_dtypes
@@ -40,7 +41,7 @@ DEEPSEEK_FP8_QUANTIZATION: dict = {
 class QuantConfig:
     """Weight quantization of the checkpoint files (``quantization_config`` in config.json)."""
 
-    method: str  # "fp8" (block-scaled e4m3) or "compressed-tensors" (pack-quantized int)
+    method: str  # "fp8" (block-scaled e4m3), "compressed-tensors" (pack-quantized int) or "nvfp4" (ModelOpt)
     weight_block_size: tuple[int, int] = (128, 128)
     num_bits: int = 4
     group_size: int = 32
@@ -51,7 +52,14 @@ class QuantConfig:
     def quantizes(self, module: str) -> bool:
         """Whether the Linear layer ``module`` (HF name without ``.weight``) is stored quantized:
         compressed-tensors matches a target or ignore entry when it equals the module name, is the
-        class name ``Linear``, or is ``re:<pattern>`` with ``re.match`` (a prefix match) on the name."""
+        class name ``Linear``, or is ``re:<pattern>`` with ``re.match`` (a prefix match) on the name.
+        ModelOpt's exclusions are ``fnmatch`` wildcards (docs/models.md §4.8), here matched against the
+        module and each module above it (``model.layers.0.self_attn`` excludes that attention's
+        linears, as vLLM's matching does)."""
+        if self.method == "nvfp4":
+            parts = module.split(".")
+            names = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+            return not any(fnmatch.fnmatchcase(name, p) for name in names for p in self.ignore)
         if self.method != "compressed-tensors":
             return True
 
@@ -65,6 +73,7 @@ class QuantConfig:
 
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+NVFP4_GROUP = 16  # inputs per e4m3 scale of an NVFP4 weight (docs/models.md §4.8)
 
 
 @dataclasses.dataclass(frozen=True)
