@@ -100,6 +100,8 @@ def weight_format(quant: QuantConfig, scale_dtype=None) -> WeightFormat:
     if quant.method == "fp8":
         b0, b1 = quant.weight_block_size
         return WeightFormat("fp8", (b1, b0), np.dtype(scale_dtype or np.float32))
+    if quant.method == "nvfp4":
+        return nvfp4_format()
     return WeightFormat(
         "int4", (quant.group_size, 1), np.dtype(scale_dtype or ml_dtypes.bfloat16), not quant.symmetric
     )

@@ -253,22 +253,25 @@ def pack_fp4(codes, scale, *, kpack: int | None = None) -> QuantizedWeight:
     return _weight(packed, xp.swapaxes(scale, -1, -2), None, "fp4", (FP4_GROUP, 1), kpack)
 
 
-def pack_nvfp4(codes, scale, global_scale, *, kpack: int | None = None) -> QuantizedWeight:
+def pack_nvfp4(
+    codes, scale, global_scale, *, kpack: int | None = None, global_group: tuple[int, int] | None = None
+) -> QuantizedWeight:
     """ModelOpt NVFP4 in HF orientation -> the kernels' layout.
 
     ``codes [..., N, K]`` e2m1 codes (0..15, e.g. ``jaxdsa.checkpoints.quant.unpack_fp4`` of the
     ``weight`` bytes); ``scale [..., N, K/16]`` float8_e4m3fn (``weight_scale``); ``global_scale``
     (``weight_scale_2``) a float32 scalar or one per leading index ``[...]`` (experts). The global
-    scales cover the largest power-of-two blocks of K and N (:func:`reblock_global` narrows them).
+    scales cover blocks of ``global_group`` (powers of two; default the largest that divide K and N),
+    the last ones partial where they do not divide: each matrix has one value, so any grid holds it.
     """
     xp = _xp(codes)
     *lead, n, k = codes.shape
     if scale.shape[-2:] != (n, -(-k // NVFP4_GROUP)):
         raise ValueError(f"scale {scale.shape} does not match a {codes.shape} NVFP4 weight")
     kpack = kpack or default_kpack(k, "nvfp4")
-    gk, gn = k & -k, n & -n  # the largest powers of two dividing K and N
+    gk, gn = global_group or (k & -k, n & -n)  # the largest powers of two dividing K and N
     g = xp.asarray(global_scale, xp.float32)[..., None, None]
-    global_scales = xp.broadcast_to(g, (*lead, k // gk, n // gn))
+    global_scales = xp.broadcast_to(g, (*lead, -(-k // gk), -(-n // gn)))
     packed = pack_nibbles(xp.swapaxes(codes, -1, -2), kpack)
     return _weight(
         packed, xp.swapaxes(scale, -1, -2), None, "nvfp4", (NVFP4_GROUP, 1), kpack, global_scales, (gk, gn)
