@@ -654,8 +654,9 @@ def _quantized_init(
             codes = jax.random.bits(key, codes_shape, jnp.uint32 if codes_dtype.itemsize == 4 else jnp.uint8)
             codes = jax.lax.bitcast_convert_type(codes, codes_dtype)  # uniform 4-bit codes, 8 or 2 each
             scale = std / _CODE_STD[format_]
-        glob = None if global_scales is None else jnp.full(global_scales[0], scale, global_scales[1])
-        scale = 1.0 if glob is not None else scale
+        glob = None
+        if global_scales is not None:  # NVFP4: unit e4m3 scales, the scale in the float32 global scales
+            glob, scale = jnp.full(global_scales[0], scale, global_scales[1]), 1.0
         scales = jnp.full(scales_shape, scale, jnp.float32).astype(scales_dtype)
         if real is not None and format_ == "fp8":
             codes = jnp.where(inside(codes_shape, (1, 1)), codes, jnp.zeros_like(codes))
