@@ -15,6 +15,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from jaxdsa.checkpoints import modelopt
 from jaxdsa.checkpoints.quant import QuantConfig
 
 
@@ -166,7 +167,11 @@ def parse_quantization(f: Fields) -> QuantConfig | None:
             ignore=tuple(q.get("ignore") or ()),
             targets=tuple(targets),
         )
-    raise f.error("quantization_config.quant_method", f"unsupported {method!r} (fp8 or compressed-tensors)")
+    if modelopt.is_modelopt(method):
+        return modelopt.parse(q, f.error, "quantization_config.")
+    raise f.error(
+        "quantization_config.quant_method", f"unsupported {method!r} (fp8, compressed-tensors or modelopt)"
+    )
 
 
 def eos_ids(f: Fields) -> tuple[int, ...]:
@@ -180,9 +185,23 @@ def eos_ids(f: Fields) -> tuple[int, ...]:
 
 
 def read_config_json(path: str | os.PathLike) -> tuple[dict[str, Any], str]:
-    """``config.json`` of a checkpoint directory (or the file itself) -> (raw dict, file path)."""
+    """``config.json`` of a checkpoint directory (or the file itself) -> (raw dict, file path).
+
+    A config.json without ``quantization_config`` beside ModelOpt's ``hf_quant_config.json``
+    (docs/models.md §4.8) takes that file's content as its ``quantization_config``, checked first so
+    that an error names hf_quant_config.json and its field; config.json's own section wins."""
     path = os.fspath(path)
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    raw = _json_object(file)
+    side = os.path.join(os.path.dirname(file), modelopt.HF_QUANT_CONFIG)
+    if raw.get("quantization_config") is None and os.path.isfile(side):
+        quant = _json_object(side)
+        modelopt.parse(quant, lambda field, message: ConfigError(side, field, message))
+        raw = {**raw, "quantization_config": {"quant_method": "modelopt", **quant}}
+    return raw, file
+
+
+def _json_object(file: str) -> dict[str, Any]:
     try:
         with open(file, encoding="utf-8") as fh:
             raw = json.load(fh)
@@ -192,4 +211,4 @@ def read_config_json(path: str | os.PathLike) -> tuple[dict[str, Any], str]:
         raise ConfigError(file, None, f"invalid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(file, None, "the top level must be a JSON object")
-    return raw, file
+    return raw

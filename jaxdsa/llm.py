@@ -112,9 +112,9 @@ class LLM:
     ):
         """``load_format="dummy"``: random weights of the checkpoint's config, made on the device
         (benchmarking real shapes without the files, like vLLM's ``--load-format dummy``).
-        ``quantization``: ``"auto"`` keeps the checkpoint's FP8 / INT4 linears and experts in their
-        format on the device, ``"dequantize"`` makes every weight dense in ``dtype``, ``"fp8"`` /
-        ``"int4"`` assert the checkpoint's format or choose the dummy weights' (see
+        ``quantization``: ``"auto"`` keeps the checkpoint's FP8 / INT4 / NVFP4 linears and experts in
+        their format on the device, ``"dequantize"`` makes every weight dense in ``dtype``, ``"fp8"`` /
+        ``"int4"`` / ``"nvfp4"`` assert the checkpoint's format or choose the dummy weights' (see
         :mod:`jaxdsa.quantization`). ``speculative_config``: vLLM's, e.g. ``{"method": "mtp",
         "num_speculative_tokens": 3}``: the engine drafts with the checkpoint's next-n layers and
         verifies the drafts in one step (greedy output unchanged, sampling distribution preserved).

@@ -3,7 +3,7 @@ whether it fits (exit status 0; 1 when one ``--max-model-len`` sequence does not
 fewest GPUs it fits on.
 
     python -m jaxdsa.plan (--config CONFIG_JSON | --preset glm5|glm52|dsv32|v4-flash|v4-pro) \\
-        --tp 8 --ep 8 --dp 1 [--dp-attention] --hbm-gib 80 [--weights auto|bf16|fp8|int4] \\
+        --tp 8 --ep 8 --dp 1 [--dp-attention] --hbm-gib 80 [--weights auto|bf16|fp8|int4|nvfp4] \\
         --max-model-len 32768 [--batch 32] [--gpu-memory-utilization 0.9] [--num-gpu-experts N]
 
 With ``--num-gpu-experts N`` (the server's flag) each MoE layer keeps N routed experts on the GPUs
@@ -20,8 +20,9 @@ quantized (:mod:`jaxdsa.quantization`: the model is built as ``load_format="dumm
 default) the config's own format, as the server keeps it; ``bf16`` as
 ``quantization="dequantize"`` loads any checkpoint; ``fp8`` 128x128 blocks with float32 scales;
 ``int4`` the config's compressed-tensors scheme, else asymmetric group 32 (bf16 scales, one byte
-per zero point). Embeddings, norms, routers, the indexer's weights_proj and the LM head stay
-bf16 / fp32.
+per zero point); ``nvfp4`` ModelOpt's (half a byte per weight, an e4m3 byte per 16, a few float32
+global scales per matrix: its config's exclusions honoured, else every linear and expert).
+Embeddings, norms, routers, the indexer's weights_proj and the LM head stay bf16 / fp32.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from jaxdsa.models.registry import RELEASED, family_for, load_config, released_c
 from jaxdsa.quantized_weight import QuantizedWeight
 from jaxdsa.sharding import EXPERT_AXES, Parallelism, shard_shape
 
-WEIGHTS = {"auto": "auto", "bf16": "dequantize", "fp8": "fp8", "int4": "int4"}  # --weights -> quantization
+# --weights -> quantization
+WEIGHTS = {"auto": "auto", "bf16": "dequantize", "fp8": "fp8", "int4": "int4", "nvfp4": "nvfp4"}
 LAYOUTS = (1, 2, 4, 8, 16, 32)  # GPU counts tried (-tp N -ep N) for the fewest that fit
 HOST_GPUS = 8  # the most GPUs of one host, all the server spans
 GiB = 1 << 30
@@ -390,7 +392,7 @@ def main(argv=None) -> int:
         "--weights",
         choices=sorted(WEIGHTS),
         default="auto",
-        help="auto: the config's own format (what the server keeps); bf16, fp8, int4: that one",
+        help="auto: the config's own format (what the server keeps); bf16, fp8, int4, nvfp4: that one",
     )
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument(

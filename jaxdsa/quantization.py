@@ -5,10 +5,11 @@
 - ``"auto"`` (default): every linear and routed-expert stack the checkpoint stores as FP8 or INT4
   stays so on the device; dummy weights take the config's ``quantization_config``.
 - ``"dequantize"``: every weight dequantized to the model dtype at load (dense, as before).
-- ``"fp8"`` / ``"int4"``: as ``"auto"``, asserting the checkpoint's format (jaxdsa never
-  quantizes at load); dummy weights are drawn in that format whatever the config says (FP8
+- ``"fp8"`` / ``"int4"`` / ``"nvfp4"``: as ``"auto"``, asserting the checkpoint's format (jaxdsa
+  never quantizes at load); dummy weights are drawn in that format whatever the config says (FP8
   128x128 blocks with float32 scales; INT4 as the config's compressed-tensors scheme, else
-  asymmetric group 32 with bf16 scales, as the GLM-5.x AWQ releases).
+  asymmetric group 32 with bf16 scales, as the GLM-5.x AWQ releases; NVFP4 as ModelOpt's, every
+  linear and expert).
 
 vLLM's ``--quantization`` names a method and defaults to the checkpoint's; ``"auto"`` is that
 default, and vLLM has no ``"dequantize"``.
@@ -45,7 +46,7 @@ import numpy as np
 from flax import nnx
 
 from jaxdsa import quantized_weight
-from jaxdsa.checkpoints.quant import QuantConfig, WeightFormat, fp4_format, weight_format
+from jaxdsa.checkpoints.quant import NVFP4_GROUP, QuantConfig, WeightFormat, fp4_format, weight_format
 from jaxdsa.checkpoints.spec import ExpertDown, ExpertGateUp, Leaf, Linear, Spec, Stacked
 from jaxdsa.layers.linear import Linear as LinearLayer
 from jaxdsa.layers.mlp import Experts
@@ -53,9 +54,9 @@ from jaxdsa.layers.params import axes_of
 from jaxdsa.quantized_weight import QuantizedWeight
 from jaxdsa.sharding import Axes
 
-QUANTIZATION = ("auto", "dequantize", "fp8", "int4")
+QUANTIZATION = ("auto", "dequantize", "fp8", "int4", "nvfp4")
 Path = tuple[Any, ...]
-_METHODS = {"fp8": "fp8", "int4": "compressed-tensors"}
+_METHODS = {"fp8": "fp8", "int4": "compressed-tensors", "nvfp4": "nvfp4"}
 
 
 def requested(quantization: str, checkpoint: QuantConfig | None, *, dummy: bool) -> QuantConfig | None:
@@ -76,7 +77,9 @@ def requested(quantization: str, checkpoint: QuantConfig | None, *, dummy: bool)
             f"quantization={quantization!r}, but the checkpoint is {stored}: jaxdsa keeps a checkpoint's "
             "own format and does not quantize at load (use 'auto' or 'dequantize')"
         )
-    return QuantConfig(method) if method == "fp8" else QuantConfig(method, group_size=32, symmetric=False)
+    if method == "compressed-tensors":
+        return QuantConfig(method, group_size=32, symmetric=False)
+    return QuantConfig(method, group_size=NVFP4_GROUP) if method == "nvfp4" else QuantConfig(method)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +135,7 @@ def _linear_format(leaf: Linear, fmt: WeightFormat, slot: Slot) -> WeightFormat:
     """``fmt`` for the linear ``leaf`` held as ``slot``: its ``[K, N]`` matrix, or that with zero
     heads appended (heads padded for tensor parallelism: a 4-bit K only by whole 64-row packed
     chunks of whole groups, :func:`~pallas_kernels.quant.layout.pad_k`), scale groups
-    narrowed to whole per-head parts (``kv_b``'s W_UK / W_UV)."""
+    narrowed to whole per-head parts (``kv_b``'s W_UK / W_UV), NVFP4's global-scale groups likewise."""
     k, n = slot.shape[-2:]
     gk, gn = fmt.group
     if (k, n) != (leaf.inp, leaf.kept_out):
@@ -146,9 +149,11 @@ def _linear_format(leaf: Linear, fmt: WeightFormat, slot: Slot) -> WeightFormat:
                 f"tensor parallelism) only by whole 64-row packed chunks of whole {gk}-row groups; choose "
                 "a tp that divides the heads, or quantization='dequantize'"
             )
+    ggk, ggn = fmt.global_group
     if leaf.rows is not None:
         gn = _narrow(gn, math.gcd(*leaf.rows))
-    return dataclasses.replace(fmt, group=(gk, gn))
+        ggn = ggn and _narrow(ggn, math.gcd(*leaf.rows))
+    return dataclasses.replace(fmt, group=(gk, gn), global_group=(ggk, ggn))
 
 
 def configured(quant: QuantConfig | None) -> Callable[[Leaf], WeightFormat | None]:
@@ -210,6 +215,14 @@ def abstract_weight(
     codes_dtype = quantized_weight.codes_dtype(kpack) if packed else np.dtype(ml_dtypes.float8_e4m3fn)
     rows = k // quantized_weight.codes_per_element(kpack) if packed else k
     groups = (*lead, -(-k // gk), -(-n // gn))
+    global_scales, global_group = None, (0, 0)
+    if fmt.format == "nvfp4":  # every shard and gate|up piece whole blocks of global scales
+        global_group = (
+            _narrow(fmt.global_group[0], local_k),
+            _narrow(fmt.global_group[1], piece // n_shards),
+        )
+        shape = (*lead, k // global_group[0], n // global_group[1])
+        global_scales = jax.ShapeDtypeStruct(shape, np.dtype(np.float32))
     return QuantizedWeight(
         jax.ShapeDtypeStruct((*lead, rows, n), codes_dtype),
         jax.ShapeDtypeStruct(groups, fmt.scale_dtype),
@@ -217,6 +230,8 @@ def abstract_weight(
         fmt.format,
         (gk, gn),
         kpack,
+        global_scales,
+        global_group,
     )
 
 

@@ -7,6 +7,9 @@ Every function here reproduces one format's own definition bit for bit (NumPy on
   in float32. Edge blocks may be partial (a 576-row weight has 5 row blocks of 128).
 - DeepSeek-V4 FP4 experts (§4.6): e2m1 codes packed two per byte along the input dim (low nibble =
   even column), one ue8m0 scale per 32 inputs; ``W = fp32(e2m1) * 2^(e - 127)`` (exact in float32).
+- NVIDIA ModelOpt NVFP4 (§4.8): e2m1 codes packed as V4's FP4, one e4m3 scale per 16 inputs of a row
+  and one float32 ``weight_scale_2`` per tensor; ``W = e2m1 * fl32(fp32(s) * weight_scale_2)``, the
+  per-block product rounded first as ModelOpt's ``NVFP4QTensor.dequantize`` forms it.
 - compressed-tensors pack-quantized INT4 (§4.7): eight 4-bit values per int32 along the input dim
   (offset +8), per-group scales, zero points packed along the output dim. ``W = (q - zp) * scale``
   computed **in the scale's dtype and rounded there** (the library's ``_dequantize``: bf16 for the
@@ -20,6 +23,7 @@ hold ml_dtypes, the kernels and these against each other.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import re
 
 import ml_dtypes
@@ -40,7 +44,7 @@ DEEPSEEK_FP8_QUANTIZATION: dict = {
 class QuantConfig:
     """Weight quantization of the checkpoint files (``quantization_config`` in config.json)."""
 
-    method: str  # "fp8" (block-scaled e4m3) or "compressed-tensors" (pack-quantized int)
+    method: str  # "fp8" (block-scaled e4m3), "compressed-tensors" (pack-quantized int) or "nvfp4" (ModelOpt)
     weight_block_size: tuple[int, int] = (128, 128)
     num_bits: int = 4
     group_size: int = 32
@@ -51,7 +55,14 @@ class QuantConfig:
     def quantizes(self, module: str) -> bool:
         """Whether the Linear layer ``module`` (HF name without ``.weight``) is stored quantized:
         compressed-tensors matches a target or ignore entry when it equals the module name, is the
-        class name ``Linear``, or is ``re:<pattern>`` with ``re.match`` (a prefix match) on the name."""
+        class name ``Linear``, or is ``re:<pattern>`` with ``re.match`` (a prefix match) on the name.
+        ModelOpt's exclusions are ``fnmatch`` wildcards (docs/models.md §4.8), here matched against the
+        module and each module above it (``model.layers.0.self_attn`` excludes that attention's
+        linears, as vLLM's matching does)."""
+        if self.method == "nvfp4":
+            parts = module.split(".")
+            names = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+            return not any(fnmatch.fnmatchcase(name, p) for name in names for p in self.ignore)
         if self.method != "compressed-tensors":
             return True
 
@@ -65,19 +76,22 @@ class QuantConfig:
 
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+NVFP4_GROUP = 16  # inputs per e4m3 scale of an NVFP4 weight (docs/models.md §4.8)
 
 
 @dataclasses.dataclass(frozen=True)
 class WeightFormat:
     """How one quantized linear is stored, in the kernels' orientation (``W [K, N]``, K = inputs):
-    ``format`` "int4" or "fp8"; ``group = (gk, gn)`` elements of K x N per scale; ``scale_dtype``
-    the scales' dtype (bf16 INT4 scales, float32 ``weight_scale_inv``, ue8m0 bytes); ``zeros``:
-    asymmetric INT4 (zero points stored)."""
+    ``format`` "int4", "fp8", "fp4" or "nvfp4"; ``group = (gk, gn)`` elements of K x N per scale;
+    ``scale_dtype`` the scales' dtype (bf16 INT4 scales, float32 ``weight_scale_inv``, ue8m0 or e4m3
+    bytes); ``zeros``: asymmetric INT4 (zero points stored); ``global_group``: NVFP4's elements per
+    global-scale entry, :data:`WHOLE` (as coarse as the weight allows) until narrowed for a layout."""
 
     format: str
     group: tuple[int, int]
     scale_dtype: np.dtype
     zeros: bool = False
+    global_group: tuple[int, int] = (0, 0)  # NVFP4: elements per global scale (narrowed to fit, §4.8)
 
 
 def weight_format(quant: QuantConfig, scale_dtype=None) -> WeightFormat:
@@ -86,6 +100,8 @@ def weight_format(quant: QuantConfig, scale_dtype=None) -> WeightFormat:
     if quant.method == "fp8":
         b0, b1 = quant.weight_block_size
         return WeightFormat("fp8", (b1, b0), np.dtype(scale_dtype or np.float32))
+    if quant.method == "nvfp4":
+        return nvfp4_format()
     return WeightFormat(
         "int4", (quant.group_size, 1), np.dtype(scale_dtype or ml_dtypes.bfloat16), not quant.symmetric
     )
@@ -94,6 +110,14 @@ def weight_format(quant: QuantConfig, scale_dtype=None) -> WeightFormat:
 def fp4_format(scale_dtype=None) -> WeightFormat:
     """DeepSeek-V4 FP4 routed experts (§4.6): one scale (ue8m0 in the releases) per 32 inputs."""
     return WeightFormat("fp4", (32, 1), np.dtype(scale_dtype or E8M0))
+
+
+WHOLE = 1 << 30  # a power of two above any dimension: "one global scale for the whole matrix"
+
+
+def nvfp4_format() -> WeightFormat:
+    """ModelOpt NVFP4 (§4.8): an e4m3 scale per 16 inputs, one float32 global scale per matrix."""
+    return WeightFormat("nvfp4", (NVFP4_GROUP, 1), E4M3, global_group=(WHOLE, WHOLE))
 
 
 def _bytes(a: np.ndarray) -> np.ndarray:
@@ -162,6 +186,24 @@ def dequantize_fp4(packed: np.ndarray, scale: np.ndarray, group: int = 32) -> np
         raise ValueError(f"scale shape {scale.shape} != {codes.shape[:-1] + (groups,)} for FP4 {codes.shape}")
     s = np.repeat(decode_e8m0(scale), group, axis=-1)[..., : codes.shape[-1]]
     return decode_e2m1(codes) * s
+
+
+def dequantize_nvfp4(packed: np.ndarray, scale: np.ndarray, global_scale) -> np.ndarray:
+    """W[i, j] = e2m1(code[i, j]) * fl32(fp32(s[i, j // 16]) * g) -> float32 ``[..., out, in]``.
+
+    ``packed`` uint8 ``[..., out, in / 2]`` (low nibble = even column); ``scale`` e4m3 bytes
+    ``[..., out, in / 16]``; ``global_scale`` (``weight_scale_2``) a float32 scalar, or one per
+    leading index (``[...]``, e.g. per expert). The block's scale times g is rounded to float32
+    once, then the product with the e2m1 value once more, as ModelOpt's ``dequantize`` computes."""
+    codes = unpack_fp4(packed)
+    groups = -(-codes.shape[-1] // NVFP4_GROUP)
+    if scale.shape != codes.shape[:-1] + (groups,):
+        raise ValueError(
+            f"weight_scale shape {scale.shape} != {codes.shape[:-1] + (groups,)} for {codes.shape}"
+        )
+    g = np.asarray(global_scale, np.float32).reshape(np.shape(global_scale) + (1, 1))
+    block = decode_e4m3(scale) * g  # float32 * float32: one rounding per block
+    return decode_e2m1(codes) * np.repeat(block, NVFP4_GROUP, axis=-1)[..., : codes.shape[-1]]
 
 
 def unpack_int4(packed: np.ndarray, count: int, axis: int) -> np.ndarray:

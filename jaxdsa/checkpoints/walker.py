@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -36,13 +37,16 @@ import numpy as np
 from jaxdsa.checkpoints.errors import CheckpointError
 from jaxdsa.checkpoints.quant import (
     E4M3,
+    NVFP4_GROUP,
     QuantConfig,
     WeightFormat,
     dequantize_fp4,
     dequantize_fp8_block,
     dequantize_int4_packed,
+    dequantize_nvfp4,
     fp4_format,
     int4_values,
+    nvfp4_format,
     unpack_fp4,
     weight_format,
 )
@@ -56,6 +60,7 @@ Path = tuple[Any, ...]
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float64))
 _INTS = (np.dtype(np.int64), np.dtype(np.int32))
 _PACKED_FP4 = (np.dtype(np.int8), np.dtype(np.uint8))
+_UINT8 = np.dtype(np.uint8)
 
 
 def path_name(path: Path) -> str:
@@ -104,19 +109,21 @@ class _Source:
         weight, packed = name + ".weight", name + ".weight_packed"
         if weight not in self.reader and packed not in self.reader:
             raise self.missing(weight)
-        if self.quant is not None and self.quant.method == "compressed-tensors":
-            self._check_quantized_as_configured(name)
+        self._check_quantized_as_configured(name)
         stored = self.reader.dtype(weight) if weight in self.reader else None
         is_fp8 = stored == np.dtype(ml_dtypes.float8_e4m3fn)
-        is_fp4 = stored in _PACKED_FP4
+        is_nvfp4 = stored == _UINT8 and self._nvfp4_config()
+        is_fp4 = stored in _PACKED_FP4 and not is_nvfp4
         if is_fp4 and not fp4:
             raise self.fail(weight, f"packed {stored} weight, but config.json does not say expert_dtype fp4")
-        if weight in self.reader and not (is_fp8 or is_fp4):
+        if weight in self.reader and not (is_fp8 or is_fp4 or is_nvfp4):
             return self.plain(weight, (out, inp))
         if name in self._dequantized:
             self._dequantized.move_to_end(name)
             return self._dequantized[name]
-        if is_fp4:
+        if is_nvfp4:
+            value = dequantize_nvfp4(*self._nvfp4_tensors(name, out, inp))[:, :inp]
+        elif is_fp4:
             value = self._fp4(name, out, inp)
         else:
             value = self._fp8(name, out, inp) if is_fp8 else self._int4(name, out, inp)
@@ -125,9 +132,26 @@ class _Source:
             self._dequantized.popitem(last=False)
         return value
 
+    def _nvfp4_config(self) -> bool:
+        return self.quant is not None and self.quant.method == "nvfp4"
+
     def _check_quantized_as_configured(self, module: str) -> None:
-        """A module the config's targets / ignore list quantize must be stored packed, any other
-        plainly: a file that disagrees with its config is refused rather than guessed at."""
+        """compressed-tensors: a module the config's targets / ignore list quantize must be stored
+        packed, any other plainly. ModelOpt NVFP4: a module its exclusions name must be stored
+        plainly (a module they do not name may be plain too: ModelOpt quantizes only the module types
+        it knows, so a router or a norm is stored as it is whatever the list says). A file that
+        disagrees with its config is refused rather than guessed at."""
+        if self._nvfp4_config():
+            weight = module + ".weight"
+            if (
+                weight in self.reader
+                and self.reader.dtype(weight) == _UINT8
+                and not self.quant.quantizes(module)
+            ):
+                raise self.fail(weight, "stored as NVFP4, but the quantization_config's exclusions name it")
+            return
+        if self.quant is None or self.quant.method != "compressed-tensors":
+            return
         packed = module + ".weight_packed"
         if packed in self.reader and not self.quant.quantizes(module):
             raise self.fail(
@@ -135,6 +159,38 @@ class _Source:
             )
         if module + ".weight" in self.reader and self.quant.quantizes(module):
             raise self.fail(module + ".weight", "stored unpacked, but the quantization_config quantizes it")
+
+    def _nvfp4_tensors(self, name: str, out: int, inp: int) -> tuple[np.ndarray, np.ndarray, np.float32]:
+        """A ModelOpt NVFP4 linear's ``weight`` bytes ``[out, in / 2]``, ``weight_scale`` e4m3
+        ``[out, in / 16]`` and ``weight_scale_2`` (a float32 scalar), every shape and dtype checked.
+        An ``input_scale`` (W4A4 checkpoints) is read and checked, then ignored: jaxdsa runs W4A16
+        (docs/models.md §4.8)."""
+        weight, scale, global_scale = (
+            name + suffix for suffix in (".weight", ".weight_scale", ".weight_scale_2")
+        )
+        for tensor in (scale, global_scale):
+            if tensor not in self.reader:
+                raise self.missing(tensor, f"missing: needed with the NVFP4 {weight}")
+        expected = {
+            weight: ((out, -(-inp // 2)), (_UINT8,)),
+            scale: ((out, -(-inp // NVFP4_GROUP)), (E4M3,)),
+        }
+        for tensor, (shape, dtypes) in expected.items():
+            if self.reader.shape(tensor) != shape or self.reader.dtype(tensor) not in dtypes:
+                raise self.fail(
+                    tensor,
+                    f"{self.reader.dtype(tensor)} {list(self.reader.shape(tensor))}, expected "
+                    f"{dtypes[0]} {list(shape)} (NVFP4)",
+                )
+        scalars = [global_scale] + [t for t in (name + ".input_scale",) if t in self.reader]
+        for tensor in scalars:
+            if math.prod(self.reader.shape(tensor)) != 1 or self.reader.dtype(tensor) not in _FLOATS:
+                raise self.fail(
+                    tensor,
+                    f"expected one float, got {self.reader.dtype(tensor)} {list(self.reader.shape(tensor))}",
+                )
+        g = np.float32(np.asarray(self.reader.get(global_scale)).reshape(()))
+        return self.reader.get(weight), self.reader.get(scale), g
 
     def _fp8(self, name: str, out: int, inp: int) -> np.ndarray:
         weight = name + ".weight"
@@ -211,12 +267,11 @@ class _Source:
         ``rows`` of :attr:`Linear.rows <jaxdsa.checkpoints.spec.Linear.rows>` if given, then zero-padded
         to ``size`` ``[K, N]`` if larger (heads padded for tensor parallelism). The last few are
         kept, as :meth:`linear` keeps its dequantized tensors."""
-        key = (name, like.format, like.group, like.kpack, rows, size)
+        key = (name, like.format, like.group, like.kpack, like.global_group, rows, size)
         if key in self._dequantized:
             self._dequantized.move_to_end(key)
             return self._dequantized[key]
-        if self.quant is not None and self.quant.method == "compressed-tensors":
-            self._check_quantized_as_configured(name)
+        self._check_quantized_as_configured(name)
         found = stored_format(self.reader, self.quant, name, fp4=like.format == "fp4")
         if found is None or found.format != like.format:
             stored = "plain" if found is None else found.format
@@ -241,6 +296,11 @@ class _Source:
                 )
             except ValueError as e:
                 raise self.fail(name + ".weight_scale_inv", str(e)) from None
+        elif like.format == "nvfp4":
+            packed, scale, g = self._nvfp4_tensors(name, out, inp)
+            w = layout.pack_nvfp4(
+                unpack_fp4(packed)[:, :inp], scale, g, kpack=like.kpack, global_group=like.global_group
+            )
         else:
             w = self._int4_packed(name, out, inp, like.kpack)
         w = layout.reblock_k(layout.reblock_n(w, like.group[1]), like.group[0])
@@ -356,6 +416,8 @@ def stored_format(
     if not isinstance(name, str) or quant is None:
         return None
     weight, scale = name + ".weight", name + ".weight_scale_inv"
+    if quant.method == "nvfp4":
+        return nvfp4_format() if weight in reader and reader.dtype(weight) == _UINT8 else None
     if fp4 and weight in reader and reader.dtype(weight) in _PACKED_FP4:
         return fp4_format(reader.dtype(scale) if scale in reader else None)
     if name + ".weight_packed" in reader and quant.method == "compressed-tensors":
@@ -366,10 +428,15 @@ def stored_format(
 
 
 def _columns(w: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
-    """Output columns ``[start, stop)`` of ``w`` (both on scale-group boundaries)."""
+    """Output columns ``[start, stop)`` of ``w`` (both on scale-group and global-scale-group boundaries)."""
     gn = w.group[1]
     cut = lambda a, unit: None if a is None else a[..., start // unit : -(-stop // unit)]  # noqa: E731
-    return w.replace(codes=cut(w.codes, 1), scales=cut(w.scales, gn), zeros=cut(w.zeros, gn))
+    return w.replace(
+        codes=cut(w.codes, 1),
+        scales=cut(w.scales, gn),
+        zeros=cut(w.zeros, gn),
+        global_scales=cut(w.global_scales, w.global_group[1]),
+    )
 
 
 def _packed_matrix(source: _Source, leaf: Leaf, e: int, like: QuantizedWeight, pieces: int):
@@ -412,7 +479,7 @@ def _quantized_from_files(source: _Source, leaf: Leaf, target: QuantizedWeight) 
         return jax.make_array_from_callback(struct.shape, struct.sharding, lambda index: piece(name, index))
 
     return target.replace(
-        **{name: make(name, getattr(target, name)) for name in ("codes", "scales", "zeros")}
+        **{name: make(name, getattr(target, name)) for name in ("codes", "scales", "zeros", "global_scales")}
     )
 
 
@@ -556,7 +623,7 @@ def _init(
 
 # The standard deviation of a uniform 4-bit code's value: INT4 minus 8 (-8 .. 7), sqrt((16^2 - 1) / 12);
 # e2m1 (0, +-0.5, +-1, +-1.5, +-2, +-3, +-4, +-6), the root of their mean square.
-_CODE_STD = {"int4": (255 / 12) ** 0.5, "fp4": (68.5 / 8) ** 0.5}
+_CODE_STD = {"int4": (255 / 12) ** 0.5, "fp4": (68.5 / 8) ** 0.5, "nvfp4": (68.5 / 8) ** 0.5}
 
 
 @functools.cache
@@ -564,14 +631,15 @@ def _quantized_init(
     struct: tuple, fmt: tuple, sharding, std: float, real: tuple[int, int] | None
 ) -> Callable[[jax.Array], Any]:
     """One compiled init per distinct quantized parameter (``struct``: the leaves' shapes and
-    dtypes; ``fmt``: format, group, chunk size): codes drawn directly in their format, one scale
-    value so that the weights have standard deviation ``std``. FP8: N(0, 1) codes rounded to e4m3,
-    scale ``std``; INT4 and FP4: uniform codes (INT4 zero point 0, stored 8), scale ``std`` over
-    the codes' own (4.6 and 2.9; ue8m0 scales round it to a power of two). Weights outside the
-    ``real`` ``[K, N]`` (padded heads) are 0, as when loading: FP8 codes +0, 4-bit scales 0 (their
-    padding is whole groups)."""
-    (codes_shape, codes_dtype), (scales_shape, scales_dtype), zeros = struct
-    format_, group, kpack = fmt
+    dtypes; ``fmt``: format, group, chunk size, global group): codes drawn directly in their format,
+    one scale value so that the weights have standard deviation ``std``. FP8: N(0, 1) codes rounded
+    to e4m3, scale ``std``; INT4 and FP4: uniform codes (INT4 zero point 0, stored 8), scale ``std``
+    over the codes' own (4.6 and 2.9; ue8m0 scales round it to a power of two); NVFP4: uniform codes,
+    e4m3 scales 1 and that scale as the float32 global scale. Weights outside the ``real`` ``[K, N]``
+    (padded heads) are 0, as when loading: FP8 codes +0, 4-bit scales 0 (their padding is whole
+    groups)."""
+    (codes_shape, codes_dtype), (scales_shape, scales_dtype), zeros, global_scales = struct
+    format_, group, kpack, global_group = fmt
 
     def inside(shape: tuple[int, ...], unit: tuple[int, int]) -> jax.Array:
         """Which entries of a ``[..., K', N']`` leaf (each ``unit`` weights) start inside ``real``."""
@@ -586,24 +654,28 @@ def _quantized_init(
             codes = jax.random.bits(key, codes_shape, jnp.uint32 if codes_dtype.itemsize == 4 else jnp.uint8)
             codes = jax.lax.bitcast_convert_type(codes, codes_dtype)  # uniform 4-bit codes, 8 or 2 each
             scale = std / _CODE_STD[format_]
+        glob = None
+        if global_scales is not None:  # NVFP4: unit e4m3 scales, the scale in the float32 global scales
+            glob, scale = jnp.full(global_scales[0], scale, global_scales[1]), 1.0
         scales = jnp.full(scales_shape, scale, jnp.float32).astype(scales_dtype)
         if real is not None and format_ == "fp8":
             codes = jnp.where(inside(codes_shape, (1, 1)), codes, jnp.zeros_like(codes))
         elif real is not None:
             scales = jnp.where(inside(scales_shape, group), scales, jnp.zeros_like(scales))
         zero_points = None if zeros is None else jnp.full(zeros[0], 8, zeros[1])
-        return QuantizedWeight(codes, scales, zero_points, format_, group, kpack)
+        return QuantizedWeight(codes, scales, zero_points, format_, group, kpack, glob, global_group)
 
+    some = lambda leaf: None if leaf is None else sharding  # noqa: E731
     shardings = QuantizedWeight(
-        sharding, sharding, None if zeros is None else sharding, format_, group, kpack
+        sharding, sharding, some(zeros), format_, group, kpack, some(global_scales), global_group
     )
     return jax.jit(draw, out_shardings=shardings)
 
 
 def _random_quantized(leaf: Leaf, target: QuantizedWeight, key: jax.Array) -> QuantizedWeight:
     shape_of = lambda a: None if a is None else (tuple(a.shape), np.dtype(a.dtype))  # noqa: E731
-    struct = tuple(shape_of(getattr(target, name)) for name in ("codes", "scales", "zeros"))
-    fmt = (target.format, target.group, target.kpack)
+    struct = tuple(shape_of(getattr(target, name)) for name in ("codes", "scales", "zeros", "global_scales"))
+    fmt = (target.format, target.group, target.kpack, target.global_group)
     _, std = _distribution(leaf)
     real = None
     if isinstance(leaf, Linear) and target.shape[-2:] != (leaf.inp, leaf.kept_out):

@@ -30,6 +30,9 @@ weight times its power-of-two (ue8m0) scale is a bf16 already and is not rounded
 :func:`pallas_kernels.moe.ref.moe_experts` is the reference the tests hold it to.
 
 Layouts are the kernels' (:mod:`pallas_kernels.quant.layout`), read in place from the host stacks.
+NVFP4 experts are refused by name (:data:`NVFP4_REFUSED`): a task decodes a 4-bit piece of a chunk
+(32 rows) under one scale row, and NVFP4 has one per 16 rows; serving them would need a second scale
+row per piece in every 4-bit loop, or a host copy of the codes repacked in 32-row chunks.
 """
 
 from __future__ import annotations
@@ -54,6 +57,11 @@ SPLIT_BF16 = np.float32(65537.0)  # Veltkamp's constant for rounding to bf16; 0 
 _NONE = np.zeros((1, 1, 1), np.uint8)
 _BF16, _E8M0 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e8m0fnu)
 _FP8_ROWS = 4  # FP8 rows decoded together
+NVFP4_REFUSED = (
+    "host experts: NVFP4 experts are not supported by the CPU expert kernel (its 4-bit pieces of 32 rows "
+    "take one scale row; NVFP4 has one per 16); keep every routed expert on the GPUs (no "
+    "--num-gpu-experts) or load with quantization='dequantize'"
+)
 _AHEAD_BYTES = 4096  # how far ahead of the row being decoded its task's code rows are prefetched
 
 
@@ -97,6 +105,8 @@ class HostWeight:
             if codes.dtype == _BF16:
                 return cls(DENSE_BF16, codes.view(np.uint16), _NONE, SCALE_F32, _NONE, 1, 1, False)
             return cls(DENSE_F32, codes.astype(np.float32, copy=False), _NONE, SCALE_F32, _NONE, 1, 1, False)
+        if w.format == "nvfp4":
+            raise ValueError(NVFP4_REFUSED)
         codes, scales = pick(w.codes), pick(w.scales)
         zeros = _NONE if w.zeros is None else pick(w.zeros)
         kind = {_BF16: SCALE_BF16, _E8M0: SCALE_E8M0}.get(scales.dtype, SCALE_F32)

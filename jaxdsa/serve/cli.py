@@ -145,11 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--quantization",
-        choices=["auto", "dequantize", "fp8", "int4", "ascend"],
+        choices=["auto", "dequantize", "fp8", "int4", "nvfp4", "modelopt_fp4", "ascend"],
         default="auto",
-        help="auto: keep the checkpoint's FP8 / INT4 weights quantized on the device; dequantize: load "
-        "them dense; fp8 / int4: assert the checkpoint's format, or choose the --load-format dummy one; "
-        "ascend (vLLM-Ascend's): taken as auto, with a warning",
+        help="auto: keep the checkpoint's FP8 / INT4 / NVFP4 weights quantized on the device; dequantize: "
+        "load them dense; fp8 / int4 / nvfp4: assert the checkpoint's format, or choose the --load-format "
+        "dummy one; modelopt_fp4 (vLLM's name for ModelOpt NVFP4): nvfp4; ascend (vLLM-Ascend's): taken "
+        "as auto, with a warning",
     )
     g.add_argument(
         "--kv-transfer-config",
@@ -319,7 +320,8 @@ def _parallelism(args: argparse.Namespace) -> dict[str, int | bool]:
 
 def _check_flags(args: argparse.Namespace) -> dict[str, int | bool]:
     """Flags that cannot work; returns the parallelism (:func:`_parallelism`). Settles the flags
-    that say one thing two ways: ``args.model`` from ``--model``, ``--quantization ascend`` as auto."""
+    that say one thing two ways: ``args.model`` from ``--model``, ``--quantization ascend`` as auto,
+    ``modelopt_fp4`` as nvfp4."""
     refused = foreign_flags.check(args, _log)
     if refused:
         raise StartupError(refused)
@@ -335,6 +337,8 @@ def _check_flags(args: argparse.Namespace) -> dict[str, int | bool]:
     if args.quantization == "ascend":
         _log("--quantization ascend taken as auto: the checkpoint's own format (NPU-only ones are refused)")
         args.quantization = "auto"
+    if args.quantization == "modelopt_fp4":
+        args.quantization = "nvfp4"
     try:
         SpeculativeConfig.parse(args.speculative_config)
     except ValueError as e:

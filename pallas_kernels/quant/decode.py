@@ -3,9 +3,10 @@
 sm_80 / sm_86 have no e4m3 conversion instruction and the Pallas-Triton lowering refuses the cast
 there (``cannot cast from float8_e4m3fn`` below compute capability 8.9), so every kernel decodes
 with integer bit manipulation on those parts ("software") and with the hardware conversion on
-sm_89+ ("native"). :func:`fp_decode` is the single switch: an explicit argument wins, then
-``JAXDSA_FP_DECODE=software|native``, then the compute capability; forcing "software" runs the
-sm_80 path on a Hopper GPU or in the CPU interpreter.
+sm_89+ ("native"): FP8 weights' codes and NVFP4 weights' e4m3 scales alike. :func:`fp_decode` is
+the single switch: an explicit argument wins, then ``JAXDSA_FP_DECODE=software|native``, then the
+compute capability; forcing "software" runs the sm_80 path on a Hopper GPU or in the CPU
+interpreter.
 
 e2m1 (FP4) and ue8m0 are always decoded with integer ops: Hopper has no e2m1 conversion and the
 Pallas-Triton lowering has no 4-bit float types, and an e8m0 byte is a float32 exponent field.

@@ -21,6 +21,13 @@ Formats (docs/models.md §4.5-4.7), ``group = (gk, gn)`` elements of K x N shari
   ``(b1, b0)``; partial last blocks allowed. ``W = fp32(q) * s``.
 - ``fp4`` (DeepSeek-V4 routed experts): ``codes`` uint8 ``[..., K/2, N]`` of e2m1 codes; ``scales``
   float8_e8m0fnu ``[..., K/32, N]``; group ``(32, 1)``. ``W = e2m1(q) * 2^(e - 127)``.
+- ``nvfp4`` (NVIDIA ModelOpt): ``codes`` as ``fp4``; ``scales`` float8_e4m3fn ``[..., K/16, N]``, group
+  ``(16, 1)``; ``global_scales`` float32 ``[..., K/gk', N/gn']``, each entry the ``weight_scale_2`` of the
+  matrix it covers, ``global_group = (gk', gn')`` powers of two (a matrix's largest, narrowed where a
+  split or a join needs): ``W = e2m1(q) * fl32(fp32(s) * g)``, the block's product rounded first
+  (docs/models.md §4.8). The global scales stay float32 and apart: folded into the e4m3 scales they
+  would be rounded to 4 bits. Leading axes (experts) keep one global scale per matrix, and the
+  ``[gate | up]`` join keeps each half's, whose scales need not agree.
 
 4-bit codes are packed in K chunks of ``kpack`` rows, cut into 32-row (``kpack/2``-row for bytes)
 pieces that one code row holds side by side:
@@ -44,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -53,18 +61,19 @@ import numpy as np
 
 from pallas_kernels.quant.decode import e8m0_to_f32
 
-FORMATS = ("int4", "fp8", "fp4")
+FORMATS = ("int4", "fp8", "fp4", "nvfp4")
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 FP4_GROUP = 32
+NVFP4_GROUP = 16
 WORD_KPACK = 256  # 4-bit chunk of 8 x 32 rows held in int32 words (module docstring)
 WORD_PIECE = WORD_KPACK // 8  # rows per nibble of a word chunk
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["codes", "scales", "zeros"],
-    meta_fields=["format", "group", "kpack"],
+    data_fields=["codes", "scales", "zeros", "global_scales"],
+    meta_fields=["format", "group", "kpack", "global_group"],
 )
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
@@ -76,6 +85,8 @@ class QuantizedWeight:
     format: str = "int4"
     group: tuple[int, int] = (32, 1)
     kpack: int = 0  # K rows per packed chunk (4-bit formats); 0 for fp8
+    global_scales: Any = None  # nvfp4 only: float32 weight_scale_2 per global_group
+    global_group: tuple[int, int] = (0, 0)
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -116,11 +127,25 @@ def _xp(a):
     return jnp if isinstance(a, jax.Array) else np
 
 
-def _weight(codes, scales, zeros, fmt: str, group: tuple[int, int], kpack: int) -> QuantizedWeight:
+def _weight(
+    codes,
+    scales,
+    zeros,
+    fmt: str,
+    group: tuple[int, int],
+    kpack: int,
+    global_scales=None,
+    global_group=(0, 0),
+) -> QuantizedWeight:
     """A QuantizedWeight whose NumPy leaves are contiguous (ready to be sliced and put on devices)."""
     tidy = lambda a: np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a  # noqa: E731
     return QuantizedWeight(
-        tidy(codes), tidy(scales), None if zeros is None else tidy(zeros), fmt, group, kpack
+        *(None if a is None else tidy(a) for a in (codes, scales, zeros)),
+        fmt,
+        group,
+        kpack,
+        None if global_scales is None else tidy(global_scales),
+        global_group,
     )
 
 
@@ -146,8 +171,8 @@ def default_kpack(k: int, fmt: str = "int4", *, words: bool = True) -> int:
     multiple of 32). The model asks for words for routed experts only: on the H100 they made the
     INT4 MoE 1.14-1.21x faster at T = 1..512 (4096: 2 % slower), while GLM-5's linears came out
     mixed (o_proj and the dense / shared MLPs faster, kv_a, kv_b, q_b and the indexer's wq_b slower;
-    ``benchmarks/results/quant-h100-int4-words*.md``). FP4 stays in bytes until the word layout is
-    measured for its decode."""
+    ``benchmarks/results/quant-h100-int4-words*.md``). FP4 and NVFP4 stay in bytes until the word
+    layout is measured for their decode."""
     candidates = ((WORD_KPACK,) if fmt == "int4" and words else ()) + (64, 32)
     for kpack in candidates:
         if k % kpack == 0:
@@ -228,6 +253,47 @@ def pack_fp4(codes, scale, *, kpack: int | None = None) -> QuantizedWeight:
     return _weight(packed, xp.swapaxes(scale, -1, -2), None, "fp4", (FP4_GROUP, 1), kpack)
 
 
+def pack_nvfp4(
+    codes, scale, global_scale, *, kpack: int | None = None, global_group: tuple[int, int] | None = None
+) -> QuantizedWeight:
+    """ModelOpt NVFP4 in HF orientation -> the kernels' layout.
+
+    ``codes [..., N, K]`` e2m1 codes (0..15, e.g. ``jaxdsa.checkpoints.quant.unpack_fp4`` of the
+    ``weight`` bytes); ``scale [..., N, K/16]`` float8_e4m3fn (``weight_scale``); ``global_scale``
+    (``weight_scale_2``) a float32 scalar or one per leading index ``[...]`` (experts). The global
+    scales cover blocks of ``global_group`` (powers of two; default the largest that divide K and N),
+    the last ones partial where they do not divide: each matrix has one value, so any grid holds it.
+    """
+    xp = _xp(codes)
+    *lead, n, k = codes.shape
+    if scale.shape[-2:] != (n, -(-k // NVFP4_GROUP)):
+        raise ValueError(f"scale {scale.shape} does not match a {codes.shape} NVFP4 weight")
+    kpack = kpack or default_kpack(k, "nvfp4")
+    gk, gn = global_group or (k & -k, n & -n)  # the largest powers of two dividing K and N
+    g = xp.asarray(global_scale, xp.float32)[..., None, None]
+    global_scales = xp.broadcast_to(g, (*lead, -(-k // gk), -(-n // gn)))
+    packed = pack_nibbles(xp.swapaxes(codes, -1, -2), kpack)
+    return _weight(
+        packed, xp.swapaxes(scale, -1, -2), None, "nvfp4", (NVFP4_GROUP, 1), kpack, global_scales, (gk, gn)
+    )
+
+
+def reblock_global(w: QuantizedWeight, group: tuple[int, int]) -> QuantizedWeight:
+    """The same NVFP4 weight with its global scales over ``group`` (divisors of the current): each
+    entry repeated. Exact (the values are copies); lets a weight be split or joined inside a
+    matrix's global-scale block."""
+    if w.global_scales is None or tuple(group) == tuple(w.global_group):
+        return w
+    (ok, on), (nk, nn) = w.global_group, group
+    if ok % nk or on % nn:
+        raise ValueError(f"cannot reblock {w.global_group} global-scale groups into {tuple(group)}")
+    xp = _xp(w.global_scales)
+    k, n = w.shape[-2:]
+    g = xp.repeat(w.global_scales, ok // nk, axis=-2)[..., : -(-k // nk), :]
+    g = xp.repeat(g, on // nn, axis=-1)[..., : -(-n // nn)]
+    return w.replace(global_scales=g, global_group=tuple(group))
+
+
 def reblock_n(w: QuantizedWeight, gn: int) -> QuantizedWeight:
     """The same weight with ``gn`` (a divisor of the current) output columns per scale: each scale
     column repeated. Exact; lets FP8 weights whose widths are not multiples of the block be joined
@@ -282,13 +348,22 @@ def _pad(w: QuantizedWeight, axis: int, size: int) -> QuantizedWeight:
     groups = -(-size // w.group[axis]) - w.scales.shape[axis]
     pad = lambda a: None if a is None else _zero_pad(a, axis, groups)  # noqa: E731
     rows = extra // w.rows_per_code if axis == -2 else extra
-    return w.replace(codes=_zero_pad(w.codes, axis, rows), scales=pad(w.scales), zeros=pad(w.zeros))
+    global_scales = w.global_scales
+    if global_scales is not None:  # the new weights' e4m3 scales are 0: any global scale gives 0
+        more = -(-size // w.global_group[axis]) - global_scales.shape[axis]
+        global_scales = _zero_pad(global_scales, axis, more)
+    return w.replace(
+        codes=_zero_pad(w.codes, axis, rows),
+        scales=pad(w.scales),
+        zeros=pad(w.zeros),
+        global_scales=global_scales,
+    )
 
 
 def pad_n(w: QuantizedWeight, n: int) -> QuantizedWeight:
     """``w`` widened to ``n`` output columns whose weights are 0: zero codes (e4m3 +0) and zero
     scales for columns in new scale groups (every 4-bit column is one: groups are ``(g, 1)``), so
-    every format's value there is exactly 0."""
+    every format's value there is exactly 0 (NVFP4's new global scales are 0 too)."""
     return _pad(w, -1, n)
 
 
@@ -307,7 +382,9 @@ def pad_k(w: QuantizedWeight, k: int) -> QuantizedWeight:
 
 def concat_n(*parts: QuantizedWeight) -> QuantizedWeight:
     """Join weights of one format along N (e.g. an expert's gate and up into gate|up). Scale groups
-    are narrowed (:func:`reblock_n`) until every part but the last ends on a group boundary."""
+    (and NVFP4's global-scale groups, each part keeping its own values) are narrowed
+    (:func:`reblock_n`, :func:`reblock_global`) until every part but the last ends on a group
+    boundary."""
     first = parts[0]
     if any(
         (p.format, p.group[0], p.kpack, p.shape[:-1])
@@ -319,19 +396,38 @@ def concat_n(*parts: QuantizedWeight) -> QuantizedWeight:
     while any(p.shape[-1] % gn for p in parts[:-1]):
         gn //= 2
     parts = tuple(reblock_n(p, gn) for p in parts)
+    global_group = first.global_group
+    if first.global_scales is not None:
+        gk, ggn = min(p.global_group[0] for p in parts), min(p.global_group[1] for p in parts)
+        while any(p.shape[-1] % ggn for p in parts[:-1]):
+            ggn //= 2
+        global_group = (gk, ggn)
+        parts = tuple(reblock_global(p, global_group) for p in parts)
     xp = _xp(first.codes)
-    cat = lambda name: xp.concatenate([getattr(p, name) for p in parts], axis=-1)  # noqa: E731
-    zeros = None if first.zeros is None else cat("zeros")
-    return first.replace(codes=cat("codes"), scales=cat("scales"), zeros=zeros, group=(first.group[0], gn))
+    cat = lambda name: (
+        None
+        if getattr(first, name) is None
+        else xp.concatenate(  # noqa: E731
+            [getattr(p, name) for p in parts], axis=-1
+        )
+    )
+    return first.replace(
+        codes=cat("codes"),
+        scales=cat("scales"),
+        zeros=cat("zeros"),
+        global_scales=cat("global_scales"),
+        group=(first.group[0], gn),
+        global_group=global_group,
+    )
 
 
 def check_split(w: QuantizedWeight, axis: str, parts: int) -> None:
     """Raise ValueError unless splitting ``w`` into ``parts`` equal shards along ``axis`` ('k' or 'n')
-    cuts codes, scales (and zero points) at the same boundaries: every shard must hold whole scale
-    groups (and, along K, whole packed chunks)."""
+    cuts codes, scales (zero points, global scales) at the same boundaries: every shard must hold
+    whole scale groups (whole global-scale groups, and along K whole packed chunks)."""
     k, n = w.shape[-2:]
-    gk, gn = w.group
-    size, group = (k, max(gk, w.kpack)) if axis == "k" else (n, gn)
+    (gk, gn), (ggk, ggn) = w.group, w.global_group
+    size, group = (k, math.lcm(gk, w.kpack or 1, ggk or 1)) if axis == "k" else (n, math.lcm(gn, ggn or 1))
     if size % parts or (size // parts) % group:
         raise ValueError(
             f"a {w.format} weight of {axis.upper()} = {size} does not split into {parts} shards of whole "
@@ -349,23 +445,27 @@ def scales_f32(w: QuantizedWeight) -> jax.Array:
     return jnp.asarray(w.scales).astype(jnp.float32)
 
 
-def _per_element(a, w: QuantizedWeight):
-    """A per-group ``[..., K/gk, N/gn]`` array expanded to ``[..., K, N]``."""
+def _per_element(a, w: QuantizedWeight, group: tuple[int, int] | None = None):
+    """A per-group ``[..., K/gk, N/gn]`` array (groups of ``group``, default ``w.group``) expanded to
+    ``[..., K, N]``."""
     k, n = w.shape[-2:]
-    gk, gn = w.group
+    gk, gn = group or w.group
     return jnp.repeat(jnp.repeat(a, gk, axis=-2)[..., :k, :], gn, axis=-1)[..., :n]
 
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     """``[..., K, N]`` in ``dtype``: each format's own definition, computed in float32 (INT4 rounded
-    to its scale's dtype first, as compressed-tensors does), then cast once to ``dtype``."""
+    to its scale's dtype first, as compressed-tensors does; NVFP4's block scale times its global
+    scale rounded before the e2m1 value multiplies it), then cast once to ``dtype``."""
     s = _per_element(scales_f32(w), w)
+    if w.format == "nvfp4":  # the same product per element as per block: the same rounding
+        s = s * _per_element(jnp.asarray(w.global_scales, jnp.float32), w, w.global_group)
     if w.format == "fp8":
         u8 = jax.lax.bitcast_convert_type(jnp.asarray(w.codes), jnp.uint8)
         value = jax.lax.bitcast_convert_type(u8, jnp.float8_e4m3fn).astype(jnp.float32) * s
     else:
         codes = unpack_nibbles(jnp.asarray(w.codes), w.kpack).astype(jnp.int32)
-        if w.format == "fp4":
+        if w.format in ("fp4", "nvfp4"):
             value = jnp.asarray(_E2M1)[codes] * s
         else:
             zero = 8 if w.zeros is None else _per_element(jnp.asarray(w.zeros).astype(jnp.int32), w)

@@ -5,10 +5,12 @@ A kernel's K loop asks :func:`pieces` for the ``[block_k, block_n]`` tile of a w
 each to be multiplied by the activation columns ``k0 + k_offset ... + k_len``. Dense and FP8
 weights come as one piece; 4-bit weights as one 32-row piece per nibble of a packed chunk's code
 rows (eight per int32 word, two per byte; see :mod:`.layout`). Scales (and zero points) are
-loaded as the few rows and columns the tile spans and broadcast over it.
+loaded as the few rows and columns the tile spans and broadcast over it; NVFP4's e4m3 scales are
+decoded and multiplied by their global scales before the broadcast, once per 16-row block.
 
 Tiles must be aligned to the scale groups: ``block_k`` a multiple of ``kpack`` (4-bit), and every
-power-of-two tile side either divides its group or is a multiple of it.
+power-of-two tile side either divides its group or is a multiple of it (NVFP4 global-scale
+groups are powers of two for that reason).
 
 A weight stacked over scanned layers (``[L, ...]``) is passed whole with a traced layer index
 (:func:`operands` with ``layer``): the index travels as a ``(1,)`` int32 operand in front of the
@@ -48,10 +50,11 @@ class WeightSpec:
     decode: str = "native"
     int4_decode: str = "f32"  # decode.int4_decode; "bf16" / "ptx" apply only with bf16 scales and activations
     stacked: bool = False  # a [L, ...] stack whose layer index leads the operands (layer_lead)
+    global_group: tuple[int, int] = (0, 0)  # nvfp4: elements per global scale (its operand after the scales)
 
     @property
     def packed(self) -> bool:
-        return self.format in ("int4", "fp4")
+        return self.format in ("int4", "fp4", "nvfp4")
 
 
 def decoded_tile_bytes(weight_elements: int, *, block_m: int, itemsize: int, weight_bits: int) -> int:
@@ -94,9 +97,10 @@ def operands(
         decode=decode.fp_decode(decode_mode),
         int4_decode=decode.int4_decode(int4_mode, interpret=interpret),
         stacked=layer is not None,
+        global_group=tuple(w.global_group),
     )
-    arrays = (as_bytes(w.codes), as_bytes(w.scales)) + ((w.zeros,) if w.zeros is not None else ())
-    return spec, (*index, *arrays)
+    extra = tuple(a for a in (w.zeros, w.global_scales) if a is not None)
+    return spec, (*index, as_bytes(w.codes), as_bytes(w.scales), *extra)
 
 
 def layer_lead(spec: WeightSpec, refs: Sequence) -> tuple[tuple, Sequence]:
@@ -119,13 +123,27 @@ def _expand(s: jax.Array, rows: int, cols: int) -> jax.Array:
     return s
 
 
+def _group_load(ref, lead: tuple, group: tuple[int, int], r0, rows: int, n0, cols: int) -> jax.Array:
+    """The per-group entries (``group`` elements each) covering rows ``r0 .. r0 + rows`` and columns
+    ``n0 .. n0 + cols`` of the weight, one per group: ``[max(rows / gk, 1), max(cols / gn, 1)]``."""
+    gk, gn = group
+    return ref[(*lead, pl.ds(r0 // gk, max(rows // gk, 1)), pl.ds(n0 // gn, max(cols // gn, 1)))]
+
+
 def _group_tile(ref, lead: tuple, spec: WeightSpec, r0, rows: int, n0, cols: int) -> jax.Array:
     """The per-group entries (scales or zero points) covering rows ``r0 .. r0 + rows`` and columns
     ``n0 .. n0 + cols`` of the weight, expanded to broadcast over that tile."""
-    gk, gn = spec.group
-    rs, cs = max(rows // gk, 1), max(cols // gn, 1)
-    tile = ref[(*lead, pl.ds(r0 // gk, rs), pl.ds(n0 // gn, cs))]
-    return _expand(tile, rows, cols)
+    return _expand(_group_load(ref, lead, spec.group, r0, rows, n0, cols), rows, cols)
+
+
+def _nvfp4_scales(spec: WeightSpec, refs: Sequence, lead: tuple, r0, rows: int, n0, cols: int) -> jax.Array:
+    """An NVFP4 tile's effective scales ``fp32(s) * g``, formed once per 16-row block (the rounding
+    the format defines, and 1/16 of the multiplies), then expanded over the tile. The e4m3 bytes are
+    decoded as :func:`decode.fp_decode` says (integer ops on sm_80); the global scales are float32."""
+    s = _group_load(refs[1], lead, spec.group, r0, rows, n0, cols).astype(jnp.int32)
+    s = decode.e4m3_to_f32(s, spec.decode)
+    g = _group_load(refs[2 + spec.has_zeros], lead, spec.global_group, r0, rows, n0, cols)
+    return _expand(s * _expand(g, *s.shape), rows, cols)
 
 
 def _bf16_int4(spec: WeightSpec, dtype) -> bool:
@@ -179,6 +197,8 @@ def _int4_bf16(spec: WeightSpec, refs: Sequence, lead: tuple, codes, r0, n0) -> 
 def _dequantize(spec: WeightSpec, refs: Sequence, lead: tuple, codes, r0, n0, dtype) -> jax.Array:
     """Codes ``[rows, cols]`` (int32) of weight rows ``r0 ...`` -> weights in ``dtype``."""
     rows, cols = codes.shape
+    if spec.format == "nvfp4":
+        return (decode.e2m1_to_f32(codes) * _nvfp4_scales(spec, refs, lead, r0, rows, n0, cols)).astype(dtype)
     s = _group_tile(refs[1], lead, spec, r0, rows, n0, cols)
     s = decode.e8m0_to_f32(s) if spec.scale_e8m0 else s.astype(jnp.float32)
     if spec.format == "fp8":

@@ -199,7 +199,7 @@ def test_int4_pack_quantized_checkpoint(tiny, tmp_path):
         load_params(quant)
 
 
-@pytest.mark.parametrize("name", ["glm5_fp8", "dsv32_fp8", "glm5_int4"])
+@pytest.mark.parametrize("name", ["glm5_fp8", "dsv32_fp8", "glm5_int4", "glm5_nvfp4"])
 def test_kept_quantized_weights_hold_the_dequantized_values(name):
     """Every weight kept quantized dequantizes to exactly what ``quantization='dequantize'`` loads (the
     linears as their [K, N] matrices); ``kv_b``'s per-head W_UK / W_UV parts are dense (the absorbed

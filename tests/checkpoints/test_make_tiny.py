@@ -15,6 +15,8 @@ import pytest
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
+from jaxdsa.checkpoints.quant import dequantize_nvfp4
+from jaxdsa.checkpoints.safetensors_io import CheckpointReader
 from jaxdsa.checkpoints.tiny.cli import main
 from jaxdsa.checkpoints.tiny.make import make_tiny
 from jaxdsa.checkpoints.tiny.presets import TINY_PRESETS
@@ -235,3 +237,31 @@ def test_the_command_line_names_presets_and_sets_the_context(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--family", "glm_moe_dsa", "--out", str(tmp_path / "c"), "--max-model-len", "0"])
     assert e.value.code == 2 and "--max-model-len must be >= 1" in capsys.readouterr().err
+
+
+def test_nvfp4_checkpoint(tmp_path, capsys):
+    """``--quant nvfp4``: every linear but the head and the routers as ModelOpt NVFP4 (uint8 codes,
+    e4m3 scales per 16, float32 global and input scales), both config files; the values are the
+    float checkpoint's quantized: the NumPy decoder gives them back within NVFP4's error."""
+    main(["--family", "glm_moe_dsa", "--out", str(tmp_path / "q"), "--seed", "3", "--quant", "nvfp4"])
+    main(["--family", "glm_moe_dsa", "--out", str(tmp_path / "f"), "--seed", "3"])
+    capsys.readouterr()
+    quant, dense = (CheckpointReader(str(tmp_path / d)) for d in ("q", "f"))
+    m = "model.layers.2.mlp.experts.3.up_proj"
+    assert quant.dtype(m + ".weight") == np.uint8 and quant.shape(m + ".weight") == (32, 32)
+    assert quant.dtype(m + ".weight_scale") == ml_dtypes.float8_e4m3fn and quant.shape(
+        m + ".weight_scale"
+    ) == (32, 4)
+    assert quant.shape(m + ".weight_scale_2") == quant.shape(m + ".input_scale") == ()
+    for plain in ("lm_head.weight", "model.layers.2.mlp.gate.weight", "model.norm.weight"):
+        assert quant.dtype(plain) == np.float32
+    w = dequantize_nvfp4(*(quant.get(f"{m}.{t}") for t in ("weight", "weight_scale", "weight_scale_2")))
+    want = dense.get(m + ".weight")
+    assert np.linalg.norm(w - want) / np.linalg.norm(want) < 0.15
+    assert (tmp_path / "q" / "hf_quant_config.json").exists()
+    assert (
+        json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["quant_algo"]
+        == "NVFP4"
+    )
+    with pytest.raises(ValueError, match="glm_moe_dsa and deepseek_v32"):
+        make_tiny("deepseek_v4", str(tmp_path / "v4"), quant="nvfp4")

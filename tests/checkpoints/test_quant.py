@@ -1,8 +1,9 @@
 """Format decoders checked bit for bit against the formats' definitions and independent encoders.
 
 Element decoders: every code of e4m3 (256), e2m1 (16) and e8m0 (256) against the value tables of
-docs/models.md §4.5-4.6 and against ml_dtypes. Weight decoders: against encoders written from the spec
-(the compressed-tensors INT4 library itself is checked by the INT4 golden fixtures).
+docs/models.md §4.5-4.6 and against ml_dtypes (NVFP4 scales: every e4m3 byte, NaN codes included).
+Weight decoders: against encoders written from the spec (the compressed-tensors INT4 library itself
+is checked by the INT4 golden fixtures).
 """
 
 import ml_dtypes
@@ -16,6 +17,7 @@ from jaxdsa.checkpoints.quant import (
     dequantize_fp4,
     dequantize_fp8_block,
     dequantize_int4_packed,
+    dequantize_nvfp4,
     unpack_fp4,
 )
 
@@ -98,6 +100,42 @@ def test_fp4_v4_experts():
     got = dequantize_fp4(packed, e.view(ml_dtypes.float8_e8m0fnu))
     values = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
     _same_bits(got, values * np.ldexp(np.float32(1), np.repeat(e.astype(np.int32), 32, -1) - 127))
+
+
+def test_nvfp4_every_code_and_scale_byte():
+    """ModelOpt NVFP4 (docs/models.md §4.8): low nibble = even column; one e4m3 scale per 16 columns,
+    here every one of the 256 bytes (0x7F / 0xFF NaN: their blocks decode to NaN); a float32 global
+    scale that multiplies. Against ml_dtypes, in ModelOpt's order: ``fp32(s) * g`` rounded first."""
+    rng = np.random.default_rng(3)
+    out, inp = 64, 64  # 4 blocks a row: 256 scale bytes
+    codes = rng.integers(0, 16, size=(out, inp)).astype(np.uint8)
+    codes[0, :16] = np.arange(16)  # every e2m1 code
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    scale = rng.permutation(256).astype(np.uint8).reshape(out, inp // 16)
+    g = np.float32(6.4059207e-3)  # not a power of two: the products round
+    got = dequantize_nvfp4(packed, scale.view(ml_dtypes.float8_e4m3fn), g)
+    block = scale.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * g
+    want = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32) * np.repeat(block, 16, axis=1)
+    _same_bits(got, want)
+    np.testing.assert_array_equal(np.isnan(got), np.isin(scale, (0x7F, 0xFF)).repeat(16, axis=1))
+    # the order matters: e2m1 * (s * g) is not always (e2m1 * s) * g
+    s32 = np.repeat(scale.view(ml_dtypes.float8_e4m3fn).astype(np.float32), 16, axis=1)
+    other = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32) * s32 * g
+    assert np.any((got != other) & ~np.isnan(got))
+
+
+def test_nvfp4_one_global_scale_per_expert():
+    """A stack of experts ``[E, out, in / 2]`` with ``weight_scale_2`` per expert ``[E]``."""
+    rng = np.random.default_rng(4)
+    codes = rng.integers(0, 16, size=(3, 8, 32)).astype(np.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    scale = rng.integers(0x30, 0x50, size=(3, 8, 2)).astype(np.uint8)
+    g = np.array([0.5, 3.0e-4, 7.0], np.float32)
+    got = dequantize_nvfp4(packed, scale, g)
+    for e in range(3):
+        _same_bits(got[e], dequantize_nvfp4(packed[e], scale[e], g[e]))
+    with pytest.raises(ValueError, match="weight_scale shape"):
+        dequantize_nvfp4(packed, scale[..., :1], g)
 
 
 def _pack_along(values: np.ndarray, axis: int) -> np.ndarray:

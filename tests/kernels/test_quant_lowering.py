@@ -1,6 +1,7 @@
 """Quantized kernels lowered for CUDA on the CPU (Pallas -> verified Triton IR) at GLM-5 shapes, for
 sm_80, sm_90 and sm_120 (the GEMV path too, at decode shapes), with the decode path each part gets
-by default; sm_80 refuses the native e4m3 cast, which is why the software path exists. Plus the
+by default; sm_80 refuses the native e4m3 cast (FP8 codes, NVFP4 scales), which is why the software
+path exists. Plus the
 quantized MoE tiles' shared-memory fit.
 """
 
@@ -27,6 +28,12 @@ D, N, E, TOP_K = 6144, 2048, 256, 8  # GLM-5: hidden, expert width, routed exper
 def _abstract(fmt: str, lead: tuple, k: int, n: int, *, group: int = 32, zeros: bool = True):
     """A QuantizedWeight of ShapeDtypeStructs in the kernels' layout ([..., K, N])."""
     s = jax.ShapeDtypeStruct
+    if fmt == "nvfp4":  # NVFP4's global scales over the largest power-of-two blocks, as pack_nvfp4
+        gk, gn, kpack = k & -k, n & -n, layout.default_kpack(k, fmt)
+        return layout.QuantizedWeight(
+            s((*lead, k // 2, n), jnp.uint8), s((*lead, k // 16, n), jnp.float8_e4m3fn), None, fmt, (16, 1),
+            kpack, s((*lead, k // gk, n // gn), jnp.float32), (gk, gn),
+        )  # fmt: skip
     if fmt == "fp8":
         return layout.QuantizedWeight(
             s((*lead, k, n), jnp.float8_e4m3fn), s((*lead, -(-k // 128), -(-n // 128)), jnp.float32),
@@ -44,6 +51,8 @@ LINEARS = [  # (format, T, K, N, group, zero points)
     pytest.param("int4", 4096, 16384, D, 128, False, id="int4-g128-sym-T4096-o_proj"),
     pytest.param("fp8", 8, D, 576, 128, False, id="fp8-T8-kv_a-576"),
     pytest.param("fp4", 512, D, N, 32, False, id="fp4-T512"),
+    pytest.param("nvfp4", 1, D, N, 16, False, id="nvfp4-T1"),
+    pytest.param("nvfp4", 64, 16384, D, 16, False, id="nvfp4-T64-o_proj"),
 ]
 
 
@@ -59,7 +68,7 @@ def test_quant_matmul_lowers(target, fmt, t, k, n, group, zeros):
 
 @pytest.mark.parametrize("target", list(TARGETS))
 @pytest.mark.parametrize("gemv", [False, True])
-@pytest.mark.parametrize("fmt", ["int4", "fp8", "fp4"])
+@pytest.mark.parametrize("fmt", ["int4", "fp8", "fp4", "nvfp4"])
 def test_projections_of_one_input_lower_as_one_kernel(target, fmt, gemv, monkeypatch):
     """GLM-5's q_a and kv_a (2048 + 576 columns) at decode, stacked over scanned layers: one launch,
     also on the GEMV kernel (turned on by the environment: a grid of 2624 / 64 N tiles)."""
@@ -82,6 +91,7 @@ GEMV_LINEARS = [  # (format, T, K, N, activations dtype): decode shapes, GLM-5 a
     pytest.param("fp8", 2, 8192, D, jnp.bfloat16, id="fp8-T2-K8192"),
     pytest.param("fp4", 1, D, N + 576, jnp.bfloat16, id="fp4-T1-q_a|kv_a"),
     pytest.param("fp4", 3, 8192, D, jnp.float32, id="fp4-T3-f32-K8192"),
+    pytest.param("nvfp4", 1, D, N + 576, jnp.bfloat16, id="nvfp4-T1-q_a|kv_a"),
 ]
 
 
@@ -131,11 +141,14 @@ def test_scale_groups_smaller_than_tiles_lower(target):
     assert "__gpu$xla.gpu.triton" in lower_for_cuda(kernel.quant_matmul, x, w, target=target, config=cfg)
 
 
-def test_native_e4m3_does_not_lower_on_sm80():
-    w = _abstract("fp8", (), D, 576)
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_native_e4m3_does_not_lower_on_sm80(fmt):
+    """FP8 codes and NVFP4's e4m3 scales alike: sm_80 refuses the cast, the integer decode lowers."""
+    w = _abstract(fmt, (), D, 576)
     x = jax.ShapeDtypeStruct((8, D), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="float8_e4m3fn"):
         lower_for_cuda(kernel.quant_matmul, x, w, target="sm_80", decode="native")
+    lower_for_cuda(kernel.quant_matmul, x, w, target="sm_80", decode="software")
     lower_for_cuda(kernel.quant_matmul, x, w, target="sm_90", decode="software")  # forced sm_80 path
 
 
@@ -143,6 +156,8 @@ EXPERTS = [  # (format, T, activations dtype)
     pytest.param("int4", 1, jnp.bfloat16, id="int4-T1"),
     pytest.param("fp8", 4096, jnp.bfloat16, id="fp8-T4096"),
     pytest.param("fp4", 32, jnp.float32, id="fp4-T32-f32"),
+    pytest.param("nvfp4", 1, jnp.bfloat16, id="nvfp4-T1"),
+    pytest.param("nvfp4", 512, jnp.bfloat16, id="nvfp4-T512"),
 ]
 
 
@@ -188,7 +203,7 @@ def test_int4_bf16_decode_lowers(target, zeros, mode):
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
-@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+@pytest.mark.parametrize("fmt", ["int4", "fp8", "nvfp4"])
 def test_layer_stacks_lower(target, fmt):
     """Weights stacked over GLM-5's 78 layers, read in place at a traced layer index (how scanned
     layers call the kernels): the stacks go into the Triton calls as they are, with no slice (a

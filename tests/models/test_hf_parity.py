@@ -21,11 +21,13 @@ from tests.conftest import FIXTURES
 FIXTURE_NAMES = ["glm5", "dsv32", "glm52", "dsv32_yarn"]
 # Quantized checkpoints (FP8 power-of-two scales in 32x32 blocks; FP8 float32 scales in 128x128
 # blocks; INT4 packed by the compressed-tensors library, asymmetric group 32 with an ignore list and
-# symmetric group 128 by targets), loaded with their weights kept quantized (the default): every
-# quantized linear runs quant_matmul and the experts the quantized MoE kernels, dequantizing to
-# float32 in the kernel (exact), against goldens computed on the dequantized weights.
-QUANTIZED_NAMES = ["glm5_fp8", "dsv32_fp8", "glm5_int4", "dsv32_int4"]
-INTERPRETED = FIXTURE_NAMES + ["dsv32_fp8", "glm5_int4"]  # one FP8 and one INT4 (the slowest to interpret)
+# symmetric group 128 by targets; ModelOpt NVFP4 with exclusion wildcards and a global scale per
+# matrix), loaded with their weights kept quantized (the default): every quantized linear runs
+# quant_matmul and the experts the quantized MoE kernels, dequantizing to float32 in the kernel
+# (exact), against goldens computed on the dequantized weights.
+QUANTIZED_NAMES = ["glm5_fp8", "dsv32_fp8", "glm5_int4", "dsv32_int4", "glm5_nvfp4"]
+# one FP8, one INT4 and the NVFP4 fixture (the slowest to interpret)
+INTERPRETED = FIXTURE_NAMES + ["dsv32_fp8", "glm5_int4", "glm5_nvfp4"]
 TOLERANCE = 1e-4
 
 

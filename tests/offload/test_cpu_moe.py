@@ -106,6 +106,18 @@ def test_kernel_matches_reference(fmt, tokens):
         assert np.abs(got - want).max() <= bound * scale, (fmt, act)
 
 
+def test_nvfp4_experts_are_refused_by_name():
+    """The CPU kernel's 4-bit pieces take one scale row per 32 rows; NVFP4 has one per 16: refused at
+    construction (the server's load), naming the way out."""
+    rng = np.random.default_rng(1)
+    codes = rng.integers(0, 16, size=(E, N, D)).astype(np.uint8)
+    scales = np.full((E, N, D // 16), 0x38, np.uint8).view(ml_dtypes.float8_e4m3fn)
+    w = layout.pack_nvfp4(codes, scales, np.full(E, 1e-3, np.float32))
+    experts = jax.device_put({"gate_up": layout.concat_n(w, w), "down": w}, jax.devices("cpu")[0])
+    with pytest.raises(ValueError, match="NVFP4 experts are not supported by the CPU expert kernel"):
+        HostExperts(experts, gpu=GPU, stacked=False, swiglu_limit=None)
+
+
 def test_no_host_slot_gives_zeros():
     rng = np.random.default_rng(0)
     host = host_experts("int4-words-asym-bf16", rng, stacked=False)

@@ -25,7 +25,12 @@ For every fixture this script
    with the ``compressed-tensors`` library itself (``calculate_qparams`` on each group's min / max,
    ``PackedQuantizationCompressor.compress``), stores the packed tensors and every other tensor in bf16,
    and computes the goldens on the library's own ``decompress`` (docs/models.md §4.7);
-7. writes ``golden.npz`` and the fixtures README.
+7. for the NVFP4 fixture, rounds the model to bf16, multiplies each 16-input block of the linears it
+   quantizes by 2^u (so that block and global scales vary), quantizes them as NVIDIA ModelOpt does
+   (``nvfp4_reference.py``: torch, written from the format's definition; ModelOpt is not installable
+   here), stores ``weight`` / ``weight_scale`` / ``weight_scale_2`` / ``input_scale`` and both ModelOpt
+   config files, and computes the goldens on the dequantized weights (docs/models.md §4.8);
+8. writes ``golden.npz`` and the fixtures README.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import nvfp4_reference as nvfp4_ref  # same folder: NVFP4 in torch, from the definition
 import torch
 import torch.nn.functional as F
 import transformers
@@ -122,6 +128,13 @@ DSV32_INT4_TARGETS = [
     "re:.*mlp\\.(shared_experts\\.|experts\\.\\d+\\.)?(gate|up)_proj$",
     "model.layers.0.mlp.down_proj",
 ]
+
+# The NVFP4 fixture's ModelOpt exclusions (fnmatch wildcards on module names): the head, every layer's
+# indexer wk (a wildcard across layers) and one layer's dense down_proj (an exact name: the scanned
+# stack it belongs to is mixed, so jaxdsa holds it dense). The routers are not Linears: ModelOpt never
+# quantizes them, whatever the list says.
+GLM5_NVFP4_EXCLUDE = ["lm_head", "*.self_attn.indexer.wk", "model.layers.1.mlp.down_proj"]
+NVFP4_BLOCK_SPREAD = 1.5  # each 16-input block times 2^u, u ~ U(-1.5, 1.5), before quantizing
 
 YARN_VARIANT = {
     "rope_type": "yarn",
@@ -228,6 +241,21 @@ FIXTURE_SPECS: list[dict[str, Any]] = [
         "compressed-tensors INT4 checkpoint made by the library: symmetric, group 128, modules chosen by "
         "config_groups targets (re: patterns and an exact name: q_a / kv_a / kv_b, every gate / up, "
         "layer 0's down_proj); the rest bf16. Multi-file checkpoint. No MTP weights.",
+    },
+    {
+        "name": "glm5_nvfp4",
+        "preset": "glm5",
+        "seed": 9000,
+        "mtp": False,
+        # v_head_dim 32 and moe_intermediate_size 64: o_proj's and the shared expert's K (128, 64)
+        # split at tp 2 into whole 32-row packed chunks, so the fixture also runs tensor-parallel
+        "overrides": {"num_nextn_predict_layers": 0, "v_head_dim": 32, "moe_intermediate_size": 64},
+        "nvfp4": {"exclude": GLM5_NVFP4_EXCLUDE},
+        "about": "GLM-5 tiny (v_head_dim 32, moe_intermediate_size 64) as an NVIDIA ModelOpt NVFP4 "
+        "checkpoint: every Linear and routed expert but the exclusions (lm_head, every indexer wk, layer 1's "
+        "down_proj) as e2m1 codes with e4m3 scales per 16 inputs and a float32 weight_scale_2 per matrix "
+        "(gate and up of an expert differ), plus input_scale (W4A4 form); config.json's quantization_config "
+        "and hf_quant_config.json; the rest bf16. Goldens on the dequantized weights. No MTP weights.",
     },
 ]
 
@@ -458,6 +486,51 @@ def int4_float32_product(packed: dict[str, torch.Tensor], scheme) -> torch.Tenso
         ).float()
     per_col = lambda a: a.to(torch.float32).repeat_interleave(args.group_size, 1)  # noqa: E731
     return (q - per_col(zp)) * per_col(packed["weight_scale"])
+
+
+# ---------------------------------------------------------------------------------------------
+# NVIDIA ModelOpt NVFP4 (nvfp4_reference.py quantizes and dequantizes)
+
+
+def nvfp4_replace_weights(
+    model, opts: dict[str, Any], g: torch.Generator
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Quantize every Linear and routed expert the exclusions leave (the model rounded to bf16 first)
+    in place: weights := their dequantized values. Each 16-input block is first multiplied by 2^u so
+    that the e4m3 scales span a range and a loader mapping blocks or global scales wrongly gets
+    caught. Returns {hub module name: NVFP4 tensors}."""
+    stored = {}
+    with torch.no_grad():
+        for module, (p, expert, rows) in linear_weights(model).items():
+            if not nvfp4_ref.quantizes(module, opts["exclude"]):
+                continue
+            w = _view(p, expert, rows).to(torch.float32)
+            u = torch.rand(w.shape[0], w.shape[1] // nvfp4_ref.GROUP, generator=g, dtype=torch.float64)
+            w = w * torch.exp2((2 * u - 1) * NVFP4_BLOCK_SPREAD).repeat_interleave(nvfp4_ref.GROUP, 1).float()
+            tensors = nvfp4_ref.quantize(w)
+            _view(p, expert, rows).copy_(nvfp4_ref.dequantize(tensors))
+            stored[module] = tensors
+    return stored
+
+
+def _packed_tensors(tensors: dict[str, torch.Tensor], replaced: dict[str, dict[str, torch.Tensor]], decode):
+    """One file's tensors as a quantized release stores them: each replaced Linear's weight swapped for
+    its packed tensors (the saved weight must be exactly ``decode`` of them), every other float tensor
+    in bf16 (exact: the model was rounded to bf16), the router bias float32."""
+    out = {}
+    for k, t in tensors.items():
+        module = k[: -len(".weight")]
+        if k.endswith(".weight") and module in replaced:
+            if not torch.equal(t, decode(replaced[module])):
+                raise AssertionError(f"round trip mismatch for {k}")
+            out.update({f"{module}.{name}": v.contiguous() for name, v in replaced[module].items()})
+        elif k.endswith("e_score_correction_bias"):
+            out[k] = t
+        else:
+            if not torch.equal(t.to(torch.bfloat16).to(t.dtype), t):
+                raise AssertionError(f"{k} is not bf16-exact")
+            out[k] = t.to(torch.bfloat16)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -729,29 +802,22 @@ def read_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
 def int4_tensors(
     tensors: dict[str, torch.Tensor], int4: dict[str, dict[str, torch.Tensor]], scheme
 ) -> dict[str, torch.Tensor]:
-    """One file's tensors as an INT4 release stores them: each quantized Linear's weight replaced by its
-    packed tensors (the saved weight must be exactly the library's decompress of them), every other float
-    tensor in bf16 (exact: the model was rounded to bf16), the router bias float32."""
-    out = {}
-    for k, t in tensors.items():
-        module = k[: -len(".weight")]
-        if k.endswith(".weight") and module in int4:
-            if not torch.equal(t, int4_decompress(int4[module], scheme)):
-                raise AssertionError(f"int4 round trip mismatch for {k}")
-            out.update({f"{module}.{name}": v.contiguous() for name, v in int4[module].items()})
-        elif k.endswith("e_score_correction_bias"):
-            out[k] = t
-        else:
-            if not torch.equal(t.to(torch.bfloat16).to(t.dtype), t):
-                raise AssertionError(f"{k} is not bf16-exact")
-            out[k] = t.to(torch.bfloat16)
-    return out
+    """One file's tensors as an INT4 release stores them (:func:`_packed_tensors`)."""
+    return _packed_tensors(tensors, int4, lambda packed: int4_decompress(packed, scheme))
 
 
 def write_checkpoint(
-    model, directory: Path, spec, cfg, extra: dict[str, torch.Tensor], fp8: dict | None, int4: dict | None
+    model,
+    directory: Path,
+    spec,
+    cfg,
+    extra: dict[str, torch.Tensor],
+    fp8: dict | None,
+    int4: dict | None,
+    nvfp4: dict | None = None,
 ) -> None:
-    """save_pretrained (Hub layout), then add MTP tensors / FP8 or INT4 tensors, then generation_config."""
+    """save_pretrained (Hub layout), then add MTP tensors / FP8, INT4 or NVFP4 tensors, then
+    generation_config (and ModelOpt's hf_quant_config.json for NVFP4)."""
     if directory.exists():
         shutil.rmtree(directory)
     kwargs = {}
@@ -784,6 +850,8 @@ def write_checkpoint(
                     tensors[k + "_scale_inv"] = s.contiguous()
         if int4 is not None:
             tensors = int4_tensors(tensors, int4, int4_scheme(spec["int4"]))
+        if nvfp4 is not None:
+            tensors = _packed_tensors(tensors, nvfp4, nvfp4_ref.dequantize)
         save_file(tensors, str(f), metadata={**meta, "format": "pt"})
 
     if index_file.exists():
@@ -795,7 +863,7 @@ def write_checkpoint(
                     t = fh.get_slice(k)
                     weight_map[k] = f.name
                     count += math.prod(t.get_shape())
-                    size = {"F32": 4, "BF16": 2, "F8_E4M3": 1, "I32": 4, "I64": 8}[t.get_dtype()]
+                    size = {"F32": 4, "BF16": 2, "F8_E4M3": 1, "I32": 4, "I64": 8, "U8": 1}[t.get_dtype()]
                     total += math.prod(t.get_shape()) * size
         index["metadata"]["total_size"] = total
         if "total_parameters" in index["metadata"]:
@@ -803,11 +871,16 @@ def write_checkpoint(
         index["weight_map"] = dict(sorted(weight_map.items()))
         index_file.write_text(json.dumps(index, indent=2, sort_keys=False) + "\n")
 
-    if fp8 is not None or int4 is not None:
+    if fp8 is not None or int4 is not None or nvfp4 is not None:
         conf = json.loads((directory / "config.json").read_text())
-        conf["quantization_config"] = (
-            fp8_quant_config(*fp8_settings(spec)) if fp8 is not None else int4_quant_config(spec["int4"])
-        )
+        if nvfp4 is not None:
+            conf["quantization_config"] = nvfp4_ref.quantization_config(spec["nvfp4"]["exclude"])
+            hf_quant = nvfp4_ref.hf_quant_config(spec["nvfp4"]["exclude"])
+            (directory / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")
+        else:
+            conf["quantization_config"] = (
+                fp8_quant_config(*fp8_settings(spec)) if fp8 is not None else int4_quant_config(spec["int4"])
+            )
         (directory / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
 
     # docs/models.md §8.12: eos null so that greedy runs never stop early.
@@ -837,10 +910,13 @@ def attempt(spec, presets, seed: int) -> dict[str, Any]:
         if spec.get("fp8")
         else None
     )
-    int4 = None
+    int4 = nvfp4 = None
     if spec.get("int4"):
         round_to_bf16(model)
         int4 = int4_replace_weights(model, spec["int4"])
+    if spec.get("nvfp4"):
+        round_to_bf16(model)
+        nvfp4 = nvfp4_replace_weights(model, spec["nvfp4"], torch.Generator().manual_seed(30_000 + seed))
     prompts = make_prompts(seed, cfg.vocab_size)
 
     probes = Probes(model, cfg.model_type, cfg.index_topk)
@@ -902,6 +978,7 @@ def attempt(spec, presets, seed: int) -> dict[str, Any]:
         "raw": raw,
         "fp8": fp8,
         "int4": int4,
+        "nvfp4": nvfp4,
         "res": res,
         "checks": checks,
         "problems": problems,
@@ -925,7 +1002,7 @@ def hf_internals(model) -> dict[str, Any]:
 
 @torch.no_grad()
 def sensitivity(
-    model, cfg, prompt: np.ndarray, base: np.ndarray, fp8=None, int4=None, spec=None
+    model, cfg, prompt: np.ndarray, base: np.ndarray, fp8=None, int4=None, spec=None, nvfp4=None
 ) -> dict[str, float]:
     """Max rel L2 of logits_long when one HF detail is changed: how well the fixture discriminates it."""
     out: dict[str, float] = {}
@@ -1031,6 +1108,31 @@ def sensitivity(
         for m in int4:
             _view(*weights[m]).copy_(keep[m])
 
+    if nvfp4:
+        # Three loaders that get NVFP4 wrong: the up half of each expert dequantized with the gate's
+        # weight_scale_2 (vLLM's fused-MoE shortcut), the global scale folded into the e4m3 block scales,
+        # and the nibbles read high-first.
+        weights = linear_weights(model)
+        keep = {m: _view(*weights[m]).detach().clone() for m in nvfp4}
+        ups = {
+            m: m[: -len("up_proj")] + "gate_proj" for m in nvfp4 if ".experts." in m and m.endswith("up_proj")
+        }
+        wrong = {
+            "nvfp4_up_with_gate_global_scale": lambda m, t: (
+                nvfp4_ref.dequantize(t, global_scale=nvfp4[ups[m]]["weight_scale_2"]) if m in ups else None
+            ),
+            "nvfp4_global_scale_folded_into_e4m3": lambda m, t: nvfp4_ref.dequantize_folded(t),
+            "nvfp4_nibbles_swapped": lambda m, t: nvfp4_ref.dequantize_nibbles_swapped(t),
+        }
+        for label, decode in wrong.items():
+            for m, tensors in nvfp4.items():
+                value = decode(m, tensors)
+                if value is not None:
+                    _view(*weights[m]).copy_(value)
+            run(label)
+            for m in nvfp4:
+                _view(*weights[m]).copy_(keep[m])
+
     if not np.array_equal(full_logits(model, prompt), base):
         raise AssertionError("sensitivity probes did not restore the model")
     return out
@@ -1053,6 +1155,8 @@ def verify_reload(directory: Path, spec, cfg, res, presets_mod, model) -> dict[s
 
     if spec.get("int4"):
         return verify_int4(files, spec["int4"], model, info)
+    if spec.get("nvfp4"):
+        return verify_nvfp4(files, spec["nvfp4"], model, info, directory)
     if spec.get("fp8"):
         # Dequantize the files ourselves, fuse experts like HF does in memory, and compare to the model.
         sd = model.state_dict()
@@ -1139,6 +1243,62 @@ def verify_int4(files: dict[str, torch.Tensor], opts: dict[str, Any], model, inf
     return info
 
 
+def verify_nvfp4(
+    files: dict[str, torch.Tensor], opts: dict[str, Any], model, info: dict, directory: Path
+) -> dict[str, Any]:
+    """The files decoded by nvfp4_reference (bf16 tensors widened) are exactly the goldens' weights; the
+    NVFP4 modules are the ones the exclusions leave; both config files say the same; every tensor has
+    the format's dtype and shape; the experts' gate and up global scales differ (the fixture checks
+    that a loader keeps each)."""
+    weights = linear_weights(model)
+    packed = {k[: -len(".weight_scale_2")] for k in files if k.endswith(".weight_scale_2")}
+    for module in weights:
+        if (module in packed) != nvfp4_ref.quantizes(module, opts["exclude"]):
+            raise AssertionError(f"{module}: the exclusions and the files disagree on quantization")
+    names = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+    with torch.no_grad():
+        for module, (p, expert, rows) in weights.items():
+            if module in packed:
+                t = {n: files[f"{module}.{n}"] for n in names}
+                out, inp = _view(p, expert, rows).shape
+                dtypes = [t[n].dtype for n in names]
+                shapes = [tuple(t[n].shape) for n in names]
+                if dtypes != [torch.uint8, torch.float8_e4m3fn, torch.float32, torch.float32] or shapes != [
+                    (out, inp // 2),
+                    (out, inp // nvfp4_ref.GROUP),
+                    (),
+                    (),
+                ]:
+                    raise AssertionError(f"{module}: NVFP4 tensors of dtypes {dtypes} and shapes {shapes}")
+                w = nvfp4_ref.dequantize(t)
+            else:
+                w = files[f"{module}.weight"].to(torch.float32)
+            if not torch.equal(w, _view(p, expert, rows)):
+                raise AssertionError(f"nvfp4 checkpoint does not dequantize to the golden weights: {module}")
+        covered = {id(p) for p, _, _ in weights.values()}
+        for k, v in model.named_parameters():  # norms, embeddings, the router: stored bf16
+            if id(v) not in covered and not torch.equal(files[k].to(torch.float32), v):
+                raise AssertionError(f"{k} differs from the golden model")
+    same = [
+        files[f"{m}.weight_scale_2"] == files[f"{m[: -len('gate_proj')]}up_proj.weight_scale_2"]
+        for m in packed
+        if ".experts." in m and m.endswith("gate_proj")
+    ]
+    if not same or any(same):
+        raise AssertionError("the experts' gate and up global scales must differ")
+    conf = json.loads((directory / "config.json").read_text())["quantization_config"]
+    side = json.loads((directory / "hf_quant_config.json").read_text())["quantization"]
+    if (
+        not conf["ignore"] == side["exclude_modules"] == opts["exclude"]
+        or conf["quant_algo"] != side["quant_algo"]
+    ):
+        raise AssertionError("config.json and hf_quant_config.json disagree")
+    info["nvfp4_dequantize_exact"] = True
+    info["nvfp4_modules"] = len(packed)
+    info["bf16_tensors"] = sum(1 for v in files.values() if v.dtype == torch.bfloat16)
+    return info
+
+
 def try_hf_fp8_load(directory: Path, res, block: tuple[int, int]) -> str:
     """Informational only: what HF's own FP8 path does with the fixture on CPU (not used for goldens)."""
     import logging
@@ -1218,7 +1378,7 @@ def make_fixture(spec, presets_mod, out_root: Path, log) -> dict[str, Any]:
             else:
                 main_names[k] = v
         extra = mtp_tensors(main_names, cfg, g)
-    fp8, int4 = r["fp8"], r["int4"]
+    fp8, int4, nvfp4 = r["fp8"], r["int4"], r["nvfp4"]
     if fp8 is not None and extra:
         g = torch.Generator().manual_seed(40_000 + seed)
         block, ue8m0 = fp8_settings(spec)
@@ -1227,18 +1387,18 @@ def make_fixture(spec, presets_mod, out_root: Path, log) -> dict[str, Any]:
                 q, s, deq = fp8_quantize(vary_blocks(extra[k], block, g), block, ue8m0)
                 extra[k] = deq
                 fp8[k] = (q, s)
-    if int4 is not None and extra:
-        raise AssertionError("INT4 fixtures carry no MTP layer")
+    if (int4 is not None or nvfp4 is not None) and extra:
+        raise AssertionError("INT4 and NVFP4 fixtures carry no MTP layer")
 
     internals = hf_internals(model)
-    sens = sensitivity(model, cfg, res["prompt_long"], res["logits_long"], fp8, int4, spec)
+    sens = sensitivity(model, cfg, res["prompt_long"], res["logits_long"], fp8, int4, spec, nvfp4)
     # Every HF detail a test should catch must move logits_long far above the 1e-4 parity tolerance.
     weak = {k: v for k, v in sens.items() if not v > 1e-3}
     if weak:
         raise AssertionError(f"logits_long barely depends on {weak}")
 
     directory = out_root / spec["name"]
-    write_checkpoint(model, directory, spec, cfg, extra, fp8, int4)
+    write_checkpoint(model, directory, spec, cfg, extra, fp8, int4, nvfp4)
     info = verify_reload(directory, spec, cfg, res, presets_mod, model)
 
     golden = {
@@ -1279,10 +1439,20 @@ def make_fixture(spec, presets_mod, out_root: Path, log) -> dict[str, Any]:
 # README
 
 
-def _ct_version() -> str:
-    import compressed_tensors
+def _ct_version(results: list[dict[str, Any]], out_root: Path) -> str:
+    """The compressed-tensors version that made the INT4 fixtures: this run's when it remade one, else
+    the one the README names (carried fixtures keep what they were made with)."""
+    if any(r["spec"].get("int4") and "carried" not in r for r in results):
+        import compressed_tensors
 
-    return compressed_tensors.__version__
+        return compressed_tensors.__version__
+    readme = out_root / "README.md"
+    old = (
+        re.search(r"`compressed-tensors` library (\S+) itself", readme.read_text())
+        if readme.exists()
+        else None
+    )
+    return old.group(1) if old else "(unknown version)"
 
 
 def fmt(x: float) -> str:
@@ -1308,7 +1478,7 @@ def carried(spec: dict[str, Any], out_root: Path) -> dict[str, Any]:
             paragraphs.append(lines[i:j])
             i = j
         i += 1
-    note = re.search(rf"`{name}`: {FP8_LOAD_NOTE} (.*)\.$", text, re.M) or re.search(
+    note = re.search(rf"`{name}`: {re.escape(FP8_LOAD_NOTE)} (.*)\.$", text, re.M) or re.search(
         r"What it did with this fixture on CPU: (.*)\.$",
         text,
         re.M,  # the README of a single FP8 fixture
@@ -1382,9 +1552,9 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
         "an RMS of about 0.02 and the latent-norm eps matters (see the sensitivity table: GLM's config eps "
         "1e-5",
         "instead of HF's 1e-6 changes the logits by far more than the tolerance). Logits have a std of about",
-        "2.5, far from uniform. Stored float32, except the FP8 fixtures' quantized tensors and the INT4",
-        "fixtures, which store every unpacked tensor in bf16 (the releases' dtype; the model is rounded to "
-        "bf16",
+        "2.5, far from uniform. Stored float32, except the FP8 fixtures' quantized tensors and the INT4 and",
+        "NVFP4 fixtures, which store every unpacked tensor in bf16 (the releases' dtype; the model is "
+        "rounded to bf16",
         "before quantizing) and the router bias in float32.",
         "",
         "`glm5_fp8` additionally multiplies every 32x32 block of each quantized weight by 2^u, u ~ U(-1.5, "
@@ -1489,6 +1659,16 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
                 "library's",
                 f"bf16 one moves logits_long by {fmt(z['int4_float32_product'])}.",
             ]
+        if "nvfp4_nibbles_swapped" in z:
+            lines += [
+                "",
+                f"`{r['name']}`: dequantizing each expert's up projection with its gate's weight_scale_2 "
+                "(vLLM's fused-MoE",
+                f"shortcut) moves logits_long by {fmt(z['nvfp4_up_with_gate_global_scale'])}; the global "
+                "scales folded into the e4m3",
+                f"block scales by {fmt(z['nvfp4_global_scale_folded_into_e4m3'])}; the nibbles read "
+                f"high-first by {fmt(z['nvfp4_nibbles_swapped'])}.",
+            ]
     lines += [
         "",
         "## Generation",
@@ -1546,6 +1726,10 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
         "- INT4: goldens use the compressed-tensors library's own `decompress` (W = (q - zp) * scale "
         "computed",
         "  and rounded in bf16); HF's compressed-tensors loading is not used.",
+        "- NVFP4: goldens use W = e2m1(q) * (fp32(s) * weight_scale_2), the block's product rounded to "
+        "float32",
+        "  first, as ModelOpt's `NVFP4QTensor.dequantize` (docs/models.md §4.8); HF 5.23 has no ModelOpt "
+        "loader.",
         "",
         "## FP8 fixture layout",
         "",
@@ -1584,8 +1768,7 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
         "",
         "## INT4 fixture layout (compressed-tensors pack-quantized)",
         "",
-        "Made with the `compressed-tensors` library "
-        + (f"{_ct_version()} " if PackedQuantizationCompressor is not None else "")
+        f"Made with the `compressed-tensors` library {_ct_version(results, out_root)} "
         + "itself: per targeted Linear (HF [out, in], bf16) the scale and",
         "zero point of each group of input columns come from `calculate_qparams(min, max)` (a min-max "
         "observer),",
@@ -1606,6 +1789,36 @@ def write_readme(results: list[dict[str, Any]], out_root: Path) -> None:
             lines.append(
                 f"- `{r['name']}`: group {q['group']}, {'symmetric' if q['symmetric'] else 'asymmetric'}, "
                 f"targets {json.dumps(q['targets'])}, ignore {json.dumps(q['ignore'])}."
+            )
+    lines += [
+        "",
+        "## NVFP4 fixture layout (NVIDIA ModelOpt)",
+        "",
+        "Quantized by `tests/reference/nvfp4_reference.py` (torch, written from the format's definition as "
+        "ModelOpt's",
+        "`NVFP4QTensor` quantizes: g = amax / (6 * 448), per 16 inputs an e4m3 scale block_amax / (6 g), "
+        "codes the",
+        "nearest e2m1 values, ties to even; ModelOpt itself is not installable in the reference venv), each "
+        "16-input",
+        f"block first multiplied by 2^u, u ~ U(-{NVFP4_BLOCK_SPREAD}, {NVFP4_BLOCK_SPREAD}). Per quantized "
+        "Linear (HF [out, in]) and routed expert: `X.weight` U8",
+        "[out, in / 2] (low nibble = even column), `X.weight_scale` F8_E4M3 [out, in / 16], "
+        "`X.weight_scale_2` F32 []",
+        "(each matrix its own: an expert's gate and up differ, checked), `X.input_scale` F32 [] (1.0: the "
+        "W4A4 form,",
+        "which jaxdsa reads and ignores). config.json's `quantization_config` is ModelOpt's converted form "
+        "(`quant_method`",
+        "`modelopt`, `quant_algo` `NVFP4`, `config_groups`, `ignore`), `hf_quant_config.json` its own form "
+        "(`quantization`:",
+        "`quant_algo`, `group_size`, `exclude_modules`). The files are checked to dequantize to exactly the "
+        "golden weights.",
+        "",
+    ]
+    for r in results:
+        if r["spec"].get("nvfp4"):
+            lines.append(
+                f"- `{r['name']}`: exclusions {json.dumps(r['spec']['nvfp4']['exclude'])} (fnmatch on a "
+                "module and its parents)."
             )
     lines.append("")
     text = "\n".join(lines)

@@ -200,3 +200,10 @@ def test_the_docs_table_lists_exactly_the_flags_of_help():
     table = _table_flags()
     assert flags - table == set(), "flags missing from docs/serving.md's table"
     assert table - flags == set(), "flags in docs/serving.md's table that --help does not have"
+
+
+def test_vllms_modelopt_fp4_is_nvfp4(glm_dir):
+    """vLLM names ModelOpt NVFP4 ``modelopt_fp4``: the same assertion as jaxdsa's ``nvfp4``."""
+    args = cli.parse_args([glm_dir, "--quantization", "modelopt_fp4"])
+    cli._check_flags(args)
+    assert args.quantization == "nvfp4"

@@ -123,6 +123,28 @@ def test_planner_on_released_v4_configs(name, params_b, tmp_path, capsys):
     assert dp8["devices"] == 8 and dp8["weights_gib_per_device"] > tp8["weights_gib_per_device"]
 
 
+def test_planner_counts_nvfp4_bytes():
+    """GLM-5 with ``--weights nvfp4``: every routed-expert stack is half a byte per weight, an e4m3 byte
+    per 16 and a few float32 global scales (one per matrix, repeated over its power-of-two blocks), so
+    0.5625 bytes per weight within 0.01 %; its bytes per device sit below INT4's (bf16 scales and
+    zero points per 32: 0.594 bytes per weight)."""
+    family, cfg, par = family_for("glm_moe_dsa"), released_config("glm5"), sharding.Parallelism(tp=8, ep=8)
+    leaves = plan.parameter_leaves(family, cfg, par, "nvfp4")
+    experts = [leaf for leaf in leaves if leaf.path[-1] in ("gate_up", "down")]
+    by_path: dict[tuple, list[plan.Leaf]] = {}
+    for leaf in experts:
+        by_path.setdefault(leaf.path, []).append(leaf)
+    assert by_path and all(len(parts) == 3 for parts in by_path.values())  # codes, scales, global scales
+    for parts in by_path.values():
+        codes, scales, global_scales = parts
+        weights = np.prod(codes.shape) * 2  # two e2m1 codes per byte
+        nbytes = sum(np.prod(p.shape) * p.width for p in parts)
+        assert (codes.width, scales.width, global_scales.width) == (1, 1, 4)
+        assert abs(nbytes / weights / 0.5625 - 1) < 1e-4
+    bytes_nvfp4 = plan.device_weight_bytes(family, cfg, par, "nvfp4", leaves)
+    assert bytes_nvfp4 < plan.device_weight_bytes(family, cfg, par, "int4")
+
+
 # The README's what-fits table: each row's checkpoint as the planner's preset and --weights.
 README_ROWS = {
     "GLM-5.2 / 5.1 INT4": ("glm52", "int4"),

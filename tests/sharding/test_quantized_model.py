@@ -29,13 +29,16 @@ from tests.sharding.test_loading import device_bytes
 # (tp=2); INT4 group 32 with one expert per device (tp=1, ep=8: 8 devices); FP8 128x128 blocks with
 # the 4 heads padded to 8 (tp=8: zero heads appended to q_b, kv_b's parts and o_proj, one head's
 # 24 / 16-wide slices per shard, groups narrowed to 8 / 16); DeepSeek-V4 FP8 linears (ue8m0 32x32
-# blocks) with FP4 routed experts, two per device (tp=2, ep=4: attention replicated twice).
+# blocks) with FP4 routed experts, two per device (tp=2, ep=4: attention replicated twice); NVFP4
+# with its global scales cut alongside the codes (tp=2, ep=4: expert-TP gate|up pieces each keeping
+# its gate's and its up's global scale; row-split o_proj and down projections).
 LAYOUTS = [
     ("glm5_fp8", 2, 4),
     ("dsv32_int4", 2, 1),
     ("glm5_int4", 1, 8),
     ("dsv32_fp8", 8, 8),
     ("dsv4_fp8", 2, 4),
+    ("glm5_nvfp4", 2, 4),
 ]
 
 
@@ -103,13 +106,39 @@ def test_decode_through_the_interpreted_kernels_on_a_mesh(layout):
     assert rel_l2(logits[0], golden["greedy_logits"]).max() <= TOLERANCE
 
 
+def test_nvfp4_kv_b_parts_kept_quantized_with_dp_attention():
+    """With dp attention kv_b's W_UK / W_UV stay quantized: NVFP4's per-head column slices carry the
+    global scales of their columns (groups narrowed to 16 columns: heads of 48 cut at 16), and the
+    model keeps HF's greedy tokens."""
+    llm = jaxdsa.LLM(
+        FIXTURES / "glm5_nvfp4",
+        dtype="float32",
+        tp=1,
+        ep=2,
+        dp=2,
+        dp_attention=True,
+        page_size=8,
+        progress=False,
+    )
+    parts = {path[-2]: w for path, w in quantized(llm.model).items() if path[-2] in ("w_uk", "w_uv")}
+    assert {w.format for w in parts.values()} == {"nvfp4"}
+    assert parts["w_uk"].global_group[1] == parts["w_uv"].global_group[1] == 16
+    golden = dict(np.load(FIXTURES / "glm5_nvfp4" / "golden.npz"))
+    want = golden["greedy_tokens"]
+    tokens, logits = llm.generate(
+        [golden["greedy_prompt"].tolist()], max_new_tokens=len(want), return_logits=True
+    )
+    assert tokens[0] == want.tolist()
+    assert rel_l2(logits[0], golden["greedy_logits"]).max() <= TOLERANCE
+
+
 def test_split_cutting_a_packed_chunk_is_refused():
     """glm5_int4's o_proj has K = 4 heads x 24 = 96 rows: two shards of 48 are not whole 32-row chunks."""
     with pytest.raises(ValueError, match=r"attn/o/weight: a 4-bit weight of K = 96 split into 2 shards"):
         load_float32(FIXTURES / "glm5_int4", sharding.Parallelism(tp=2))
 
 
-@pytest.mark.parametrize("weights", ["int4", "fp8"])
+@pytest.mark.parametrize("weights", ["int4", "fp8", "nvfp4"])
 def test_planner_matches_dummy_quantized_weights(weights, tmp_path):
     """Dummy weights drawn in the format (one compiled init per distinct shape) on (tp=2, ep=4):
     every device holds what the planner says it will."""
@@ -142,15 +171,16 @@ def test_planner_matches_dummy_quantized_weights(weights, tmp_path):
     assert planned < 0.6 * plan.device_weight_bytes(family, cfg, par, "bf16")
 
 
-def test_planner_matches_a_loaded_int4_checkpoint():
-    """The library-packed INT4 fixture (its ignore list honoured, the mixed dense stack dense) on 8
-    devices, one expert each."""
+@pytest.mark.parametrize("name, weights", [("glm5_int4", "int4"), ("glm5_nvfp4", "auto")])
+def test_planner_matches_a_loaded_checkpoint(name, weights):
+    """The library-packed INT4 fixture (its ignore list honoured, the mixed dense stack dense) and the
+    NVFP4 one (its exclusion wildcards honoured, global scales counted) on 8 devices, one expert each."""
     par = sharding.Parallelism(tp=1, ep=8)
     mesh = sharding.make_mesh(par)
     family, cfg, model = load_model(
-        FIXTURES / "glm5_int4", dtype=jnp.bfloat16, parallelism=par, mesh=mesh, progress=False
+        FIXTURES / name, dtype=jnp.bfloat16, parallelism=par, mesh=mesh, progress=False
     )
-    planned = plan.device_weight_bytes(family, cfg, par, "int4")
+    planned = plan.device_weight_bytes(family, cfg, par, weights)
     for device, nbytes in device_bytes(model, mesh).items():
         assert abs(nbytes - planned) <= 0.05 * planned, (device, nbytes, planned)
 
@@ -164,7 +194,7 @@ def test_padded_4bit_rows_need_whole_chunks():
         load_float32(FIXTURES / "glm5_int4", sharding.Parallelism(tp=8))
 
 
-@pytest.mark.parametrize("weights", ["int4", "fp8"])
+@pytest.mark.parametrize("weights", ["int4", "fp8", "nvfp4"])
 def test_dummy_padded_heads_are_zero(weights, tmp_path):
     """Dummy quantized weights at tp=8 on a 4-head model (padded to 8): the padded heads hold zero
     weights, as loaded ones do (q_b's appended columns, o_proj's appended K rows: 4 x 32 real rows,

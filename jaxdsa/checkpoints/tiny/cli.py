@@ -2,6 +2,7 @@
 
     python -m jaxdsa.checkpoints.make_tiny --family glm_moe_dsa|deepseek_v32|deepseek_v4|glm5_next --out DIR
         [--seed N] [--preset NAME] [--dtype float32|bfloat16] [--shards K] [--max-model-len N]
+        [--quant nvfp4]
 
 (``jaxdsa/checkpoints/make_tiny.py`` is the entry; the makers are :mod:`jaxdsa.checkpoints.tiny.dsa`,
 :mod:`jaxdsa.checkpoints.tiny.v4` and :mod:`jaxdsa.checkpoints.tiny.glm5_next`.)
@@ -47,6 +48,11 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         help="the model's context (max_position_embeddings; default: the preset's)",
     )
+    parser.add_argument(
+        "--quant",
+        choices=["nvfp4"],
+        help="store the linears quantized: nvfp4 = NVIDIA ModelOpt NVFP4 (glm_moe_dsa, deepseek_v32)",
+    )
     args = parser.parse_args(argv)
     if args.max_model_len is not None and args.max_model_len < 1:
         parser.error("--max-model-len must be >= 1")
@@ -60,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
             dtype=args.dtype,
             shards=args.shards,
             overrides=overrides,
+            quant=args.quant,
         )
     except ValueError as e:
         parser.error(str(e))

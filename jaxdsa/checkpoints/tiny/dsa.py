@@ -10,7 +10,8 @@ per-expert tensor names and [out, in] shapes (docs/models.md §4.1) plus the MTP
 Tensor names and shapes are derived here from the config and docs/models.md, deliberately *not* from
 the family's parameter spec: the loader is then tested against an independent reading of the spec.
 Values: :func:`jaxdsa.checkpoints.tiny.writers.random_tensor`; "router_bias" is drawn like "bias" and always
-stored in fp32, as on the Hub.
+stored in fp32, as on the Hub. ``quant="nvfp4"``: every linear but the head and the routers stored as
+ModelOpt NVFP4 (:mod:`jaxdsa.checkpoints.tiny.nvfp4`), with both of ModelOpt's config files.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from jaxdsa.checkpoints import tokenizer_assets
+from jaxdsa.checkpoints.tiny import nvfp4
 from jaxdsa.checkpoints.tiny.presets import TINY_PRESETS
 from jaxdsa.checkpoints.tiny.writers import DTYPES, Spec, random_tensor, write_json, write_weights
 
@@ -112,9 +114,12 @@ def write(
     dtype: str,
     shards: int,
     overrides: dict[str, Any] | None = None,
+    quant: str | None = None,
 ) -> str:
     """Write the tiny checkpoint directory of a ``TINY_PRESETS`` entry of ``family`` and return its
-    path. ``overrides``: config.json fields replacing the preset's."""
+    path. ``overrides``: config.json fields replacing the preset's; ``quant``: None or "nvfp4"."""
+    if quant not in (None, "nvfp4"):
+        raise ValueError(f"quant must be None or 'nvfp4', got {quant!r}")
     if preset not in TINY_PRESETS:
         known = sorted(n for n, c in TINY_PRESETS.items() if c["model_type"] == family)
         raise ValueError(f"unknown {family} preset {preset!r}; choose from {known}")
@@ -127,6 +132,9 @@ def write(
     cfg = {**TINY_PRESETS[preset], **(overrides or {})}
     ids = tokenizer_assets.write_tokenizer(family, out_dir, model_max_length=cfg["max_position_embeddings"])
     cfg |= {"vocab_size": ids.vocab_size, "dtype": dtype}
+    if quant == "nvfp4":
+        cfg["quantization_config"] = nvfp4.quantization_config()
+        write_json(os.path.join(out_dir, "hf_quant_config.json"), nvfp4.hf_quant_config())
     write_json(os.path.join(out_dir, "config.json"), cfg)
     eos = ids.eos_token_ids[0] if len(ids.eos_token_ids) == 1 else list(ids.eos_token_ids)  # as the Hub files
     generation = {"eos_token_id": eos, "pad_token_id": ids.pad_token_id}
@@ -134,11 +142,15 @@ def write(
         generation = {"bos_token_id": ids.bos_token_id, **generation}
     write_json(os.path.join(out_dir, "generation_config.json"), generation)
 
-    tensors = {
-        name: random_tensor(name, shape, kind, seed).astype(
+    tensors = {}
+    for name, (shape, kind) in tensor_specs(cfg).items():
+        value = random_tensor(name, shape, kind, seed).astype(
             np.float32 if kind == "router_bias" else DTYPES[dtype]
         )
-        for name, (shape, kind) in tensor_specs(cfg).items()
-    }
+        if quant == "nvfp4" and kind == "linear" and nvfp4.quantizes(name):
+            module = name.removesuffix(".weight")
+            tensors |= {f"{module}.{k}": v for k, v in nvfp4.quantize(value.astype(np.float32)).items()}
+        else:
+            tensors[name] = value
     write_weights(tensors, out_dir, shards)
     return out_dir

@@ -28,16 +28,20 @@ def make_tiny(
     dtype: str = "float32",
     shards: int = 1,
     overrides: dict[str, Any] | None = None,
+    quant: str | None = None,
 ) -> str:
     """Write the tiny checkpoint directory and return its path. ``overrides``: config.json fields
     replacing the preset's (wider layers for a load that must outweigh the interpreter's own
-    allocations, say; GLM-5.3-Flash: its ``text_config`` fields)."""
+    allocations, say; GLM-5.3-Flash: its ``text_config`` fields). ``quant="nvfp4"``: the linears
+    stored as ModelOpt NVFP4 (GLM-5.x and DeepSeek-V3.2 only)."""
     if family not in DEFAULT_PRESET:
         raise ValueError(f"unknown family {family!r}; choose from {sorted(DEFAULT_PRESET)}")
     preset = preset or DEFAULT_PRESET[family]
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out_dir = os.fspath(out_dir)
+    if quant is not None and family not in ("glm_moe_dsa", "deepseek_v32"):
+        raise ValueError(f"quant={quant!r} is written for glm_moe_dsa and deepseek_v32, not {family}")
     if family == "deepseek_v4":
         return v4.write(out_dir, seed=seed, preset=preset, dtype=dtype, shards=shards, overrides=overrides)
     if family == "glm5_next":
@@ -45,5 +49,12 @@ def make_tiny(
             out_dir, seed=seed, preset=preset, dtype=dtype, shards=shards, overrides=overrides
         )
     return dsa.write(
-        family, out_dir, seed=seed, preset=preset, dtype=dtype, shards=shards, overrides=overrides
+        family,
+        out_dir,
+        seed=seed,
+        preset=preset,
+        dtype=dtype,
+        shards=shards,
+        overrides=overrides,
+        quant=quant,
     )
