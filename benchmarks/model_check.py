@@ -27,6 +27,7 @@ from pallas_kernels.quant.decode import fp_decode
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 NAMES = [
     *("glm5", "dsv32", "glm52", "dsv32_yarn", "glm5_fp8", "dsv32_fp8", "glm5_int4", "dsv32_int4"),
+    "glm5_nvfp4",
     *("dsv4", "dsv4_sharded", "dsv4_fp8", "glm53", "glm53_sharded"),
 ]
 

@@ -1,6 +1,7 @@
 """GPU benchmark: weights kept quantized, at GLM-5 shapes. INT4 (compressed-tensors, asymmetric
 group 32, in the loader's int32-word layout; ``int4-bytes``, asked for by name, the byte layout),
-FP8 (128x128 float32 scales), bf16 and V4's FP4 (e2m1, ue8m0 per 32; routed experts only), for the
+FP8 (128x128 float32 scales), bf16, V4's FP4 (e2m1, ue8m0 per 32; routed experts only) and ModelOpt's
+NVFP4 (e2m1, e4m3 per 16, a float32 global scale per matrix; GLM-5.3's release format), for the
 routed experts (E = 256, top-8 + the shared expert, D = 6144, N = 2048) and the attention / dense
 linears, T in {1, 8, 32, 128, 512, 4096}.
 
@@ -83,7 +84,7 @@ from pallas_kernels.quant.layout import (
 )
 from pallas_kernels.quant_matmul import kernel as qmm_kernel
 
-FORMATS = ("int4", "fp8", "bf16", "fp4")
+FORMATS = ("int4", "fp8", "bf16", "fp4", "nvfp4")
 # INT4 in the byte layout (layout.default_kpack's choice for K not a multiple of 256), to compare
 # with the word layout on the same random codes' distribution: QUANT_FORMATS=int4,int4-bytes
 INT4_BYTES = "int4-bytes"
@@ -215,6 +216,12 @@ def _random_matrix(key, fmt: str, k: int, n: int, *, stacked: bool):
         exps = jax.random.randint(ks, (k // 32, n), 117, 124).astype(jnp.uint8)
         scales = jax.lax.bitcast_convert_type(exps, jnp.float8_e8m0fnu)
         return QuantizedWeight(codes, scales, None, "fp4", (32, 1), 64)
+    if fmt == "nvfp4":  # e2m1 codes, e4m3 scales per 16 (4 .. 16), one global scale per matrix
+        codes = jax.random.bits(kc, (k // 2, n), jnp.uint8)
+        scales = jax.random.uniform(ks, (k // 16, n), minval=4.0, maxval=16.0).astype(jnp.float8_e4m3fn)
+        gk, gn = k & -k, n & -n
+        global_scales = jnp.full((k // gk, n // gn), 1 / (64 * k**0.5), jnp.float32)
+        return QuantizedWeight(codes, scales, None, "nvfp4", (16, 1), 64, global_scales, (gk, gn))
     codes = jax.random.bits(kc, (k, n), jnp.uint8)
     codes = jnp.where((codes & 0x7F) == 0x7F, jnp.uint8(0x7E), codes)  # no NaN codes
     scales = jax.random.uniform(ks, (-(-k // 128), -(-n // 128)), minval=0.5, maxval=2) / (64 * k**0.5)
@@ -512,7 +519,7 @@ def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
     impls = [Impl("pallas")]
     if kind == "linear" and t <= GEMV_TOKENS:
         impls.append(Impl("pallas:gemv", gemv=True))
-    if fmt == "fp8" and fp_decode() != "software":
+    if fmt in ("fp8", "nvfp4") and fp_decode() != "software":  # NVFP4's e4m3 scales, FP8's codes
         impls.append(Impl("pallas:software", decode="software"))
     if fmt == "int4" and os.environ.get("QUANT_INT4_VARIANTS", "1") != "0":
         default = decode.int4_decode()
@@ -525,7 +532,7 @@ def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
         ]
     if t not in _env_list("QUANT_VARIANT_TOKENS", VARIANT_TOKENS):
         return impls
-    if fmt in ("int4", "fp4") and kind == "moe":
+    if fmt in ("int4", "fp4", "nvfp4") and kind == "moe":
         impls += [
             Impl(f"pallas:{name}", tiles=moe_variant(**changes), variant=True)
             for name, changes in _tile_variants("QUANT_MOE_TILES", "w4:num_warps=4,n64:block_n=64")

@@ -33,6 +33,18 @@ def test_small_run_writes_a_report(tmp_path, monkeypatch):
     assert all(r.split("|")[5].strip() for r in timed)  # every Pallas / XLA row has a time
 
 
+def test_nvfp4_rows_match_the_reference(tmp_path, monkeypatch):
+    """NVFP4 experts and linears (e4m3 scales per 16, a global scale per matrix) checked against the
+    float32 reference and timed, at T = 1 (the experts also on the 4-bit tile variants)."""
+    monkeypatch.setenv("QUANT_TOKENS", "1")
+    monkeypatch.delenv("QUANT_VARIANTS", raising=False)
+    monkeypatch.setenv("QUANT_FORMATS", "nvfp4")
+    text = quant.main(quant.SMALL, out=tmp_path / "quant.md").read_text()
+    rows = [line for line in text.splitlines() if "| nvfp4 |" in line and "torch" not in line]
+    assert "FAILED" not in text and any("| routed experts" in r for r in rows)
+    assert any("| kv_a" in r for r in rows) and all(r.split("|")[5].strip() for r in rows)
+
+
 def test_json_parts_merge(tmp_path, monkeypatch):
     monkeypatch.delenv("QUANT_TOKENS", raising=False)
     parts = []
