@@ -191,7 +191,12 @@ def test_several_reads_and_bad_requests(consumer: TransferAgent, producers: Call
         consumer.read(peer, regions[2], producer.regions[2], b"bad", timeout_s=30)
 
 
-def test_hung_producer_times_out(consumer: TransferAgent, producers: Callable[..., Producer]) -> None:
+def test_hung_producer_times_out(
+    consumer: TransferAgent, producers: Callable[..., Producer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A producer with TCP lanes only, so that a READ needs its worker to serve it: over shared memory
+    # (CMA) UCX may read a stopped process's pages without it, and the READ completed in one CI run.
+    monkeypatch.setenv("UCX_TLS", "tcp")
     producer = producers("producer-3", [4 * MIB], seed=3)
     peer = consumer.connect(producer.metadata)
     local = consumer.register(np.zeros(4 * MIB, np.uint8))
