@@ -1,6 +1,7 @@
 """GPU benchmark: weights kept quantized, at GLM-5 shapes. INT4 (compressed-tensors, asymmetric
 group 32, in the loader's int32-word layout; ``int4-bytes``, asked for by name, the byte layout),
-FP8 (128x128 float32 scales), bf16, V4's FP4 (e2m1, ue8m0 per 32; routed experts only) and ModelOpt's
+FP8 (128x128 float32 scales), bf16, V4's FP4 (e2m1, ue8m0 per 32; routed experts only; ``fp4-words``,
+asked for by name, in int32 words) and ModelOpt's
 NVFP4 (e2m1, e4m3 per 16, a float32 global scale per matrix; GLM-5.3's release format), for the
 routed experts (E = 256, top-8 + the shared expert, D = 6144, N = 2048) and the attention / dense
 linears, T in {1, 8, 32, 128, 512, 4096}.
@@ -16,7 +17,8 @@ Run ``python -m benchmarks.quant`` on a GPU. Per format and T it times, in one p
   the table's GEMV tile (:mod:`pallas_kernels.quant_matmul.tuning`; the table leaves it off, and
   ``pallas`` takes it only where ``JAXDSA_QMM_GEMV_MAX_M`` turns it on), next to ``pallas``;
 * variants (``QUANT_VARIANTS=0`` skips them): INT4 with each other INT4 arithmetic
-  (``pallas:int4-f32`` / ``-bf16`` / ``-ptx``, :func:`pallas_kernels.quant.decode.int4_decode`;
+  (``pallas:int4-f32`` / ``-bf16`` / ``-ptx``, :func:`pallas_kernels.quant.decode.int4_decode`),
+  FP4 with the other decode (``pallas:fp4-f32`` on a GPU, where 'ptx' is the default;
   ``QUANT_INT4_VARIANTS=0`` skips these), and at
   T <= 32 4-bit MoE tile variants (4 warps; 64-column tiles; or ``QUANT_MOE_TILES``, see
   :func:`_tile_variants`; ``QUANT_VARIANT_TOKENS=1,8`` picks the T) and quantized linears' variants
@@ -76,6 +78,7 @@ from pallas_kernels.moe import tuning as moe_tuning
 from pallas_kernels.quant import decode
 from pallas_kernels.quant.decode import fp_decode
 from pallas_kernels.quant.layout import (
+    WORD_KPACK,
     QuantizedWeight,
     codes_dtype,
     codes_per_element,
@@ -88,7 +91,9 @@ FORMATS = ("int4", "fp8", "bf16", "fp4", "nvfp4")
 # INT4 in the byte layout (layout.default_kpack's choice for K not a multiple of 256), to compare
 # with the word layout on the same random codes' distribution: QUANT_FORMATS=int4,int4-bytes
 INT4_BYTES = "int4-bytes"
-MOE_ONLY = ("fp4",)  # V4's FP4 is for routed experts only: no linears
+# FP4 experts in int32 words (layout.WORD_KPACK), against the loader's bytes: QUANT_FORMATS=fp4,fp4-words
+FP4_WORDS = "fp4-words"
+MOE_ONLY = ("fp4", FP4_WORDS)  # V4's FP4 is for routed experts only: no linears
 TOLERANCE = 1e-2
 
 
@@ -211,11 +216,14 @@ def _random_matrix(key, fmt: str, k: int, n: int, *, stacked: bool):
         )
         zeros = jax.random.randint(kz, (k // 32, n), 0, 16).astype(jnp.uint8)
         return QuantizedWeight(codes, scales, zeros, "int4", (32, 1), kpack)
-    if fmt == "fp4":  # V4's routed experts: e2m1 codes, ue8m0 scales per 32 (2^-10 .. 2^-4)
-        codes = jax.random.bits(kc, (k // 2, n), jnp.uint8)
+    if fmt in ("fp4", FP4_WORDS):  # V4's routed experts: e2m1 codes, ue8m0 scales per 32 (2^-10 .. 2^-4)
+        kpack = WORD_KPACK if fmt == FP4_WORDS else 64
+        per = codes_per_element(kpack)
+        codes = jax.random.bits(kc, (k // per, n), jnp.uint32 if per == 8 else jnp.uint8)
+        codes = jax.lax.bitcast_convert_type(codes, codes_dtype(kpack))
         exps = jax.random.randint(ks, (k // 32, n), 117, 124).astype(jnp.uint8)
         scales = jax.lax.bitcast_convert_type(exps, jnp.float8_e8m0fnu)
-        return QuantizedWeight(codes, scales, None, "fp4", (32, 1), 64)
+        return QuantizedWeight(codes, scales, None, "fp4", (32, 1), kpack)
     if fmt == "nvfp4":  # e2m1 codes, e4m3 scales per 16 (4 .. 16), one global scale per matrix
         codes = jax.random.bits(kc, (k // 2, n), jnp.uint8)
         scales = jax.random.uniform(ks, (k // 16, n), minval=4.0, maxval=16.0).astype(jnp.float8_e4m3fn)
@@ -521,10 +529,15 @@ def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
         impls.append(Impl("pallas:gemv", gemv=True))
     if fmt in ("fp8", "nvfp4") and fp_decode() != "software":  # NVFP4's e4m3 scales, FP8's codes
         impls.append(Impl("pallas:software", decode="software"))
-    if fmt == "int4" and os.environ.get("QUANT_INT4_VARIANTS", "1") != "0":
+    if os.environ.get("QUANT_INT4_VARIANTS", "1") != "0":
         default = decode.int4_decode()
-        runnable = [m for m in decode.INT4_MODES if m != "ptx" or compute_capability() >= 80]  # no PTX on CPU
-        impls += [Impl(f"pallas:int4-{m}", int4=m, variant=True) for m in runnable if m != default]
+        if fmt == "int4":
+            runnable = [
+                m for m in decode.INT4_MODES if m != "ptx" or compute_capability() >= 80
+            ]  # no CPU PTX
+            impls += [Impl(f"pallas:int4-{m}", int4=m, variant=True) for m in runnable if m != default]
+        if fmt in ("fp4", FP4_WORDS) and default == "ptx":  # FP4's other decode: float32 ('f32' = 'bf16')
+            impls.append(Impl("pallas:fp4-f32", int4="f32", variant=True))
     if kind == "linear" and t >= DEQUANTIZE_VARIANT_TOKENS:
         impls += [
             Impl(f"pallas:dequantize-{'first' if on else 'never'}", dequantize_first=on, variant=True)
@@ -532,7 +545,7 @@ def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
         ]
     if t not in _env_list("QUANT_VARIANT_TOKENS", VARIANT_TOKENS):
         return impls
-    if fmt in ("int4", "fp4", "nvfp4") and kind == "moe":
+    if fmt in ("int4", "fp4", FP4_WORDS, "nvfp4") and kind == "moe":
         impls += [
             Impl(f"pallas:{name}", tiles=moe_variant(**changes), variant=True)
             for name, changes in _tile_variants("QUANT_MOE_TILES", "w4:num_warps=4,n64:block_n=64")
@@ -638,7 +651,7 @@ def run(
             log(f"quant: {fmt} skipped (budget)")
             rows += [_skipped(shapes, fmt, it) for it in items]
             continue
-        key = jax.random.key((*FORMATS, INT4_BYTES).index(fmt))
+        key = jax.random.key((*FORMATS, INT4_BYTES, FP4_WORDS).index(fmt))
         lead = (shapes.experts,)
         experts = {
             "gate_up": random_weight(

@@ -10,7 +10,11 @@ interpreter.
 
 e2m1 (FP4) and ue8m0 are always decoded with integer ops: Hopper has no e2m1 conversion and the
 Pallas-Triton lowering has no 4-bit float types, and an e8m0 byte is a float32 exponent field.
-Every decoder is exact, NaN codes included (e4m3 0x7F / 0xFF, e8m0 0xFF).
+Every decoder is exact, NaN codes included (e4m3 0x7F / 0xFF, e8m0 0xFF). With bf16 activations
+on a GPU, FP4 weights take the packed-register path INT4's "ptx" takes (below; :func:`fp4_ptx`):
+the nibbles become bf16 bit patterns worth the value times 2^-126, one ``fma.rn.bf16x2`` by 2^126
+makes them exact and a second applies the power-of-two scale, about four instructions a weight
+against the float32 path's dozen (two conversions, the scale's decode, two products, the rounding).
 
 INT4 codes have three exact ways to their bf16 weights (:func:`int4_decode` chooses): "f32" converts
 ``q - zp`` to float32, multiplies by the scale and rounds to bf16 (two int/float conversions per
@@ -60,7 +64,9 @@ def fp_decode(mode: str | None = None, *, cc: int | None = None) -> str:
 def int4_decode(mode: str | None = None, *, interpret: bool = False, cc: int | None = None) -> str:
     """'f32', 'bf16' or 'ptx' (module docstring): ``mode`` if given, else ``$JAXDSA_INT4_DECODE``, else
     'ptx' on a GPU from sm_80 on and 'bf16' in the interpreter (which cannot run inline assembly:
-    asking for 'ptx' there is an error)."""
+    asking for 'ptx' there is an error). FP4 weights follow it too: 'ptx' decodes them on packed
+    registers, 'f32' and 'bf16' in float32 (the interpreter's XLA flushes bf16 subnormals, which the
+    packed path's code 1 passes through, so there is no interpretable bf16 twin)."""
     mode = mode or os.environ.get(INT4_ENV, "").strip().lower() or None
     if mode is None:
         cc = compute_capability() if cc is None else cc
@@ -147,6 +153,93 @@ def int4_word_ptx(words: jax.Array, scale: jax.Array, zero: jax.Array, nibble: i
     ``[r, c]``. Inline PTX on pairs of words, two weights per instruction after the ``prmt``; GPU
     only. Exactly :func:`int4_ptx`'s arithmetic."""
     return _bf16_asm(_int4_word_ptx_asm(nibble), "=r,r,r,r,r", 2, scale, zero, words)
+
+
+def _fp4_ptx_asm(high: bool) -> str:
+    """PTX for one instance: 4 code bytes ($4) -> the bf16 weights of their low (or ``high``) e2m1
+    nibbles, two per output register ($0, $1; element 2j in the low half), times the bf16 scales
+    ($2, $3). ``prmt`` spreads the bytes over the halves as in :func:`_int4_ptx_asm`; ``and`` keeps
+    the nibbles; the exponent and mantissa bits go to bf16's bits 6..8 and the sign to bit 15 (two
+    shifts, one ``lop3`` (a & c) | (b & ~c) with c set over bits 6..8 and 12..14, where the other
+    input is zero), which reads as the e2m1 value times 2^-126 (code 1, 0.5, a bf16 subnormal,
+    included); one ``fma`` by 2^126 (0x7E80) gives the value exactly, the second multiplies by the
+    scale (a power of two: exact unless it overflows, as in float32)."""
+    shift = "shr.u32 t0, t0, 4;\nshr.u32 t1, t1, 4;\n" if high else ""
+    return (
+        "{\n.reg .b32 t<2>, m0, s0, v<2>, two126, negzero;\n"
+        "mov.b32 two126, 0x7E807E80;\nmov.b32 negzero, 0x80008000;\n"
+        "prmt.b32 t0, $4, 0, 0x4140;\nprmt.b32 t1, $4, 0, 0x4342;\n"
+        + shift
+        + "and.b32 t0, t0, 0x000F000F;\nand.b32 t1, t1, 0x000F000F;\n"
+        + _e2m1_bits_ptx("t0", "v0")
+        + _e2m1_bits_ptx("t1", "v1")
+        + "fma.rn.bf16x2 v0, v0, two126, negzero;\nfma.rn.bf16x2 v1, v1, two126, negzero;\n"
+        "fma.rn.bf16x2 $0, v0, $2, negzero;\nfma.rn.bf16x2 $1, v1, $3, negzero;\n}"
+    )
+
+
+def _e2m1_bits_ptx(nibbles: str, out: str) -> str:
+    """PTX: register ``nibbles`` (one e2m1 code in bits 0..3 of each half, the rest zero) -> ``out``,
+    bf16x2 bit patterns of the codes' values times 2^-126 (:func:`_fp4_ptx_asm`). Uses m0 and s0."""
+    return (
+        f"shl.b32 m0, {nibbles}, 6;\nshl.b32 s0, {nibbles}, 12;\n"
+        f"lop3.b32 {out}, m0, s0, 0x71C071C0, 0xE4;\n"  # (a & c) | (b & ~c)
+    )
+
+
+def fp4_ptx(codes: jax.Array, scale: jax.Array, *, high: bool) -> jax.Array:
+    """Packed e2m1 bytes ``[r, c]`` uint8 -> bf16 ``[r, c]`` weights ``e2m1(q) * scale`` of their low
+    (or ``high``) nibbles; ``scale`` bf16 ``[r, c]`` (:func:`e8m0_to_bf16`'s powers of two). Inline
+    PTX on packed registers, the same bits as :func:`e2m1_to_f32` times the scale rounded to bf16;
+    GPU only."""
+    [out] = pltriton.elementwise_inline_asm(
+        _fp4_ptx_asm(high),
+        args=[scale, codes],
+        constraints="=r,=r,r,r,r",
+        pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)],
+    )
+    return out
+
+
+def _fp4_word_ptx_asm(nibble: int) -> str:
+    """PTX for one instance: code words $2, $3 (two K-consecutive rows of one column) -> the bf16x2 of
+    their e2m1 nibble ``nibble`` ($0; $2's in the low half) times the scales ($1), as
+    :func:`_fp4_ptx_asm` decodes a byte's nibble after :func:`_int4_word_ptx_asm`'s ``prmt``."""
+    byte, high = divmod(nibble, 2)
+    shift = "shr.u32 t0, t0, 4;\n" if high else ""
+    return (
+        "{\n.reg .b32 t0, m0, s0, v0, two126, negzero;\n"
+        "mov.b32 two126, 0x7E807E80;\nmov.b32 negzero, 0x80008000;\n"
+        f"prmt.b32 t0, $2, $3, {byte | (4 + byte) << 8:#x};\n"
+        + shift
+        + "and.b32 t0, t0, 0x000F000F;\n"
+        + _e2m1_bits_ptx("t0", "v0")
+        + "fma.rn.bf16x2 v0, v0, two126, negzero;\n"
+        "fma.rn.bf16x2 $0, v0, $1, negzero;\n}"
+    )
+
+
+def fp4_word_ptx(words: jax.Array, scale: jax.Array, nibble: int) -> jax.Array:
+    """e2m1 code words ``[r, c]`` (int32, eight codes each) -> bf16 ``[r, c]`` weights of nibble
+    ``nibble`` (0..7) of every word times ``scale`` (bf16 ``[r, c]``); exactly :func:`fp4_ptx`'s
+    arithmetic. GPU only."""
+    [out] = pltriton.elementwise_inline_asm(
+        _fp4_word_ptx_asm(nibble),
+        args=[scale, words],
+        constraints="=r,r,r,r",
+        pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)],
+    )
+    return out
+
+
+def e8m0_to_bf16(e: jax.Array) -> jax.Array:
+    """ue8m0 bytes (int, 0..255) -> bf16 2^(e - 127), exactly: the byte is bf16's exponent field too
+    (0 is the subnormal 2^-127, 255 NaN), so the scales FP4's PTX decode multiplies by lose nothing."""
+    e = e.astype(jnp.int32)
+    bits = jnp.where(e == 255, 0x7FC0, jnp.where(e == 0, 0x0040, e << 7))
+    return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
 
 
 def e4m3_to_f32(u: jax.Array, mode: str) -> jax.Array:

@@ -152,9 +152,14 @@ def _bf16_int4(spec: WeightSpec, dtype) -> bool:
     return spec.int4_decode != "f32" and spec.scale_dtype == jnp.bfloat16 and dtype == jnp.bfloat16
 
 
-def _int4_ptx(spec: WeightSpec, dtype) -> bool:
-    """Whether an INT4 weight is decoded by inline PTX (:func:`decode.int4_ptx` / ``int4_word_ptx``)."""
-    return spec.format == "int4" and spec.int4_decode == "ptx" and _bf16_int4(spec, dtype)
+def _ptx(spec: WeightSpec, dtype) -> bool:
+    """Whether 4-bit codes are decoded by inline PTX ('ptx' asked, bf16 activations): INT4 with bf16
+    scales (:func:`decode.int4_ptx` / ``int4_word_ptx``), and FP4, whose power-of-two scales make
+    the bf16 product exact (:func:`decode.fp4_ptx` / ``fp4_word_ptx``). NVFP4's e4m3 x float32
+    scales are not powers of two: its product is rounded in float32 first, so it keeps that path."""
+    if spec.int4_decode != "ptx" or dtype != jnp.bfloat16:
+        return False
+    return spec.format == "fp4" or (spec.format == "int4" and spec.scale_dtype == jnp.bfloat16)
 
 
 def _ptx_scale_zero(spec: WeightSpec, refs: Sequence, lead: tuple, r0, rows: int, n0, cols: int):
@@ -165,16 +170,35 @@ def _ptx_scale_zero(spec: WeightSpec, refs: Sequence, lead: tuple, r0, rows: int
     return jnp.broadcast_to(scale, (rows, cols)), jnp.broadcast_to(zero, (rows, cols))
 
 
-def _int4_ptx_chunk(
-    spec: WeightSpec, refs: Sequence, lead: tuple, byte, r0, n0
-) -> tuple[jax.Array, jax.Array]:
+def _fp4_scale(spec: WeightSpec, refs: Sequence, lead: tuple, r0, rows: int, n0, cols: int) -> jax.Array:
+    """FP4's ue8m0 scales of weight rows ``r0 ...`` as bf16 (exact), decoded once per group, then
+    broadcast over the ``[rows, cols]`` tile (the PTX decode is elementwise)."""
+    s = decode.e8m0_to_bf16(_group_load(refs[1], lead, spec.group, r0, rows, n0, cols))
+    return jnp.broadcast_to(_expand(s, rows, cols), (rows, cols))
+
+
+def _ptx_chunk(spec: WeightSpec, refs: Sequence, lead: tuple, byte, r0, n0) -> tuple[jax.Array, jax.Array]:
     """A packed chunk's bytes ``[half, cols]`` (uint8; weight rows ``r0 ...`` in the low nibbles, the
-    next ``half`` rows in the high ones) -> both halves' bf16 weights via :func:`decode.int4_ptx`."""
+    next ``half`` rows in the high ones) -> both halves' bf16 weights by inline PTX."""
     half, cols = byte.shape
-    return tuple(
-        decode.int4_ptx(byte, *_ptx_scale_zero(spec, refs, lead, row, half, n0, cols), high=high)
-        for row, high in ((r0, False), (r0 + half, True))
-    )
+    out = []
+    for row, high in ((r0, False), (r0 + half, True)):
+        if spec.format == "fp4":
+            out.append(decode.fp4_ptx(byte, _fp4_scale(spec, refs, lead, row, half, n0, cols), high=high))
+        else:
+            out.append(
+                decode.int4_ptx(byte, *_ptx_scale_zero(spec, refs, lead, row, half, n0, cols), high=high)
+            )
+    return tuple(out)
+
+
+def _ptx_word(spec: WeightSpec, refs: Sequence, lead: tuple, words, r0, n0, nibble: int) -> jax.Array:
+    """Nibble ``nibble`` of a chunk's code words ``[32, cols]`` (weight rows ``r0 ...``) -> bf16 weights
+    by inline PTX."""
+    rows, cols = words.shape
+    if spec.format == "fp4":
+        return decode.fp4_word_ptx(words, _fp4_scale(spec, refs, lead, r0, rows, n0, cols), nibble)
+    return decode.int4_word_ptx(words, *_ptx_scale_zero(spec, refs, lead, r0, rows, n0, cols), nibble)
 
 
 def _int4_zero_bf16(spec: WeightSpec, refs: Sequence, lead: tuple, r0, rows: int, n0, cols: int):
@@ -199,8 +223,8 @@ def _dequantize(spec: WeightSpec, refs: Sequence, lead: tuple, codes, r0, n0, dt
     rows, cols = codes.shape
     if spec.format == "nvfp4":
         return (decode.e2m1_to_f32(codes) * _nvfp4_scales(spec, refs, lead, r0, rows, n0, cols)).astype(dtype)
-    s = _group_tile(refs[1], lead, spec, r0, rows, n0, cols)
-    s = decode.e8m0_to_f32(s) if spec.scale_e8m0 else s.astype(jnp.float32)
+    s = _group_load(refs[1], lead, spec.group, r0, rows, n0, cols)  # decoded per group, then expanded
+    s = _expand(decode.e8m0_to_f32(s) if spec.scale_e8m0 else s.astype(jnp.float32), rows, cols)
     if spec.format == "fp8":
         return (decode.e4m3_to_f32(codes, spec.decode) * s).astype(dtype)
     if spec.format == "fp4":
@@ -217,7 +241,7 @@ def _word_pieces(
 ) -> list[Piece]:
     """The pieces of 4-bit codes held in int32 words (``kpack`` = 256): per chunk one ``[32, N]`` load
     of words, then eight 32-row pieces, nibble ``j`` holding rows ``32 j ...`` of the chunk."""
-    ptx = _int4_ptx(spec, dtype)
+    ptx = _ptx(spec, dtype)
     cols = pl.ds(n0, block_n)
     out = []
     for c in range(block_k // WORD_KPACK):
@@ -226,8 +250,7 @@ def _word_pieces(
         for j in range(8):
             offset = c * WORD_KPACK + j * WORD_PIECE
             if ptx:
-                scale, zero = _ptx_scale_zero(spec, refs, lead, k0 + offset, WORD_PIECE, n0, block_n)
-                tile = decode.int4_word_ptx(words, scale, zero, j)
+                tile = _ptx_word(spec, refs, lead, words, k0 + offset, n0, j)
             else:
                 codes = (words >> (4 * j)) & 0xF  # int32: the arithmetic shift's sign bits are masked off
                 tile = _dequantize(spec, refs, lead, codes, k0 + offset, n0, dtype)
@@ -260,7 +283,7 @@ def pieces(
     if spec.kpack == WORD_KPACK:
         return _word_pieces(spec, refs, lead, k0, n0, block_k, block_n, dtype)
     half = spec.kpack // 2
-    ptx = _int4_ptx(spec, dtype)
+    ptx = _ptx(spec, dtype)
     out = []
     for c in range(block_k // spec.kpack):
         row = pl.multiple_of(k0 // 2 + c * half, half)  # byte row of this chunk
@@ -269,7 +292,7 @@ def pieces(
             continue
         byte = refs[0][(*lead, pl.ds(row, half), cols)]
         if ptx:
-            lo, hi = _int4_ptx_chunk(spec, refs, lead, byte, k0 + c * spec.kpack, n0)
+            lo, hi = _ptx_chunk(spec, refs, lead, byte, k0 + c * spec.kpack, n0)
             out += [(c * spec.kpack, half, lo), (c * spec.kpack + half, half, hi)]
             continue
         byte = byte.astype(jnp.int32)

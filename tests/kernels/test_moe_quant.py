@@ -39,8 +39,9 @@ def _routing(rng, t, k, e, *, skew, invalid=0.1):
     return jnp.asarray(ids, jnp.int32)
 
 
-def _matrices(rng, fmt: str, e: int, n: int, k: int, group: int, symmetric: bool):
-    """One quantized [E, K, N] stack from random checkpoint-form codes (HF [E, N, K])."""
+def _matrices(rng, fmt: str, e: int, n: int, k: int, group: int, symmetric: bool, kpack: int | None = None):
+    """One quantized [E, K, N] stack from random checkpoint-form codes (HF [E, N, K]); ``kpack``: FP4's
+    packed chunk (None: the layout's default)."""
     if fmt == "int4":
         q = rng.integers(-8, 8, size=(e, n, k))
         zp = None if symmetric else rng.integers(-8, 8, size=(e, n, k // group))
@@ -55,12 +56,12 @@ def _matrices(rng, fmt: str, e: int, n: int, k: int, group: int, symmetric: bool
         return layout.pack_fp8(codes.view(ml_dtypes.float8_e4m3fn), scale, block=(128, 128))
     codes = rng.integers(0, 16, size=(e, n, k)).astype(np.uint8)
     scale = rng.integers(119, 124, size=(e, n, k // 32)).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)
-    return layout.pack_fp4(codes, scale)
+    return layout.pack_fp4(codes, scale, kpack=kpack)
 
 
-def _experts(rng, fmt, e, d, n, *, group=32, symmetric=False):
-    gate, up = (_matrices(rng, fmt, e, n, d, group, symmetric) for _ in range(2))
-    down = _matrices(rng, fmt, e, d, n, group, symmetric)
+def _experts(rng, fmt, e, d, n, *, group=32, symmetric=False, kpack=None):
+    gate, up = (_matrices(rng, fmt, e, n, d, group, symmetric, kpack) for _ in range(2))
+    down = _matrices(rng, fmt, e, d, n, group, symmetric, kpack)
     return jax.tree.map(jnp.asarray, ref.pack_experts(gate, up, down))
 
 
@@ -102,6 +103,40 @@ def test_matches_reference(fmt, t, k, e, d, n, dtype, mode, group, symmetric, sk
         swiglu_limit=0.3 if fmt == "fp4" else None,
         decode=mode,
     )
+
+
+def test_fp4_words_give_the_bytes_results():
+    """FP4 experts in int32 words (eight 32-row nibbles a word, as INT4's routed experts) compute what
+    the same codes in bytes compute, bit for bit, and the reference's result."""
+    make = lambda kpack: _experts(np.random.default_rng(5), "fp4", 8, 256, 256, kpack=kpack)  # noqa: E731
+    words, bytes_ = make(layout.WORD_KPACK), make(None)
+    assert words["down"].codes.dtype == jnp.int32 and bytes_["down"].codes.dtype == jnp.uint8
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((9, 256)), jnp.bfloat16)
+    ids, weights = _routing(rng, 9, 2, 8, skew=1.0), jnp.asarray(rng.random((9, 2)), jnp.float32)
+    got = _kernel(x, ids, weights, words, swiglu_limit=None)
+    np.testing.assert_array_equal(got, _kernel(x, ids, weights, bytes_, swiglu_limit=None))
+    _check(x, ids, weights, words)
+
+
+@pytest.mark.parametrize("t", [1, 8, 300])
+@pytest.mark.parametrize("kpack", [64, layout.WORD_KPACK])
+def test_fp4_ptx_decode_on_gpu(t, kpack):
+    """On a GPU, compiled: the packed-register FP4 decode ('ptx') gives the float32 decode's bits in
+    both kernels, bytes and words, and the reference's result."""
+    if compute_capability() < 80:  # asked at run time: JAX must not start at collection
+        pytest.skip("inline PTX runs only on a GPU")
+    rng = np.random.default_rng(t + kpack)
+    experts = _experts(rng, "fp4", 16, 256, 256, kpack=kpack)
+    x = jnp.asarray(rng.standard_normal((t, 256)), jnp.bfloat16)
+    ids, weights = _routing(rng, t, 4, 16, skew=1.0), jnp.asarray(rng.random((t, 4)), jnp.float32)
+    run = jax.jit(kernel.moe_experts, static_argnames="int4_decode")
+    got = run(x, ids, weights, experts, int4_decode="ptx")
+    np.testing.assert_array_equal(
+        np.asarray(got), np.asarray(run(x, ids, weights, experts, int4_decode="f32"))
+    )
+    want = np.asarray(_ref(x, ids, weights, experts, swiglu_limit=None), np.float32)
+    assert np.linalg.norm(np.asarray(got, np.float32) - want) <= 2e-2 * np.linalg.norm(want)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "fp8", "fp4"])

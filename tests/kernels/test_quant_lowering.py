@@ -25,8 +25,11 @@ TARGETS = {"sm_80": 80, "sm_90": 90, "sm_120": 120}
 D, N, E, TOP_K = 6144, 2048, 256, 8  # GLM-5: hidden, expert width, routed experts, experts per token
 
 
-def _abstract(fmt: str, lead: tuple, k: int, n: int, *, group: int = 32, zeros: bool = True):
-    """A QuantizedWeight of ShapeDtypeStructs in the kernels' layout ([..., K, N])."""
+def _abstract(
+    fmt: str, lead: tuple, k: int, n: int, *, group: int = 32, zeros: bool = True, kpack: int | None = None
+):
+    """A QuantizedWeight of ShapeDtypeStructs in the kernels' layout ([..., K, N]); ``kpack``: a 4-bit
+    weight's packed chunk (None: the layout's default)."""
     s = jax.ShapeDtypeStruct
     if fmt == "nvfp4":  # NVFP4's global scales over the largest power-of-two blocks, as pack_nvfp4
         gk, gn, kpack = k & -k, n & -n, layout.default_kpack(k, fmt)
@@ -41,7 +44,7 @@ def _abstract(fmt: str, lead: tuple, k: int, n: int, *, group: int = 32, zeros: 
         )  # fmt: skip
     scale_dtype, g = (jnp.bfloat16, group) if fmt == "int4" else (ml_dtypes.float8_e8m0fnu, 32)
     z = s((*lead, k // g, n), jnp.uint8) if fmt == "int4" and zeros else None
-    kpack = layout.default_kpack(k, fmt)  # INT4 at these shapes: int32 words; FP4: bytes
+    kpack = kpack or layout.default_kpack(k, fmt)  # INT4 at these shapes: int32 words; FP4: bytes
     codes = s((*lead, k // layout.codes_per_element(kpack), n), layout.codes_dtype(kpack))
     return layout.QuantizedWeight(codes, s((*lead, k // g, n), scale_dtype), z, fmt, (g, 1), kpack)
 
@@ -199,6 +202,30 @@ def test_int4_bf16_decode_lowers(target, zeros, mode):
         int4_decode=mode,
     )
     split = "moe_sum_splits" in text  # the K-split partial sums' own kernel, by the part's SM count
+    assert text.count("__gpu$xla.gpu.triton") == 2 + split and ("lop3.b32" in text) == (mode == "ptx")
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("kpack", [64, layout.WORD_KPACK])
+@pytest.mark.parametrize("mode", ["f32", "ptx"])
+def test_fp4_experts_decode_lowers(target, kpack, mode):
+    """FP4 routed experts at GLM-5 shapes with bf16 activations, in bytes and in int32 words: the
+    packed-register decode ('ptx', carried into the Triton IR) where asked, the float32 one else."""
+    experts = {
+        "gate_up": _abstract("fp4", (E,), D, 2 * N, kpack=kpack),
+        "down": _abstract("fp4", (E,), N, D, kpack=kpack),
+    }
+    text = lower_for_cuda(
+        moe_kernel.moe_experts,
+        jax.ShapeDtypeStruct((8, D), jnp.bfloat16),
+        jax.ShapeDtypeStruct((8, TOP_K), jnp.int32),
+        jax.ShapeDtypeStruct((8, TOP_K), jnp.float32),
+        experts,
+        target=target,
+        swiglu_limit=7.0,
+        int4_decode=mode,
+    )
+    split = "moe_sum_splits" in text
     assert text.count("__gpu$xla.gpu.triton") == 2 + split and ("lop3.b32" in text) == (mode == "ptx")
 
 

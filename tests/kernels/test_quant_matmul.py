@@ -103,6 +103,56 @@ def test_e2m1_and_e8m0_decoders_every_code():
     _same_bits(jax.jit(decode.e8m0_to_f32)(jnp.arange(256)), formats.decode_e8m0(np.arange(256)))
 
 
+def test_e8m0_to_bf16_every_code():
+    """FP4's packed-register decode multiplies by the ue8m0 scales as bf16: every byte is exact there
+    (0 the subnormal 2^-127, 255 NaN), compared as bits so no float arithmetic can flush them."""
+    got = np.asarray(jax.jit(decode.e8m0_to_bf16)(jnp.arange(256))).view(np.uint16)
+    want = formats.decode_e8m0(np.arange(256)).astype(BF16).view(np.uint16)
+    np.testing.assert_array_equal(got[:255], want[:255])
+    assert np.isnan(np.asarray(got[255:]).view(BF16).astype(np.float32)).all()
+
+
+def _fp4_decode_kernel(words: bool):
+    """A Pallas kernel writing :func:`decode.fp4_ptx`'s (``fp4_word_ptx``'s) tiles as they are: the
+    decode alone, no tensor-core product that could treat subnormals its own way."""
+    from pallas_kernels._triton import pl
+
+    def body(codes_ref, scale_ref, *out_refs):
+        codes, scale = codes_ref[...], scale_ref[...]
+        for part, out in enumerate(out_refs):
+            if words:
+                out[...] = decode.fp4_word_ptx(codes, scale, part)
+            else:
+                out[...] = decode.fp4_ptx(codes, scale, high=bool(part))
+
+    def run(codes, scale):
+        out = jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)
+        return pl.pallas_call(body, out_shape=[out] * (8 if words else 2))(codes, scale)
+
+    return jax.jit(run)
+
+
+@pytest.mark.parametrize("words", [False, True])
+def test_fp4_ptx_decode_every_code_and_scale_on_gpu(words):
+    """On a GPU: the packed-register FP4 decode gives, for all 16 e2m1 codes in every nibble position
+    under every ue8m0 scale (NaN included; subnormal products too), the bits of the format's
+    float32 definition rounded to bf16."""
+    if compute_capability() < 80:  # asked at run time: JAX must not start at collection
+        pytest.skip("inline PTX runs only on a GPU")
+    rng = np.random.default_rng(11)
+    rows, cols = 32, 256
+    dtype = np.uint32 if words else np.uint8
+    codes = rng.integers(0, np.iinfo(dtype).max, size=(rows, cols), dtype=dtype, endpoint=True)
+    codes[0] = (np.arange(cols) % 16) * (0x11111111 if words else 0x11)  # every code in every nibble
+    exps = (np.arange(rows * cols) % 256).reshape(rows, cols).astype(np.uint8)
+    scale = jax.jit(decode.e8m0_to_bf16)(jnp.asarray(exps))
+    got = _fp4_decode_kernel(words)(jnp.asarray(codes.view(np.int32) if words else codes), scale)
+    for part, tile in enumerate(got):
+        nibbles = (codes.astype(np.int64) >> (4 * part)) & 0xF
+        want = (formats.decode_e2m1(nibbles) * formats.decode_e8m0(exps)).astype(BF16)
+        _same_bits(np.asarray(tile).astype(np.float32), want.astype(np.float32))
+
+
 def test_decode_switch(monkeypatch):
     monkeypatch.delenv(decode.ENV, raising=False)
     assert [decode.fp_decode(cc=cc) for cc in (0, 80, 86, 89, 90, 120)] == ["software"] * 3 + ["native"] * 3
