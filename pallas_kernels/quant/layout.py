@@ -166,14 +166,15 @@ def codes_dtype(kpack: int) -> np.dtype:
 
 
 def default_kpack(k: int, fmt: str = "int4", *, words: bool = True) -> int:
-    """The packed chunk for a 4-bit weight of K rows: :data:`WORD_KPACK` for INT4 with K a multiple
-    of it (unless ``words`` is False), else 64, or 32 when K is not a multiple of 64 (K must be a
-    multiple of 32). The model asks for words for routed experts only: on the H100 they made the
+    """The packed chunk for a 4-bit weight of K rows: :data:`WORD_KPACK` for INT4 and FP4 with K a
+    multiple of it (unless ``words`` is False), else 64, or 32 when K is not a multiple of 64 (K must
+    be a multiple of 32). The model asks for words for routed experts only: on the H100 they made the
     INT4 MoE 1.14-1.21x faster at T = 1..512 (4096: 2 % slower), while GLM-5's linears came out
     mixed (o_proj and the dense / shared MLPs faster, kv_a, kv_b, q_b and the indexer's wq_b slower;
-    ``benchmarks/results/quant-h100-int4-words*.md``). FP4 and NVFP4 stay in bytes until the word
-    layout is measured for their decode."""
-    candidates = ((WORD_KPACK,) if fmt == "int4" and words else ()) + (64, 32)
+    ``benchmarks/results/quant-h100-int4-words*.md``); FP4 experts with the packed-register decode
+    1.2-1.3x faster on the H200 at T = 1..128 (``quant-h200-fp4-ptx.md``). NVFP4 stays in bytes: its
+    16-row scale groups want 16-row pieces, and a word's nibble holds 32 rows."""
+    candidates = ((WORD_KPACK,) if fmt in ("int4", "fp4") and words else ()) + (64, 32)
     for kpack in candidates:
         if k % kpack == 0:
             return kpack

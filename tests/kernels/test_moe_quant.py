@@ -109,7 +109,7 @@ def test_fp4_words_give_the_bytes_results():
     """FP4 experts in int32 words (eight 32-row nibbles a word, as INT4's routed experts) compute what
     the same codes in bytes compute, bit for bit, and the reference's result."""
     make = lambda kpack: _experts(np.random.default_rng(5), "fp4", 8, 256, 256, kpack=kpack)  # noqa: E731
-    words, bytes_ = make(layout.WORD_KPACK), make(None)
+    words, bytes_ = make(layout.WORD_KPACK), make(64)
     assert words["down"].codes.dtype == jnp.int32 and bytes_["down"].codes.dtype == jnp.uint8
     rng = np.random.default_rng(6)
     x = jnp.asarray(rng.standard_normal((9, 256)), jnp.bfloat16)
