@@ -21,6 +21,7 @@ Two variations serve families whose state is not one row per token (DeepSeek-V4)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -64,13 +65,21 @@ def kv_cache_format(kv_cache_dtype: str, model_dtype) -> str:
 class CacheEntry:
     """One kind of row: ``width`` values in each of ``layers`` layers, stored in ``dtype`` (None: the
     cache's dtype, i.e. the model's; a family pins float32 for state it must keep exact). One row
-    per token, per ``ratio`` tokens, or (``ring`` > 0) a ring of that many rows per sequence."""
+    per token, per ``ratio`` tokens, or (``ring`` > 0) a ring of that many rows per sequence.
+    ``width_axis``: the logical name of the width; a row of per-head state (GLM-5.3-Flash's KDA) is
+    laid out head-major and named by its heads, so it splits over TP with them."""
 
     layers: int
     width: int
     dtype: object = None
     ratio: int = 1
     ring: int = 0
+    width_axis: str = "cache_width"
+
+    def device_width(self, shards: Callable[[str], int] | None) -> int:
+        """The width one device holds, ``shards`` giving the pieces a logical axis is cut into (None:
+        whole, as off a mesh)."""
+        return self.width if shards is None else -(-self.width // shards(self.width_axis))
 
     def rows_per_page(self, page_size: int) -> int:
         if page_size % self.ratio:
@@ -90,21 +99,31 @@ class CacheSpec:
     def _live(self, ring: bool) -> list[CacheEntry]:
         return [e for e in self.entries.values() if e.layers and bool(e.ring) == ring]
 
-    def page_bytes(self, dtype, page_size: int) -> int:
-        """Bytes of one page of every paged entry, over every layer."""
+    def page_bytes(self, dtype, page_size: int, shards: Callable[[str], int] | None = None) -> int:
+        """Bytes of one page of every paged entry, over every layer (on one device with ``shards``:
+        see :meth:`CacheEntry.device_width`)."""
         return sum(
-            e.itemsize(dtype) * e.layers * e.width * e.rows_per_page(page_size) for e in self._live(False)
+            e.itemsize(dtype) * e.layers * e.device_width(shards) * e.rows_per_page(page_size)
+            for e in self._live(False)
         )
 
-    def bytes_per_token(self, dtype, page_size: int) -> float:
-        return self.page_bytes(dtype, page_size) / page_size
+    def bytes_per_token(self, dtype, page_size: int, shards: Callable[[str], int] | None = None) -> float:
+        return self.page_bytes(dtype, page_size, shards) / page_size
 
-    def sequence_bytes(self, dtype, lookahead: int = 0) -> int:
-        """Bytes of one sequence's rings, over every layer (0 for a family without rings)."""
-        return sum(e.itemsize(dtype) * e.layers * e.width * (e.ring + lookahead) for e in self._live(True))
+    def sequence_bytes(self, dtype, lookahead: int = 0, shards: Callable[[str], int] | None = None) -> int:
+        """Bytes of one sequence's rings and states, over every layer (0 for a family without rings;
+        on one device with ``shards``: see :meth:`CacheEntry.device_width`)."""
+        return sum(
+            e.itemsize(dtype) * e.layers * e.device_width(shards) * (e.ring + lookahead)
+            for e in self._live(True)
+        )
 
     def axes(self) -> dict[str, Axes]:
-        return {name: RING_AXES if e.ring else CACHE_AXES for name, e in self.entries.items() if e.layers}
+        return {
+            name: (*(RING_AXES if e.ring else CACHE_AXES)[:-1], e.width_axis)
+            for name, e in self.entries.items()
+            if e.layers
+        }
 
 
 def init_cache(

@@ -161,7 +161,7 @@ class LLM:
             speculative=SpeculativeConfig.parse(speculative_config),
             async_scheduling=async_scheduling,
         )
-        layout = CacheLayout.of(family, cfg, self.engine_config, self.dtype, sharding.dp_groups(self.mesh))
+        layout = CacheLayout.of(family, cfg, self.engine_config, self.dtype, self.mesh)
 
         def check_fits(weight_bytes: float) -> None:
             memory.check_fits(

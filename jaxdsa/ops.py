@@ -72,7 +72,7 @@ DeepSeek-V4 (docs/models.md §3; on a mesh these run replicated: V4's streams an
   -> [W,d]``: the compressor's gated per-channel softmax pooling of complete windows (c = 2:
   overlapping CSA windows, the previous window's first half carried in ``prev_*``), then RMSNorm.
 
-GLM-5.3-Flash (docs/models.md §9; replicated over TP for now, like V4's streams):
+GLM-5.3-Flash (docs/models.md §9; on a mesh each TP shard runs its part of the KDA heads Hl):
 
 - ``kda_recurrent(q, k, g [T,Hl,Kl], v [T,Hl,Vl], beta [T,Hl], state [R,Hl,Kl,Vl] f32, *, seq_ids [T],
   rows [B], fresh [B] bool) -> (o [T,Hl,Vl], state)``: KDA's delta rule over a packed step, q and k
@@ -139,6 +139,8 @@ class Op:
 
 
 _EXPERTS = {"gate_up": ("experts", None, "expert_mlp"), "down": ("experts", "expert_mlp", None)}
+_KDA_HEADS = (None, "linear_heads", None)  # q, k, v, g and o [T, H, K]
+_KDA_STATE = (None, "linear_heads", None, None)  # the state buffer [R, H, K, V]
 
 OPS: dict[str, Op] = {
     "sparse_mla": Op(
@@ -244,10 +246,15 @@ OPS: dict[str, Op] = {
         compress_pool_kernel.compress_pool,
         OpSharding(args=(None,) * 3, kwargs={"prev_kv": None, "prev_score": None}, out=None),
     ),
+    # KDA heads are independent: each TP shard runs its own heads on its rows of the state buffer.
     "kda_recurrent": Op(
         kda_ref.recurrent_packed,
         kda_kernel.recurrent_packed,
-        OpSharding(args=(None,) * 6, kwargs={"seq_ids": None, "rows": None, "fresh": None}, out=None),
+        OpSharding(
+            args=(*(_KDA_HEADS,) * 4, (None, "linear_heads"), _KDA_STATE),
+            kwargs={"seq_ids": None, "rows": None, "fresh": None},
+            out=(_KDA_HEADS, _KDA_STATE),
+        ),
     ),
 }
 

@@ -2,7 +2,7 @@
 whether it fits (exit status 0; 1 when one ``--max-model-len`` sequence does not fit), and the
 fewest GPUs it fits on.
 
-    python -m jaxdsa.plan (--config CONFIG_JSON | --preset glm5|glm52|dsv32|v4-flash|v4-pro) \\
+    python -m jaxdsa.plan (--config CONFIG_JSON | --preset glm5|glm52|dsv32|v4-flash|v4-pro|glm53-flash) \\
         --tp 8 --ep 8 --dp 1 [--dp-attention] --hbm-gib 80 [--weights auto|bf16|fp8|int4|nvfp4] \\
         --max-model-len 32768 [--batch 32] [--gpu-memory-utilization 0.9] [--num-gpu-experts N]
 
@@ -23,6 +23,10 @@ default) the config's own format, as the server keeps it; ``bf16`` as
 per zero point); ``nvfp4`` ModelOpt's (half a byte per weight, an e4m3 byte per 16, a few float32
 global scales per matrix: its config's exclusions honoured, else every linear and expert).
 Embeddings, norms, routers, the indexer's weights_proj and the LM head stay bf16 / fp32.
+
+State a sequence holds whatever its length (DeepSeek-V4's rings; GLM-5.3-Flash's KDA states and conv
+rings, split over tp with the KDA heads) is counted per device for ``--batch`` sequences, set aside
+before the cache pages as the server does for its slots, and printed on a line of its own.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ WEIGHTS = {"auto": "auto", "bf16": "dequantize", "fp8": "fp8", "int4": "int4", "
 LAYOUTS = (1, 2, 4, 8, 16, 32)  # GPU counts tried (-tp N -ep N) for the fewest that fit
 HOST_GPUS = 8  # the most GPUs of one host, all the server spans
 GiB = 1 << 30
+MiB = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,15 +150,24 @@ def device_weight_bytes(
     return sum(shard_elements(leaf, par) * leaf.width * gpu_share(leaf, num_gpu_experts) for leaf in leaves)
 
 
-def cache_bytes_per_token(family: ModelFamily, cfg, kv_format: str = "model") -> float:
+def cache_bytes_per_token(
+    family: ModelFamily, cfg, kv_format: str = "model", par: Parallelism | None = None
+) -> float:
     """The cache rows of one token (bf16, or ``kv_format`` ``'fp8'``) at the family's default page
-    size (per device: the cache is replicated over tp and split over dp by sequence)."""
-    return family.cache_spec(cfg, kv_format).bytes_per_token(jnp.bfloat16, family.page_size(cfg, None))
+    size, per device (paged rows are replicated over tp and split over dp by sequence; an entry
+    split over tp counts its device's part under ``par``)."""
+    spec, page_size = family.cache_spec(cfg, kv_format), family.page_size(cfg, None)
+    return spec.bytes_per_token(jnp.bfloat16, page_size, None if par is None else par.shards)
 
 
-def cache_bytes_per_sequence(family: ModelFamily, cfg, kv_format: str = "model") -> int:
-    """bf16 / float32 rows a sequence holds whatever its length (DeepSeek-V4's rings; 0 for DSA)."""
-    return family.cache_spec(cfg, kv_format).sequence_bytes(jnp.bfloat16)
+def cache_bytes_per_sequence(
+    family: ModelFamily, cfg, kv_format: str = "model", par: Parallelism | None = None
+) -> int:
+    """bf16 / float32 rows a sequence holds whatever its length, per device under ``par``
+    (DeepSeek-V4's rings, GLM-5.3-Flash's KDA states and conv rings, split over tp with the KDA
+    heads; 0 for DSA)."""
+    shards = None if par is None else par.shards
+    return family.cache_spec(cfg, kv_format).sequence_bytes(jnp.bfloat16, shards=shards)
 
 
 def expected_experts(n_experts: int, top_k: int, tokens: int) -> float:
@@ -231,8 +245,8 @@ def memory_plan(
     weight_bytes = device_weight_bytes(family, cfg, par, weights, leaves, num_gpu_experts)
     budget = memory.check_utilization(gpu_memory_utilization) * hbm_gib * GiB
     workspace = memory.workspace_bytes(budget)
-    per_token = cache_bytes_per_token(family, cfg, kv_format)
-    per_sequence = cache_bytes_per_sequence(family, cfg, kv_format) + cfg.vocab_size * PENALTY_BYTES
+    per_token = cache_bytes_per_token(family, cfg, kv_format, par)
+    per_sequence = cache_bytes_per_sequence(family, cfg, kv_format, par) + cfg.vocab_size * PENALTY_BYTES
     free = budget - weight_bytes - workspace - batch * per_sequence
     tokens_per_group = max(0, int(free // per_token))
     return {
@@ -367,6 +381,20 @@ def _host_line(family: ModelFamily, cfg, par: Parallelism, *, max_model_len: int
     )
 
 
+def _state_line(family: ModelFamily, cfg, par: Parallelism, kv_format: str, batch: int) -> str | None:
+    """What the per-sequence state takes, for a family that keeps one: its rings and recurrent states
+    are held whatever a sequence's length, so ``--batch`` of them come out of the budget before the
+    cache pages (None: no such state)."""
+    per_sequence = cache_bytes_per_sequence(family, cfg, kv_format, par)
+    if not per_sequence:
+        return None
+    return (
+        f"per-sequence state: {per_sequence / MiB:,.1f} MiB a sequence per device (rings and recurrent "
+        f"states, whatever its length); {batch * per_sequence / GiB:.2f} GiB for --batch {batch}, set "
+        "aside before the cache pages"
+    )
+
+
 def _fewest_line(n: int | None, hbm_gib: float) -> str:
     if n is None:
         return f"fewest GPUs: none up to {LAYOUTS[-1]} of {hbm_gib:g} GiB"
@@ -461,6 +489,9 @@ def main(argv=None) -> int:
     )
     for key, value in result.items():
         print(f"  {key:38s} {value:,.2f}" if isinstance(value, float) else f"  {key:38s} {value:,}")
+    state = _state_line(family, cfg, par, sizes["kv_format"], args.batch)
+    if state:
+        print(state)
     print(verdict(result, args.max_model_len))
     if args.num_gpu_experts is None and not fits(result, args.max_model_len):
         print(_host_line(family, cfg, par, **sizes))

@@ -11,9 +11,10 @@ Parallelism ``(tp, ep, dp)`` maps onto one mesh with five axes:
   runs the slots routed to the local experts, and reduce-scatters the partial outputs back
   (vLLM's "allgather-reducescatter" dispatch and combine). The latent cache is then held once per
   group instead of once per TP device, and no expert is stored twice.
-- ``tpe`` x ``tpi`` = ``tp``: attention heads, indexer heads, dense / shared-expert MLP columns and
-  the vocabulary are split over both. Routed experts are split over ``tpe`` (and ``rep``), their
-  intermediate dimension over ``tpi`` (expert tensor parallelism when ep < tp).
+- ``tpe`` x ``tpi`` = ``tp``: attention heads, indexer heads, KDA (linear-attention) heads, dense /
+  shared-expert MLP columns and the vocabulary are split over both. Routed experts are split over
+  ``tpe`` (and ``rep``), their intermediate dimension over ``tpi`` (expert tensor parallelism when
+  ep < tp).
 - ``rep``: only when the group's expert factor exceeds tp: attention is replicated over it.
 
 ``ep`` counts all expert shards. Without dp_attention they live inside each dp group, so ``ep``
@@ -91,9 +92,10 @@ RULES: dict[str, tuple[str, ...]] = {
     "compress_width": (),  # a compressor's projected row (one or two halves of head_dim)
     "hash_vocab": (),  # the hash-routing table's token axis (looked up by token id)
     "experts_per_token": (),
-    # GLM-5.3-Flash's KDA layers: replicated over TP for now (every device runs every KDA head; the
-    # per-sequence state is whole on each), like DeepSeek-V4's streams.
-    "linear_heads": (),
+    # GLM-5.3-Flash's KDA layers: heads split like attention heads (their projections, short-conv
+    # channels, per-head gates, the per-sequence state and conv ring; o_proj row-parallel). The KDA
+    # cache entries name their flat width by it: head-major, so a contiguous split holds whole heads.
+    "linear_heads": TP_AXES,
     "linear_head_dim": (),
     "linear_rank": (),  # the forget gate's and the output gate's rank-K bottleneck
     "conv_taps": (),  # the short convolution's taps
@@ -528,6 +530,14 @@ def batch_spec() -> P:
 def dp_groups(mesh: Mesh | None) -> int:
     """Number of data-parallel groups (each with its own requests and cache pages)."""
     return 1 if mesh is None else math.prod(mesh.shape[a] for a in DP_AXES)
+
+
+def mesh_shards(mesh: Mesh | None) -> Callable[[str], int] | None:
+    """How many pieces a logical axis is cut into on ``mesh`` (:meth:`Parallelism.shards` of a built
+    mesh); None off a mesh, where nothing is cut."""
+    if mesh is None:
+        return None
+    return lambda name: math.prod(mesh.shape[a] for a in RULES[name])
 
 
 # ---- host <-> device on meshes that may span processes --------------------------------------------

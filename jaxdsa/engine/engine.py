@@ -43,12 +43,12 @@ import logging
 import operator
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from jaxdsa import sharding
 from jaxdsa.cache import CacheSpec, init_cache, kv_cache_format
@@ -94,7 +94,9 @@ def enable_compilation_cache() -> None:
 class CacheLayout:
     """What an engine's cache takes on one device: ``specs`` (the main cache, then the next-n
     layers' when drafting) at ``page_size`` tokens a page, each sequence up to ``max_model_len``,
-    ``slots`` sequences per dp group with ``lookahead`` spare ring rows for drafts."""
+    ``slots`` sequences per dp group with ``lookahead`` spare ring rows for drafts; ``shards``: how
+    many pieces a logical axis is cut into on the mesh (:func:`jaxdsa.sharding.mesh_shards`: entries
+    split over TP, GLM-5.3-Flash's KDA states, count their device's part)."""
 
     specs: tuple[CacheSpec, ...]
     kv_format: str  # 'model' or 'fp8'
@@ -104,10 +106,12 @@ class CacheLayout:
     slots: int
     lookahead: int
     vocab_size: int
+    shards: Callable[[str], int] | None = None
 
     @classmethod
-    def of(cls, family, cfg, config: EngineConfig, dtype, groups: int) -> CacheLayout:
-        """The layout ``config`` gives (its page size and max_model_len resolved for the family)."""
+    def of(cls, family, cfg, config: EngineConfig, dtype, mesh: Mesh | None) -> CacheLayout:
+        """The layout ``config`` gives on ``mesh`` (its page size and max_model_len resolved for the
+        family)."""
         max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(
@@ -124,14 +128,15 @@ class CacheLayout:
             dtype,
             family.page_size(cfg, config.page_size),
             max_model_len,
-            config.max_num_seqs // groups,
+            config.max_num_seqs // sharding.dp_groups(mesh),
             num_spec,  # ring rows past a sequence's last verified position: its drafts (jaxdsa.cache)
             cfg.vocab_size,
+            sharding.mesh_shards(mesh),
         )
 
     @property
     def page_bytes(self) -> int:
-        return sum(s.page_bytes(self.dtype, self.page_size) for s in self.specs)
+        return sum(s.page_bytes(self.dtype, self.page_size, self.shards) for s in self.specs)
 
     @property
     def pages_per_sequence(self) -> int:
@@ -140,7 +145,7 @@ class CacheLayout:
     @property
     def state_bytes(self) -> int:
         """Per device, what the engine holds besides the pages: its slots' rings and penalty rows."""
-        rings = sum(s.sequence_bytes(self.dtype, self.lookahead) for s in self.specs)
+        rings = sum(s.sequence_bytes(self.dtype, self.lookahead, self.shards) for s in self.specs)
         return self.slots * (rings + self.vocab_size * penalties.BYTES_PER_ENTRY)
 
     @property
@@ -185,7 +190,7 @@ class Engine:
         )
         memory.check_utilization(config.gpu_memory_utilization)
         groups = sharding.dp_groups(mesh)
-        layout = CacheLayout.of(family, cfg, config, dtype, groups)
+        layout = CacheLayout.of(family, cfg, config, dtype, mesh)
         self.cfg, self.config, self.max_model_len = cfg, config, layout.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.num_spec = layout.lookahead

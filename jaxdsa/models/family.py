@@ -113,6 +113,18 @@ class ModelFamily(Protocol):
         expert reads."""
 
 
+def check_splits(model: str, splits: Mapping[str, tuple[int, str]], par: Parallelism) -> None:
+    """Config fields whose dims are split and never padded: ``splits`` maps each field's name to its
+    size and logical axis. A size that does not divide into the axis' shards is a ValueError naming
+    the field, before a mesh is laid out that would cut a head (or expert) in two."""
+    for field, (size, axis) in splits.items():
+        if size % par.shards(axis):
+            raise ValueError(
+                f"{model}: {field} = {size} does not split evenly into {par.shards(axis)} shards "
+                f"(tp={par.tp}, ep={par.ep}, dp={par.dp}{', dp attention' if par.dp_attention else ''})"
+            )
+
+
 def param_axes(model: nnx.Module) -> dict[Path, Axes]:
     """Logical axes of every parameter, checked: a parameter without axes, or with a name that has
     no rule in :data:`jaxdsa.sharding.RULES`, is an error naming it."""

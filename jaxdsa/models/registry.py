@@ -13,6 +13,7 @@ from jaxdsa.models.dsa.family import FAMILY as DSA
 from jaxdsa.models.dsa.presets import RELEASED as DSA_RELEASED
 from jaxdsa.models.family import ModelFamily
 from jaxdsa.models.glm5_next.family import FAMILY as GLM5_NEXT
+from jaxdsa.models.glm5_next.presets import RELEASED as GLM5_NEXT_RELEASED
 
 FAMILIES: dict[str, ModelFamily] = {
     model_type: family for family in (DSA, DEEPSEEK_V4, GLM5_NEXT) for model_type in family.model_types
@@ -42,11 +43,12 @@ def load_config(path: str | os.PathLike) -> Any:
 
 
 # The released models' config.json files, by the names the planner takes (``--preset``).
-RELEASED: dict[str, dict[str, Any]] = {**DSA_RELEASED, **V4_RELEASED}
+RELEASED: dict[str, dict[str, Any]] = {**DSA_RELEASED, **V4_RELEASED, **GLM5_NEXT_RELEASED}
 
 
 def released_config(name: str) -> Any:
-    """A released model's config ('glm5', 'glm52', 'dsv32', 'v4-flash', 'v4-pro') parsed by its family."""
+    """A released model's config ('glm5', 'glm52', 'dsv32', 'v4-flash', 'v4-pro', 'glm53-flash') parsed
+    by its family."""
     if name not in RELEASED:
         raise ConfigError(f"<preset:{name}>", "preset", f"unknown; choose one of {', '.join(RELEASED)}")
     return config_from_dict(RELEASED[name], f"<preset:{name}>")

@@ -51,7 +51,7 @@ def test_workspace_is_a_tenth_of_the_budget_up_to_4_gib():
 
 def test_the_cache_gets_what_the_budget_leaves(monkeypatch):
     llm = jaxdsa.LLM(GLM5, dtype="float32", page_size=8, progress=False, max_num_seqs=4, max_model_len=64)
-    layout = CacheLayout.of(llm.family, llm.config, llm.engine_config, llm.dtype, groups=1)
+    layout = CacheLayout.of(llm.family, llm.config, llm.engine_config, llm.dtype, mesh=None)
     total, utilization = 64 * MiB, 0.5
     budget = utilization * total
     # weights and whatever else is placed: what leaves room for 10.5 pages beside the engine's state

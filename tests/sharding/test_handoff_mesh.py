@@ -1,6 +1,7 @@
 """Prefill-decode handoff between engines of different parallelism: an image gathered from one
 device and loaded into two dp-attention groups with tp = 2 inside each (and the other way round)
-decodes the tokens one single-device engine gives (GLM-5 and DeepSeek-V4; single-device cases:
+decodes the tokens one single-device engine gives (GLM-5, DeepSeek-V4, and GLM-5.3-Flash, whose KDA
+states and conv rings are split over tp with the heads on the mesh side; single-device cases:
 tests/engine/test_handoff.py)."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from tests.engine.test_handoff import CONFIG, GREEDY, PAGE, alone, drain, prefil
 MESH = dict(tp=2, ep=4, dp=2, dp_attention=True)
 
 
-@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v4"])
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v4", "glm5_next"])
 def test_handoff_across_parallelism(tmp_path, family):
     path = make_tiny(family, str(tmp_path), seed=5)
     one = jaxdsa.LLM(path, dtype="float32", page_size=PAGE, progress=False)

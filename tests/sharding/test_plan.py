@@ -123,6 +123,34 @@ def test_planner_on_released_v4_configs(name, params_b, tmp_path, capsys):
     assert dp8["devices"] == 8 and dp8["weights_gib_per_device"] > tp8["weights_gib_per_device"]
 
 
+def test_planner_on_the_released_glm53_flash_config(capsys):
+    """GLM-5.3-Flash at its release widths (``--preset glm53-flash``): 45 layers, 34 KDA + 11 DSA. Each
+    sequence's KDA states (64 heads x 128 x 128 float32 a layer) and conv rings (3 rows of q, k, v
+    channels) split over tp with the KDA heads; the open index pools (16 rows of [kI | z] float32 in
+    each full DSA layer) stay whole; the planner counts them per device and prints them."""
+    cfg = released_config("glm53-flash")
+    assert (cfg.num_hidden_layers, len(cfg.kda_layers), len(cfg.dsa_layers), cfg.hc_mult) == (45, 34, 11, 4)
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts) == (288, 8, 1)
+    family = family_for(cfg.model_type)
+    kda = 34 * 64 * 128 * (128 * 4 + 3 * 3 * 2)
+    index_ring = 11 * 16 * 2 * 128 * 4
+    for tp in (1, 4, 8):
+        par = sharding.Parallelism(tp=tp, ep=tp)
+        assert plan.cache_bytes_per_sequence(family, cfg, par=par) == kda // tp + index_ring
+    assert plan.cache_bytes_per_token(family, cfg) == 11 * (512 * 2 + 128 * 2 / 16)  # latents, pooled keys
+
+    assert plan.main(["--preset", "glm53-flash", "--tp", "4"]) == 1  # ~600 GB of bf16 over 4 x 80 GB
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("glm53-flash: 45 layers; tp=4 ep=1 dp=1, weights auto (bf16)")
+    state = (kda // 4 + index_ring) / 2**20
+    assert out[-4].startswith(f"per-sequence state: {state:,.1f} MiB a sequence per device"), out[-4]
+    assert out[-3].startswith("does not fit: short by ")
+    assert plan.main(["--preset", "glm53-flash", "--tp", "8", "--ep", "8", "--hbm-gib", "140"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert f"{(kda // 8 + index_ring) / 2**20:,.1f} MiB" in out[-3] and out[-2].startswith("fits: ")
+    assert out[-1] == "fewest GPUs: 8 of 140 GiB (-tp 8 -ep 8)"
+
+
 def test_planner_counts_nvfp4_bytes():
     """GLM-5 with ``--weights nvfp4``: every routed-expert stack is half a byte per weight, an e4m3 byte
     per 16 and a few float32 global scales (one per matrix, repeated over its power-of-two blocks), so

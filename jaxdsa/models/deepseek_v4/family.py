@@ -41,7 +41,7 @@ from jaxdsa.checkpoints.quant import QuantConfig
 from jaxdsa.models.deepseek_v4 import params
 from jaxdsa.models.deepseek_v4.config import CSA, HCA, MODEL_TYPE, V4Config, v4_config_from_dict
 from jaxdsa.models.deepseek_v4.model import V4Model
-from jaxdsa.models.family import DEFAULT_PAGE_SIZE, ModelFamily, collective_bytes
+from jaxdsa.models.family import DEFAULT_PAGE_SIZE, ModelFamily, check_splits, collective_bytes
 from jaxdsa.sharding import Parallelism
 
 # V4 has one step variant: every step runs the window, the compressors and the indexer.
@@ -114,12 +114,7 @@ def _check_splits(cfg: V4Config, par: Parallelism) -> None:
         "n_routed_experts": (cfg.n_routed_experts, "experts"),
         "vocab_size": (cfg.vocab_size, "vocab"),
     }
-    for field, (size, axis) in splits.items():
-        if size % par.shards(axis):
-            raise ValueError(
-                f"DeepSeek-V4: {field} = {size} does not split evenly into {par.shards(axis)} shards "
-                f"(tp={par.tp}, ep={par.ep}, dp={par.dp}{', dp attention' if par.dp_attention else ''})"
-            )
+    check_splits("DeepSeek-V4", splits, par)
 
 
 class V4Family(ModelFamily):

@@ -9,14 +9,15 @@ entry              layers        width                   rows
 ``index_keys``     full indexer  index_head_dim          paged, 1 per m tokens: a complete pool's key
 ``index_ring``     full indexer  2 index_head_dim, f32   ring of m: the open pool's ``[kI | z]`` rows
 ``kda_state``      KDA           H K V, f32              ring of 1: the recurrent state
-``kda_conv``       KDA           3 H K                   ring of W - 1: the last convolution inputs
+``kda_conv``       KDA           H 3 K                   ring of W - 1: the last convolution inputs
 =================  ============  ======================  ============================================
 
-At the released widths that is 11 KB a token and 140 MiB a sequence (the KDA states). The states hold
-only what their sequence computed, so a cached prefix cannot be resumed from its pages alone: prefix
-caching is off for this family (:meth:`Glm5NextFamily.prefix_caching`), as it is for DeepSeek-V4; a
-snapshot of the states at page boundaries would lift that. HF defines no next-n layer for this model,
-so there is no MTP; the FP8 cache formats are not defined for it yet.
+At the released widths that is 11 KB a token and 140 MiB a sequence (the KDA states; the KDA entries
+are head-major and split over TP with the heads, ``linear_heads``, so each device holds a tp-th of
+them). The states hold only what their sequence computed, so a cached prefix cannot be resumed from
+its pages alone: prefix caching is off for this family (:meth:`Glm5NextFamily.prefix_caching`), as it
+is for DeepSeek-V4; a snapshot of the states at page boundaries would lift that. HF defines no next-n
+layer for this model, so there is no MTP; the FP8 cache formats are not defined for it yet.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from flax import nnx
 from jaxdsa.cache import Cache, CacheEntry, CacheSpec, StepMeta
 from jaxdsa.checkpoints.quant import QuantConfig
 from jaxdsa.models.dsa.family import DsaMode
-from jaxdsa.models.family import ModelFamily, collective_bytes
+from jaxdsa.models.family import ModelFamily, check_splits, collective_bytes
 from jaxdsa.models.glm5_next import params
 from jaxdsa.models.glm5_next.config import MODEL_TYPE, Glm5NextConfig, parse_config
 from jaxdsa.models.glm5_next.model import Glm5NextModel
@@ -63,6 +64,9 @@ class Glm5NextFamily(ModelFamily):
             raise ValueError(
                 "GLM-5.3-Flash has no next-n (MTP) layer that jaxdsa can run (docs/models.md §9.11)"
             )
+        if parallelism is not None:  # KDA heads are not padded (MLA and index heads are)
+            heads = {"linear_num_heads": (cfg.linear_num_heads, "linear_heads")}
+            check_splits("GLM-5.3-Flash", heads, parallelism)
         return Glm5NextModel(cfg, dtype=dtype, rngs=rngs, parallelism=parallelism, scan_layers=scan_layers)
 
     def tensor_name(self, stored: str) -> str:
@@ -88,8 +92,10 @@ class Glm5NextFamily(ModelFamily):
                 "latent": CacheEntry(dsa, cfg.kv_lora_rank),
                 "index_keys": CacheEntry(full, cfg.index_head_dim, ratio=m),
                 "index_ring": CacheEntry(full, 2 * cfg.index_head_dim, f32, ring=m),
-                "kda_state": CacheEntry(kda, H * K * K, f32, ring=1),
-                "kda_conv": CacheEntry(kda, 3 * H * K, ring=cfg.linear_conv_kernel_dim - 1),
+                "kda_state": CacheEntry(kda, H * K * K, f32, ring=1, width_axis="linear_heads"),
+                "kda_conv": CacheEntry(
+                    kda, H * 3 * K, ring=cfg.linear_conv_kernel_dim - 1, width_axis="linear_heads"
+                ),
             }
         )
 
@@ -138,9 +144,10 @@ class Glm5NextFamily(ModelFamily):
     ) -> dict[str, float]:
         """Per device, one decode step of ``batch`` sequences per dp group at ``context`` tokens: the
         latent rows the DSA layers attend, the pool keys the indexers score, every KDA state read and
-        written and its convolution rows; collectives as :func:`~jaxdsa.models.family.collective_bytes`."""
+        written and its convolution rows (the device's heads); collectives as
+        :func:`~jaxdsa.models.family.collective_bytes`."""
         spec = self.cache_spec(cfg, kv_format).entries
-        row = lambda name: spec[name].itemsize(jnp.bfloat16) * spec[name].width  # noqa: E731
+        row = lambda name: spec[name].itemsize(jnp.bfloat16) * spec[name].device_width(par.shards)  # noqa: E731
         attended = min(context, cfg.index_width)
         pools = context // cfg.index_kpool
         per_seq = len(cfg.dsa_layers) * attended * row("latent") + len(cfg.indexer_layers) * pools * row(

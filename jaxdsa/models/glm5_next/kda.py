@@ -10,7 +10,15 @@ The cache (:mod:`.family`) holds per sequence and KDA layer the state (``kda_sta
 dtype): a step reads them by segment (:mod:`jaxdsa.layers.segments`) and leaves them advanced past its
 tokens, so a chunked prefill or a decode step continues where the last step of that sequence stopped.
 A sequence whose tokens start at position 0 starts from a zero state (a recomputed, preempted request
-included). The heads are not split over TP yet: every device runs them all (``linear_heads``).
+included).
+
+On a mesh the heads split over TP like MLA's (``linear_heads``): each device holds its heads' part of
+the q, k, v and beta projections, of the gates' up projections (``f_b``, ``g_b``), of the conv weights,
+``dt_bias`` and ``A_log``, runs the conv, the recurrence and the gated norm on them, holds their part of
+``kda_state`` and ``kda_conv``, and ``o_proj`` is row-parallel (one all-reduce, in float32, as MLA's).
+The gates' down projections (the rank-K bottleneck) and ``o_norm`` (per head dim) are replicated. The
+conv rows are kept head-major (each head's q, k, v channels together) so that a contiguous split of the
+ring's width is whole heads.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from jaxdsa.layers.linear import Linear, project
 from jaxdsa.layers.params import ones, zeros
 from jaxdsa.models.glm5_next.config import Glm5NextConfig
 from jaxdsa.models.glm5_next.context import Glm5NextContext
+from jaxdsa.sharding import constrain, reduce_partials
 
 F32 = jnp.float32
 HEADS = ("embed", "linear_heads", "linear_head_dim")
@@ -60,24 +69,23 @@ class KdaAttention(nnx.Module):
         return -rate * jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
 
     def convolve(self, mixed: jax.Array, ctx: Glm5NextContext, conv: LayerPages) -> jax.Array:
-        """SiLU of the causal depthwise conv over each token's last W inputs ``mixed [T, 3HK]`` (earlier
-        steps' from the ring, zeros before position 0), in float32 like HF's float32 weights."""
-        weight = jnp.concatenate(
-            [w[...].reshape(-1, w.shape[-1]) for w in (self.q_conv, self.k_conv, self.v_conv)]
-        )
+        """SiLU of the causal depthwise conv over each token's last W inputs ``mixed [T, H 3 K]`` (head-major;
+        earlier steps' from the ring, zeros before position 0), in float32 like HF's float32 weights."""
+        weight = jnp.stack([w[...] for w in (self.q_conv, self.k_conv, self.v_conv)], axis=1)  # [H, 3, K, W]
         taps = weight.shape[-1]
+        weight = weight.reshape(-1, taps)
         window = ctx.positions[:, None] + jnp.arange(1 - taps, 1, dtype=jnp.int32)[None, :]
-        rows = ctx.gather_rows(window, mixed, conv).astype(F32)  # [T, W, 3HK]
+        rows = ctx.gather_rows(window, mixed, conv).astype(F32)  # [T, W, H 3 K]
         return jax.nn.silu(jnp.einsum("twc,cw->tc", rows, weight)).astype(mixed.dtype)
 
     def __call__(self, x: jax.Array, ctx: Glm5NextContext, cache: Cache, row) -> tuple[jax.Array, Cache]:
-        """x [T, D] (the normed layer input) -> (out [T, D], cache); ``row``: this layer's row among the
-        KDA layers of the cache."""
+        """x [T, D] (the normed layer input) -> (out [T, D] float32, all-reduced over the head shards;
+        cache); ``row``: this layer's row among the KDA layers of the cache."""
         T, (H, K) = x.shape[0], self.q_proj.out_shape
         q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))
-        mixed = jnp.concatenate([a.reshape(T, H * K) for a in (q, k, v)], axis=-1)
+        mixed = constrain(jnp.stack([q, k, v], axis=2).reshape(T, H * 3 * K), (None, "linear_heads"))
         conv = LayerPages(cache["kda_conv"], row)
-        q, k, v = (a.reshape(T, H, K) for a in jnp.split(self.convolve(mixed, ctx, conv), 3, axis=-1))
+        q, k, v = jnp.unstack(self.convolve(mixed, ctx, conv).reshape(T, H, 3, K), axis=2)
         conv = conv.write(ctx.ring_writes(conv.page_size), mixed)
 
         state = cache["kda_state"]  # [L, B, R, H K K]: row 0 of a ring, R - 1 speculative spares unused
@@ -89,7 +97,7 @@ class KdaAttention(nnx.Module):
             seq_ids=ctx.meta.seq_ids, rows=rows, fresh=ctx.fresh,
         )  # fmt: skip
         cache = cache | {"kda_conv": conv.stacked, "kda_state": flat.reshape(state.shape)}
-        return self.o_proj(self.gated_norm(o, self.g_b(self.g_a(x)))), cache
+        return reduce_partials(self.o_proj.unreduced(self.gated_norm(o, self.g_b(self.g_a(x))))), cache
 
     def gated_norm(self, o: jax.Array, gate: jax.Array) -> jax.Array:
         """HF's ``Glm5NextTextRMSNormGated``: per head, float32, weight then ``sigmoid(gate)``."""

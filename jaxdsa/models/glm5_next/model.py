@@ -118,7 +118,8 @@ def kind_rows(flags: list[bool]) -> tuple[int, ...]:
 class Glm5NextModel(nnx.Module):
     """Embedding, scanned blocks, the streams' mean, final norm and head.
 
-    ``parallelism``: MLA and indexer heads are zero-padded to split evenly over its TP shards.
+    ``parallelism``: MLA and indexer heads are zero-padded to split evenly over its TP shards; KDA
+    heads are split as they are (the family refuses a tp they do not divide).
     ``scan_layers=False``: one module per layer, run unrolled (compile time grows with depth).
     """
 
