@@ -45,7 +45,16 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import harness
-from benchmarks.quant import GLM5, INT4_BYTES, SMALL, Shapes, moe_variant, parse_variant, random_weight
+from benchmarks.quant import (
+    FP4_WORDS,
+    GLM5,
+    INT4_BYTES,
+    SMALL,
+    Shapes,
+    moe_variant,
+    parse_variant,
+    random_weight,
+)
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe import tuning as moe_tuning
 from pallas_kernels.quant_matmul import kernel as qmm_kernel
@@ -53,7 +62,7 @@ from pallas_kernels.quant_matmul import tuning as qmm_tuning
 from pallas_kernels.sparse_mla import kernel as sparse_mla_kernel
 from pallas_kernels.sparse_mla import tuning as mla_tuning
 
-FORMATS = ("int4", INT4_BYTES, "fp8", "bf16")
+FORMATS = ("int4", INT4_BYTES, "fp8", "bf16", "fp4", FP4_WORDS)  # FP4: routed experts only (no --linears)
 MOE = "routed experts"
 ATTENTION = "sparse MLA"
 MLA = (64, 576, 512)  # GLM-5's absorbed attention: heads, row width (latent 512 + rope 64), values
