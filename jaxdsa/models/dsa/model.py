@@ -28,7 +28,7 @@ from jaxdsa.layers.context import StepContext
 from jaxdsa.layers.indexer import Indexer, KeyPages
 from jaxdsa.layers.linear import Embed, Linear
 from jaxdsa.layers.mla import LatentPages, MLAttention
-from jaxdsa.layers.mlp import MLP, Experts, MoE, Router, mlp_partials
+from jaxdsa.layers.mlp import mlp_partials, moe_or_mlp
 from jaxdsa.layers.norms import ResidualRMSNorm, RMSNorm, add_residual
 from jaxdsa.layers.rope import cos_sin
 from jaxdsa.models.dsa.config import HF_LATENT_NORM_EPS, INDEXER_K_NORM_EPS, DsaConfig
@@ -89,22 +89,7 @@ class DecoderLayer(nnx.Module):
             dense_kv_b=dense_kv_b,
         )
         self.post_attn_norm = ResidualRMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
-        if cfg.is_moe_layer(layer):
-            E, N = cfg.n_routed_experts, cfg.moe_intermediate_size
-            router = Router(
-                D,
-                E,
-                top_k=cfg.num_experts_per_tok,
-                n_group=cfg.n_group,
-                topk_group=cfg.topk_group,
-                norm_topk_prob=cfg.norm_topk_prob,
-                scaling=cfg.routed_scaling_factor,
-                rngs=rngs,
-            )
-            shared = MLP(D, N * cfg.n_shared_experts, dtype=dtype, rngs=rngs)
-            self.mlp = MoE(router, Experts(E, D, N, dtype=dtype, rngs=rngs), shared)
-        else:
-            self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        self.mlp = moe_or_mlp(cfg, layer, dtype=dtype, rngs=rngs)
 
     def __call__(self, stream: tuple, ctx: StepContext, cache: Cache, rows: tuple, topk):
         """-> (stream, cache, topk). ``stream`` = (h, delta): the residual stream is ``h + delta``, the
