@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -191,47 +191,6 @@ class MoE(nnx.Module):
         ``valid``: the step's real tokens (:meth:`Experts.partials`)."""
         ids, weights = self.router(x, shared_slot=self.experts.shared_slot)  # the column in its kernel
         return self.experts.partials(x, ids, weights, shared=self.shared, valid=valid)
-
-
-class MoeConfig(Protocol):
-    """What :func:`moe_or_mlp` reads of a family's config (GLM-5.x, DeepSeek-V3.2, GLM-5.3-Flash)."""
-
-    hidden_size: int
-    intermediate_size: int
-    moe_intermediate_size: int
-    n_routed_experts: int
-    n_shared_experts: int
-    num_experts_per_tok: int
-    n_group: int
-    topk_group: int
-    norm_topk_prob: bool
-    routed_scaling_factor: float
-
-    def is_moe_layer(self, layer: int) -> bool: ...
-
-
-def moe_or_mlp(
-    cfg: MoeConfig, layer: int, *, dtype, rngs: nnx.Rngs, swiglu_limit: float | None = None
-) -> MoE | MLP:
-    """Layer ``layer``'s feed-forward: the noaux_tc MoE (its shared experts as one MLP) on a MoE layer,
-    else the dense MLP. One builder for the families that share this MoE, so that they build it
-    alike; ``swiglu_limit`` as in :class:`MLP` (GLM-5.3-Flash's clamp)."""
-    D = cfg.hidden_size
-    if not cfg.is_moe_layer(layer):
-        return MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs, swiglu_limit=swiglu_limit)
-    E, N = cfg.n_routed_experts, cfg.moe_intermediate_size
-    router = Router(
-        D,
-        E,
-        top_k=cfg.num_experts_per_tok,
-        n_group=cfg.n_group,
-        topk_group=cfg.topk_group,
-        norm_topk_prob=cfg.norm_topk_prob,
-        scaling=cfg.routed_scaling_factor,
-        rngs=rngs,
-    )
-    shared = MLP(D, N * cfg.n_shared_experts, dtype=dtype, rngs=rngs, swiglu_limit=swiglu_limit)
-    return MoE(router, Experts(E, D, N, dtype=dtype, rngs=rngs, swiglu_limit=swiglu_limit), shared)
 
 
 def mlp_partials(mlp: nnx.Module, x: jax.Array, valid: jax.Array) -> list[Partial] | Partial:

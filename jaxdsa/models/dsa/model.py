@@ -18,6 +18,8 @@ Static switches chosen by the caller from host-side lengths (:class:`DsaMode`):
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -28,18 +30,45 @@ from jaxdsa.layers.context import StepContext
 from jaxdsa.layers.indexer import Indexer, KeyPages
 from jaxdsa.layers.linear import Embed, Linear
 from jaxdsa.layers.mla import LatentPages, MLAttention
-from jaxdsa.layers.mlp import mlp_partials, moe_or_mlp
+from jaxdsa.layers.mlp import MLP, Experts, MoE, Router, mlp_partials
 from jaxdsa.layers.norms import ResidualRMSNorm, RMSNorm, add_residual
 from jaxdsa.layers.rope import cos_sin
 from jaxdsa.models.dsa.config import HF_LATENT_NORM_EPS, INDEXER_K_NORM_EPS, DsaConfig
 from jaxdsa.models.layer_groups import build_groups, take_layer
 from jaxdsa.sharding import Parallelism
 
+if TYPE_CHECKING:
+    from jaxdsa.models.glm5_next.config import Glm5NextConfig
+
 
 def padded(n: int, shards: int) -> int:
     """``n`` rounded up to a multiple of ``shards``: heads are zero-padded to split evenly (a zero
     head adds exactly nothing: its query and output rows are 0)."""
     return -(-n // shards) * shards
+
+
+def moe_or_mlp(
+    cfg: DsaConfig | Glm5NextConfig, layer: int, *, dtype, rngs: nnx.Rngs, swiglu_limit: float | None = None
+) -> MoE | MLP:
+    """Layer ``layer``'s feed-forward: the noaux_tc MoE (its shared experts as one MLP) on a MoE layer,
+    else the dense MLP. GLM-5.3-Flash's blocks build theirs here too, so the two families' FFNs stay
+    one design; ``swiglu_limit``: its clamp (:class:`~jaxdsa.layers.mlp.MLP`)."""
+    D = cfg.hidden_size
+    if not cfg.is_moe_layer(layer):
+        return MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs, swiglu_limit=swiglu_limit)
+    E, N = cfg.n_routed_experts, cfg.moe_intermediate_size
+    router = Router(
+        D,
+        E,
+        top_k=cfg.num_experts_per_tok,
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        norm_topk_prob=cfg.norm_topk_prob,
+        scaling=cfg.routed_scaling_factor,
+        rngs=rngs,
+    )
+    shared = MLP(D, N * cfg.n_shared_experts, dtype=dtype, rngs=rngs, swiglu_limit=swiglu_limit)
+    return MoE(router, Experts(E, D, N, dtype=dtype, rngs=rngs, swiglu_limit=swiglu_limit), shared)
 
 
 class DecoderLayer(nnx.Module):

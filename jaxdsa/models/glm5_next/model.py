@@ -25,10 +25,10 @@ from jaxdsa.cache import Cache, LayerPages, StepMeta
 from jaxdsa.layers.indexer import KeyPages
 from jaxdsa.layers.linear import Embed, Linear
 from jaxdsa.layers.mla import LatentPages, MLAttention
-from jaxdsa.layers.mlp import mlp_partials, moe_or_mlp
+from jaxdsa.layers.mlp import mlp_partials
 from jaxdsa.layers.norms import RMSNorm
 from jaxdsa.models.deepseek_v4.hyper import HyperSite, expand, site_out
-from jaxdsa.models.dsa.model import padded
+from jaxdsa.models.dsa.model import moe_or_mlp, padded
 from jaxdsa.models.glm5_next.config import Glm5NextConfig
 from jaxdsa.models.glm5_next.context import Glm5NextContext
 from jaxdsa.models.glm5_next.indexer import PooledIndexer
