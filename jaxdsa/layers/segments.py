@@ -24,18 +24,30 @@ import jax.numpy as jnp
 from jaxdsa.cache import StepMeta, slots_for
 
 
+def sequence_starts(positions: jax.Array, meta: StepMeta) -> jax.Array:
+    """[B] each sequence's first position in this step (int32 max for a sequence with no token in it):
+    what :func:`segments` hands each token, and what tells a family that a sequence starts afresh."""
+    B = meta.page_table.shape[0]
+    return jax.ops.segment_min(positions, _segment_ids(meta), num_segments=B)
+
+
 def segments(positions: jax.Array, meta: StepMeta) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Of every token's segment (its sequence's tokens in this step): the first position, that
     token's index in the step and the last position, each [T] (padding: anything)."""
     seq = meta.seq_ids
     B = meta.page_table.shape[0]
-    ids = jnp.where(seq >= 0, seq, B)  # padding: out of range, dropped by the segment ops
+    ids = _segment_ids(meta)
     index = jnp.arange(seq.shape[0], dtype=jnp.int32)
-    start = jax.ops.segment_min(positions, ids, num_segments=B)
+    start = sequence_starts(positions, meta)
     first = jax.ops.segment_min(index, ids, num_segments=B)
     end = jax.ops.segment_max(positions, ids, num_segments=B)
     row = jnp.where(seq >= 0, seq, 0)
     return start[row], first[row], end[row]
+
+
+def _segment_ids(meta: StepMeta) -> jax.Array:
+    """[T] each token's sequence, padding out of range (B), where the segment ops drop it."""
+    return jnp.where(meta.seq_ids >= 0, meta.seq_ids, meta.page_table.shape[0])
 
 
 class Segments:

@@ -12,7 +12,6 @@ import pathlib
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from jaxdsa.checkpoints.quant import dequantize_nvfp4
@@ -21,18 +20,9 @@ from jaxdsa.checkpoints.tiny.cli import main
 from jaxdsa.checkpoints.tiny.make import make_tiny
 from jaxdsa.checkpoints.tiny.presets import TINY_PRESETS
 from jaxdsa.models.registry import load_config
+from tests.checkpoints.conftest import check_shards_and_bfloat16, read_tensors
 
 FAMILY = {"glm5": "glm_moe_dsa", "glm52": "glm_moe_dsa", "dsv32": "deepseek_v32"}
-
-
-def read_checkpoint(path: pathlib.Path) -> dict[str, tuple[np.ndarray, str]]:
-    """name -> (value, safetensors dtype string) over all shards."""
-    out = {}
-    for file in sorted(path.glob("model*.safetensors")):
-        with safe_open(file, framework="numpy") as f:
-            for name in f.keys():
-                out[name] = (f.get_tensor(name), f.get_slice(name).get_dtype())
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +33,7 @@ def ckpts(tmp_path_factory) -> dict[str, pathlib.Path]:
 
 @pytest.fixture(scope="module")
 def tensors(ckpts) -> dict[str, dict[str, tuple[np.ndarray, str]]]:
-    return {p: read_checkpoint(path) for p, path in ckpts.items()}
+    return {p: read_tensors(path) for p, path in ckpts.items()}
 
 
 # Shapes for the glm5 preset (D=64, V=512, H=4, nope 16, rope 8, v 24, q_lora 32, kv_lora 128,
@@ -168,33 +158,14 @@ def test_deterministic_for_a_seed(ckpts, tmp_path):
     again = pathlib.Path(make_tiny("glm_moe_dsa", tmp_path / "again", preset="glm5"))
     for file in ckpts["glm5"].iterdir():
         assert (again / file.name).read_bytes() == file.read_bytes(), file.name
-    other = read_checkpoint(pathlib.Path(make_tiny("glm_moe_dsa", tmp_path / "seed1", preset="glm5", seed=1)))
-    base = read_checkpoint(ckpts["glm5"])
+    other = read_tensors(pathlib.Path(make_tiny("glm_moe_dsa", tmp_path / "seed1", preset="glm5", seed=1)))
+    base = read_tensors(ckpts["glm5"])
     assert all(not np.array_equal(other[n][0], base[n][0]) for n in base)
 
 
 def test_shards_and_bfloat16(tensors, tmp_path):
     path = pathlib.Path(make_tiny("deepseek_v32", tmp_path / "sharded", dtype="bfloat16", shards=3))
-    files = sorted(p.name for p in path.glob("model*"))
-    assert files == [
-        "model-00001-of-00003.safetensors",
-        "model-00002-of-00003.safetensors",
-        "model-00003-of-00003.safetensors",
-        "model.safetensors.index.json",
-    ]
-    index = json.loads((path / "model.safetensors.index.json").read_text())
-    sharded = read_checkpoint(path)
-    assert set(index["weight_map"]) == set(sharded) == set(tensors["dsv32"])
-    for file in set(index["weight_map"].values()):
-        with safe_open(path / file, framework="numpy") as f:
-            assert set(f.keys()) == {n for n, v in index["weight_map"].items() if v == file}
-    assert index["metadata"]["total_size"] == sum(v.nbytes for v, _ in sharded.values())
-    for name, (value, dtype) in sharded.items():
-        reference = tensors["dsv32"][name][0]
-        if name.endswith("e_score_correction_bias"):
-            assert dtype == "F32" and np.array_equal(value, reference)
-        else:  # same draw, rounded to bfloat16
-            assert dtype == "BF16" and np.array_equal(value, reference.astype(ml_dtypes.bfloat16)), name
+    check_shards_and_bfloat16(path, 3, tensors["dsv32"], fp32=("e_score_correction_bias",))
 
 
 def test_rewrite_removes_stale_shards(tmp_path):

@@ -12,15 +12,14 @@ from __future__ import annotations
 import json
 import pathlib
 
-import ml_dtypes
 import numpy as np
 import pytest
-from safetensors import safe_open
 
 from jaxdsa.checkpoints.tiny.cli import main
 from jaxdsa.checkpoints.tiny.make import make_tiny
 from jaxdsa.checkpoints.tiny.presets import GLM5_NEXT_TINY_PRESETS
 from jaxdsa.models.glm5_next.config import load_glm5_next_config
+from tests.checkpoints.conftest import check_shards_and_bfloat16, read_tensors
 
 T = "model.language_model."
 KDA_LAYER_0 = {  # KDA, dense FFN
@@ -103,14 +102,6 @@ TENSOR_COUNT = 26 + 25 + 44 + 3 * 52 + 2 * 51 + 3 + 39
 FP32 = ("e_score_correction_bias", "_conv1d.weight", ".dt_bias", ".A_log", "_base", "_scale")
 
 
-def read(path: pathlib.Path) -> dict[str, tuple[np.ndarray, str]]:
-    out = {}
-    for file in sorted(path.glob("model*.safetensors")):
-        with safe_open(file, framework="numpy") as f:
-            out |= {n: (f.get_tensor(n), f.get_slice(n).get_dtype()) for n in f.keys()}
-    return out
-
-
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> pathlib.Path:
     return pathlib.Path(make_tiny("glm5_next", tmp_path_factory.mktemp("glm53")))
@@ -123,7 +114,7 @@ def sharded(tmp_path_factory) -> pathlib.Path:
 
 
 def test_names_and_shapes(single):
-    shapes = {name: value.shape for name, (value, _) in read(single).items()}
+    shapes = {name: value.shape for name, (value, _) in read_tensors(single).items()}
     assert len(shapes) == TENSOR_COUNT
     assert shapes[T + "embed_tokens.weight"] == shapes["lm_head.weight"] == (512, 64)
     assert shapes[T + "norm.weight"] == (64,)
@@ -144,7 +135,7 @@ def test_names_and_shapes(single):
 
 
 def test_values_random_and_scaled(single):
-    for name, (value, dtype) in read(single).items():
+    for name, (value, dtype) in read_tensors(single).items():
         assert dtype == "F32", name
         assert np.unique(value).size > 1, name  # nothing HF sets to a constant stays constant
         if name.endswith(("norm.weight", "_scale")):
@@ -173,26 +164,9 @@ def test_config_files(single):
 
 
 def test_shards_and_bfloat16(single, sharded):
-    files = sorted(p.name for p in sharded.glob("model*"))
-    assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)] + [
-        "model.safetensors.index.json"
-    ]
-    index = json.loads((sharded / "model.safetensors.index.json").read_text())
-    tensors, reference = read(sharded), read(single)
-    assert set(index["weight_map"]) == set(tensors) == set(reference)
-    for file in set(index["weight_map"].values()):
-        with safe_open(sharded / file, framework="numpy") as f:
-            assert set(f.keys()) == {n for n, v in index["weight_map"].items() if v == file}
-    assert index["metadata"]["total_size"] == sum(v.nbytes for v, _ in tensors.values())
+    tensors = check_shards_and_bfloat16(sharded, 3, read_tensors(single), fp32=FP32)
     fp32 = {n for n in tensors if n.endswith(FP32)}
     assert len(fp32) == 8 * 4 + 6 + 4 * 5  # HC base + scale at 2 sites; router biases; KDA conv x 3, dt, A
-    for name, (value, dtype) in tensors.items():
-        if name in fp32:
-            assert dtype == "F32" and np.array_equal(value, reference[name][0]), name
-        else:  # the same draw, rounded to bfloat16
-            assert dtype == "BF16" and np.array_equal(value, reference[name][0].astype(ml_dtypes.bfloat16)), (
-                name
-            )
 
 
 def test_deterministic_cli(single, tmp_path, capsys):
@@ -200,8 +174,8 @@ def test_deterministic_cli(single, tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(tmp_path / "again")
     for file in single.iterdir():
         assert (tmp_path / "again" / file.name).read_bytes() == file.read_bytes(), file.name
-    other = read(pathlib.Path(make_tiny("glm5_next", tmp_path / "seed1", seed=1)))
-    assert all(not np.array_equal(other[n][0], v) for n, (v, _) in read(single).items())
+    other = read_tensors(pathlib.Path(make_tiny("glm5_next", tmp_path / "seed1", seed=1)))
+    assert all(not np.array_equal(other[n][0], v) for n, (v, _) in read_tensors(single).items())
 
 
 def test_cli_presets_context_and_errors(tmp_path, capsys):

@@ -11,12 +11,12 @@ import pathlib
 
 import jax.numpy as jnp
 import pytest
-from safetensors import safe_open
 
 from jaxdsa.checkpoints.tiny.cli import main
 from jaxdsa.checkpoints.tiny.make import make_tiny
 from jaxdsa.loading import load_model
 from jaxdsa.models.deepseek_v4.config import CSA, HCA, SWA
+from tests.checkpoints.conftest import read_tensors
 
 CSA_LAYER_1 = {
     "layers.1.attn_norm.weight": ((32,), "BF16"),
@@ -48,19 +48,11 @@ def tiny(tmp_path_factory):
     return pathlib.Path(make_tiny("deepseek_v4", tmp_path_factory.mktemp("v4"), dtype="bfloat16", shards=3))
 
 
-def _tensors(path):
-    out = {}
-    for file in sorted(path.glob("model*.safetensors")):
-        with safe_open(file, framework="numpy") as f:
-            out |= {n: (f.get_tensor(n), f.get_slice(n).get_dtype()) for n in f.keys()}
-    return out
-
-
 def test_release_layout(tiny):
     config = json.loads((tiny / "config.json").read_text())
     assert config["compress_ratios"] == [0, 4, 8, 4, 0] and config["num_hash_layers"] == 2
     assert config["rope_scaling"]["type"] == "yarn" and config["qk_rope_head_dim"] == 8
-    tensors = _tensors(tiny)
+    tensors = read_tensors(tiny)
     for name, (shape, dtype) in CSA_LAYER_1.items():
         assert (tensors[name][0].shape, tensors[name][1]) == (shape, dtype), name
     assert tensors["layers.2.attn.compressor.ape"][0].shape == (8, 32)  # HCA: no overlap, no indexer

@@ -17,6 +17,7 @@ import jaxdsa
 from jaxdsa import ops
 from pallas_kernels.quant.layout import QuantizedWeight
 from tests.conftest import FIXTURES
+from tests.models.conftest import rel_l2
 
 FIXTURE_NAMES = ["glm5", "dsv32", "glm52", "dsv32_yarn"]
 # Quantized checkpoints (FP8 power-of-two scales in 32x32 blocks; FP8 float32 scales in 128x128
@@ -29,10 +30,6 @@ QUANTIZED_NAMES = ["glm5_fp8", "dsv32_fp8", "glm5_int4", "dsv32_int4", "glm5_nvf
 # one FP8, one INT4 and the NVFP4 fixture (the slowest to interpret)
 INTERPRETED = FIXTURE_NAMES + ["dsv32_fp8", "glm5_int4", "glm5_nvfp4"]
 TOLERANCE = 1e-4
-
-
-def rel_l2(got, want):
-    return np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
 
 
 @pytest.fixture(

@@ -9,6 +9,7 @@ from jaxdsa.cache import StepMeta, init_cache
 from jaxdsa.engine import Engine, EngineConfig, SamplingParams
 from jaxdsa.engine.step import ModelState
 from jaxdsa.models.dsa.family import DsaMode
+from tests.models.conftest import rel_l2
 
 
 def _run(llm, ids, *, sparse, absorbed, page_size=8, kv_format="model"):
@@ -24,10 +25,6 @@ def _run(llm, ids, *, sparse, absorbed, page_size=8, kv_format="model"):
     step = jax.jit(lambda leaves, *args: llm.family.step(state.model(leaves), *args, mode))
     logits, _ = step(state.leaves, jnp.asarray(ids, jnp.int32), pos, cache, meta)
     return np.asarray(logits)
-
-
-def rel_l2(a, b):
-    return np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
 
 
 @pytest.mark.parametrize("family", ["glm5", "dsv32"])

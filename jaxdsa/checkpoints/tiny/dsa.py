@@ -27,33 +27,44 @@ from jaxdsa.checkpoints.tiny.presets import TINY_PRESETS
 from jaxdsa.checkpoints.tiny.writers import DTYPES, Spec, random_tensor, write_json, write_weights
 
 
-def _layer_tensors(
-    cfg: dict[str, Any], layer: int, *, indexer: bool, moe: bool, mtp: bool
-) -> dict[str, Spec]:
+def attention_tensors(cfg: dict[str, Any], a: str, *, indexer: bool) -> dict[str, Spec]:
+    """MLA's tensors under ``a`` (``...self_attn.``) and, with ``indexer``, the DSA indexer's, in file
+    order: GLM-5.x's and DeepSeek-V3.2's, and GLM-5.3-Flash's with its RoPE part 0 (its pooled indexer
+    adds two tensors after these)."""
     d, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     q_lora, kv_lora = cfg["q_lora_rank"], cfg["kv_lora_rank"]
     nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    p = f"model.layers.{layer}."
     t: dict[str, Spec] = {
-        p + "input_layernorm.weight": ((d,), "norm"),
-        p + "post_attention_layernorm.weight": ((d,), "norm"),
-        p + "self_attn.q_a_proj.weight": ((q_lora, d), "linear"),
-        p + "self_attn.q_a_layernorm.weight": ((q_lora,), "norm"),
-        p + "self_attn.q_b_proj.weight": ((heads * (nope + rope), q_lora), "linear"),
-        p + "self_attn.kv_a_proj_with_mqa.weight": ((kv_lora + rope, d), "linear"),
-        p + "self_attn.kv_a_layernorm.weight": ((kv_lora,), "norm"),
-        p + "self_attn.kv_b_proj.weight": ((heads * (nope + v), kv_lora), "linear"),
-        p + "self_attn.o_proj.weight": ((d, heads * v), "linear"),
+        a + "q_a_proj.weight": ((q_lora, d), "linear"),
+        a + "q_a_layernorm.weight": ((q_lora,), "norm"),
+        a + "q_b_proj.weight": ((heads * (nope + rope), q_lora), "linear"),
+        a + "kv_a_proj_with_mqa.weight": ((kv_lora + rope, d), "linear"),
+        a + "kv_a_layernorm.weight": ((kv_lora,), "norm"),
+        a + "kv_b_proj.weight": ((heads * (nope + v), kv_lora), "linear"),
+        a + "o_proj.weight": ((d, heads * v), "linear"),
     }
     if indexer:
         n_idx, d_idx = cfg["index_n_heads"], cfg["index_head_dim"]
         t |= {
-            p + "self_attn.indexer.wq_b.weight": ((n_idx * d_idx, q_lora), "linear"),
-            p + "self_attn.indexer.wk.weight": ((d_idx, d), "linear"),
-            p + "self_attn.indexer.k_norm.weight": ((d_idx,), "norm"),
-            p + "self_attn.indexer.k_norm.bias": ((d_idx,), "bias"),
-            p + "self_attn.indexer.weights_proj.weight": ((n_idx, d), "linear"),
+            a + "indexer.wq_b.weight": ((n_idx * d_idx, q_lora), "linear"),
+            a + "indexer.wk.weight": ((d_idx, d), "linear"),
+            a + "indexer.k_norm.weight": ((d_idx,), "norm"),
+            a + "indexer.k_norm.bias": ((d_idx,), "bias"),
+            a + "indexer.weights_proj.weight": ((n_idx, d), "linear"),
         }
+    return t
+
+
+def _layer_tensors(
+    cfg: dict[str, Any], layer: int, *, indexer: bool, moe: bool, mtp: bool
+) -> dict[str, Spec]:
+    d = cfg["hidden_size"]
+    p = f"model.layers.{layer}."
+    t: dict[str, Spec] = {
+        p + "input_layernorm.weight": ((d,), "norm"),
+        p + "post_attention_layernorm.weight": ((d,), "norm"),
+        **attention_tensors(cfg, p + "self_attn.", indexer=indexer),
+    }
     if moe:
         experts, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
         shared = cfg.get("n_shared_experts", 1) * inter

@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import math
 import os
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from jaxdsa.checkpoints import tokenizer_assets
+from jaxdsa.checkpoints.tiny.dsa import attention_tensors
 from jaxdsa.checkpoints.tiny.presets import GLM5_NEXT_TINY_PRESETS, KDA
-from jaxdsa.checkpoints.tiny.writers import DTYPES, Spec, random_tensor, write_json, write_weights
+from jaxdsa.checkpoints.tiny.writers import Spec, random_tensor, write_drawn, write_json
 
 TOKENIZER_FAMILY = "glm_moe_dsa"  # GLM-5's tokens and template (docs/models.md §6.1)
 TEXT = "model.language_model."
@@ -76,28 +78,13 @@ def _kda(cfg: dict[str, Any], p: str) -> dict[str, Spec]:
 
 
 def _dsa(cfg: dict[str, Any], p: str, indexer: bool) -> dict[str, Spec]:
-    d, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    q_lora, kv_lora = cfg["q_lora_rank"], cfg["kv_lora_rank"]
-    nope, v = cfg["qk_nope_head_dim"], cfg["v_head_dim"]  # qk_rope_head_dim is 0
-    t: dict[str, Spec] = {
-        p + "q_a_proj.weight": ((q_lora, d), "linear"),
-        p + "q_a_layernorm.weight": ((q_lora,), "norm"),
-        p + "q_b_proj.weight": ((heads * nope, q_lora), "linear"),
-        p + "kv_a_proj_with_mqa.weight": ((kv_lora, d), "linear"),
-        p + "kv_a_layernorm.weight": ((kv_lora,), "norm"),
-        p + "kv_b_proj.weight": ((heads * (nope + v), kv_lora), "linear"),
-        p + "o_proj.weight": ((d, heads * v), "linear"),
-    }
+    """DSA's MLA (RoPE part 0) and indexer tensors, then the pooled indexer's own two."""
+    t = attention_tensors(cfg, p, indexer=indexer)
     if indexer:
-        n_idx, d_idx = cfg["index_n_heads"], cfg["index_head_dim"]
+        d_idx = cfg["index_head_dim"]
         t |= {
-            p + "indexer.wq_b.weight": ((n_idx * d_idx, q_lora), "linear"),
-            p + "indexer.wk.weight": ((d_idx, d), "linear"),
-            p + "indexer.k_norm.weight": ((d_idx,), "norm"),
-            p + "indexer.k_norm.bias": ((d_idx,), "bias"),
-            p + "indexer.weights_proj.weight": ((n_idx, d), "linear"),
             p + "indexer.index_kpool_compress_ape": ((cfg["index_kpool"], d_idx), "ape"),
-            p + "indexer.index_kpool_compress_gate": ((d_idx, d), "linear"),
+            p + "indexer.index_kpool_compress_gate": ((d_idx, cfg["hidden_size"]), "linear"),
         }
     return t
 
@@ -230,9 +217,12 @@ def write(
     generation = {"eos_token_id": list(ids.eos_token_ids), "pad_token_id": ids.pad_token_id}
     write_json(os.path.join(out_dir, "generation_config.json"), generation)
 
-    tensors = {}
-    for name, (shape, kind) in tensor_specs(cfg).items():
-        value = _value(name, shape, kind, seed)
-        tensors[name] = value.astype(np.float32 if kind in FP32_KINDS else DTYPES[dtype])
-    write_weights(tensors, out_dir, shards)
+    write_drawn(
+        tensor_specs(cfg),
+        partial(_value, seed=seed),
+        out_dir,
+        dtype=dtype,
+        shards=shards,
+        fp32_kinds=FP32_KINDS,
+    )
     return out_dir

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import os
 import zlib
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from jaxdsa.checkpoints import tokenizer_assets
 from jaxdsa.checkpoints.tiny.presets import V4_TINY_PRESETS, release_form
-from jaxdsa.checkpoints.tiny.writers import DTYPES, Spec, random_tensor, write_json, write_weights
+from jaxdsa.checkpoints.tiny.writers import Spec, random_tensor, write_drawn, write_json
 
 TOKENIZER_FAMILY = "deepseek_v4"
 
@@ -168,11 +169,7 @@ def write(
         "pad_token_id": ids.pad_token_id,
     }
     write_json(os.path.join(out_dir, "generation_config.json"), generation)
-    tensors = {}
-    for name, (shape, kind) in specs.items():
-        value = _value(name, shape, kind, seed, cfg)
-        if value.dtype == np.float32:
-            value = value.astype(np.float32 if kind in FP32_KINDS else DTYPES[dtype])
-        tensors[name] = value
-    write_weights(tensors, out_dir, shards)
+    write_drawn(
+        specs, partial(_value, seed=seed, cfg=cfg), out_dir, dtype=dtype, shards=shards, fp32_kinds=FP32_KINDS
+    )
     return out_dir

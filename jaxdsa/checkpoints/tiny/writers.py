@@ -12,6 +12,7 @@ import glob
 import json
 import os
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import ml_dtypes
@@ -67,6 +68,27 @@ def write_weights(tensors: dict[str, np.ndarray], out_dir: str, shards: int) -> 
         weight_map |= {n: file for n in group}
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
     write_json(os.path.join(out_dir, "model.safetensors.index.json"), index)
+
+
+def write_drawn(
+    specs: dict[str, Spec],
+    draw: Callable[[str, tuple[int, ...], str], np.ndarray],
+    out_dir: str,
+    *,
+    dtype: str,
+    shards: int,
+    fp32_kinds: tuple[str, ...],
+) -> None:
+    """Every tensor of ``specs`` drawn by ``draw(name, shape, kind)`` and written (:func:`write_weights`):
+    float32 draws stored in ``dtype`` but the ``fp32_kinds`` (what HF keeps float32), other draws
+    (DeepSeek-V4's int64 ``tid2eid``) as they are. The makers without quantized tensors share it."""
+    tensors = {}
+    for name, (shape, kind) in specs.items():
+        value = draw(name, shape, kind)
+        if value.dtype == np.float32:
+            value = value.astype(np.float32 if kind in fp32_kinds else DTYPES[dtype])
+        tensors[name] = value
+    write_weights(tensors, out_dir, shards)
 
 
 def write_json(path: str, obj: Any) -> None:

@@ -18,6 +18,8 @@ Static switches chosen by the caller from host-side lengths (:class:`DsaMode`):
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -35,11 +37,38 @@ from jaxdsa.models.dsa.config import HF_LATENT_NORM_EPS, INDEXER_K_NORM_EPS, Dsa
 from jaxdsa.models.layer_groups import build_groups, take_layer
 from jaxdsa.sharding import Parallelism
 
+if TYPE_CHECKING:
+    from jaxdsa.models.glm5_next.config import Glm5NextConfig
+
 
 def padded(n: int, shards: int) -> int:
     """``n`` rounded up to a multiple of ``shards``: heads are zero-padded to split evenly (a zero
     head adds exactly nothing: its query and output rows are 0)."""
     return -(-n // shards) * shards
+
+
+def moe_or_mlp(
+    cfg: DsaConfig | Glm5NextConfig, layer: int, *, dtype, rngs: nnx.Rngs, swiglu_limit: float | None = None
+) -> MoE | MLP:
+    """Layer ``layer``'s feed-forward: the noaux_tc MoE (its shared experts as one MLP) on a MoE layer,
+    else the dense MLP. GLM-5.3-Flash's blocks build theirs here too, so the two families' FFNs stay
+    one design; ``swiglu_limit``: its clamp (:class:`~jaxdsa.layers.mlp.MLP`)."""
+    D = cfg.hidden_size
+    if not cfg.is_moe_layer(layer):
+        return MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs, swiglu_limit=swiglu_limit)
+    E, N = cfg.n_routed_experts, cfg.moe_intermediate_size
+    router = Router(
+        D,
+        E,
+        top_k=cfg.num_experts_per_tok,
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        norm_topk_prob=cfg.norm_topk_prob,
+        scaling=cfg.routed_scaling_factor,
+        rngs=rngs,
+    )
+    shared = MLP(D, N * cfg.n_shared_experts, dtype=dtype, rngs=rngs, swiglu_limit=swiglu_limit)
+    return MoE(router, Experts(E, D, N, dtype=dtype, rngs=rngs, swiglu_limit=swiglu_limit), shared)
 
 
 class DecoderLayer(nnx.Module):
@@ -89,22 +118,7 @@ class DecoderLayer(nnx.Module):
             dense_kv_b=dense_kv_b,
         )
         self.post_attn_norm = ResidualRMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
-        if cfg.is_moe_layer(layer):
-            E, N = cfg.n_routed_experts, cfg.moe_intermediate_size
-            router = Router(
-                D,
-                E,
-                top_k=cfg.num_experts_per_tok,
-                n_group=cfg.n_group,
-                topk_group=cfg.topk_group,
-                norm_topk_prob=cfg.norm_topk_prob,
-                scaling=cfg.routed_scaling_factor,
-                rngs=rngs,
-            )
-            shared = MLP(D, N * cfg.n_shared_experts, dtype=dtype, rngs=rngs)
-            self.mlp = MoE(router, Experts(E, D, N, dtype=dtype, rngs=rngs), shared)
-        else:
-            self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        self.mlp = moe_or_mlp(cfg, layer, dtype=dtype, rngs=rngs)
 
     def __call__(self, stream: tuple, ctx: StepContext, cache: Cache, rows: tuple, topk):
         """-> (stream, cache, topk). ``stream`` = (h, delta): the residual stream is ``h + delta``, the

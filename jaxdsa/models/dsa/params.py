@@ -9,6 +9,8 @@ and the planner all read this one table.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from jaxdsa.checkpoints.spec import (
     ExpertDown,
     ExpertGateUp,
@@ -25,6 +27,9 @@ from jaxdsa.models.dsa.config import DsaConfig
 from jaxdsa.models.dsa.model import DsaModel
 from jaxdsa.models.layer_groups import group_specs
 
+if TYPE_CHECKING:
+    from jaxdsa.models.glm5_next.config import Glm5NextConfig
+
 Path = tuple
 
 
@@ -40,36 +45,44 @@ def nest(prefix: Path, tree: dict[Path, Leaf]) -> dict[Path, Leaf]:
     return {prefix + path: leaf for path, leaf in tree.items()}
 
 
-def layer_spec(cfg: DsaConfig, layer: int) -> dict[Path, Leaf]:
-    """Sources of one :class:`DecoderLayer`'s parameters (paths relative to the layer)."""
-    p = f"model.layers.{layer}."
-    a = p + "self_attn."
+def mla_tensors(cfg: DsaConfig | Glm5NextConfig, a: str) -> dict[Path, Leaf]:
+    """MLA's tensors under ``a`` (``...self_attn.``): shared by GLM-5.x / DeepSeek-V3.2 and GLM-5.3-Flash,
+    whose MLA differs only in a RoPE part of 0 (``qk_rope_head_dim``)."""
     D, H, r = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
     nope, v, qk = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.qk_head_dim
-    attn: dict[Path, Leaf] = {
+    return {
         ("q_a", "weight"): Linear(a + "q_a_proj", cfg.q_lora_rank, D),
         ("q_a_norm", "weight"): Tensor(a + "q_a_layernorm.weight", (cfg.q_lora_rank,)),
         ("q_b", "weight"): Linear(a + "q_b_proj", H * qk, cfg.q_lora_rank, transpose_split(H, qk), pad=True),
-        ("kv_a", "weight"): Linear(a + "kv_a_proj_with_mqa", cfg.latent_dim, D),
+        ("kv_a", "weight"): Linear(a + "kv_a_proj_with_mqa", r + cfg.qk_rope_head_dim, D),
         ("kv_a_norm", "weight"): Tensor(a + "kv_a_layernorm.weight", (r,)),
         ("w_uk", "weight"): head_part(a + "kv_b_proj", H, nope + v, 0, nope, r),
         ("w_uv", "weight"): head_part(a + "kv_b_proj", H, nope + v, nope, nope + v, r),
         ("o", "weight"): Linear(a + "o_proj", D, H * v, transpose_merge(H, v), pad=True),
     }
+
+
+def indexer_tensors(cfg: DsaConfig | Glm5NextConfig, i: str) -> dict[Path, Leaf]:
+    """The DSA indexer's tensors under ``i`` (``...indexer.``): the rows both indexers have
+    (GLM-5.3-Flash's pooled one adds its pool's own)."""
+    n, d, D = cfg.index_n_heads, cfg.index_head_dim, cfg.hidden_size
+    return {
+        ("wq_b", "weight"): Linear(i + "wq_b", n * d, cfg.q_lora_rank, transpose_split(n, d), pad=True),
+        ("wk", "weight"): Linear(i + "wk", d, D),
+        ("k_norm", "weight"): Tensor(i + "k_norm.weight", (d,)),
+        ("k_norm", "bias"): Tensor(i + "k_norm.bias", (d,), init="bias"),
+        ("weights_proj", "weight"): Linear(i + "weights_proj", n, D, pad=True),
+    }
+
+
+def layer_spec(cfg: DsaConfig, layer: int) -> dict[Path, Leaf]:
+    """Sources of one :class:`DecoderLayer`'s parameters (paths relative to the layer)."""
+    p = f"model.layers.{layer}."
+    a = p + "self_attn."
+    D = cfg.hidden_size
+    attn = mla_tensors(cfg, a)
     if cfg.has_indexer(layer):
-        n, d, i = cfg.index_n_heads, cfg.index_head_dim, a + "indexer."
-        attn |= nest(
-            ("indexer",),
-            {
-                ("wq_b", "weight"): Linear(
-                    i + "wq_b", n * d, cfg.q_lora_rank, transpose_split(n, d), pad=True
-                ),
-                ("wk", "weight"): Linear(i + "wk", d, D),
-                ("k_norm", "weight"): Tensor(i + "k_norm.weight", (d,)),
-                ("k_norm", "bias"): Tensor(i + "k_norm.bias", (d,), init="bias"),
-                ("weights_proj", "weight"): Linear(i + "weights_proj", n, D, pad=True),
-            },
-        )
+        attn |= nest(("indexer",), indexer_tensors(cfg, a + "indexer."))
     tree = {
         ("input_norm", "weight"): Tensor(p + "input_layernorm.weight", (D,)),
         ("post_attn_norm", "weight"): Tensor(p + "post_attention_layernorm.weight", (D,)),

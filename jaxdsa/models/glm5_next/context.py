@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jaxdsa.cache import StepMeta
 from jaxdsa.layers.context import StepContext
-from jaxdsa.layers.segments import Segments, segments
+from jaxdsa.layers.segments import Segments, segments, sequence_starts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +33,5 @@ class Glm5NextContext(StepContext, Segments):
     def build(cls, positions: jax.Array, meta: StepMeta, *, sparse: bool, absorbed: bool) -> Glm5NextContext:
         none = jnp.zeros((positions.shape[0], 0), jnp.float32)
         start, first, end = segments(positions, meta)
-        B = meta.page_table.shape[0]
-        ids = jnp.where(meta.seq_ids >= 0, meta.seq_ids, B)
-        fresh = jax.ops.segment_min(positions, ids, num_segments=B) == 0
+        fresh = sequence_starts(positions, meta) == 0
         return cls(positions, none, none, meta, sparse, absorbed, start, first, end, fresh)

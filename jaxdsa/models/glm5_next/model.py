@@ -25,10 +25,10 @@ from jaxdsa.cache import Cache, LayerPages, StepMeta
 from jaxdsa.layers.indexer import KeyPages
 from jaxdsa.layers.linear import Embed, Linear
 from jaxdsa.layers.mla import LatentPages, MLAttention
-from jaxdsa.layers.mlp import MLP, Experts, MoE, Router, mlp_partials
+from jaxdsa.layers.mlp import mlp_partials
 from jaxdsa.layers.norms import RMSNorm
 from jaxdsa.models.deepseek_v4.hyper import HyperSite, expand, site_out
-from jaxdsa.models.dsa.model import padded
+from jaxdsa.models.dsa.model import moe_or_mlp, padded
 from jaxdsa.models.glm5_next.config import Glm5NextConfig
 from jaxdsa.models.glm5_next.context import Glm5NextContext
 from jaxdsa.models.glm5_next.indexer import PooledIndexer
@@ -43,7 +43,7 @@ class Block(nnx.Module):
     def __init__(
         self, cfg: Glm5NextConfig, layer: int, *, heads: int, index_heads: int, dtype, rngs: nnx.Rngs
     ):
-        D, eps, limit = cfg.hidden_size, cfg.rms_norm_eps, cfg.swiglu_limit
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.hc_attn = HyperSite(cfg)
         self.input_norm = RMSNorm(D, eps, dtype=dtype)
         if cfg.is_kda_layer(layer):
@@ -68,23 +68,7 @@ class Block(nnx.Module):
             )
         self.hc_ffn = HyperSite(cfg)
         self.post_attn_norm = RMSNorm(D, eps, dtype=dtype)
-        if cfg.is_moe_layer(layer):
-            E, N = cfg.n_routed_experts, cfg.moe_intermediate_size
-            router = Router(
-                D,
-                E,
-                top_k=cfg.num_experts_per_tok,
-                n_group=cfg.n_group,
-                topk_group=cfg.topk_group,
-                norm_topk_prob=cfg.norm_topk_prob,
-                scaling=cfg.routed_scaling_factor,
-                rngs=rngs,
-            )
-            experts = Experts(E, D, N, dtype=dtype, rngs=rngs, swiglu_limit=limit)
-            shared = MLP(D, N * cfg.n_shared_experts, dtype=dtype, rngs=rngs, swiglu_limit=limit)
-            self.mlp = MoE(router, experts, shared)
-        else:
-            self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs, swiglu_limit=limit)
+        self.mlp = moe_or_mlp(cfg, layer, dtype=dtype, rngs=rngs, swiglu_limit=cfg.swiglu_limit)
 
     def __call__(self, x: jax.Array, ctx: Glm5NextContext, cache: Cache, rows: tuple, topk):
         """Streams [T, n, D] -> (streams, cache, the index lists a shared layer after this one reads).

@@ -17,13 +17,12 @@ from jaxdsa.checkpoints.spec import (
     Spec,
     Tensor,
     as_stored,
-    head_part,
     transpose,
     transpose_merge,
     transpose_split,
 )
 from jaxdsa.models.deepseek_v4.params import hc_tensors
-from jaxdsa.models.dsa.params import mlp_tensors, nest
+from jaxdsa.models.dsa.params import indexer_tensors, mla_tensors, mlp_tensors, nest
 from jaxdsa.models.glm5_next.config import Glm5NextConfig
 from jaxdsa.models.glm5_next.model import Glm5NextModel
 from jaxdsa.models.layer_groups import group_specs
@@ -67,38 +66,18 @@ def _kda(cfg: Glm5NextConfig, a: str) -> dict[Path, Leaf]:
 
 
 def _dsa(cfg: Glm5NextConfig, a: str, indexer: bool) -> dict[Path, Leaf]:
-    D, H, r = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
-    nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
-    tree: dict[Path, Leaf] = {
-        ("q_a", "weight"): Linear(a + "q_a_proj", cfg.q_lora_rank, D),
-        ("q_a_norm", "weight"): Tensor(a + "q_a_layernorm.weight", (cfg.q_lora_rank,)),
-        ("q_b", "weight"): Linear(
-            a + "q_b_proj", H * nope, cfg.q_lora_rank, transpose_split(H, nope), pad=True
-        ),
-        ("kv_a", "weight"): Linear(a + "kv_a_proj_with_mqa", r, D),
-        ("kv_a_norm", "weight"): Tensor(a + "kv_a_layernorm.weight", (r,)),
-        ("w_uk", "weight"): head_part(a + "kv_b_proj", H, nope + v, 0, nope, r),
-        ("w_uv", "weight"): head_part(a + "kv_b_proj", H, nope + v, nope, nope + v, r),
-        ("o", "weight"): Linear(a + "o_proj", D, H * v, transpose_merge(H, v), pad=True),
-    }
+    """NoPE MLA (DSA's tensors, RoPE part 0) and, on a full-indexer layer, the pooled indexer: DSA's
+    indexer tensors plus the pool's gate and position embedding."""
+    tree = mla_tensors(cfg, a)
     if indexer:
-        n, d, i = cfg.index_n_heads, cfg.index_head_dim, a + "indexer."
-        tree |= nest(
-            ("indexer",),
-            {
-                ("wq_b", "weight"): Linear(
-                    i + "wq_b", n * d, cfg.q_lora_rank, transpose_split(n, d), pad=True
-                ),
-                ("wk", "weight"): Linear(i + "wk", d, D),
-                ("k_norm", "weight"): Tensor(i + "k_norm.weight", (d,)),
-                ("k_norm", "bias"): Tensor(i + "k_norm.bias", (d,), init="bias"),
-                ("weights_proj", "weight"): Linear(i + "weights_proj", n, D, pad=True),
-                ("gate", "weight"): Tensor(
-                    i + "index_kpool_compress_gate", (d, D), init="bias", view=transpose
-                ),
-                ("ape",): Tensor(i + "index_kpool_compress_ape", (cfg.index_kpool, d), init="bias"),
-            },
-        )
+        i, d = a + "indexer.", cfg.index_head_dim
+        pool = {
+            ("gate", "weight"): Tensor(
+                i + "index_kpool_compress_gate", (d, cfg.hidden_size), init="bias", view=transpose
+            ),
+            ("ape",): Tensor(i + "index_kpool_compress_ape", (cfg.index_kpool, d), init="bias"),
+        }
+        tree |= nest(("indexer",), indexer_tensors(cfg, i) | pool)
     return tree
 
 

@@ -20,13 +20,10 @@ from jaxdsa.engine.speculative import SpeculativeConfig
 from jaxdsa.engine.step import ModelState
 from jaxdsa.models.registry import family_for
 from tests.conftest import FIXTURES
+from tests.models.conftest import rel_l2
 
 PAGE, STEP_TOKENS, TOLERANCE = 8, 8, 1e-4
 SPEC_2 = {"method": "mtp", "num_speculative_tokens": 2}
-
-
-def rel_l2(got, want):
-    return np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
 
 
 def _pad(values: list[int], fill: int) -> np.ndarray:

@@ -8,32 +8,17 @@ reference ops, and the first and the last on the Pallas kernels in interpret mod
 only the architecture in its graph, so the two dense ones share their compiled steps.
 """
 
-import numpy as np
 import pytest
 
-import jaxdsa
-from jaxdsa import ops
-from tests.conftest import FIXTURES
+from tests.models.conftest import check_prompt_logits, golden_case, rel_l2
 
 FIXTURE_NAMES = ["dsv4", "dsv4_sharded", "dsv4_fp8"]
 TOLERANCE = 1e-4
 
 
-def rel_l2(got, want):
-    return np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
-
-
-def _case(name: str, backend: str):
-    previous = ops.get_kernels()
-    ops.set_kernels(backend)
-    llm = jaxdsa.LLM(FIXTURES / name, dtype="float32", page_size=8, max_num_seqs=2, progress=False)
-    yield llm, dict(np.load(FIXTURES / name / "golden.npz"))
-    ops.set_kernels(previous)
-
-
 @pytest.fixture(scope="module", params=FIXTURE_NAMES)
 def case(request):
-    yield from _case(request.param, "reference")
+    yield from golden_case(request.param)
 
 
 @pytest.fixture(scope="module", params=FIXTURE_NAMES + ["dsv4-interpret", "dsv4_fp8-interpret"])
@@ -42,16 +27,12 @@ def scored(request):
     interpret mode on ``dsv4`` and ``dsv4_fp8`` (``quant_matmul`` and the FP4 MoE kernel; one
     forward: the engine's step shapes are what make the interpreter slow, and the kernels' own
     tests cover the decode shapes)."""
-    name, _, backend = request.param.partition("-")
-    yield from _case(name, backend or "reference")
+    yield from golden_case(request.param)
 
 
 def test_prompt_logits_at_every_position(scored):
     """Shorter than the window (one CSA entry, no HCA entry), longer, many compression windows."""
-    llm, golden = scored
-    for prompt in ("short", "mid", "long"):
-        ids = golden[f"prompt_{prompt}"].tolist()
-        assert rel_l2(llm.score(ids), golden[f"logits_{prompt}"]).max() <= TOLERANCE, prompt
+    check_prompt_logits(*scored, TOLERANCE)
 
 
 def test_greedy_continuation_through_the_cache(case):

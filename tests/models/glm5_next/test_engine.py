@@ -13,14 +13,11 @@ import pytest
 
 import jaxdsa
 from jaxdsa.checkpoints.tiny.make import make_tiny
+from tests.models.conftest import rel_l2
 
 TOLERANCE = 1e-4
 PROMPT_LENGTHS = (150, 9, 67)
 NEW = 8
-
-
-def rel_l2(got, want):
-    return np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
 
 
 @pytest.fixture(scope="module")

@@ -9,45 +9,27 @@ prompts cover the dense range (8 tokens), the sparse one within one KDA chunk (~
 across two KDA chunk boundaries (~157); tests/fixtures/README_glm53.md says what each holds.
 """
 
-import numpy as np
 import pytest
 
 import jaxdsa
-from jaxdsa import ops
-from tests.conftest import FIXTURES
+from tests.models.conftest import check_prompt_logits, golden_case, rel_l2
 
 FIXTURE_NAMES = ["glm53", "glm53_sharded"]
 TOLERANCE = 1e-4
 
 
-def rel_l2(got, want):
-    return np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
-
-
-def _case(name: str, backend: str):
-    previous = ops.get_kernels()
-    ops.set_kernels(backend)
-    llm = jaxdsa.LLM(FIXTURES / name, dtype="float32", page_size=8, max_num_seqs=2, progress=False)
-    yield llm, dict(np.load(FIXTURES / name / "golden.npz"))
-    ops.set_kernels(previous)
-
-
 @pytest.fixture(scope="module", params=FIXTURE_NAMES)
 def case(request):
-    yield from _case(request.param, "reference")
+    yield from golden_case(request.param)
 
 
 @pytest.fixture(scope="module", params=FIXTURE_NAMES + ["glm53-interpret"])
 def scored(request):
-    name, _, backend = request.param.partition("-")
-    yield from _case(name, backend or "reference")
+    yield from golden_case(request.param)
 
 
 def test_prompt_logits_at_every_position(scored):
-    llm, golden = scored
-    for prompt in ("short", "mid", "long"):
-        ids = golden[f"prompt_{prompt}"].tolist()
-        assert rel_l2(llm.score(ids), golden[f"logits_{prompt}"]).max() <= TOLERANCE, prompt
+    check_prompt_logits(*scored, TOLERANCE)
 
 
 @pytest.mark.parametrize("budget", [512, 20])
