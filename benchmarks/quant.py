@@ -18,7 +18,8 @@ Run ``python -m benchmarks.quant`` on a GPU. Per format and T it times, in one p
   ``pallas`` takes it only where ``JAXDSA_QMM_GEMV_MAX_M`` turns it on), next to ``pallas``;
 * variants (``QUANT_VARIANTS=0`` skips them): INT4 with each other INT4 arithmetic
   (``pallas:int4-f32`` / ``-bf16`` / ``-ptx``, :func:`pallas_kernels.quant.decode.int4_decode`),
-  FP4 with the other decode (``pallas:fp4-f32`` on a GPU, where 'ptx' is the default;
+  FP4 and NVFP4 with the other e2m1 decode (``pallas:fp4-f32`` / ``nvfp4-f32`` on a GPU, where 'ptx'
+  is the default;
   ``QUANT_INT4_VARIANTS=0`` skips these), and at
   T <= 32 4-bit MoE tile variants (4 warps; 64-column tiles; or ``QUANT_MOE_TILES``, see
   :func:`_tile_variants`; ``QUANT_VARIANT_TOKENS=1,8`` picks the T) and quantized linears' variants
@@ -536,8 +537,8 @@ def _impls(fmt: str, kind: str, t: int) -> list[Impl]:
                 m for m in decode.INT4_MODES if m != "ptx" or compute_capability() >= 80
             ]  # no CPU PTX
             impls += [Impl(f"pallas:int4-{m}", int4=m, variant=True) for m in runnable if m != default]
-        if fmt in ("fp4", FP4_WORDS) and default == "ptx":  # FP4's other decode: float32 ('f32' = 'bf16')
-            impls.append(Impl("pallas:fp4-f32", int4="f32", variant=True))
+        if fmt in ("fp4", FP4_WORDS, "nvfp4") and default == "ptx":  # e2m1's other decode: integer ops
+            impls.append(Impl(f"pallas:{'nvfp4' if fmt == 'nvfp4' else 'fp4'}-f32", int4="f32", variant=True))
     if kind == "linear" and t >= DEQUANTIZE_VARIANT_TOKENS:
         impls += [
             Impl(f"pallas:dequantize-{'first' if on else 'never'}", dequantize_first=on, variant=True)

@@ -66,7 +66,8 @@ def int4_decode(mode: str | None = None, *, interpret: bool = False, cc: int | N
     'ptx' on a GPU from sm_80 on and 'bf16' in the interpreter (which cannot run inline assembly:
     asking for 'ptx' there is an error). FP4 weights follow it too: 'ptx' decodes them on packed
     registers, 'f32' and 'bf16' in float32 (the interpreter's XLA flushes bf16 subnormals, which the
-    packed path's code 1 passes through, so there is no interpretable bf16 twin)."""
+    packed path's code 1 passes through, so there is no interpretable bf16 twin); NVFP4 takes its
+    exact e2m1 values from the packed path under 'ptx' (:func:`e2m1_ptx`)."""
     mode = mode or os.environ.get(INT4_ENV, "").strip().lower() or None
     if mode is None:
         cc = compute_capability() if cc is None else cc
@@ -155,7 +156,7 @@ def int4_word_ptx(words: jax.Array, scale: jax.Array, zero: jax.Array, nibble: i
     return _bf16_asm(_int4_word_ptx_asm(nibble), "=r,r,r,r,r", 2, scale, zero, words)
 
 
-def _fp4_ptx_asm(high: bool) -> str:
+def _fp4_ptx_asm(high: bool, scaled: bool = True) -> str:
     """PTX for one instance: 4 code bytes ($4) -> the bf16 weights of their low (or ``high``) e2m1
     nibbles, two per output register ($0, $1; element 2j in the low half), times the bf16 scales
     ($2, $3). ``prmt`` spreads the bytes over the halves as in :func:`_int4_ptx_asm`; ``and`` keeps
@@ -163,18 +164,23 @@ def _fp4_ptx_asm(high: bool) -> str:
     shifts, one ``lop3`` (a & c) | (b & ~c) with c set over bits 6..8 and 12..14, where the other
     input is zero), which reads as the e2m1 value times 2^-126 (code 1, 0.5, a bf16 subnormal,
     included); one ``fma`` by 2^126 (0x7E80) gives the value exactly, the second multiplies by the
-    scale (a power of two: exact unless it overflows, as in float32)."""
+    scale (a power of two: exact unless it overflows, as in float32). Not ``scaled``: the exact values
+    ($0, $1 from the bytes $2), no second ``fma``."""
+    codes = "$4" if scaled else "$2"
     shift = "shr.u32 t0, t0, 4;\nshr.u32 t1, t1, 4;\n" if high else ""
+    values = ("v0", "v1") if scaled else ("$0", "$1")
     return (
         "{\n.reg .b32 t<2>, m0, s0, v<2>, two126, negzero;\n"
         "mov.b32 two126, 0x7E807E80;\nmov.b32 negzero, 0x80008000;\n"
-        "prmt.b32 t0, $4, 0, 0x4140;\nprmt.b32 t1, $4, 0, 0x4342;\n"
+        f"prmt.b32 t0, {codes}, 0, 0x4140;\nprmt.b32 t1, {codes}, 0, 0x4342;\n"
         + shift
         + "and.b32 t0, t0, 0x000F000F;\nand.b32 t1, t1, 0x000F000F;\n"
         + _e2m1_bits_ptx("t0", "v0")
         + _e2m1_bits_ptx("t1", "v1")
-        + "fma.rn.bf16x2 v0, v0, two126, negzero;\nfma.rn.bf16x2 v1, v1, two126, negzero;\n"
-        "fma.rn.bf16x2 $0, v0, $2, negzero;\nfma.rn.bf16x2 $1, v1, $3, negzero;\n}"
+        + f"fma.rn.bf16x2 {values[0]}, v0, two126, negzero;\n"
+        + f"fma.rn.bf16x2 {values[1]}, v1, two126, negzero;\n"
+        + ("fma.rn.bf16x2 $0, v0, $2, negzero;\nfma.rn.bf16x2 $1, v1, $3, negzero;\n" if scaled else "")
+        + "}"
     )
 
 
@@ -196,6 +202,20 @@ def fp4_ptx(codes: jax.Array, scale: jax.Array, *, high: bool) -> jax.Array:
         _fp4_ptx_asm(high),
         args=[scale, codes],
         constraints="=r,=r,r,r,r",
+        pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)],
+    )
+    return out
+
+
+def e2m1_ptx(codes: jax.Array, *, high: bool) -> jax.Array:
+    """Packed e2m1 bytes ``[r, c]`` uint8 -> the exact values of their low (or ``high``) nibbles as bf16
+    ``[r, c]`` (every e2m1 value is a bf16): :func:`fp4_ptx` without the scale, for NVFP4, whose
+    float32 scales are applied after (their products round in float32 first). GPU only."""
+    [out] = pltriton.elementwise_inline_asm(
+        _fp4_ptx_asm(high, scaled=False),
+        args=[codes],
+        constraints="=r,=r,r",
         pack=4,
         result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)],
     )

@@ -156,7 +156,8 @@ def _ptx(spec: WeightSpec, dtype) -> bool:
     """Whether 4-bit codes are decoded by inline PTX ('ptx' asked, bf16 activations): INT4 with bf16
     scales (:func:`decode.int4_ptx` / ``int4_word_ptx``), and FP4, whose power-of-two scales make
     the bf16 product exact (:func:`decode.fp4_ptx` / ``fp4_word_ptx``). NVFP4's e4m3 x float32
-    scales are not powers of two: its product is rounded in float32 first, so it keeps that path."""
+    scales are not powers of two and its product is rounded in float32 first: it takes only the
+    exact e2m1 values from PTX (:func:`_nvfp4_pieces`)."""
     if spec.int4_decode != "ptx" or dtype != jnp.bfloat16:
         return False
     return spec.format == "fp4" or (spec.format == "int4" and spec.scale_dtype == jnp.bfloat16)
@@ -221,8 +222,6 @@ def _int4_bf16(spec: WeightSpec, refs: Sequence, lead: tuple, codes, r0, n0) -> 
 def _dequantize(spec: WeightSpec, refs: Sequence, lead: tuple, codes, r0, n0, dtype) -> jax.Array:
     """Codes ``[rows, cols]`` (int32) of weight rows ``r0 ...`` -> weights in ``dtype``."""
     rows, cols = codes.shape
-    if spec.format == "nvfp4":
-        return (decode.e2m1_to_f32(codes) * _nvfp4_scales(spec, refs, lead, r0, rows, n0, cols)).astype(dtype)
     s = _group_load(refs[1], lead, spec.group, r0, rows, n0, cols)  # decoded per group, then expanded
     s = _expand(decode.e8m0_to_f32(s) if spec.scale_e8m0 else s.astype(jnp.float32), rows, cols)
     if spec.format == "fp8":
@@ -305,11 +304,19 @@ def pieces(
 def _nvfp4_pieces(spec: WeightSpec, refs: Sequence, lead: tuple, row, chunk, k0, n0, block_n: int, dtype):
     """An NVFP4 byte chunk as 16-row pieces, one per scale row: each piece's scales broadcast over it
     as they are (a 32-row piece would repeat its two scale rows by a reshape, which Triton lowers as a
-    layout conversion through shared memory: 3.7x the INT4 experts' time at T = 1 on the H200)."""
+    layout conversion through shared memory: 3.7x the INT4 experts' time at T = 1 on the H200). The
+    e2m1 values come exact from inline PTX where 'ptx' is asked (:func:`decode.e2m1_ptx`, any
+    activation dtype: the float32 product and its rounding follow as the format defines them), else
+    from integer ops."""
     half, out = spec.kpack // 2, []
     for q in range(0, half, NVFP4_GROUP):
-        byte = refs[0][(*lead, pl.ds(row + q, NVFP4_GROUP), pl.ds(n0, block_n))].astype(jnp.int32)
-        for h, codes in enumerate((byte & 0xF, byte >> 4)):
+        byte = refs[0][(*lead, pl.ds(row + q, NVFP4_GROUP), pl.ds(n0, block_n))]
+        for h in range(2):
             offset = chunk + h * half + q
-            out.append((offset, NVFP4_GROUP, _dequantize(spec, refs, lead, codes, k0 + offset, n0, dtype)))
+            if spec.int4_decode == "ptx":
+                values = decode.e2m1_ptx(byte, high=bool(h)).astype(jnp.float32)
+            else:
+                values = decode.e2m1_to_f32(byte.astype(jnp.int32) >> (4 * h) & 0xF)
+            scales = _nvfp4_scales(spec, refs, lead, k0 + offset, NVFP4_GROUP, n0, block_n)
+            out.append((offset, NVFP4_GROUP, (values * scales).astype(dtype)))
     return out

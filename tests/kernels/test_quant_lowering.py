@@ -206,14 +206,15 @@ def test_int4_bf16_decode_lowers(target, zeros, mode):
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
-@pytest.mark.parametrize("kpack", [64, layout.WORD_KPACK])
+@pytest.mark.parametrize("fmt,kpack", [("fp4", 64), ("fp4", layout.WORD_KPACK), ("nvfp4", None)])
 @pytest.mark.parametrize("mode", ["f32", "ptx"])
-def test_fp4_experts_decode_lowers(target, kpack, mode):
-    """FP4 routed experts at GLM-5 shapes with bf16 activations, in bytes and in int32 words: the
-    packed-register decode ('ptx', carried into the Triton IR) where asked, the float32 one else."""
+def test_e2m1_experts_decode_lowers(target, fmt, kpack, mode):
+    """FP4 routed experts at GLM-5 shapes with bf16 activations, in bytes and in int32 words, and
+    NVFP4 ones: the packed-register e2m1 decode ('ptx', carried into the Triton IR) where asked, the
+    integer one else."""
     experts = {
-        "gate_up": _abstract("fp4", (E,), D, 2 * N, kpack=kpack),
-        "down": _abstract("fp4", (E,), N, D, kpack=kpack),
+        "gate_up": _abstract(fmt, (E,), D, 2 * N, kpack=kpack),
+        "down": _abstract(fmt, (E,), N, D, kpack=kpack),
     }
     text = lower_for_cuda(
         moe_kernel.moe_experts,
