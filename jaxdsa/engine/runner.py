@@ -28,6 +28,7 @@ from jaxdsa import sharding
 from jaxdsa.cache import Cache, StepMeta, init_cache
 from jaxdsa.engine.batch import BatchPacker, StepBatch
 from jaxdsa.engine.buckets import bucket
+from jaxdsa.engine.executables import ExecutableStore, compile_step
 from jaxdsa.engine.penalties import PenaltyRows
 from jaxdsa.engine.sampling import Scored
 from jaxdsa.engine.scheduler import Segment
@@ -121,6 +122,7 @@ class ModelRunner:
         self.draft_layers = tuple(i % max(len(getattr(model, "mtp", ())), 1) for i in range(num_spec))
         self.reset_step_state()
         self._steps: dict[tuple, Any] = {}
+        self._executables: dict[tuple, jax.stages.Compiled] = {}  # warmed steps, called as they are
 
     def _place(self, tree):
         """A step's host inputs as the step takes them: numpy straight into jit on one device (its
@@ -165,10 +167,16 @@ class ModelRunner:
     def _step(self, batch: StepBatch, with_logits: bool) -> tuple[Any, tuple]:
         """The compiled step for ``batch`` and its arguments: the parameters, the carried state and
         the batch's buffers packed into one array (one transfer per device)."""
-        packed, layout = pack_inputs(batch.inputs, self.groups)
+        variant, packed = self._variant(batch, with_logits)
         carried = (self.cache, self.mtp_cache, self.penalty.state, self.slot_tokens)
-        fn = self._compiled(batch.mode, with_logits, layout)
+        fn = self._executables.get(variant) or self._compiled(*variant)
         return fn, (self.state.leaves, *carried, self._place(packed))
+
+    def _variant(self, batch: StepBatch, with_logits: bool) -> tuple[tuple, Any]:
+        """``((mode, with_logits, input layout), packed inputs)``: which step ``batch`` runs, and its
+        buffers packed into one array."""
+        packed, layout = pack_inputs(batch.inputs, self.groups)
+        return (batch.mode, with_logits, layout), packed
 
     def _dispatch(self, batch: StepBatch, with_logits: bool):
         """Run ``batch`` on the device (asynchronously); the carried state moves on to its outputs."""
@@ -229,34 +237,64 @@ class ModelRunner:
         """Every ``(bucket, mode)`` step shape the scheduler can produce: what :meth:`warmup` compiles."""
         return [(b, mode) for mode in self.modes for b in self.buckets]
 
+    def static_description(self) -> str:
+        """What the step functions are built from besides their arguments (the model config, the
+        module graph, the mesh, the cache axes, the step options): part of a stored step's key
+        (:mod:`jaxdsa.engine.executables`)."""
+        return repr(
+            (
+                type(self.family).__name__,
+                self.cfg,
+                self.state.graphdef,
+                self.mesh,
+                sorted(self.cache_axes.items()),
+                sorted(self.mtp_cache_axes.items()),
+                self.max_logprobs,
+                self.draft_layers,
+                self.kv_format,
+            )
+        )
+
     def warmup(self, report: Callable[[str], None] | None = None) -> dict[tuple, float]:
         """Compile every bucket in every step mode the family can meet, then run each once; returns
-        each ``(bucket, mode)``'s compile seconds (side by side, so they overlap). ``report`` is
-        called with a variant's name as each compile ends.
+        each ``(bucket, mode)``'s compile seconds (side by side, so they overlap; 0 for a step loaded
+        from the executable store). ``report`` is called with a variant's name as each one is ready.
 
-        The variants are traced one by one (Python holds the GIL) and each goes to a compile thread
-        as soon as it is lowered: XLA compiles without the GIL, so compiles overlap each other and
-        the tracing of the next variants, and a cold start takes about the tracing plus its slowest
-        compiles instead of their sum. A jitted function reuses what ``lower(...).compile()`` built
-        for the same arguments, so the runs that follow (all padding: slot -1 writes are dropped,
-        nothing reaches the cache) compile nothing."""
+        A step stored by an earlier start with the same key (:mod:`jaxdsa.engine.executables`) is
+        loaded, not traced. The others are traced one by one (Python holds the GIL) and each goes to
+        a compile thread as soon as it is lowered: XLA compiles without the GIL, so compiles overlap
+        each other and the tracing of the next variants, and a cold start takes about the tracing
+        plus its slowest compiles instead of their sum; each is then stored. The warmed steps are
+        called as compiled from then on, so the runs that follow (all padding: slot -1 writes are
+        dropped, nothing reaches the cache) compile nothing."""
         variants = self.variants
+        store = ExecutableStore.for_runner(self.static_description())
 
-        def compile_one(step) -> float:
+        def compile_one(lowered) -> tuple[jax.stages.Compiled, bool, float]:
             start = time.perf_counter()
-            step.compile()
-            return time.perf_counter() - start
+            return *compile_step(lowered), time.perf_counter() - start
 
         seconds = {}
         with concurrent.futures.ThreadPoolExecutor(min(len(variants), os.cpu_count() or 1)) as pool:
             jobs = {}
             for b, mode in variants:
-                fn, args = self._step(self.packer.padding(b, mode), False)
+                batch = self.packer.padding(b, mode)
+                fn, args = self._step(batch, False)
+                step = self._variant(batch, False)[0]
                 with self._precision():
-                    jobs[pool.submit(compile_one, fn.lower(*args))] = (b, mode)
+                    key = store.key(step, args) if store else None
+                    loaded = store.load(key) if store else None
+                    if loaded is None:
+                        jobs[pool.submit(compile_one, fn.lower(*args))] = (b, mode, step, key)
+                        continue
+                self._executables[step], seconds[b, mode] = loaded, 0.0
+                if report:
+                    report(f"{b} tokens, {mode} (stored)")
             for job in concurrent.futures.as_completed(jobs):
-                b, mode = jobs[job]
-                seconds[b, mode] = job.result()
+                b, mode, step, key = jobs[job]
+                self._executables[step], compiled_here, seconds[b, mode] = job.result()
+                if store and compiled_here:
+                    store.save(key, self._executables[step])
                 if report:
                     report(f"{b} tokens, {mode}")
         for b, mode in variants:
