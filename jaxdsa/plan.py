@@ -68,7 +68,7 @@ class Leaf:
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     width: int
-    widened: float = 0.0  # FP8 block scales: output columns per stored scale in the host's float32 copy
+    widened: float = 0.0  # FP8 block / NVFP4 scales: float32s per stored scale in the host's copy
 
     @property
     def experts(self) -> int:
@@ -88,9 +88,9 @@ def parameter_leaves(family: ModelFamily, cfg, par: Parallelism, weights: str) -
     leaves = []
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         value = variable.get_value()
-        block_scales = value.scales if isinstance(value, QuantizedWeight) and value.group[1] > 1 else None
+        copied = isinstance(value, QuantizedWeight) and (value.group[1] > 1 or value.format == "nvfp4")
         for array in jax.tree.leaves(value):
-            widened = value.codes.shape[-1] / array.shape[-1] if array is block_scales else 0.0
+            widened = value.codes.shape[-1] / array.shape[-1] if copied and array is value.scales else 0.0
             leaves.append(Leaf(path, tuple(array.shape), axes[path], np.dtype(array.dtype).itemsize, widened))
     return leaves
 
@@ -122,8 +122,9 @@ def gpu_share(leaf: Leaf, num_gpu_experts: int | None) -> float:
 
 
 def host_expert_bytes(leaves: list[Leaf], num_gpu_experts: int | None) -> float:
-    """Bytes of routed experts in host RAM (held once for the whole mesh), with the float32 copy
-    of FP8 block scales widened to one per column."""
+    """Bytes of routed experts in host RAM (held once for the whole mesh), with the CPU kernel's
+    float32 scales beside them: FP8 block scales widened to one per column, NVFP4's effective
+    scales (one per e4m3 scale, :func:`jaxdsa.offload.cpu_moe.nvfp4_scales`)."""
     total = 0.0
     for leaf in leaves:
         share = 1.0 - gpu_share(leaf, num_gpu_experts)

@@ -30,9 +30,12 @@ weight times its power-of-two (ue8m0) scale is a bf16 already and is not rounded
 :func:`pallas_kernels.moe.ref.moe_experts` is the reference the tests hold it to.
 
 Layouts are the kernels' (:mod:`pallas_kernels.quant.layout`), read in place from the host stacks.
-NVFP4 experts are refused by name (:data:`NVFP4_REFUSED`): a task decodes a 4-bit piece of a chunk
-(32 rows) under one scale row, and NVFP4 has one per 16 rows; serving them would need a second scale
-row per piece in every 4-bit loop, or a host copy of the codes repacked in 32-row chunks.
+NVFP4 experts are FP4 codes under float32 scales: :class:`HostWeight` forms each 16-row block's
+effective scale ``fl32(fp32(s) * g)`` (e4m3 block scale times global scale, the format's rounding)
+once at load, 4 bytes per 16 weights beside the codes' 8 (the e4m3 scales' byte stays with the
+stored experts for the reference); a task then decodes its 4-bit pieces in spans of one scale row
+(16 of a byte chunk's 32 rows). The product ``e2m1 * scale`` rounded to float32 is the format's
+weight; bf16 activations round it once more, to bf16, as the GPU kernels do.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from llvmlite import binding, ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from pallas_kernels.quant.layout import WORD_KPACK, QuantizedWeight
+from pallas_kernels.quant.layout import NVFP4_GROUP, WORD_KPACK, QuantizedWeight
 
 BLOCK = 256  # output columns per task by default (a 1 KiB strip of an INT4 word row)
 # what the codes hold, and how the scales are stored (kernel arguments)
@@ -57,11 +60,6 @@ SPLIT_BF16 = np.float32(65537.0)  # Veltkamp's constant for rounding to bf16; 0 
 _NONE = np.zeros((1, 1, 1), np.uint8)
 _BF16, _E8M0 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e8m0fnu)
 _FP8_ROWS = 4  # FP8 rows decoded together
-NVFP4_REFUSED = (
-    "host experts: NVFP4 experts are not supported by the CPU expert kernel (its 4-bit pieces of 32 rows "
-    "take one scale row; NVFP4 has one per 16); keep every routed expert on the GPUs (no "
-    "--num-gpu-experts) or load with quantization='dequantize'"
-)
 _AHEAD_BYTES = 4096  # how far ahead of the row being decoded its task's code rows are prefetched
 
 
@@ -84,7 +82,8 @@ _wide_vectors()
 class HostWeight:
     """One layer's expert projection stack ``[E, K, N]`` as the kernel reads it: NumPy views of the
     codes, scales and zero points (bf16 and ue8m0 scales decoded in the kernel; FP8's block scales
-    widened to one per output column at load, 1/gk of the weights' count)."""
+    widened to one per output column at load, 1/gk of the weights' count; NVFP4's as FP4 codes under
+    their effective float32 scales, formed at load: :func:`nvfp4_scales`)."""
 
     fmt: int
     codes: np.ndarray
@@ -106,7 +105,8 @@ class HostWeight:
                 return cls(DENSE_BF16, codes.view(np.uint16), _NONE, SCALE_F32, _NONE, 1, 1, False)
             return cls(DENSE_F32, codes.astype(np.float32, copy=False), _NONE, SCALE_F32, _NONE, 1, 1, False)
         if w.format == "nvfp4":
-            raise ValueError(NVFP4_REFUSED)
+            scales = nvfp4_scales(pick(w.scales), pick(w.global_scales), w.global_group)
+            return cls(FP4, pick(w.codes), scales, SCALE_F32, _NONE, NVFP4_GROUP, w.kpack, False)
         codes, scales = pick(w.codes), pick(w.scales)
         zeros = _NONE if w.zeros is None else pick(w.zeros)
         kind = {_BF16: SCALE_BF16, _E8M0: SCALE_E8M0}.get(scales.dtype, SCALE_F32)
@@ -132,10 +132,21 @@ class HostWeight:
 
     def split(self, round_bf16: bool) -> np.float32:
         """The rounding constant for bf16 activations (``round_bf16``) or this format's own
-        rounding: :data:`SPLIT_BF16`, or 0 where the decoded weights are exact already."""
+        rounding: :data:`SPLIT_BF16`, or 0 where the decoded weights are exact already (FP4 under
+        ue8m0 scales: bf16 values; NVFP4's float32 scales make rounded products, rounded to bf16)."""
         if self.fmt == FP4 and self.scale_kind == SCALE_E8M0:
             return np.float32(0)
         return SPLIT_BF16 if round_bf16 or self.int4_bf16 else np.float32(0)
+
+
+def nvfp4_scales(scales: np.ndarray, global_scales: np.ndarray, global_group: tuple[int, int]) -> np.ndarray:
+    """NVFP4's effective scales ``fl32(fp32(s) * g)``, float32 ``[..., K/16, N]``: each e4m3 block
+    scale (``scales``) times the global scale over it (``global_scales`` per ``global_group``),
+    rounded once in float32 as the format defines (:func:`pallas_kernels.quant.layout.dequantize`)."""
+    s = scales.astype(np.float32)  # e4m3 -> float32 exactly, subnormals included
+    (gk, gn), rows = global_group, NVFP4_GROUP * np.arange(s.shape[-2])
+    g = np.take(np.take(global_scales, rows // gk, axis=-2), np.arange(s.shape[-1]) // gn, axis=-1)
+    return s * g.astype(np.float32, copy=False)
 
 
 def expert_matmul(
@@ -280,39 +291,42 @@ def _e2m1_twice(q):
 @numba.njit(cache=True)
 def _nibbles(x, fmt, codes, scales, scale_kind, zeros, has_zeros, gk, kpack, split, n0, acc):
     """INT4 / FP4 codes ``[K', N]``: code row ``r`` of chunk ``c`` holds ``per`` rows of the chunk's
-    ``kpack``, ``piece`` apart (8 in an int32 word, 2 in a byte), each in its own nibble; each
-    piece lies inside one scale group. One token: each code row decoded and multiplied in one loop
-    over the columns; more: decoded once into ``rows``, then multiplied with every token; a chunk's
-    rows in one call of a function compiled on its own."""
+    ``kpack``, ``piece`` apart (8 in an int32 word, 2 in a byte), each in its own nibble. A chunk's
+    code rows are walked in spans of ``min(piece, gk)`` rows, so that each nibble's rows of a span
+    lie in one scale group (a whole piece, but for NVFP4's 16-row groups: half a byte piece). One
+    token: each code row decoded and multiplied in one loop over the columns; more: decoded once
+    into ``rows``, then multiplied with every token; a span's rows in one call of a function
+    compiled on its own."""
     per = 8 if kpack == WORD_KPACK else 2
     piece = kpack // per
+    span = min(piece, gk)
     width = acc.shape[1]
     words = fmt == INT4 and per == 8
     one = x.shape[0] == 1
     scale = np.empty((per, width), np.float32)
     offset = np.empty((per, width), np.float32)
     rows = np.empty((per, width), np.float32)
-    for chunk in range(codes.shape[0] // piece):
-        k0 = chunk * kpack
+    for start in range(0, codes.shape[0], span):
+        k0 = start // piece * kpack + start % piece  # the span's first row of nibble 0
         _chunk_scales(scales, scale_kind, zeros, has_zeros, fmt, words, k0, piece, gk, n0, scale, offset)
-        rows0 = chunk * piece
         if words and one:
-            _word_dot(x[0], k0, codes, rows0, piece, n0, scale, offset, split, acc[0])
+            _word_dot(x[0], k0, codes, start, span, n0, scale, offset, split, acc[0])
         elif words:
-            _word_multiply(x, k0, codes, rows0, piece, n0, scale, offset, split, rows, acc)
+            _word_multiply(x, k0, codes, start, span, piece, n0, scale, offset, split, rows, acc)
         elif fmt == FP4 and one:
-            _fp4_dot(x[0], k0, codes, rows0, piece, n0, scale, split, acc[0])
+            _fp4_dot(x[0], k0, codes, start, span, piece, n0, scale, split, acc[0])
         else:
-            _byte_multiply(x, fmt, k0, codes, rows0, piece, n0, scale, offset, split, rows, acc)
+            _byte_multiply(x, fmt, k0, codes, start, span, piece, n0, scale, offset, split, rows, acc)
 
 
 @numba.njit(cache=True)
 def _chunk_scales(scales, scale_kind, zeros, has_zeros, fmt, words, k0, piece, gk, n0, scale, offset):
-    """The scales of a chunk's ``per`` pieces as float32 rows, and for INT4 the offset
-    ``-zero * scale`` (an INT4 weight is ``q s - z s``; with bf16 scales both products and their
-    difference are exact in float32, so this is ``(q - z) s`` to the bit). INT4 words keep nibble j
-    in place (``q 2^4j``), so their scales come divided by ``2^4j``, exactly, and nibble 7 shifted
-    down; FP4 decodes to twice its value, so its scales come halved."""
+    """The scales of a span's ``per`` pieces (from row ``k0``, ``piece`` apart) as float32 rows,
+    and for INT4 the offset ``-zero * scale`` (an INT4 weight is ``q s - z s``; with bf16 scales
+    both products and their difference are exact in float32, so this is ``(q - z) s`` to the bit).
+    INT4 words keep nibble j in place (``q 2^4j``), so their scales come divided by ``2^4j``,
+    exactly, and nibble 7 shifted down; FP4 decodes to twice its value, so its scales come halved
+    (exactly while ``s/2`` is a normal float32: ``2e * s/2`` rounds as ``e * s``, NVFP4's too)."""
     width = scale.shape[1]
     for j in range(scale.shape[0]):
         g = (k0 + j * piece) // gk
@@ -361,11 +375,11 @@ def _word(w, j, scale, offset, c, split):
 
 
 @numba.njit(cache=True)
-def _word_dot(x, k0, codes, rows0, piece, n0, scale, offset, split, acc):
-    """acc += a chunk's INT4 word rows times x: each word's eight weights (rows ``k + 32 j``)
-    unrolled, so that the column loop is innermost and keeps its sums in registers (two chains,
-    for latency)."""
-    for r in range(piece):
+def _word_dot(x, k0, codes, rows0, count, n0, scale, offset, split, acc):
+    """acc += ``count`` INT4 word rows from ``rows0`` times x: each word's eight weights (rows
+    ``k + 32 j``) unrolled, so that the column loop is innermost and keeps its sums in registers
+    (two chains, for latency)."""
+    for r in range(count):
         _prefetch_ahead(codes, rows0 + r, n0, acc.shape[0])
         k = k0 + r
         x0, x1, x2, x3 = x[k], x[k + 32], x[k + 64], x[k + 96]
@@ -385,10 +399,11 @@ def _word_dot(x, k0, codes, rows0, piece, n0, scale, offset, split, acc):
 
 
 @numba.njit(cache=True)
-def _word_multiply(x, k0, codes, rows0, piece, n0, scale, offset, split, rows, acc):
-    """acc += a chunk's INT4 word rows times every token's x, each word row decoded once, a nibble
-    at a time (a loop that stores to one row vectorizes; one that stores to eight did not)."""
-    for r in range(piece):
+def _word_multiply(x, k0, codes, rows0, count, piece, n0, scale, offset, split, rows, acc):
+    """acc += ``count`` INT4 word rows from ``rows0`` times every token's x, each word row decoded
+    once, a nibble at a time (a loop that stores to one row vectorizes; one that stores to eight did
+    not)."""
+    for r in range(count):
         _prefetch_ahead(codes, rows0 + r, n0, rows.shape[1])
         code_row = codes[rows0 + r, n0 : n0 + rows.shape[1]]
         for j in range(8):
@@ -399,11 +414,12 @@ def _word_multiply(x, k0, codes, rows0, piece, n0, scale, offset, split, rows, a
 
 
 @numba.njit(cache=True)
-def _fp4_dot(x, k0, codes, rows0, piece, n0, scale, split, acc):
-    """acc += a chunk's FP4 byte rows times x, both weights of a byte (rows ``k``, ``k + piece``).
-    Weights exact already (``split`` 0: power-of-two scales) skip the rounding's three operations,
-    which LLVM keeps (``0 * w`` is not 0 for every float) and which were a quarter of the loop's."""
-    for r in range(piece):
+def _fp4_dot(x, k0, codes, rows0, count, piece, n0, scale, split, acc):
+    """acc += ``count`` FP4 byte rows from ``rows0`` times x, both weights of a byte (rows ``k``,
+    ``k + piece``). Weights that need no rounding past their float32 product (``split`` 0: float32
+    activations, or FP4's power-of-two scales) skip the rounding's three operations, which LLVM
+    keeps (``0 * w`` is not 0 for every float) and which were a quarter of the loop's."""
+    for r in range(count):
         _prefetch_ahead(codes, rows0 + r, n0, acc.shape[0])
         x0, x1 = x[k0 + r], x[k0 + r + piece]
         code_row = codes[rows0 + r, n0 : n0 + acc.shape[0]]
@@ -420,15 +436,15 @@ def _fp4_dot(x, k0, codes, rows0, piece, n0, scale, split, acc):
 
 
 @numba.njit(cache=True)
-def _byte_multiply(x, fmt, k0, codes, rows0, piece, n0, scale, offset, split, rows, acc):
-    """acc += a chunk's 4-bit byte rows (INT4 or FP4) times every token's x, each decoded once, a
-    row at a time."""
-    for r in range(piece):
+def _byte_multiply(x, fmt, k0, codes, rows0, count, piece, n0, scale, offset, split, rows, acc):
+    """acc += ``count`` 4-bit byte rows from ``rows0`` (INT4 or FP4) times every token's x, each
+    decoded once, a row at a time."""
+    for r in range(count):
         _prefetch_ahead(codes, rows0 + r, n0, rows.shape[1])
         code_row = codes[rows0 + r, n0 : n0 + rows.shape[1]]
         for j in range(2):
             row, shift = rows[j], np.uint32(4 * j)
-            if fmt == FP4 and split == 0:  # exact weights: no rounding (:func:`_fp4_dot`)
+            if fmt == FP4 and split == 0:  # the float32 product is the weight (:func:`_fp4_dot`)
                 for c in range(row.shape[0]):
                     row[c] = _e2m1_twice(np.uint32(np.uint32(code_row[c]) >> shift)) * scale[j, c]
             elif fmt == FP4:

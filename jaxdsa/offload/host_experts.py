@@ -14,8 +14,9 @@ each one splits the step's graphs, and it waits for the GPU work before it: the 
 round trip is two such synchronizations plus the copies of ``x`` (``T x D``) there and back.
 
 The CPU side computes what the GPU's experts compute (:mod:`jaxdsa.offload.cpu_moe`, held to
-:func:`reference`): the weights stay in their checkpoint format (INT4 / FP8 / FP4 codes with their
-scales, or dense), held once, on JAX's CPU device, and the kernel reads them in place.
+:func:`reference`): the weights stay in their checkpoint format (INT4 / FP8 / FP4 / NVFP4 codes with
+their scales, or dense), held once, on JAX's CPU device, and the kernel reads them in place (NVFP4's
+scales read as their float32 products with the global scales, formed at load).
 """
 
 from __future__ import annotations

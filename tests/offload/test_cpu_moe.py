@@ -2,7 +2,8 @@
 
 Fresh random experts in each format's layout (INT4 words and bytes, symmetric and asymmetric,
 bf16 and float32 scales; FP8 with float32 and ue8m0 block scales, blocks of a height the kernel's
-four-row passes do not divide; FP4; dense float32 and bf16),
+four-row passes do not divide; FP4; NVFP4 in 64- and 32-row chunks under several global scales
+along K and N; dense float32 and bf16),
 random routing with ragged counts per expert, slots that belong to the device (ids below the
 device's count) or to nobody (-1, past the end), experts nobody chose, and float32 or bf16
 activations, as :class:`jaxdsa.offload.host_experts.HostExperts` receives them.
@@ -43,6 +44,20 @@ def fp4(rng, k, n):
     return layout.QuantizedWeight(packed, scales, None, "fp4", (32, 1), 64)
 
 
+# e4m3 scale bytes: subnormals (1..7), zero, normals up to 448 (0x7E; 0x7F is NaN)
+E4M3_SCALES = np.concatenate([np.arange(0, 8), np.arange(0x30, 0x48), [0x7E]]).astype(np.uint8)
+
+
+def nvfp4(rng, k, n, *, kpack, global_group, scale_bytes=np.arange(0x28, 0x40, dtype=np.uint8)):
+    """Every e2m1 code; e4m3 scales from ``scale_bytes``; a random global scale per ``global_group``
+    block (not one per matrix: the kernel must take each block's own)."""
+    codes = rng.integers(0, 16, size=(E, n, k)).astype(np.uint8)
+    scales = rng.choice(scale_bytes, size=(E, n, k // 16)).view(ml_dtypes.float8_e4m3fn)
+    w = layout.pack_nvfp4(codes, scales, np.ones(E, np.float32), kpack=kpack, global_group=global_group)
+    g = (rng.random(w.global_scales.shape) * 2e-3 + 1e-4).astype(np.float32)
+    return w.replace(global_scales=g)
+
+
 def dense(rng, k, n, dtype):
     return (rng.standard_normal((E, k, n)) * k**-0.5).astype(dtype)
 
@@ -58,6 +73,8 @@ FORMATS = {
     "fp8-e8m0-blocks": lambda r, k, n: fp8(r, k, n, block=(128, 128), e8m0=True),
     "fp8-f32-ragged-blocks": lambda r, k, n: fp8(r, k, n, block=(6, 64), e8m0=False),  # 6 rows: a tail
     "fp4": fp4,
+    "nvfp4-kpack64": lambda r, k, n: nvfp4(r, k, n, kpack=64, global_group=(128, 128)),
+    "nvfp4-kpack32": lambda r, k, n: nvfp4(r, k, n, kpack=32, global_group=(256, 64)),
     "dense-f32": lambda r, k, n: dense(r, k, n, np.float32),
     "dense-bf16": lambda r, k, n: dense(r, k, n, ml_dtypes.bfloat16),
 }
@@ -106,16 +123,28 @@ def test_kernel_matches_reference(fmt, tokens):
         assert np.abs(got - want).max() <= bound * scale, (fmt, act)
 
 
-def test_nvfp4_experts_are_refused_by_name():
-    """The CPU kernel's 4-bit pieces take one scale row per 32 rows; NVFP4 has one per 16: refused at
-    construction (the server's load), naming the way out."""
-    rng = np.random.default_rng(1)
-    codes = rng.integers(0, 16, size=(E, N, D)).astype(np.uint8)
-    scales = np.full((E, N, D // 16), 0x38, np.uint8).view(ml_dtypes.float8_e4m3fn)
-    w = layout.pack_nvfp4(codes, scales, np.full(E, 1e-3, np.float32))
-    experts = jax.device_put({"gate_up": layout.concat_n(w, w), "down": w}, jax.devices("cpu")[0])
-    with pytest.raises(ValueError, match="NVFP4 experts are not supported by the CPU expert kernel"):
-        HostExperts(experts, gpu=GPU, stacked=False, swiglu_limit=None)
+@pytest.mark.parametrize("kpack", [64, 32])
+@pytest.mark.parametrize("tokens", ["one", "many"])
+def test_nvfp4_weights_are_the_formats_exactly(kpack, tokens):
+    """One-hot activations read the decoded weights back: every e2m1 code under subnormal, zero and
+    normal e4m3 scales and global scales (2 along K, 3 along N) is ``e2m1(q) * fl32(fp32(s) * g)``
+    to the bit (layout.dequantize), for float32 activations and rounded to bf16 for bf16 ones, in
+    the one-token loop (a group per row) and the many-token one."""
+    from jaxdsa.offload import cpu_moe
+
+    rng = np.random.default_rng(kpack)
+    k, n = 128, 96
+    w = nvfp4(rng, k, n, kpack=kpack, global_group=(64, 32), scale_bytes=E4M3_SCALES)
+    weight, e = cpu_moe.HostWeight.of(w, None), 2
+    if tokens == "one":
+        offsets, experts = np.arange(k + 1), np.full(k, e)
+    else:
+        offsets, experts = np.array([0, k]), np.array([e])
+    eye = np.eye(k, dtype=np.float32)
+    for dtype, bf16 in ((np.float32, False), (ml_dtypes.bfloat16, True)):
+        got = cpu_moe.expert_matmul(eye, offsets, experts, weight, bf16, n, block=64)
+        want = np.asarray(layout.dequantize(jax.tree.map(lambda a: a[e], w), dtype)).astype(np.float32)
+        np.testing.assert_array_equal(got, want)
 
 
 def test_no_host_slot_gives_zeros():

@@ -25,6 +25,7 @@ CASES = [
     ("dsv32_fp8", 0, "FP8 experts, every routed expert on the host"),
     ("glm52", 5, "dense float32 experts, the shared-indexer layer groups and the next-n layer"),
     ("dsv4_fp8", 2, "DeepSeek-V4: FP4 experts, hash-routed layers, the next-n layer"),
+    ("glm5_nvfp4", 2, "NVFP4 experts (gate and up under their own global scales), 64-row chunks"),
 ]
 
 

@@ -286,11 +286,11 @@ def test_the_planners_verdict_and_the_fewest_gpus(capsys):
     assert "--max-model-len must be > 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("fixture, gpu", [("glm5_int4", 4), ("dsv32_fp8", 0)])
+@pytest.mark.parametrize("fixture, gpu", [("glm5_int4", 4), ("dsv32_fp8", 0), ("glm5_nvfp4", 2)])
 def test_planner_host_split_matches_the_loader(fixture, gpu):
     """--num-gpu-experts: the planner's routed-expert bytes on the GPU and in host RAM are what the
     loader holds (INT4 experts half on the host; FP8 experts all there, with the float32 copy of
-    their block scales the CPU kernel reads)."""
+    their block scales the CPU kernel reads; NVFP4 experts with their float32 effective scales)."""
     import jax
     from flax import nnx
 
@@ -307,7 +307,8 @@ def test_planner_host_split_matches_the_loader(fixture, gpu):
 
     loaded_gpu = sum(nbytes(node.gate_up.get_value()) + nbytes(node.down.get_value()) for node in nodes)
     host_weights = [w for node in nodes for layer in node.host._layers for w in layer]
-    widened = sum(w.scales.nbytes for w in host_weights if w.fmt == cpu_moe.FP8)
+    nvfp4 = lambda w: w.fmt == cpu_moe.FP4 and w.scale_kind == cpu_moe.SCALE_F32  # noqa: E731
+    widened = sum(w.scales.nbytes for w in host_weights if w.fmt == cpu_moe.FP8 or nvfp4(w))
     loaded_host = sum(nbytes(node.host.experts) for node in nodes) + widened
 
     family, par = family_for(llm.config.model_type), sharding.Parallelism()
