@@ -134,18 +134,22 @@ class ExecutableStore:
         if not path.exists():
             return None
         try:
-            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            return deserialize_and_load(payload, in_tree, out_tree)
+            payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+            by_id = {d.id: d for d in jax.devices()}
+            devices = [by_id[i] for i in device_ids]  # the executable's own, in its order
+            return deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
         except Exception as exc:  # noqa: BLE001 - any failure to load is a miss, never an error
             log.warning("jaxdsa: stored step %s did not load (%s); compiling it", path.name, exc)
             return None
 
     def save(self, key: str, compiled: jax.stages.Compiled) -> None:
-        """Store ``compiled`` under ``key`` (written whole, then renamed into place: a reader never
-        sees half a file). A failure is logged; the step runs all the same."""
+        """Store ``compiled`` under ``key`` with the ids of the devices it runs on (a loaded executable
+        otherwise takes every device of the backend), written whole, then renamed into place: a
+        reader never sees half a file. A failure is logged; the step runs all the same."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            data = pickle.dumps(serialize(compiled))
+            device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
+            data = pickle.dumps((*serialize(compiled), device_ids))
             tmp = self._path(key).with_suffix(f".tmp{os.getpid()}")
             tmp.write_bytes(data)
             tmp.replace(self._path(key))

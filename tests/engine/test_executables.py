@@ -13,12 +13,13 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxdsa.engine import executables
 from jaxdsa.engine.executables import ExecutableStore, compile_step
 
-# One start in a fresh process: the bundled-size tiny GLM-5, warm-up, then greedy tokens. Prints what
-# the warm-up loaded and lowered, and the tokens.
+# One start in a fresh process: a tiny GLM-5 (at tp = argv[2]), warm-up, then greedy tokens. Prints
+# what the warm-up loaded and lowered, and the tokens.
 START = """
 import json, sys, jax
 import jaxdsa
@@ -30,9 +31,10 @@ jax.monitoring.register_event_duration_secs_listener(
     if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" and "fused_step" in str(kw.get("fun_name"))
     else None
 )
-llm = jaxdsa.LLM(make_tiny("glm_moe_dsa", sys.argv[1], seed=3), dtype="float32", page_size=8, progress=False)
+path = make_tiny("glm_moe_dsa", sys.argv[1], seed=3)
+llm = jaxdsa.LLM(path, dtype="float32", page_size=8, progress=False, tp=int(sys.argv[2]))
 config = EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, max_num_batched_tokens=16)
-engine = Engine(llm.family, llm.config, llm.model, dtype=llm.dtype, config=config)
+engine = Engine(llm.family, llm.config, llm.model, dtype=llm.dtype, config=config, mesh=llm.mesh)
 reported = []
 seconds = engine.runner.warmup(reported.append)
 engine.add_request("r", [5, 9, 2, 7, 11], SamplingParams(max_tokens=6, ignore_eos=True))
@@ -44,31 +46,37 @@ print(json.dumps({"lowered": len(lowered), "variants": len(seconds), "tokens": t
 """
 
 
-def start(tmp_path) -> dict:
+def start(tmp_path, tp: int) -> dict:
     env = {
         **os.environ,
         "JAXDSA_CACHE_DIR": str(tmp_path / "xla"),
         "JAXDSA_EXECUTABLE_CACHE": "1",
         "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={tp}",
     }
     run = subprocess.run(
-        [sys.executable, "-c", START, str(tmp_path / "model")], env=env, capture_output=True, text=True
+        [sys.executable, "-c", START, str(tmp_path / "model"), str(tp)],
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_a_warm_start_loads_every_step_and_generates_the_same(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_warm_start_loads_every_step_and_generates_the_same(tmp_path, tp):
+    """One device, and a tp = 2 mesh (each stored step loads onto the devices it was built for)."""
     steps = tmp_path / "xla" / "jaxdsa-steps"
-    cold = start(tmp_path)
+    cold = start(tmp_path, tp)
     n = cold["variants"]
     assert n > 1 and cold["lowered"] == n and cold["stored"] == 0
     assert len(list(steps.glob("*.executable"))) == n
-    warm = start(tmp_path)
+    warm = start(tmp_path, tp)
     assert warm["lowered"] == 0 and warm["stored"] == n and warm["tokens"] == cold["tokens"]
     for path in steps.iterdir():  # XLA's cache still has every step: taken from it, not stored
         path.unlink()
-    again = start(tmp_path)
+    again = start(tmp_path, tp)
     assert again["lowered"] == n and again["tokens"] == cold["tokens"]
     assert list(steps.glob("*.executable")) == []
 
@@ -92,12 +100,14 @@ def test_the_key_follows_what_the_trace_reads(monkeypatch):
 
 
 def test_stored_executables_load_and_a_broken_file_is_a_miss(tmp_path, caplog):
+    """On its own device (the last of the process's, when there are several), not on all of them."""
     constant = float(np.random.default_rng().random())  # a function XLA has not compiled before
-    compiled, here = compile_step(jax.jit(lambda x: x * constant + 1).lower(jnp.ones(4)))
+    x = jax.device_put(jnp.ones(4), jax.devices()[-1])
+    compiled, here = compile_step(jax.jit(lambda x: x * constant + 1).lower(x))
     assert here
     store = ExecutableStore(tmp_path, static="")
     store.save("k", compiled)
-    np.testing.assert_array_equal(store.load("k")(jnp.ones(4)), compiled(jnp.ones(4)))
+    np.testing.assert_array_equal(store.load("k")(x), compiled(x))
     assert store.load("absent") is None
     (tmp_path / "k.executable").write_bytes(b"not an executable")
     with caplog.at_level(logging.WARNING, logger=executables.__name__):
