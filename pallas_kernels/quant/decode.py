@@ -116,12 +116,13 @@ def int4_ptx(codes: jax.Array, scale: jax.Array, zero: jax.Array, *, high: bool)
     return _bf16_asm(_int4_ptx_asm(high), "=r,=r,r,r,r,r,r", 4, scale, zero, codes)
 
 
-def _bf16_asm(asm: str, constraints: str, pack: int, scale, zero, codes) -> jax.Array:
-    """``asm`` run elementwise over ``(scale, zero, codes)``, ``pack`` elements per instance: the
-    bf16 weights, shaped like ``codes``."""
+def _bf16_asm(asm: str, constraints: str, pack: int, *args: jax.Array) -> jax.Array:
+    """``asm`` run elementwise over ``args``, ``pack`` elements per instance: the bf16 weights, shaped
+    like the last argument (the codes)."""
+    codes = args[-1]
     [out] = pltriton.elementwise_inline_asm(
         asm,
-        args=[scale, zero, codes],
+        args=list(args),
         constraints=constraints,
         pack=pack,
         result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)],
@@ -198,28 +199,14 @@ def fp4_ptx(codes: jax.Array, scale: jax.Array, *, high: bool) -> jax.Array:
     (or ``high``) nibbles; ``scale`` bf16 ``[r, c]`` (:func:`e8m0_to_bf16`'s powers of two). Inline
     PTX on packed registers, the same bits as :func:`e2m1_to_f32` times the scale rounded to bf16;
     GPU only."""
-    [out] = pltriton.elementwise_inline_asm(
-        _fp4_ptx_asm(high),
-        args=[scale, codes],
-        constraints="=r,=r,r,r,r",
-        pack=4,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)],
-    )
-    return out
+    return _bf16_asm(_fp4_ptx_asm(high), "=r,=r,r,r,r", 4, scale, codes)
 
 
 def e2m1_ptx(codes: jax.Array, *, high: bool) -> jax.Array:
     """Packed e2m1 bytes ``[r, c]`` uint8 -> the exact values of their low (or ``high``) nibbles as bf16
     ``[r, c]`` (every e2m1 value is a bf16): :func:`fp4_ptx` without the scale, for NVFP4, whose
     float32 scales are applied after (their products round in float32 first). GPU only."""
-    [out] = pltriton.elementwise_inline_asm(
-        _fp4_ptx_asm(high, scaled=False),
-        args=[codes],
-        constraints="=r,=r,r",
-        pack=4,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)],
-    )
-    return out
+    return _bf16_asm(_fp4_ptx_asm(high, scaled=False), "=r,=r,r", 4, codes)
 
 
 def _fp4_word_ptx_asm(nibble: int) -> str:
@@ -244,14 +231,7 @@ def fp4_word_ptx(words: jax.Array, scale: jax.Array, nibble: int) -> jax.Array:
     """e2m1 code words ``[r, c]`` (int32, eight codes each) -> bf16 ``[r, c]`` weights of nibble
     ``nibble`` (0..7) of every word times ``scale`` (bf16 ``[r, c]``); exactly :func:`fp4_ptx`'s
     arithmetic. GPU only."""
-    [out] = pltriton.elementwise_inline_asm(
-        _fp4_word_ptx_asm(nibble),
-        args=[scale, words],
-        constraints="=r,r,r,r",
-        pack=2,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)],
-    )
-    return out
+    return _bf16_asm(_fp4_word_ptx_asm(nibble), "=r,r,r,r", 2, scale, words)
 
 
 def e8m0_to_bf16(e: jax.Array) -> jax.Array:
