@@ -279,13 +279,17 @@ class ModelRunner:
             jobs = {}
             for b, mode in variants:
                 batch = self.packer.padding(b, mode)
-                fn, args = self._step(batch, False)
-                step = self._variant(batch, False)[0]
+                step, args = self._variant(batch, False)[0], self._step(batch, False)[1]
                 with self._precision():
                     key = store.key(step, args) if store else None
                     loaded = store.load(key) if store else None
-                    if loaded is None:
-                        jobs[pool.submit(compile_one, fn.lower(*args))] = (b, mode, step, key)
+                    if loaded is None:  # lowered from the jitted step (a second warm-up included)
+                        jobs[pool.submit(compile_one, self._compiled(*step).lower(*args))] = (
+                            b,
+                            mode,
+                            step,
+                            key,
+                        )
                         continue
                 self._executables[step], seconds[b, mode] = loaded, 0.0
                 if report:

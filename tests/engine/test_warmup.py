@@ -75,3 +75,4 @@ def test_warmup_lowers_each_variant_once_and_the_steps_reuse_it(llm):
         warm_tokens = generate(warm, prompts)  # prefill chunks and decode steps: buckets warm-up met
         assert len(lowered) == n, "a step after warm-up traced and compiled again"
     assert warm_tokens == generate(make_engine(llm), prompts)
+    warm.runner.warmup()  # again: its steps are lowered from the jitted functions, not the executables
