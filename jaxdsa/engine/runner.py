@@ -167,16 +167,15 @@ class ModelRunner:
     def _step(self, batch: StepBatch, with_logits: bool) -> tuple[Any, tuple]:
         """The compiled step for ``batch`` and its arguments: the parameters, the carried state and
         the batch's buffers packed into one array (one transfer per device)."""
-        variant, packed = self._variant(batch, with_logits)
-        carried = (self.cache, self.mtp_cache, self.penalty.state, self.slot_tokens)
-        fn = self._executables.get(variant) or self._compiled(*variant)
-        return fn, (self.state.leaves, *carried, self._place(packed))
+        variant, args = self._variant(batch, with_logits)
+        return self._executables.get(variant) or self._compiled(*variant), args
 
-    def _variant(self, batch: StepBatch, with_logits: bool) -> tuple[tuple, Any]:
-        """``((mode, with_logits, input layout), packed inputs)``: which step ``batch`` runs, and its
-        buffers packed into one array."""
+    def _variant(self, batch: StepBatch, with_logits: bool) -> tuple[tuple, tuple]:
+        """``((mode, with_logits, input layout), arguments)``: which step ``batch`` runs, and what it
+        takes (the parameters, the carried state, the batch's buffers packed into one array)."""
         packed, layout = pack_inputs(batch.inputs, self.groups)
-        return (batch.mode, with_logits, layout), packed
+        carried = (self.cache, self.mtp_cache, self.penalty.state, self.slot_tokens)
+        return (batch.mode, with_logits, layout), (self.state.leaves, *carried, self._place(packed))
 
     def _dispatch(self, batch: StepBatch, with_logits: bool):
         """Run ``batch`` on the device (asynchronously); the carried state moves on to its outputs."""
@@ -279,7 +278,7 @@ class ModelRunner:
             jobs = {}
             for b, mode in variants:
                 batch = self.packer.padding(b, mode)
-                step, args = self._variant(batch, False)[0], self._step(batch, False)[1]
+                step, args = self._variant(batch, False)
                 with self._precision():
                     key = store.key(step, args) if store else None
                     loaded = store.load(key) if store else None
