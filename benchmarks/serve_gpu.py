@@ -2,8 +2,9 @@
 
 The model has GLM-5's real layer widths (hidden 6144, 64 heads, MLA 2048/512/192+64/256,
 indexer 32 x 128, top-2048, 256 experts top-8 x 2048, vocab 154880), GLM-5.2's (``--preset
-glm52``: the same widths, shared indexer layers, longer RoPE) or DeepSeek-V4-Flash's (``--preset
-v4flash``: the first layers of its schedule, no MTP block), and as many layers as one GPU holds
+glm52``: the same widths, shared indexer layers, longer RoPE), DeepSeek-V4-Flash's (``--preset
+v4flash``: the first layers of its schedule, no MTP block) or GLM-5.3-Flash's (``--preset glm53flash``:
+KDA and NoPE DSA layers in the release's schedule), and as many layers as the GPUs hold
 next to a useful cache, with random weights made on the device (``--load-format dummy``) in bf16
 or kept quantized (``--quantization int4|fp8``). The memory roofline is the planner's
 (:func:`jaxdsa.plan.decode_step`): every weight one decode step of ``batch`` sequences touches, at
@@ -39,6 +40,7 @@ from jaxdsa.cache import KV_CACHE_DTYPES, kv_cache_format
 from jaxdsa.checkpoints.tokenizer_assets import write_tokenizer
 from jaxdsa.models.deepseek_v4.presets import RELEASED
 from jaxdsa.models.dsa.presets import RELEASED as DSA_RELEASED
+from jaxdsa.models.glm5_next.presets import GLM53_FLASH
 from jaxdsa.models.registry import config_from_dict, family_for
 from jaxdsa.sharding import Parallelism
 
@@ -48,8 +50,18 @@ GLM52 = {**DSA_RELEASED["glm52"], "num_nextn_predict_layers": 0}
 # DeepSeek-V4-Flash's widths; the first layers of its schedule (two sliding-window layers, then CSA
 # and HCA alternating) and no MTP block.
 V4FLASH = {**RELEASED["v4-flash"], "num_nextn_predict_layers": 0}
-PRESETS = {"glm5": GLM5, "glm52": GLM52, "v4flash": V4FLASH}
-NAMES = {"glm5": "GLM-5", "glm52": "GLM-5.2", "v4flash": "DeepSeek-V4-Flash"}
+PRESETS = {"glm5": GLM5, "glm52": GLM52, "v4flash": V4FLASH, "glm53flash": GLM53_FLASH}
+NAMES = {"glm5": "GLM-5", "glm52": "GLM-5.2", "v4flash": "DeepSeek-V4-Flash", "glm53flash": "GLM-5.3-Flash"}
+# Per-layer lists cut to the first ``layers`` entries when a preset is shortened.
+_LAYER_LISTS = ("layer_types", "indexer_types", "mlp_layer_types")
+
+
+def text_config(raw: dict) -> dict:
+    """The language model's fields: ``text_config`` for the multimodal layouts (GLM-5.3-Flash), else
+    the file's top level."""
+    return raw.get("text_config", raw)
+
+
 WEIGHTS = {"dequantize": "bf16", "int4": "int4", "fp8": "fp8"}  # --quantization -> the planner's --weights
 
 
@@ -61,22 +73,28 @@ def write_model_dir(directory: str, layers: int, overrides: dict | None = None, 
     never produces them) and every streamed token carries text, as with a real tokenizer.
     """
     base = PRESETS[preset]
+    text = text_config(base)
     shape: dict = {"num_hidden_layers": layers}
+    shape |= {key: text[key][:layers] for key in _LAYER_LISTS if key in text}
     if preset == "glm5":
         shape["indexer_types"] = ["full"] * layers
     if preset == "v4flash":
         shape |= {"compress_ratios": base["compress_ratios"][:layers], "num_hash_layers": min(3, layers)}
-    raw = {**base, **shape, **(overrides or {})}
+    if "text_config" in base:
+        raw = {**base, "text_config": {**text, **shape, **(overrides or {})}}
+    else:
+        raw = {**base, **shape, **(overrides or {})}
+    text = text_config(raw)
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as fh:
         json.dump(raw, fh, indent=1)
-    write_tokenizer(raw["model_type"], directory, model_max_length=raw["max_position_embeddings"])
+    write_tokenizer(raw["model_type"], directory, model_max_length=text["max_position_embeddings"])
     path = os.path.join(directory, "tokenizer.json")
     with open(path, encoding="utf-8") as fh:
         tok = json.load(fh)
     vocab = tok["model"]["vocab"]
     vocab.update({t["content"]: t["id"] for t in tok["added_tokens"]})  # keeps their ids once the vocab grows
-    vocab.update({f"<filler{i}>": i for i in range(max(vocab.values()) + 1, raw["vocab_size"])})
+    vocab.update({f"<filler{i}>": i for i in range(max(vocab.values()) + 1, text["vocab_size"])})
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(tok, fh)
     return raw
@@ -248,7 +266,8 @@ def serve_and_bench(args, raw: dict, work: str, par: Parallelism, levels: list[i
         ]
         subprocess.run(bench, check=True)
         if args.profile_steps:
-            prompt = [(97 * i + 13) % (raw["vocab_size"] - 100) + 100 for i in range(args.input_len)]
+            vocab = text_config(raw)["vocab_size"]
+            prompt = [(97 * i + 13) % (vocab - 100) + 100 for i in range(args.input_len)]
             profile = profile_decode(url, f"{args.preset}-shaped", profile_dir, prompt, args.profile_steps)
             if args.keep_trace:  # beside the results, for reading the host threads too
                 harness.results_dir().mkdir(parents=True, exist_ok=True)
@@ -377,8 +396,9 @@ def _report(runs: list[dict], raw, args, ceilings: harness.Ceilings) -> None:
         }
         batch = -(-r["concurrency"] // par.dp)  # sequences per dp group
         nbytes = step_bytes(raw, WEIGHTS[args.quantization], int(context), batch, par, kv_format)
+        text = text_config(raw)
         row["routed experts/layer"] = plan.expected_experts(
-            raw["n_routed_experts"], raw["num_experts_per_tok"], moe_tokens(r["concurrency"], par)
+            text["n_routed_experts"], text["num_experts_per_tok"], moe_tokens(r["concurrency"], par)
         )
         row["bytes/step GB"] = nbytes / 1e9
         row["roofline ms"] = nbytes / (ceilings.stream_gbs * 1e9) * 1e3
@@ -390,6 +410,9 @@ def _report(runs: list[dict], raw, args, ceilings: harness.Ceilings) -> None:
     cfg = config_from_dict(raw)
     if cfg.model_type == "deepseek_v4":
         layers = ", ".join(cfg.layer_types)
+    elif cfg.model_type == "glm5_next":
+        kinds = [*cfg.layer_types, *cfg.mlp_layer_types]
+        layers = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
     else:
         dense = cfg.first_k_dense_replace
         layers = f"{dense} dense + {cfg.num_hidden_layers - dense} MoE"
@@ -397,7 +420,7 @@ def _report(runs: list[dict], raw, args, ceilings: harness.Ceilings) -> None:
         *harness.report_header(
             f"Serving a {name}-shaped model on {header['device']}",
             {
-                "model": f"{name} widths, {raw['num_hidden_layers']} layers ({layers}), "
+                "model": f"{name} widths, {cfg.num_hidden_layers} layers ({layers}), "
                 f"random weights (--load-format dummy --quantization {args.quantization})",
                 "weights per device": f"{runs[0]['weights_gib']:.2f} GiB loaded (the server's log), "
                 f"{planned / 2**30:.2f} GiB planned (jaxdsa.plan), "

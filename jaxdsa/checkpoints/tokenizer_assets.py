@@ -342,6 +342,7 @@ _FAMILIES: dict[str, tuple[FamilyTokens, str]] = {
     "glm_moe_dsa": (GLM_TOKENS, GLM_CHAT_TEMPLATE),
     "deepseek_v32": (DEEPSEEK_TOKENS, DEEPSEEK_CHAT_TEMPLATE),
     "deepseek_v4": (DEEPSEEK_TOKENS, DEEPSEEK_V4_CHAT_TEMPLATE),  # V3.2's tokens, V4's format
+    "glm5_next": (GLM_TOKENS, GLM_CHAT_TEMPLATE),  # GLM-5.3-Flash keeps GLM-5's (docs/models.md §6.1)
 }
 
 

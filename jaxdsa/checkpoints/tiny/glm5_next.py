@@ -32,7 +32,6 @@ from jaxdsa.checkpoints.tiny.dsa import attention_tensors
 from jaxdsa.checkpoints.tiny.presets import GLM5_NEXT_TINY_PRESETS, KDA
 from jaxdsa.checkpoints.tiny.writers import Spec, random_tensor, write_drawn, write_json
 
-TOKENIZER_FAMILY = "glm_moe_dsa"  # GLM-5's tokens and template (docs/models.md §6.1)
 TEXT = "model.language_model."
 VISION = "model.visual."
 
@@ -209,7 +208,7 @@ def write(
     os.makedirs(out_dir, exist_ok=True)
     text = cfg["text_config"]
     ids = tokenizer_assets.write_tokenizer(
-        TOKENIZER_FAMILY, out_dir, model_max_length=text["max_position_embeddings"]
+        "glm5_next", out_dir, model_max_length=text["max_position_embeddings"]
     )
     text = text | {"vocab_size": ids.vocab_size, "pad_token_id": ids.pad_token_id}
     cfg = cfg | {"text_config": text, "dtype": dtype}
