@@ -7,7 +7,8 @@ each a few microseconds of GPU time and, inside a CUDA graph, of the host's to l
 projections' launch leaves its float32 partial products unsummed
 (:func:`pallas_kernels.quant_matmul.kernel.quant_matmul_partials`) and one program per token row adds
 the splits, rounds the sum to the activations' dtype as the sum alone would be, and writes ``q_lat``
-(RMSNorm), the token's cached row (RMSNorm of the latent, interleaved RoPE of ``k_pe``) and ``wk``'s
+(RMSNorm), the token's cached row (RMSNorm of the latent, interleaved RoPE of ``k_pe``, absent in NoPE
+MLA) and ``wk``'s
 product: the arithmetic of :func:`pallas_kernels.mla_latent.ref.mla_latent`, the sums of squares in
 the kernel's order. Norm weights stacked over scanned layers are read in place at the layer index.
 Weights that do not share one launch (prefill-sized M, mixed formats) are multiplied one by one and
@@ -33,7 +34,9 @@ from pallas_kernels.quant_matmul import kernel as quant_matmul_kernel
 def _kernel(*refs, splits: int, q: int, c: int, p: int, d: int, eps: float, q_spec, kv_spec, dtype):
     parts_ref, *refs = refs
     q_lead, (qn_ref, *refs) = tiles.layer_lead(q_spec, refs)
-    kv_lead, (kvn_ref, cos_ref, sin_ref, q_ref, row_ref, *wk_ref) = tiles.layer_lead(kv_spec, refs)
+    kv_lead, (kvn_ref, *refs) = tiles.layer_lead(kv_spec, refs)
+    cos_ref, sin_ref, *refs = refs if p else (None, None, *refs)  # NoPE MLA (GLM-5.3-Flash): no angles
+    q_ref, row_ref, *wk_ref = refs
     row = pl.program_id(0)
 
     def summed(cols, ok):
@@ -56,14 +59,15 @@ def _kernel(*refs, splits: int, q: int, c: int, p: int, d: int, eps: float, q_sp
     cols, ok, latent = normed(q, c, kvn_ref, kv_lead)
     pltriton.store(row_ref.at[row, cols], latent, mask=ok)
 
-    pairs = jnp.arange(pl.next_power_of_2(p // 2), dtype=jnp.int32)
-    ok = pairs < p // 2
-    a = summed(q + c + 2 * pairs, ok).astype(jnp.float32)
-    b = summed(q + c + 2 * pairs + 1, ok).astype(jnp.float32)
-    cos = pltriton.load(cos_ref.at[row, pairs], mask=ok, other=0.0)
-    sin = pltriton.load(sin_ref.at[row, pairs], mask=ok, other=0.0)
-    pltriton.store(row_ref.at[row, c + 2 * pairs], (a * cos - b * sin).astype(dtype), mask=ok)
-    pltriton.store(row_ref.at[row, c + 2 * pairs + 1], (b * cos + a * sin).astype(dtype), mask=ok)
+    if p:
+        pairs = jnp.arange(pl.next_power_of_2(p // 2), dtype=jnp.int32)
+        ok = pairs < p // 2
+        a = summed(q + c + 2 * pairs, ok).astype(jnp.float32)
+        b = summed(q + c + 2 * pairs + 1, ok).astype(jnp.float32)
+        cos = pltriton.load(cos_ref.at[row, pairs], mask=ok, other=0.0)
+        sin = pltriton.load(sin_ref.at[row, pairs], mask=ok, other=0.0)
+        pltriton.store(row_ref.at[row, c + 2 * pairs], (a * cos - b * sin).astype(dtype), mask=ok)
+        pltriton.store(row_ref.at[row, c + 2 * pairs + 1], (b * cos + a * sin).astype(dtype), mask=ok)
 
     if d:
         cols = jnp.arange(pl.next_power_of_2(d), dtype=jnp.int32)
@@ -103,7 +107,7 @@ def _rows(parts, q_norm, kv_norm, cos, sin, layer, *, t: int, widths, eps: float
     q, latent, *wk = widths
     c = kv_norm.shape[-1]
     p, d = latent - c, (wk[0] if wk else 0)
-    if q_norm.shape[-1] != q or p <= 0 or p % 2 or cos.shape != (t, p // 2) or sin.shape != cos.shape:
+    if q_norm.shape[-1] != q or p < 0 or p % 2 or cos.shape != (t, p // 2) or sin.shape != cos.shape:
         raise ValueError(
             f"mla_latent: q_a {q} / q_norm {q_norm.shape}, kv_a {latent} / kv_norm {kv_norm.shape}, "
             f"cos {cos.shape} for {t} rows do not fit"
@@ -121,4 +125,4 @@ def _rows(parts, q_norm, kv_norm, cos, sin, layer, *, t: int, widths, eps: float
         compiler_params=compiler_params(num_warps=4, num_stages=1),
         interpret=interpret,
         name="mla_latent",
-    )(parts, *q_operands, *kv_operands, cos.astype(jnp.float32), sin.astype(jnp.float32))
+    )(parts, *q_operands, *kv_operands, *((cos.astype(jnp.float32), sin.astype(jnp.float32)) if p else ()))

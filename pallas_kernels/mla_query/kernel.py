@@ -12,11 +12,12 @@ Grid (heads, kv_lora tiles, row tiles). A program adds its head's K splits for t
 columns of its rows (in split order, rounded to the activations' dtype as the sum alone would be)
 and multiplies them by its ``[block_c, nope]`` tile of the head's ``W_UK`` (``pl.dot`` over rows
 padded to 16 or 32, the decode tiles of ``quant_matmul``: T = 1 is one row of sixteen); the
-head's first tile also adds the ``q_pe`` columns and rotates them. ``block_c`` = 64 bf16 columns
-gives GLM-5.2 at tp 4 16 x 8 = 128 programs, about one per SM of an H200, each reading 24 KiB of
-``W_UK`` (float32 takes 32 columns: the dot's two operands, through shared memory once, then come
-to at most 64 KiB, inside sm_120's 99). A ``W_UK`` stacked over scanned layers is read in place at the
-layer index (:func:`pallas_kernels.quant.tiles.operands`), as ``q_b``'s stack is by its launch.
+head's first tile also adds the ``q_pe`` columns and rotates them (NoPE MLA has none). ``block_c`` =
+64 bf16 columns gives GLM-5.2 at tp 4 16 x 8 = 128 programs, about one per SM of an H200, each
+reading 24 KiB of ``W_UK`` (float32 takes 32 columns: the dot's two operands, through shared memory
+once, then come to at most 64 KiB, inside sm_120's 99). A ``W_UK`` stacked over scanned layers is
+read in place at the layer index (:func:`pallas_kernels.quant.tiles.operands`), as ``q_b``'s stack is
+by its launch.
 
 Rows past :data:`MAX_ROWS` (prefill) run in more row tiles, each reading ``W_UK`` again, where
 XLA's einsum reads it once: :class:`jaxdsa.layers.mla.MLAttention` takes the op up to there.
@@ -56,7 +57,8 @@ def _kernel(
     dtype,
     precision,
 ):
-    lead, (w_ref, cos_ref, sin_ref, o_ref) = tiles.layer_lead(w_spec, refs)
+    lead, (w_ref, *refs) = tiles.layer_lead(w_spec, refs)
+    cos_ref, sin_ref, o_ref = refs if rope else (None, None, *refs)  # NoPE MLA (GLM-5.3-Flash): no angles
     h, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = i * block_t + jnp.arange(block_t, dtype=jnp.int32)
     # masked rows and columns are left pointing past the arrays, not clamped: the interpreter's masked
@@ -88,6 +90,8 @@ def _kernel(
         precision=precision,
     )
     pltriton.store(o_ref.at[rows[:, None], h, cs[None, :]], q_abs.astype(dtype), mask=live[:, None])
+    if not rope:
+        return
 
     @pl.when(j == 0)
     def _rope():
@@ -134,7 +138,7 @@ def _query(parts, w_uk, cos, sin, layer, *, t: int, nope: int, dtype, interpret:
     if (
         w_uk.shape[-1] != nope
         or parts.shape[-1] != heads * (nope + rope)
-        or rope <= 0
+        or rope < 0
         or rope % 2
         or cos.shape != (t, rope // 2)
         or sin.shape != cos.shape
@@ -166,4 +170,4 @@ def _query(parts, w_uk, cos, sin, layer, *, t: int, nope: int, dtype, interpret:
         compiler_params=compiler_params(num_warps=4, num_stages=1),
         interpret=interpret,
         name="mla_query",
-    )(parts, *w_operands, cos.astype(jnp.float32), sin.astype(jnp.float32))
+    )(parts, *w_operands, *((cos.astype(jnp.float32), sin.astype(jnp.float32)) if rope else ()))

@@ -58,6 +58,22 @@ def test_matches_reference(fmt, dtype, t, k, wk):
     _close(ops._impl("mla_latent", "interpret")(*args, eps=1e-6), ref.mla_latent(*args, eps=1e-6), dtype)
 
 
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+@pytest.mark.parametrize("t", [1, 5])
+def test_nope_rows(fmt, t):
+    """NoPE MLA (GLM-5.3-Flash: ``qk_rope_head_dim`` 0): the cached row is the normed latent alone and
+    the angles are empty."""
+    rng = np.random.default_rng([t, 11])
+    ws = tuple(_weight(rng, fmt, 256, n) for n in (Q, C))
+    x = jnp.asarray(rng.standard_normal((t, 256)), jnp.bfloat16)
+    q_norm, kv_norm, *_ = _inputs(rng, t, jnp.bfloat16)
+    empty = jnp.zeros((t, 0), jnp.float32)
+    args = (x, ws, q_norm, kv_norm, empty, empty)
+    got = ops._impl("mla_latent", "interpret")(*args, eps=1e-6)
+    assert got[1].shape == (t, C)
+    _close(got, ref.mla_latent(*args, eps=1e-6), jnp.bfloat16)
+
+
 def test_layer_stacks_read_at_a_traced_index():
     """Scanned layers hand the op whole stacks (weights and norms) and the layer index."""
     rng = np.random.default_rng(7)
@@ -106,6 +122,23 @@ def test_lowers_for_cuda(target, fmt):
     ws = tuple(_abstract(fmt, (4,), 6144, n, group=32) for n in (2048, 576, 128))
     shapes = (s((1, 6144), jnp.bfloat16), ws, s((4, 2048), jnp.bfloat16), s((4, 512), jnp.bfloat16))
     shapes += (s((1, 32), jnp.float32), s((1, 32), jnp.float32), s((), jnp.int32))
+    text = lower_for_cuda(
+        lambda x, ws, qn, kvn, cos, sin, layer: kernel.mla_latent(
+            x, ws, qn, kvn, cos, sin, eps=1e-6, layer=layer
+        ),
+        *shapes,
+        target=target,
+    )
+    assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_nope_lowers_for_cuda(target):
+    """GLM-5.3-Flash's q_a and kv_a (no RoPE part) at one decode row, INT4."""
+    s = jax.ShapeDtypeStruct
+    ws = tuple(_abstract("int4", (4,), 4096, n, group=32) for n in (1536, 512))
+    shapes = (s((1, 4096), jnp.bfloat16), ws, s((4, 1536), jnp.bfloat16), s((4, 512), jnp.bfloat16))
+    shapes += (s((1, 0), jnp.float32), s((1, 0), jnp.float32), s((), jnp.int32))
     text = lower_for_cuda(
         lambda x, ws, qn, kvn, cos, sin, layer: kernel.mla_latent(
             x, ws, qn, kvn, cos, sin, eps=1e-6, layer=layer

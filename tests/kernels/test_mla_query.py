@@ -48,6 +48,17 @@ def test_matches_reference(fmt, dtype, t, q):
     assert got.shape == (t, H, C + P)
 
 
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+@pytest.mark.parametrize("t", [1, 5])
+def test_nope_query(fmt, t):
+    """NoPE MLA (GLM-5.3-Flash: ``qk_rope_head_dim`` 0): the absorbed query alone, no angles."""
+    rng = np.random.default_rng([t, 13])
+    args = _inputs(rng, t, 256, jnp.bfloat16, fmt=fmt, nope=32, rope=0)
+    got = ops._impl("mla_query", "interpret")(*args, nope=32)
+    assert got.shape == (t, H, C)
+    _close([got], [ref.mla_query(*args, nope=32)], jnp.bfloat16)
+
+
 def test_rows_past_one_tile():
     """40 rows: two 32-row tiles, the second ragged."""
     rng = np.random.default_rng(40)
@@ -110,3 +121,18 @@ def test_lowers_for_cuda(target, fmt):
     assert ops_between <= {"stablehlo.custom_call", "stablehlo.reshape", "stablehlo.bitcast_convert"}, (
         ops_between
     )
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_nope_lowers_for_cuda(target):
+    """GLM-5.3-Flash at tp 2 and one decode row (32 heads, q_lora 1536, nope 256, no rope, kv_lora 512)."""
+    s = jax.ShapeDtypeStruct
+    shapes = (s((1, 1536), jnp.bfloat16), _abstract("int4", (4,), 1536, 32 * 256, group=32))
+    shapes += (s((4, 512, 32, 256), jnp.bfloat16), s((1, 0), jnp.float32), s((1, 0), jnp.float32))
+    text = lower_for_cuda(
+        lambda x, q_b, w_uk, cos, sin, layer: kernel.mla_query(x, q_b, w_uk, cos, sin, nope=256, layer=layer),
+        *shapes,
+        s((), jnp.int32),
+        target=target,
+    )
+    assert text.count("__gpu$xla.gpu.triton") == 2
