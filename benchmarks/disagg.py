@@ -195,8 +195,8 @@ def process(cmd: list[str], log_path: str, env: dict[str, str] | None = None) ->
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    with open(log_path, encoding="utf-8") as fh:
-        print(f"--- {os.path.basename(log_path)} (tail)\n{fh.read()[-3000:]}", flush=True)
+            with open(log_path, encoding="utf-8") as fh:
+                print(f"--- {os.path.basename(log_path)} (tail)\n{fh.read()[-3000:]}", flush=True)
 
 
 def server_command(
