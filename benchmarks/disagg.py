@@ -8,9 +8,10 @@ made on the devices). Two layouts over the same ``--gpus`` GPUs, one after the o
 - ``1p1d``: a prefill server (``kv_producer``) on the first half and a decode server (``kv_consumer``) on
   the second half (``-tp`` = half each, ``CUDA_VISIBLE_DEVICES``), ``python -m serve.router`` in front.
 
-The workload, the same for both: ``--streams`` requests of ``--stream-input`` tokens decode
-``--stream-output`` tokens each; once all of them stream, ``--long-prompts`` requests of ``--long-len``
-tokens arrive ``--long-interval`` seconds apart (``--long-output`` tokens each). Reported: the streams'
+The workload, the same for both: ``--streams`` requests of ``--stream-input`` tokens decode (up to
+``--stream-output`` tokens each); once all of them stream, ``--long-prompts`` requests of ``--long-len``
+tokens arrive ``--long-interval`` seconds apart (``--long-output`` tokens each), and ``--tail`` seconds
+after the last of them ends the streams are closed. Reported: the streams'
 inter-token latency (ITL) p50 / p99 / max over the gaps that end while long prompts are in flight and
 over the others, the long requests' time to first token (TTFT), and in 1P1D the decode server's
 transfer counters (bytes, seconds, GB/s, ms per request). Every prompt is random token ids, so no
@@ -64,8 +65,11 @@ class Timeline:
     error: str = ""
 
 
-async def stream_request(client: Any, url: str, model: str, prompt: list[int], max_tokens: int) -> Timeline:
-    """POST one streamed greedy /v1/completions request; the times of its chunks that carry text."""
+async def stream_request(
+    client: Any, url: str, model: str, prompt: list[int], max_tokens: int, line: Timeline | None = None
+) -> Timeline:
+    """POST one streamed greedy /v1/completions request; the times of its chunks that carry text, in
+    ``line`` (a new one by default: a caller that cancels the task keeps what came before)."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -74,7 +78,8 @@ async def stream_request(client: Any, url: str, model: str, prompt: list[int], m
         "ignore_eos": True,
         "stream": True,
     }
-    line = Timeline(sent=time.perf_counter())
+    line = Timeline(sent=0.0) if line is None else line
+    line.sent = time.perf_counter()
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -102,21 +107,28 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 
 async def workload(url: str, model: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
-    """The streams, then the long prompts arriving while they decode; -> the timelines."""
+    """The streams, then the long prompts arriving while they decode; the streams are stopped (their
+    requests closed) ``--tail`` seconds after the last long request ends, so they span every arrival
+    whatever the decode speed; -> the timelines."""
     streams = random_prompts(args.streams, args.stream_input, vocab, seed=1)
     longs = random_prompts(args.long_prompts, args.long_len, vocab, seed=2)
     timeout = httpx.Timeout(args.request_timeout)
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=256)) as client:
+        stream_lines = [Timeline(sent=0.0) for _ in streams]
         running = [
-            asyncio.create_task(stream_request(client, url, model, p, args.stream_output)) for p in streams
+            asyncio.create_task(stream_request(client, url, model, p, args.stream_output, line))
+            for p, line in zip(streams, stream_lines)
         ]
-        await asyncio.sleep(args.settle)  # every stream past its prefill (checked below)
+        await asyncio.sleep(args.settle)  # every stream past its prefill (checked in the summary)
         arrivals = []
         for p in longs:
             arrivals.append(asyncio.create_task(stream_request(client, url, model, p, args.long_output)))
             await asyncio.sleep(args.long_interval)
         long_lines = await asyncio.gather(*arrivals)
-        stream_lines = await asyncio.gather(*running)
+        await asyncio.sleep(args.tail)
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
     return {"streams": stream_lines, "longs": long_lines}
 
 
@@ -219,7 +231,7 @@ def server_command(
         "--served-model-name",
         "model",
         "--max-model-len",
-        str(args.long_len + args.long_output + 64),
+        str(max(args.long_len + args.long_output, args.stream_input + args.stream_output) + 64),
         "--max-num-seqs",
         str(args.streams + args.long_prompts),
         "--max-num-batched-tokens",
@@ -296,9 +308,10 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             f"{half} on GPUs {half}-{args.gpus - 1} (kv_consumer), NixlConnector, serve.router in front",
             "server flags": f"--max-num-batched-tokens {args.max_num_batched_tokens} "
             f"--max-num-seqs {args.streams + args.long_prompts} {args.server_args}".strip(),
-            "workload": f"{args.streams} streams of {args.stream_input} tokens in, {args.stream_output} out; "
-            f"after {args.settle:.0f} s, {args.long_prompts} prompts of {args.long_len} tokens "
-            f"({args.long_output} out) {args.long_interval:.1f} s apart; greedy, ignore_eos, streamed",
+            "workload": f"{args.streams} streams of {args.stream_input} tokens in; after "
+            f"{args.settle:.0f} s, {args.long_prompts} prompts of {args.long_len} tokens "
+            f"({args.long_output} out) {args.long_interval:.1f} s apart; the streams closed "
+            f"{args.tail:.0f} s after the last ends; greedy, ignore_eos, streamed",
         },
     )
     cols = list(dict.fromkeys(k for row in rows for k in row))
@@ -328,12 +341,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--stream-input", type=int, default=256)
-    p.add_argument("--stream-output", type=int, default=512)
+    p.add_argument(
+        "--stream-output", type=int, default=4096, help="at most (the streams stop after the longs)"
+    )
     p.add_argument("--long-prompts", type=int, default=4)
     p.add_argument("--long-len", type=int, default=8192)
     p.add_argument("--long-output", type=int, default=16)
     p.add_argument("--long-interval", type=float, default=2.0)
     p.add_argument("--settle", type=float, default=5.0, help="seconds between the streams and the first long")
+    p.add_argument("--tail", type=float, default=2.0, help="seconds the streams go on after the last long")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--server-args", default="", help="more flags for every server, as one word")
     p.add_argument("--port", type=int, default=8300)
