@@ -1,11 +1,26 @@
-"""benchmarks/disagg.py's accounting on made-up timelines: which gaps count as "long prompts in flight",
-the TTFT of the long requests, and the transfer counters read from a Prometheus page."""
+"""benchmarks/disagg.py's accounting on made-up timelines (which gaps count as "long prompts in
+flight", the TTFT of the long requests, the transfer counters read from a Prometheus page) and its
+workload against a stand-in server that streams at a fixed pace."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import math
 
-from benchmarks.disagg import Timeline, itl_split, metric_values, random_prompts, summarize, transfer_row
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+
+from benchmarks.disagg import (
+    Timeline,
+    itl_split,
+    metric_values,
+    random_prompts,
+    summarize,
+    transfer_row,
+    workload,
+)
+from tests.serve.conftest import serving, wait_until
 
 
 def test_gaps_split_by_the_long_requests_windows():
@@ -58,3 +73,44 @@ def test_prompts_avoid_the_vocabularys_ends():
     assert len(prompts) == 3 and all(len(p) == 50 for p in prompts)
     assert min(map(min, prompts)) >= 100 and max(map(max, prompts)) < 900
     assert prompts != random_prompts(3, 50, vocab=1000, seed=1)
+
+
+def _paced_server() -> FastAPI:
+    """A stand-in OpenAI server: every completion streams one token chunk each 5 ms, up to its
+    ``max_tokens``, and remembers which streams its clients closed early."""
+    app = FastAPI()
+    app.state.closed = 0
+
+    @app.post("/v1/completions")
+    async def completions(body: dict):
+        async def chunks():
+            try:
+                for _ in range(body["max_tokens"]):
+                    await asyncio.sleep(0.005)
+                    yield 'data: {"choices": [{"text": "x"}]}\n\n'
+                yield "data: [DONE]\n\n"
+            except asyncio.CancelledError:
+                app.state.closed += 1
+                raise
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    return app
+
+
+def test_workload_closes_the_streams_after_the_long_prompts():
+    """Against the stand-in: the long requests get all their tokens, the streams are closed once they
+    end (long before their 100,000 tokens), and every stream's gaps fall on both sides."""
+    args = argparse.Namespace(
+        streams=3, stream_input=4, stream_output=100_000, long_prompts=2, long_len=8, long_output=5,
+        long_interval=0.1, settle=0.2, tail=0.1, request_timeout=30,
+    )  # fmt: skip
+    app = _paced_server()
+    with serving(app) as url:
+        timelines = asyncio.run(workload(url, "m", args, vocab=1000))
+        wait_until(lambda: app.state.closed == 3, "the streams to close")
+    assert [len(line.chunks) for line in timelines["longs"]] == [5, 5]
+    assert all(20 < len(line.chunks) < 10_000 and not line.error for line in timelines["streams"])
+    row = summarize(timelines, settle_s=args.settle)
+    during, outside = map(int, row["gaps (in flight / otherwise)"].split(" / "))
+    assert during > 0 and outside > 0 and row["failed"] == 0
