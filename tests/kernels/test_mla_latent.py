@@ -1,7 +1,7 @@
 """MLA's latent projections with their norms and RoPE (pallas_kernels/mla_latent) vs the reference
 (CPU, interpret mode) on fresh random INT4 / FP8 weights, norm weights and angles; one launch's K
 splits added in the row kernel, layer stacks read at a traced index, ungroupable weights one by one;
-lowered for sm_80 / sm_90 / sm_120 at GLM-5.2's widths.
+lowered for sm_80 / sm_90 / sm_120 at GLM-5.2's and GLM-5.3-Flash's widths.
 """
 
 from __future__ import annotations
@@ -113,32 +113,21 @@ def test_shapes_that_do_not_fit_raise():
         kernel.mla_latent(x, ws[:1], q_norm, kv_norm, cos, sin, eps=1e-6, interpret=True)
 
 
+# (hidden, q_lora, kv_lora, rope, index head dim) at one decode row: GLM-5.2's q_a, kv_a and wk, and
+# GLM-5.3-Flash's q_a and kv_a (NoPE: no RoPE part, no wk joined)
+LOWERED = {"glm52": (6144, 2048, 512, 64, 128), "glm53flash": (4096, 1536, 512, 0, 0)}
+
+
 @pytest.mark.parametrize("target", list(TARGETS))
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
-def test_lowers_for_cuda(target, fmt):
-    """GLM-5.2's q_a, kv_a and wk at one decode row, norm weights in layer stacks: the projections'
-    launch and the row kernel."""
+@pytest.mark.parametrize("model", list(LOWERED))
+def test_lowers_for_cuda(target, fmt, model):
+    """Norm weights in layer stacks: the projections' launch and the row kernel."""
+    d, q, c, p, wk = LOWERED[model]
     s = jax.ShapeDtypeStruct
-    ws = tuple(_abstract(fmt, (4,), 6144, n, group=32) for n in (2048, 576, 128))
-    shapes = (s((1, 6144), jnp.bfloat16), ws, s((4, 2048), jnp.bfloat16), s((4, 512), jnp.bfloat16))
-    shapes += (s((1, 32), jnp.float32), s((1, 32), jnp.float32), s((), jnp.int32))
-    text = lower_for_cuda(
-        lambda x, ws, qn, kvn, cos, sin, layer: kernel.mla_latent(
-            x, ws, qn, kvn, cos, sin, eps=1e-6, layer=layer
-        ),
-        *shapes,
-        target=target,
-    )
-    assert text.count("__gpu$xla.gpu.triton") == 2
-
-
-@pytest.mark.parametrize("target", list(TARGETS))
-def test_nope_lowers_for_cuda(target):
-    """GLM-5.3-Flash's q_a and kv_a (no RoPE part) at one decode row, INT4."""
-    s = jax.ShapeDtypeStruct
-    ws = tuple(_abstract("int4", (4,), 4096, n, group=32) for n in (1536, 512))
-    shapes = (s((1, 4096), jnp.bfloat16), ws, s((4, 1536), jnp.bfloat16), s((4, 512), jnp.bfloat16))
-    shapes += (s((1, 0), jnp.float32), s((1, 0), jnp.float32), s((), jnp.int32))
+    ws = tuple(_abstract(fmt, (4,), d, n, group=32) for n in (q, c + p, *((wk,) if wk else ())))
+    shapes = (s((1, d), jnp.bfloat16), ws, s((4, q), jnp.bfloat16), s((4, c), jnp.bfloat16))
+    shapes += (s((1, p // 2), jnp.float32), s((1, p // 2), jnp.float32), s((), jnp.int32))
     text = lower_for_cuda(
         lambda x, ws, qn, kvn, cos, sin, layer: kernel.mla_latent(
             x, ws, qn, kvn, cos, sin, eps=1e-6, layer=layer

@@ -101,17 +101,27 @@ def test_shapes_that_do_not_fit_raise():
         kernel.mla_query(x, q_b, w_uk, cos[:, :-1], sin[:, :-1], nope=NOPE, interpret=True)
 
 
+# (heads, q_lora, nope, rope) a GPU at one decode row, kv_lora 512: GLM-5.2 at tp 4, GLM-5.3-Flash
+# (NoPE) at tp 2
+LOWERED = {"glm52-tp4": (16, 2048, 192, 64), "glm53flash-tp2": (32, 1536, 256, 0)}
+
+
 @pytest.mark.parametrize("target", list(TARGETS))
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
-def test_lowers_for_cuda(target, fmt):
-    """GLM-5.2 at tp 4 and one decode row (16 heads, q_lora 2048, nope 192, rope 64, kv_lora 512),
-    both weights in layer stacks: q_b's launch and the query kernel, no other XLA op but the layer
-    index's reshape and FP8 codes' bitcast to bytes (neither a launch: no slice of the partials)."""
+@pytest.mark.parametrize("model", list(LOWERED))
+def test_lowers_for_cuda(target, fmt, model):
+    """Both weights in layer stacks: q_b's launch and the query kernel, no other XLA op but the
+    layer index's reshape and FP8 codes' bitcast to bytes (neither a launch: no slice of the
+    partials)."""
+    heads, q, nope, rope = LOWERED[model]
     s = jax.ShapeDtypeStruct
-    shapes = (s((1, 2048), jnp.bfloat16), _abstract(fmt, (4,), 2048, 16 * 256, group=32))
-    shapes += (s((4, 512, 16, 192), jnp.bfloat16), s((1, 32), jnp.float32), s((1, 32), jnp.float32))
+    shapes = (s((1, q), jnp.bfloat16), _abstract(fmt, (4,), q, heads * (nope + rope), group=32))
+    shapes += (s((4, 512, heads, nope), jnp.bfloat16), s((1, rope // 2), jnp.float32))
+    shapes += (s((1, rope // 2), jnp.float32),)
     text = lower_for_cuda(
-        lambda x, q_b, w_uk, cos, sin, layer: kernel.mla_query(x, q_b, w_uk, cos, sin, nope=192, layer=layer),
+        lambda x, q_b, w_uk, cos, sin, layer: kernel.mla_query(
+            x, q_b, w_uk, cos, sin, nope=nope, layer=layer
+        ),
         *shapes,
         s((), jnp.int32),
         target=target,
@@ -121,18 +131,3 @@ def test_lowers_for_cuda(target, fmt):
     assert ops_between <= {"stablehlo.custom_call", "stablehlo.reshape", "stablehlo.bitcast_convert"}, (
         ops_between
     )
-
-
-@pytest.mark.parametrize("target", list(TARGETS))
-def test_nope_lowers_for_cuda(target):
-    """GLM-5.3-Flash at tp 2 and one decode row (32 heads, q_lora 1536, nope 256, no rope, kv_lora 512)."""
-    s = jax.ShapeDtypeStruct
-    shapes = (s((1, 1536), jnp.bfloat16), _abstract("int4", (4,), 1536, 32 * 256, group=32))
-    shapes += (s((4, 512, 32, 256), jnp.bfloat16), s((1, 0), jnp.float32), s((1, 0), jnp.float32))
-    text = lower_for_cuda(
-        lambda x, q_b, w_uk, cos, sin, layer: kernel.mla_query(x, q_b, w_uk, cos, sin, nope=256, layer=layer),
-        *shapes,
-        s((), jnp.int32),
-        target=target,
-    )
-    assert text.count("__gpu$xla.gpu.triton") == 2
