@@ -1,8 +1,8 @@
 """MLA's absorbed query (pallas_kernels/mla_query) vs the reference (CPU, interpret mode) on fresh
 random INT4 / FP8 ``q_b``, ``W_UK`` and angles: ``q_b``'s K splits added in the kernel, ragged and
 several row tiles, heads and a nope width that are not powers of two, layer stacks read at a
-traced index, a ``q_b`` that takes no partial-products launch; lowered for sm_80 / sm_90 / sm_120
-at GLM-5.2's widths at tp 4.
+traced index, a ``q_b`` that takes no partial-products launch, NoPE heads; lowered for sm_80 /
+sm_90 / sm_120 at GLM-5.2's widths at tp 4 and GLM-5.3-Flash's at tp 2.
 """
 
 from __future__ import annotations
