@@ -7,6 +7,9 @@ made on the devices). Two layouts over the same ``--gpus`` GPUs, one after the o
 - ``colocated``: one ``python -m serve`` over all of them (``-tp`` = the GPU count);
 - ``1p1d``: a prefill server (``kv_producer``) on the first half and a decode server (``kv_consumer``) on
   the second half (``-tp`` = half each, ``CUDA_VISIBLE_DEVICES``), ``python -m serve.router`` in front.
+  With ``--gpus 1`` both share the one GPU (``--gpu-memory-utilization`` 0.45 each): the handoff's path
+  and costs are the real ones, but the two servers' kernels take turns on the GPU, so the streams' ITL
+  is not what separate GPUs give.
 
 The workload, the same for both: ``--streams`` requests of ``--stream-input`` tokens decode (up to
 ``--stream-output`` tokens each); once all of them stream, ``--long-prompts`` requests of ``--long-len``
@@ -52,6 +55,7 @@ except ImportError:  # the serve extra's; only the workload needs it
     httpx = None
 
 LAYOUTS = ("colocated", "1p1d")
+SHARED_UTILIZATION = 0.45  # each server's share of the GPU when 1P1D runs on one
 # The decode server's transfer counters (jaxdsa/serve/metrics.py), read after the workload.
 _RECEIVED = ("received", "received_bytes", "receive_seconds", "failed")
 
@@ -251,7 +255,8 @@ def _metrics(url: str) -> str:
 def run_layout(layout: str, args: argparse.Namespace, work: str, vocab: int) -> dict[str, Any]:
     """Start the layout's servers, run the workload, stop them; -> its row."""
     gpus = list(range(args.gpus))
-    half = len(gpus) // 2
+    half = max(1, len(gpus) // 2)
+    shared = ["--gpu-memory-utilization", str(SHARED_UTILIZATION)] if len(gpus) == 1 else []
 
     def visible(devices: list[int]) -> dict[str, str]:
         return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
@@ -269,10 +274,10 @@ def run_layout(layout: str, args: argparse.Namespace, work: str, vocab: int) -> 
             servers = []
             for role, port, devices in (
                 ("kv_producer", args.port + 1, gpus[:half]),
-                ("kv_consumer", args.port + 2, gpus[half:]),
+                ("kv_consumer", args.port + 2, gpus[-half:]),
             ):
                 config = json.dumps({"kv_connector": "NixlConnector", "kv_role": role})
-                cmd = server_command(args, work, port, half, ["--kv-transfer-config", config])
+                cmd = server_command(args, work, port, half, ["--kv-transfer-config", config, *shared])
                 log = os.path.join(work, f"{role}.log")
                 servers.append(stack.enter_context(process(cmd, log, visible(devices))))
             for server_url, proc in zip((prefill_url, decode_url), servers):
@@ -298,14 +303,20 @@ def run_layout(layout: str, args: argparse.Namespace, work: str, vocab: int) -> 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     half = args.gpus // 2
+    split = (
+        f"prefill server -tp {half} on GPUs 0-{half - 1} (kv_producer), decode server -tp {half} on GPUs "
+        f"{half}-{args.gpus - 1} (kv_consumer)"
+        if half
+        else f"prefill (kv_producer) and decode (kv_consumer) servers both on GPU 0, "
+        f"--gpu-memory-utilization {SHARED_UTILIZATION} each (their kernels take turns)"
+    )
     lines = harness.report_header(
         f"Prefill-decode disaggregation: {NAMES[args.preset]} widths, {args.layers} layers",
         {
             "model": f"{NAMES[args.preset]} widths, {args.layers} layers, random weights "
             f"(--load-format dummy --quantization {args.quantization})",
             "colocated": f"one server, -tp {args.gpus} over GPUs 0-{args.gpus - 1}",
-            "1p1d": f"prefill server -tp {half} on GPUs 0-{half - 1} (kv_producer), decode server -tp "
-            f"{half} on GPUs {half}-{args.gpus - 1} (kv_consumer), NixlConnector, serve.router in front",
+            "1p1d": f"{split}, NixlConnector, serve.router in front",
             "server flags": f"--max-num-batched-tokens {args.max_num_batched_tokens} "
             f"--max-num-seqs {args.streams + args.long_prompts} {args.server_args}".strip(),
             "workload": f"{args.streams} streams of {args.stream_input} tokens in; after "
@@ -337,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--overrides", default="{}", help="JSON config overrides (CPU smoke runs use small widths)"
     )
-    p.add_argument("--gpus", type=int, default=2, help="even: 1P1D splits them in halves")
+    p.add_argument("--gpus", type=int, default=2, help="1, or even: 1P1D splits them in halves")
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--stream-input", type=int, default=256)
@@ -360,8 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     layouts = args.layouts.split(",")
     if unknown := set(layouts) - set(LAYOUTS):
         p.error(f"--layouts: unknown {sorted(unknown)}; choose from {', '.join(LAYOUTS)}")
-    if args.gpus % 2:
-        p.error("--gpus must be even (1P1D gives each server half)")
+    if args.gpus > 1 and args.gpus % 2:
+        p.error("--gpus must be 1 or even (1P1D gives each server half)")
     work = tempfile.mkdtemp(prefix="disagg-")
     raw = write_model_dir(work, args.layers, json.loads(args.overrides), args.preset)
     vocab = text_config(raw)["vocab_size"]
