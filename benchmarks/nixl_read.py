@@ -29,7 +29,7 @@ from benchmarks import harness
 SETTINGS = {
     "default": {},
     "tcp": {"UCX_TLS": "tcp"},
-    "shm": {"UCX_TLS": "sm,self"},  # no transport for a one-sided READ between processes here: hangs
+    "shm": {"UCX_TLS": "sm,self"},
     "no-cuda": {"UCX_MODULES": "^ib,cuda"},
 }
 MB = 1 << 20
