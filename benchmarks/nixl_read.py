@@ -3,7 +3,8 @@ size and UCX setting, without the engines.
 
 A producer process (the prefill side) registers a host buffer and idles; this process (the decode side)
 connects, registers its own buffer and READs the producer's whole buffer ``--repeats`` times per size,
-polling as fast as it can. Each UCX setting runs in a fresh pair of processes (UCX reads its environment
+polling as fast as it can; then as the servers do today, a new producer buffer (and so new metadata to
+load) for every READ. Each UCX setting runs in a fresh pair of processes (UCX reads its environment
 once), on top of :data:`jaxdsa.kv_transfer.agent.UCX_ENV_DEFAULTS`.
 
     python -m benchmarks.nixl_read [--sizes-mb 1,8,64] [--repeats 5] [--settings default,tcp,...]
@@ -36,12 +37,20 @@ MB = 1 << 20
 
 
 def _producer(conn, sizes: list[int]) -> None:
+    """Registers one buffer per size and sends (metadata, regions); then, per ("fresh", size) request,
+    registers a new buffer of that size (dropping the last fresh one) and sends them again, as a
+    prefill server offers each request's image today; until "stop"."""
     from jaxdsa.kv_transfer import TransferAgent
 
     with TransferAgent(f"probe-producer-{os.getpid()}") as agent:
         regions = [agent.register(np.full(n, i + 1, np.uint8)) for i, n in enumerate(sizes)]
         conn.send((agent.metadata(), [r.to_json() for r in regions]))
-        conn.recv()  # "stop"
+        fresh = None
+        while (message := conn.recv()) != "stop":
+            if fresh is not None:
+                agent.deregister(fresh)
+            fresh = agent.register(np.full(message[1], 7, np.uint8))
+            conn.send((agent.metadata(), fresh.to_json()))
 
 
 def measure(sizes: list[int], repeats: int) -> list[dict]:
@@ -69,13 +78,34 @@ def measure(sizes: list[int], repeats: int) -> list[dict]:
                     times.append(time.perf_counter() - start)
                 if not (local_buf == i + 1).all():
                     raise SystemExit(f"nixl_read: a {n}-byte READ brought wrong bytes")
-                agent.deregister(local)
                 ms = float(np.median(times[1:])) * 1e3
-                rows.append({"MB": n / MB, "median ms": ms, "GB/s": n / ms / 1e6, "first ms": times[0] * 1e3})
+                row = {"MB": n / MB, "median ms": ms, "GB/s": n / ms / 1e6, "first ms": times[0] * 1e3}
+                row["per-request registration ms"] = _fresh_ms(agent, conn, local, n, repeats)
+                agent.deregister(local)
+                rows.append(row)
     finally:
         conn.send("stop")
         proc.join(30)
     return rows
+
+
+def _fresh_ms(agent, conn, local, nbytes: int, repeats: int) -> float:
+    """Median ms of the servers' per-request path today: the producer registers a new buffer and
+    publishes its metadata again, this side loads it (``connect``) and READs (the side channel's time
+    left out); the consumer's own buffer stays registered."""
+    from jaxdsa.kv_transfer import Region
+
+    times = []
+    for _ in range(repeats):
+        conn.send(("fresh", nbytes))
+        metadata, remote = conn.recv()
+        start = time.perf_counter()
+        peer = agent.connect(metadata)
+        transfer = agent.read(peer, local, Region.from_json(remote), b"probe", timeout_s=60)
+        while not transfer.poll():
+            pass
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         {
             "what": "one producer process registers host buffers and idles; the consumer READs each whole "
             f"buffer {args.repeats} times (median; the first READ, which connects, apart), polling "
-            "without pause",
+            "without pause; per-request registration: the producer registers a new buffer for each "
+            "READ and the consumer loads its new metadata first (median ms of load + READ)",
             "settings": "; ".join(f"{k}: {v or 'the agent defaults'}" for k, v in SETTINGS.items()),
         },
     )
