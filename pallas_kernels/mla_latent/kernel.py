@@ -7,12 +7,11 @@ each a few microseconds of GPU time and, inside a CUDA graph, of the host's to l
 projections' launch leaves its float32 partial products unsummed
 (:func:`pallas_kernels.quant_matmul.kernel.quant_matmul_partials`) and one program per token row adds
 the splits, rounds the sum to the activations' dtype as the sum alone would be, and writes ``q_lat``
-(RMSNorm), the token's cached row (RMSNorm of the latent, interleaved RoPE of ``k_pe``, absent in NoPE
-MLA) and ``wk``'s
-product: the arithmetic of :func:`pallas_kernels.mla_latent.ref.mla_latent`, the sums of squares in
-the kernel's order. Norm weights stacked over scanned layers are read in place at the layer index.
-Weights that do not share one launch (prefill-sized M, mixed formats) are multiplied one by one and
-the same row kernel takes their products as a single "split".
+(RMSNorm), the token's cached row (RMSNorm of the latent, interleaved RoPE of ``k_pe``, which NoPE MLA
+has none of) and ``wk``'s product: the arithmetic of :func:`pallas_kernels.mla_latent.ref.mla_latent`,
+the sums of squares in the kernel's order. Norm weights stacked over scanned layers are read in place
+at the layer index. Weights that do not share one launch (prefill-sized M, mixed formats) are
+multiplied one by one and the same row kernel takes their products as a single "split".
 
 Design notes and measurements: the kernel notes (docs/kernels.md §6).
 """
