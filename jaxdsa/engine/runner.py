@@ -110,7 +110,6 @@ class ModelRunner:
             groups=groups,
             num_spec=num_spec,
         )
-        self.buckets = self.packer.buckets
         self.modes = family.modes(cfg, max_model_len)
         self.cache = cache
         self.kv_format = kv_format
@@ -234,7 +233,7 @@ class ModelRunner:
     @property
     def variants(self) -> list[tuple[int, Any]]:
         """Every ``(bucket, mode)`` step shape the scheduler can produce: what :meth:`warmup` compiles."""
-        return [(b, mode) for mode in self.modes for b in self.buckets]
+        return [(b, mode) for mode in self.modes for b in self.packer.buckets(mode)]
 
     def static_description(self) -> str:
         """What the step functions are built from besides their arguments (the model config, the
@@ -255,7 +254,7 @@ class ModelRunner:
         )
 
     def warmup(self, report: Callable[[str], None] | None = None) -> dict[tuple, float]:
-        """Compile every bucket in every step mode the family can meet, then run each once; returns
+        """Compile every step shape the scheduler can produce (:attr:`variants`), then run each once; returns
         each ``(bucket, mode)``'s compile seconds (side by side, so they overlap; 0 for a step loaded
         from the executable store). ``report`` is called with a variant's name as each one is ready.
 
