@@ -79,6 +79,6 @@ def test_warmup_lowers_each_variant_once_and_the_steps_reuse_it(llm):
         warm_tokens = generate(warm, prompts)  # prefill chunks and decode steps: buckets warm-up met
         warm_dense = generate(warm, dense)
         assert len(lowered) == n, "a step after warm-up traced and compiled again"
-    cold = make_engine(llm)
+    cold = make_engine(llm)  # its steps jitted as met, at XLA's default level (the CPU warm-up's: 1)
     assert warm_tokens == generate(cold, prompts) and warm_dense == generate(cold, dense)
     warm.runner.warmup()  # again: its steps are lowered from the jitted functions, not the executables
