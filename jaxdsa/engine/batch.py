@@ -96,8 +96,17 @@ class BatchPacker:
         self.page_size, self.groups, self.num_spec = page_size, groups, num_spec
         self.slots_per_group = max_num_seqs // groups
         self.max_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
-        self.buckets = buckets(max_num_batched_tokens)
         self.page_table = np.zeros((max_num_seqs, -(-max_model_len // page_size)), np.int32)
+
+    def buckets(self, mode: Hashable) -> list[int]:
+        """Every token count a step in ``mode`` is padded to: each bucket up to
+        ``max_num_batched_tokens``, or up to what every slot of a group holding the mode's whole
+        context would fill (a dense DSA step: index_topk tokens a slot), since no step in that mode
+        can hold more. Warm-up compiles exactly these."""
+        context = self.family.mode_context(self.cfg, mode)
+        if context is None:
+            return buckets(self.max_tokens)
+        return buckets(min(bucket(self.slots_per_group * context), self.max_tokens))
 
     def pack(
         self,

@@ -28,7 +28,7 @@ from jaxdsa import sharding
 from jaxdsa.cache import Cache, StepMeta, init_cache
 from jaxdsa.engine.batch import BatchPacker, StepBatch
 from jaxdsa.engine.buckets import bucket
-from jaxdsa.engine.executables import ExecutableStore, compile_step
+from jaxdsa.engine.executables import ExecutableStore, compile_step, compiler_options
 from jaxdsa.engine.penalties import PenaltyRows
 from jaxdsa.engine.sampling import Scored
 from jaxdsa.engine.scheduler import Segment
@@ -110,7 +110,6 @@ class ModelRunner:
             groups=groups,
             num_spec=num_spec,
         )
-        self.buckets = self.packer.buckets
         self.modes = family.modes(cfg, max_model_len)
         self.cache = cache
         self.kv_format = kv_format
@@ -234,7 +233,7 @@ class ModelRunner:
     @property
     def variants(self) -> list[tuple[int, Any]]:
         """Every ``(bucket, mode)`` step shape the scheduler can produce: what :meth:`warmup` compiles."""
-        return [(b, mode) for mode in self.modes for b in self.buckets]
+        return [(b, mode) for mode in self.modes for b in self.packer.buckets(mode)]
 
     def static_description(self) -> str:
         """What the step functions are built from besides their arguments (the model config, the
@@ -255,23 +254,26 @@ class ModelRunner:
         )
 
     def warmup(self, report: Callable[[str], None] | None = None) -> dict[tuple, float]:
-        """Compile every bucket in every step mode the family can meet, then run each once; returns
-        each ``(bucket, mode)``'s compile seconds (side by side, so they overlap; 0 for a step loaded
-        from the executable store). ``report`` is called with a variant's name as each one is ready.
+        """Compile every step shape the scheduler can produce (:attr:`variants`), then run each once;
+        returns each ``(bucket, mode)``'s compile seconds (side by side, so they overlap; 0 for a step
+        loaded from the executable store). ``report`` is called with a variant's name as each one is
+        ready.
 
         A step stored by an earlier start with the same key (:mod:`jaxdsa.engine.executables`) is
         loaded, not traced. The others are traced one by one (Python holds the GIL) and each goes to
         a compile thread as soon as it is lowered: XLA compiles without the GIL, so compiles overlap
         each other and the tracing of the next variants, and a cold start takes about the tracing
-        plus its slowest compiles instead of their sum; each is then stored. The warmed steps are
-        called as compiled from then on, so the runs that follow (all padding: slot -1 writes are
-        dropped, nothing reaches the cache) compile nothing."""
+        plus its slowest compiles instead of their sum (on the CPU at the cheaper LLVM optimization
+        of :func:`~jaxdsa.engine.executables.compiler_options`); each is then stored. The warmed
+        steps are called as compiled from then on, so the runs that follow (all padding: slot -1
+        writes are dropped, nothing reaches the cache) compile nothing."""
         variants = self.variants
         store = ExecutableStore.for_runner(self.static_description())
+        options = compiler_options(next(iter(self.state.leaves[0].sharding.device_set)).platform)
 
         def compile_one(lowered) -> tuple[jax.stages.Compiled, bool, float]:
             start = time.perf_counter()
-            return *compile_step(lowered), time.perf_counter() - start
+            return *compile_step(lowered, options), time.perf_counter() - start
 
         seconds = {}
         with concurrent.futures.ThreadPoolExecutor(min(len(variants), os.cpu_count() or 1)) as pool:

@@ -92,8 +92,16 @@ class ModelFamily(Protocol):
     def modes(self, cfg, max_model_len: int) -> list[Hashable]:
         """Every mode the engine can meet up to ``max_model_len`` (compiled at warm-up)."""
 
+    def mode_context(self, cfg, mode) -> int | None:
+        """How many positions a step in ``mode`` reaches (every position it holds is below this), or
+        None where any context can take the mode. A sequence puts at most that many tokens in such a
+        step, so it bounds the step's page-table columns and the token buckets warm-up compiles."""
+        return None
+
     def page_columns(self, cfg, mode, page_size: int, columns: int) -> int:
         """How many page-table columns a step in ``mode`` needs out of ``columns``."""
+        context = self.mode_context(cfg, mode)
+        return columns if context is None else min(columns, -(-context // page_size))
 
     def page_size(self, cfg, requested: int | None) -> int:
         """The cache page size: ``requested`` (vLLM's ``--block-size``) if the family's cache can use

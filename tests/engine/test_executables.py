@@ -1,6 +1,7 @@
 """The executable store (jaxdsa.engine.executables): a warm start loads the warmed steps instead of
 tracing them and generates what a cold one does, a step JAX took from its compilation cache is not
-stored, anything the trace reads is in the key, and a file that does not load is a miss."""
+stored, anything the trace reads is in the key, a file that does not load is a miss, and only CPU
+compiles take the warm-up's compiler options."""
 
 from __future__ import annotations
 
@@ -120,3 +121,11 @@ def test_the_store_follows_its_variable(monkeypatch, tmp_path):
     assert ExecutableStore.for_runner("static") is None
     monkeypatch.setenv(executables.ENV, str(tmp_path))
     assert ExecutableStore.for_runner("static").directory == tmp_path
+
+
+def test_only_cpu_compiles_take_options_and_xla_flags_can_set_the_level(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert executables.compiler_options("cpu") == {"xla_backend_optimization_level": 1}
+    assert executables.compiler_options("cuda") is None and executables.compiler_options("rocm") is None
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=3")
+    assert executables.compiler_options("cpu") is None

@@ -23,7 +23,7 @@ def llm(tmp_path_factory):
 
 
 def make_engine(llm) -> Engine:
-    config = EngineConfig(max_num_seqs=4, max_model_len=64, page_size=8, max_num_batched_tokens=16)
+    config = EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, max_num_batched_tokens=32)
     return Engine(llm.family, llm.config, llm.model, dtype=llm.dtype, config=config)
 
 
@@ -58,21 +58,27 @@ def step_lowerings():
 
 
 def variants(engine: Engine) -> int:
-    return len(engine.runner.buckets) * len(engine.runner.modes)
+    return len(engine.runner.variants)
 
 
 def test_warmup_lowers_each_variant_once_and_the_steps_reuse_it(llm):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, llm.config.vocab_size, n).tolist() for n in (3, 11, 20)]
+    # two prompts of index_topk = 8 tokens: one dense step of 16 tokens, the most one can hold
+    dense = [rng.integers(0, llm.config.vocab_size, llm.config.index_topk).tolist() for _ in range(2)]
     warm, reported = make_engine(llm), []
     n = variants(warm)
     with step_lowerings() as lowered:
         seconds = warm.runner.warmup(reported.append)
         assert n > 1 and len(lowered) == n
-        assert list(seconds) == [(b, mode) for mode in warm.runner.modes for b in warm.runner.buckets]
+        dense_mode, sparse_mode = warm.runner.modes  # dense steps: 2 slots of at most 8 tokens
+        want = [(b, dense_mode) for b in (1, 2, 4, 8, 16)] + [(b, sparse_mode) for b in (1, 2, 4, 8, 16, 32)]
+        assert list(seconds) == want
         named = [f"{b} tokens, {mode}" for b, mode in seconds]
         assert sorted(reported) == sorted(named)  # each variant named once, as its compile ends
         warm_tokens = generate(warm, prompts)  # prefill chunks and decode steps: buckets warm-up met
+        warm_dense = generate(warm, dense)
         assert len(lowered) == n, "a step after warm-up traced and compiled again"
-    assert warm_tokens == generate(make_engine(llm), prompts)
+    cold = make_engine(llm)  # its steps jitted as met, at XLA's default level (the CPU warm-up's: 1)
+    assert warm_tokens == generate(cold, prompts) and warm_dense == generate(cold, dense)
     warm.runner.warmup()  # again: its steps are lowered from the jitted functions, not the executables

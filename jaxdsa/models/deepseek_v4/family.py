@@ -186,9 +186,6 @@ class V4Family(ModelFamily):
     def modes(self, cfg: V4Config, max_model_len: int) -> list[str]:
         return [STEP]
 
-    def page_columns(self, cfg: V4Config, mode, page_size: int, columns: int) -> int:
-        return columns
-
     def decode_traffic(
         self, cfg: V4Config, par: Parallelism, batch: int, context: int, kv_format: str = "model"
     ) -> dict[str, float]:

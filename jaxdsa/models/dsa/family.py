@@ -120,9 +120,9 @@ class DsaFamily(ModelFamily):
             "num_experts": cfg.n_routed_experts,
         }
 
-    def page_columns(self, cfg: DsaConfig, mode: DsaMode, page_size: int, columns: int) -> int:
-        """Dense steps address only the first index_topk positions (every context fits in them)."""
-        return columns if mode.sparse else min(columns, -(-cfg.index_topk // page_size))
+    def mode_context(self, cfg: DsaConfig, mode: DsaMode) -> int | None:
+        """Dense steps hold only the first index_topk positions (every context fits in them)."""
+        return None if mode.sparse else cfg.index_topk
 
 
 def _cache_spec(cfg: DsaConfig, layers: int, index_layers: int, kv_format: str) -> CacheSpec:

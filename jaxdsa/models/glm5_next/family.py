@@ -135,9 +135,9 @@ class Glm5NextFamily(ModelFamily):
         sparse = [DsaMode(sparse=True)] if max_model_len > self._dense_until(cfg) else []
         return [DsaMode(sparse=False)] + sparse
 
-    def page_columns(self, cfg: Glm5NextConfig, mode: DsaMode, page_size: int, columns: int) -> int:
-        """Dense steps address only the positions below the sparse threshold."""
-        return columns if mode.sparse else min(columns, -(-self._dense_until(cfg) // page_size))
+    def mode_context(self, cfg: Glm5NextConfig, mode: DsaMode) -> int | None:
+        """Dense steps hold only the positions below the sparse threshold."""
+        return None if mode.sparse else self._dense_until(cfg)
 
     def decode_traffic(
         self, cfg: Glm5NextConfig, par: Parallelism, batch: int, context: int, kv_format: str = "model"
