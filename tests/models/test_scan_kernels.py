@@ -22,6 +22,8 @@ from jaxdsa.cache import StepMeta, init_cache
 from jaxdsa.models.layer_groups import ScannedLayers
 from tests.conftest import FIXTURES
 
+pytestmark = pytest.mark.slow  # scanned layers through the kernels; reference ops: tests/models
+
 KW = dict(dtype="float32", page_size=8, progress=False, max_model_len=64)
 WEIGHT_KERNELS = ("quant_matmul", "moe_gate_up", "moe_down")
 

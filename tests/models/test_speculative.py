@@ -21,6 +21,8 @@ import jaxdsa
 from jaxdsa.checkpoints.tiny.make import make_tiny
 from jaxdsa.engine import FinishReason, SamplingParams
 
+pytestmark = pytest.mark.slow  # MTP through the engine per family; MTP handoff: tests/engine/test_handoff.py
+
 PAGE, MAX_LEN = 8, 48
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 

@@ -21,6 +21,8 @@ import pytest
 from tests.serve.conftest import ROOT, wait_ready
 from tests.serve.test_disagg import ARGS, BODIES, DECODE, PREFILL, post, running, text_of
 
+pytestmark = pytest.mark.slow  # disaggregation across processes; in one: tests/serve/test_disagg.py
+
 PROMPTS = [f"Request {i}: the cache of this prompt moves between two servers" for i in range(8)]
 
 

@@ -20,6 +20,8 @@ import pytest
 from jaxdsa.checkpoints.tiny.make import make_tiny
 from tests.serve.conftest import ROOT, wait_ready
 
+pytestmark = pytest.mark.slow  # GLM-5.3 served live; the live server: tests/serve/test_live.py
+
 ARGS = [
     "--served-model-name", "tiny-glm53", "--host", "127.0.0.1", "--port", "0", "--dtype", "float32",
     "--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--page-size", "16",

@@ -27,6 +27,8 @@ from jaxdsa.serve import deepseek_v4_encoding as v4
 from jaxdsa.serve.tokenizer import Tokenizer
 from tests.serve.conftest import ROOT, TOOLS, wait_ready
 
+pytestmark = pytest.mark.slow  # V4 served live; the live server: tests/serve/test_live.py
+
 ARGS = [
     "--served-model-name", "tiny-v4", "--host", "127.0.0.1", "--port", "0", "--dtype", "float32",
     "--max-model-len", "1024", "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--page-size", "16",

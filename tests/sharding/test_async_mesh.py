@@ -4,9 +4,13 @@ synchronous scheduling (single-device cases: tests/engine/test_async_scheduling.
 
 from __future__ import annotations
 
+import pytest
+
 import jaxdsa
 from jaxdsa.checkpoints.tiny.make import make_tiny
 from tests.engine.test_async_scheduling import MAX_LEN, PAGE, requests, same, serve
+
+pytestmark = pytest.mark.slow  # async scheduling on a mesh; one device: tests/engine
 
 # tp = 2 inside each of 2 dp-attention groups that share 4 expert shards: 4 devices.
 LAYOUT = dict(tp=2, ep=4, dp=2, dp_attention=True)

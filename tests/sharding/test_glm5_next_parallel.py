@@ -19,6 +19,8 @@ from tests.sharding.test_parallel_parity import (
     assert_long_prompt_and_greedy_match,
 )
 
+pytestmark = pytest.mark.slow  # GLM-5.3-Flash on meshes; one device: tests/models/glm5_next
+
 # (fixture, (tp, ep, dp, dp_attention)): the tiny model's 4 KDA heads split 2 and 4 ways, over tpi
 # alone (ep 1), over tpe and tpi (tp 4, ep 2), replicated over rep (ep > tp), inside dp-attention groups
 CASES = [

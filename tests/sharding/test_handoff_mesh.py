@@ -13,6 +13,8 @@ from jaxdsa.checkpoints.tiny.make import make_tiny
 from jaxdsa.engine.handoff import ImageAtHand
 from tests.engine.test_handoff import CONFIG, GREEDY, PAGE, alone, drain, prefill, prompts, tokens
 
+pytestmark = pytest.mark.slow  # handoff between meshes; one device: tests/engine/test_handoff.py
+
 MESH = dict(tp=2, ep=4, dp=2, dp_attention=True)
 
 

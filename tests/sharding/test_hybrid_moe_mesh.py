@@ -8,6 +8,8 @@ import pytest
 import jaxdsa
 from tests.conftest import FIXTURES
 
+pytestmark = pytest.mark.slow  # host experts on meshes; one device: tests/offload/test_hybrid_moe.py
+
 
 def rel_l2(got, want):
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))

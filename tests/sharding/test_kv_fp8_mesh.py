@@ -5,6 +5,8 @@ import pytest
 
 from tests.models.test_kv_fp8 import assert_matches, fp8_llm, golden
 
+pytestmark = pytest.mark.slow  # FP8 cache on meshes; one device: tests/models/test_kv_fp8.py
+
 
 @pytest.mark.parametrize(
     "name, layout",

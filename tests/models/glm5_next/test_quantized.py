@@ -6,11 +6,14 @@ dummy``), the same in both runs; a prompt past the dense range (sparse steps) an
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import jaxdsa
 from jaxdsa import ops
 from tests.conftest import FIXTURES
 from tests.models.conftest import rel_l2
+
+pytestmark = pytest.mark.slow  # INT4 GLM-5.3 through the kernels; NoPE kernels: tests/kernels
 
 KW = dict(dtype="float32", page_size=16, max_num_seqs=2, progress=False, max_model_len=256)
 
