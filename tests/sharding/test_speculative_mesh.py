@@ -10,7 +10,7 @@ import jaxdsa
 from jaxdsa.checkpoints.tiny.make import make_tiny
 from tests.models.test_speculative import MAX_LEN, PAGE, _requests, _same_output, _serve
 
-pytestmark = pytest.mark.slow  # MTP on a mesh
+pytestmark = pytest.mark.slow  # MTP on a mesh; one device: tests/models/test_speculative.py (slow too)
 
 # tp = 2 inside each of 2 dp-attention groups that share 4 expert shards: 4 devices.
 LAYOUT = dict(tp=2, ep=4, dp=2, dp_attention=True)
