@@ -134,8 +134,8 @@ class ImageAtHand:
 
 class CacheMover:
     """Gathers a request's rows out of an engine's caches into a :class:`CacheImage` and scatters an
-    image into the pages and slot another request holds (compiled once per shape; the caches keep
-    their shardings, the scatter updates them in place)."""
+    image into the pages and slot another request holds (compiled once per power-of-two page count,
+    :func:`page_bucket`; the caches keep their shardings, the scatter updates them in place)."""
 
     def __init__(self, specs: tuple[CacheSpec, ...], page_size: int):
         self.page_size = page_size
@@ -166,8 +166,10 @@ class CacheMover:
         numbers, in order) and whose rings sit in row ``slot``."""
         layout = self.layout(caches, num_tokens)
         keys = tuple((e.cache, e.name, e.ring) for e in layout.entries)
-        parts = _gather(caches, np.asarray(pages[: layout.num_pages], np.int32), np.int32(slot), keys=keys)
-        data = np.concatenate([np.ascontiguousarray(np.asarray(a)).reshape(-1).view(np.uint8) for a in parts])
+        n = layout.num_pages
+        parts = _gather(caches, _padded(pages[:n], page_bucket(n)), np.int32(slot), keys=keys)
+        arrays = [np.asarray(a) if ring else np.asarray(a)[:, :n] for a, (_, _, ring) in zip(parts, keys)]
+        data = np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays])
         return CacheImage(layout, int(first_token), data, first_logprobs)
 
     def load(self, caches: list[Cache], image: CacheImage, pages: list[int], slot: int) -> list[Cache]:
@@ -178,18 +180,55 @@ class CacheMover:
             raise ValueError(
                 f"a cache image of {image.data.nbytes} bytes, its layout says {image.layout.nbytes}"
             )
+        n = image.layout.num_pages
+        bucket = page_bucket(n)
         parts, offset = [], 0
         for e in image.layout.entries:
-            parts.append(image.data[offset : offset + e.nbytes].view(np.dtype(e.dtype)).reshape(e.shape))
+            part = image.data[offset : offset + e.nbytes].view(np.dtype(e.dtype)).reshape(e.shape)
+            if not e.ring and bucket > n:  # the last page again: its rows are written twice, alike
+                part = np.concatenate([part, np.repeat(part[:, -1:], bucket - n, axis=1)], axis=1)
+            parts.append(part)
             offset += e.nbytes
         keys = tuple((e.cache, e.name, e.ring) for e in image.layout.entries)
-        targets = np.asarray(pages[: image.layout.num_pages], np.int32)
+        return self._load(caches, tuple(parts), _padded(pages[:n], bucket), slot, keys)
+
+    def warmup(self, caches: list[Cache], max_tokens: int, export: bool, load: bool) -> list[Cache]:
+        """Compile the gather (``export``) and the scatter (``load``) for every page bucket a request of
+        up to ``max_tokens`` tokens uses, so that no request's handoff stalls the engine on a compile;
+        returns the caches (the scatter writes page 0's and slot 0's own rows back unchanged)."""
+        if not (export or load):
+            return caches
+        keys = tuple(
+            (c, name, name in rings) for c, rings in enumerate(self._rings) for name in sorted(caches[c])
+        )
+        top, bucket = page_bucket(-(-max_tokens // self.page_size)), 1
+        while bucket <= top:
+            pages = np.zeros(bucket, np.int32)
+            parts = _gather(caches, pages, np.int32(0), keys=keys)
+            if load:  # from the host, as a received image comes: the same compiled scatter
+                caches = self._load(caches, tuple(np.asarray(a) for a in parts), pages, 0, keys)
+            bucket *= 2
+        return caches
+
+    def _load(self, caches, parts, targets, slot, keys) -> list[Cache]:
         if self._scatter is None:
             shardings = jax.tree.map(lambda a: a.sharding, caches)
             self._scatter = jax.jit(
                 _scatter, static_argnames=("keys",), donate_argnums=(0,), out_shardings=shardings
             )
-        return self._scatter(caches, tuple(parts), targets, np.int32(slot), keys=keys)
+        return self._scatter(caches, parts, targets, np.int32(slot), keys=keys)
+
+
+def page_bucket(num_pages: int) -> int:
+    """The page count a gather or scatter of ``num_pages`` pages runs at: the next power of two, so an
+    engine compiles a handful of shapes, not one per prompt length (a compile stalls the engine's
+    loop, and with it every running stream)."""
+    return 1 << (num_pages - 1).bit_length()
+
+
+def _padded(pages: list[int], bucket: int) -> np.ndarray:
+    """``pages`` with the last one repeated up to ``bucket`` entries."""
+    return np.asarray(list(pages) + [pages[-1]] * (bucket - len(pages)), np.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("keys",))

@@ -497,7 +497,8 @@ def build(args: argparse.Namespace) -> Server:
         f"{'async' if engine.config.async_scheduling else 'synchronous'} scheduling"
     )
     if not args.no_warmup:
-        engine.warmup(progress=True)
+        kv = args.kv_transfer
+        engine.warmup(progress=True, export=bool(kv and kv.produces), load=bool(kv and kv.consumes))
     defaults = _generation_defaults(args.generation_config, model_dir)
     if defaults:
         _log(f"default sampling from generation_config.json: {defaults}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -225,3 +226,43 @@ def test_an_export_that_fails_fails_its_request_only(llm, monkeypatch):
     assert "no room for the image" in got["exported"][-1].error
     assert tokens(got["local"]) == alone(llm, {"local": batch["p5"]})["local"]
     assert engine.scheduler.pages_used == 0
+
+
+LOWERED: list[str] = []  # the functions JAX lowers, by name, in this process
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kw: (
+        LOWERED.append(str(kw.get("fun_name")))
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration"
+        else None
+    )
+)
+
+
+def test_warmed_handoff_compiles_nothing_more(llm):
+    """A server warms its handoff (one gather and one scatter per power-of-two page count up to
+    max_model_len) without changing its cache; then prompts of any length hand over with no compile."""
+    rng = np.random.default_rng(1)  # 2 and 10 pages: page counts no other test here hands over
+    batch = prompts(llm.config.vocab_size) | {
+        f"p{n}": rng.integers(2, llm.config.vocab_size, n).tolist() for n in (12, 80)
+    }
+    expected = alone(llm, batch)
+    producer, consumer = llm.new_engine(**CONFIG), llm.new_engine(**CONFIG)
+    consumer.add_request("local", batch["p17"], GREEDY)  # rows in the cache the warm-up passes over
+    for _ in range(3):
+        consumer.step()
+    before = [np.asarray(a) for a in jax.tree.leaves(consumer.runner.cache)]
+    producer.warm_handoff(export=True, load=False)
+    consumer.warm_handoff(export=False, load=True)
+    assert all(
+        np.array_equal(a, np.asarray(b)) for a, b in zip(before, jax.tree.leaves(consumer.runner.cache))
+    )
+
+    start = len(LOWERED)
+    for rid, prompt in batch.items():
+        producer.add_request(rid, prompt, dataclasses.replace(GREEDY, max_tokens=1), export=True)
+    images = {rid: outs[-1].cache_image for rid, outs in drain(producer).items()}
+    for rid, prompt in batch.items():
+        consumer.add_request(rid, prompt, GREEDY, source=ImageAtHand(images[rid]))
+    got = {rid: tokens(outs) for rid, outs in drain(consumer).items()}
+    assert not {"jit(_gather)", "jit(_scatter)"} & set(LOWERED[start:]), LOWERED[start:]
+    assert {rid: got[rid] for rid in batch} == expected
