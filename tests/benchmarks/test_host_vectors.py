@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import host_vectors
+
+# Two processes a width compile the host kernels cold; left to pytest -m slow (tests/offload checks the
+# kernels themselves).
+pytestmark = pytest.mark.slow
 
 
 def test_both_widths_measure_every_case(tmp_path, monkeypatch):

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from benchmarks import v4_kernels
 
+# Left out of the default run (tests/conftest.py; pytest -m slow runs them): the tiny run of every case: the
+# default run checks the filter and the merge, and tests/kernels each V4 kernel against its reference.
+SLOW_CASES = ("test_tiny_run_checks_and_times_every_case",)
+
 
 def test_tiny_run_checks_and_times_every_case(tmp_path, monkeypatch):
     monkeypatch.delenv("V4_BUDGET_S", raising=False)

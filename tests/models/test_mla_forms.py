@@ -11,6 +11,13 @@ from jaxdsa.engine.step import ModelState
 from jaxdsa.models.dsa.family import DsaMode
 from tests.models.conftest import rel_l2
 
+# Left out of the default run (tests/conftest.py; pytest -m slow runs them): V3.2: the default run checks
+# the two forms on GLM-5 (and GLM-5.2's chunks).
+SLOW_CASES = (
+    "test_prefix_cache_hits_give_the_logits_of_a_full_computation[dsv32]",
+    "test_chunked_prefill_and_decode_match_full_forward[dsv32]",
+)
+
 
 def _run(llm, ids, *, sparse, absorbed, page_size=8, kv_format="model"):
     pages = -(-len(ids) // page_size)

@@ -10,6 +10,10 @@ import pytest
 
 from tests.conftest import FIXTURES
 
+# Left out of the default run (tests/conftest.py; pytest -m slow runs them): plain dp: the default run
+# checks two processes with dp attention.
+SLOW_CASES = ("test_two_processes_match_the_goldens[dp]",)
+
 WORKER = textwrap.dedent(
     """
     import sys

@@ -24,6 +24,17 @@ from tests.conftest import FIXTURES
 from tests.models.test_hf_parity import TOLERANCE, rel_l2
 from tests.sharding.test_loading import device_bytes
 
+# Left out of the default run (tests/conftest.py; pytest -m slow runs them): the V4, NVFP4 and FP8 fixtures'
+# goldens on meshes and the interpreted kernels with dp attention: the default run checks the INT4 fixtures
+# on meshes and the interpreted kernels at tp 2.
+SLOW_CASES = (
+    "test_goldens_on_a_mesh[dsv4_fp8-*]",
+    "test_goldens_on_a_mesh[glm5_nvfp4-*]",
+    "test_goldens_on_a_mesh[dsv32_fp8-*]",
+    "test_goldens_on_a_mesh[glm5_fp8-*]",
+    "test_decode_through_the_interpreted_kernels_on_a_mesh[dp2-dpattn]",
+)
+
 # (fixture, tp, ep): FP8 32x32 blocks narrowed to 16 for q_b / o_proj / expert-TP shards (tp=2 ->
 # tpi 2 inside ep 4 -> 4 devices); INT4 group 128 narrowed to 64 for the row-split dense down_proj
 # (tp=2); INT4 group 32 with one expert per device (tp=1, ep=8: 8 devices); FP8 128x128 blocks with
