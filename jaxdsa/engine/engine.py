@@ -346,11 +346,6 @@ class Engine:
         """The caches a request's rows live in: the main one, then the next-n layers' when drafting."""
         return [self.runner.cache, self.runner.mtp_cache] if self.num_spec else [self.runner.cache]
 
-    def _set_caches(self, caches: list) -> None:
-        self.runner.cache = caches[0]
-        if self.num_spec:
-            self.runner.mtp_cache = caches[1]
-
     def _derived_seed(self, request_id: str) -> int:
         digest = hashlib.blake2b(f"{self.config.seed}:{request_id}".encode(), digest_size=4).digest()
         return int.from_bytes(digest, "little")
@@ -477,7 +472,10 @@ class Engine:
     def _seat_image(self, request: Request, image: CacheImage) -> None:
         """Write a request's arrived image into the pages and slot it holds and start decoding."""
         pages = self.scheduler.global_pages(request)
-        self._set_caches(self._mover.load(self._caches(), image, pages, request.slot))
+        caches = self._mover.load(self._caches(), image, pages, request.slot)
+        self.runner.cache = caches[0]
+        if self.num_spec:
+            self.runner.mtp_cache = caches[1]
         del self._receiving[request.request_id]
         request.output = [image.first_token]
         self.scheduler.seat(request, len(request.prompt))
@@ -747,7 +745,7 @@ class Engine:
     def warm_handoff(self, export: bool, load: bool) -> None:
         """Compile the cache handoff's gathers (``export``) and scatters (``load``) for every prompt
         length up to max_model_len, so that no handoff stalls the running streams on a compile."""
-        self._set_caches(self._mover.warmup(self._caches(), self.max_model_len, export, load))
+        self._mover.warmup(self._caches(), self.max_model_len, export, load)
 
     def stats(self) -> dict[str, float]:
         used, total = self.scheduler.pages_used, self.scheduler.pages_total

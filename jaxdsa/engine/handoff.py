@@ -141,6 +141,7 @@ class CacheMover:
         self.page_size = page_size
         self._rings = tuple(frozenset(n for n, e in spec.entries.items() if e.ring) for spec in specs)
         self._scatter = None  # compiled for the caches' shardings at the first load
+        self._warmed: dict[tuple, jax.stages.Compiled] = {}  # ("gather" | "scatter", keys, page count)
 
     def layout(self, caches: list[Cache], num_tokens: int) -> ImageLayout:
         """The layout this engine gives a request of ``num_tokens`` computed tokens."""
@@ -167,7 +168,8 @@ class CacheMover:
         layout = self.layout(caches, num_tokens)
         keys = tuple((e.cache, e.name, e.ring) for e in layout.entries)
         n = layout.num_pages
-        parts = _gather(caches, _padded(pages[:n], page_bucket(n)), np.int32(slot), keys=keys)
+        gather = self._warmed.get(("gather", keys, page_bucket(n))) or functools.partial(_gather, keys=keys)
+        parts = gather(caches, _padded(pages[:n], page_bucket(n)), np.int32(slot))
         arrays = [np.asarray(a) if ring else np.asarray(a)[:, :n] for a, (_, _, ring) in zip(parts, keys)]
         data = np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays])
         return CacheImage(layout, int(first_token), data, first_logprobs)
@@ -192,31 +194,39 @@ class CacheMover:
         keys = tuple((e.cache, e.name, e.ring) for e in image.layout.entries)
         return self._load(caches, tuple(parts), _padded(pages[:n], bucket), slot, keys)
 
-    def warmup(self, caches: list[Cache], max_tokens: int, export: bool, load: bool) -> list[Cache]:
+    def warmup(self, caches: list[Cache], max_tokens: int, export: bool, load: bool) -> None:
         """Compile the gather (``export``) and the scatter (``load``) for every page bucket a request of
-        up to ``max_tokens`` tokens uses, so that no request's handoff stalls the engine on a compile;
-        returns the caches (the scatter writes page 0's and slot 0's own rows back unchanged)."""
-        if not (export or load):
-            return caches
+        up to ``max_tokens`` tokens uses, so that no request's handoff stalls the engine on a compile.
+        Lowered from the caches' shapes and shardings: nothing runs, so a long max_model_len's image
+        takes no memory until a request of that length comes."""
         keys = tuple(
             (c, name, name in rings) for c, rings in enumerate(self._rings) for name in sorted(caches[c])
         )
         top, bucket = page_bucket(-(-max_tokens // self.page_size)), 1
+        slot = np.int32(0)
         while bucket <= top:
-            pages = np.zeros(bucket, np.int32)
-            parts = _gather(caches, pages, np.int32(0), keys=keys)
-            if load:  # from the host, as a received image comes: the same compiled scatter
-                caches = self._load(caches, tuple(np.asarray(a) for a in parts), pages, 0, keys)
+            pages = jax.ShapeDtypeStruct((bucket,), np.int32)
+            if export:
+                self._warmed["gather", keys, bucket] = _gather.lower(caches, pages, slot, keys=keys).compile()
+            if load:
+                parts = _gather.eval_shape(caches, pages, slot, keys=keys)
+                lowered = self._scatter_fn(caches).lower(caches, parts, pages, slot, keys=keys)
+                self._warmed["scatter", keys, bucket] = lowered.compile()
             bucket *= 2
-        return caches
 
     def _load(self, caches, parts, targets, slot, keys) -> list[Cache]:
+        scatter = self._warmed.get(("scatter", keys, len(targets)))
+        if scatter is not None:
+            return scatter(caches, parts, targets, np.int32(slot))
+        return self._scatter_fn(caches)(caches, parts, targets, np.int32(slot), keys=keys)
+
+    def _scatter_fn(self, caches: list[Cache]):
         if self._scatter is None:
             shardings = jax.tree.map(lambda a: a.sharding, caches)
             self._scatter = jax.jit(
                 _scatter, static_argnames=("keys",), donate_argnums=(0,), out_shardings=shardings
             )
-        return self._scatter(caches, parts, targets, np.int32(slot), keys=keys)
+        return self._scatter
 
 
 def page_bucket(num_pages: int) -> int:

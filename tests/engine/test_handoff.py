@@ -73,8 +73,10 @@ def alone(llm, batch: dict[str, list[int]], **config) -> dict[str, list[int]]:
     return {rid: tokens(outs) for rid, outs in drain(engine).items()}
 
 
-def prefill(llm, batch: dict[str, list[int]], **config) -> dict[str, CacheImage]:
+def prefill(llm, batch: dict[str, list[int]], warm: bool = False, **config) -> dict[str, CacheImage]:
     engine = llm.new_engine(**(CONFIG | config))
+    if warm:  # its gathers compiled ahead, as a prefill server's
+        engine.warm_handoff(export=True, load=False)
     for rid, prompt in batch.items():
         engine.add_request(rid, prompt, dataclasses.replace(GREEDY, max_tokens=1), export=True)
     outputs = drain(engine)
