@@ -168,8 +168,9 @@ class CacheMover:
         layout = self.layout(caches, num_tokens)
         keys = tuple((e.cache, e.name, e.ring) for e in layout.entries)
         n = layout.num_pages
-        gather = self._warmed.get(("gather", keys, page_bucket(n))) or functools.partial(_gather, keys=keys)
-        parts = gather(caches, _padded(pages[:n], page_bucket(n)), np.int32(slot))
+        bucket = page_bucket(n)
+        gather = self._warmed.get(("gather", keys, bucket)) or functools.partial(_gather, keys=keys)
+        parts = gather(caches, _padded(pages[:n], bucket), np.int32(slot))
         arrays = [np.asarray(a) if ring else np.asarray(a)[:, :n] for a, (_, _, ring) in zip(parts, keys)]
         data = np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays])
         return CacheImage(layout, int(first_token), data, first_logprobs)
@@ -199,9 +200,7 @@ class CacheMover:
         up to ``max_tokens`` tokens uses, so that no request's handoff stalls the engine on a compile.
         Lowered from the caches' shapes and shardings: nothing runs, so a long max_model_len's image
         takes no memory until a request of that length comes."""
-        keys = tuple(
-            (c, name, name in rings) for c, rings in enumerate(self._rings) for name in sorted(caches[c])
-        )
+        keys = tuple((e.cache, e.name, e.ring) for e in self.layout(caches, 1).entries)  # as export's
         top, bucket = page_bucket(-(-max_tokens // self.page_size)), 1
         slot = np.int32(0)
         while bucket <= top:

@@ -263,7 +263,7 @@ def test_warmed_handoff_compiles_nothing_more(llm):
     }
     expected = alone(llm, batch)
     producer, consumer = llm.new_engine(**CONFIG), llm.new_engine(**CONFIG)
-    consumer.add_request("local", batch["p17"], GREEDY)  # rows in the cache the warm-up passes over
+    consumer.add_request("local", batch["p17"], GREEDY)  # rows in the cache the warm-up must leave alone
     for _ in range(3):
         consumer.step()
     before = [np.asarray(a) for a in jax.tree.leaves(consumer.runner.cache)]
